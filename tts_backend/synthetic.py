@@ -1,0 +1,80 @@
+"""A synthetic backend: deterministic tones shaped like speech, paced like a real-time TTS engine.
+
+It exists for gateway tests and load benchmarks (named as such wherever it is used): it needs no model,
+its output for a given (text, voice, seed) is byte-for-byte reproducible, and its pacing can be set to
+mimic an engine that produces audio faster than real time after a first-chunk latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from .base import AudioChunk, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice
+
+_VOICES = {
+    "tone-low": 140.0,
+    "tone-mid": 200.0,
+    "tone-high": 260.0,
+}
+
+
+class SyntheticSynthesizer(Synthesizer):
+    """Deterministic speech-like tones.
+
+    chars_per_second: how much audio a text yields (15 chars/s is a natural speaking rate).
+    chunk_ms: audio per chunk. first_chunk_delay_s: latency before the first chunk.
+    speed: how many times faster than real time chunks are produced after the first (0 = no pacing).
+    """
+
+    name = "synthetic"
+
+    def __init__(
+        self,
+        sample_rate: int = 24000,
+        chars_per_second: float = 15.0,
+        chunk_ms: int = 80,
+        first_chunk_delay_s: float = 0.0,
+        speed: float = 0.0,
+    ) -> None:
+        self.sample_rate = sample_rate
+        self.chars_per_second = chars_per_second
+        self.chunk_samples = max(1, sample_rate * chunk_ms // 1000)
+        self.first_chunk_delay_s = first_chunk_delay_s
+        self.speed = speed
+
+    def voices(self) -> list[Voice]:
+        return [Voice(id=v, name=v, language="en", description=f"synthetic {f:.0f} Hz tone") for v, f in _VOICES.items()]
+
+    def render(self, request: SynthesisRequest) -> np.ndarray:
+        """The whole waveform for a request as int16 samples."""
+        if request.voice not in _VOICES:
+            raise UnknownVoiceError(f"unknown voice {request.voice!r}")
+        text = request.text.strip()
+        n = max(self.chunk_samples, int(len(text) / self.chars_per_second * self.sample_rate))
+        digest = hashlib.sha256(f"{request.voice}|{request.seed}|{text}".encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+        t = np.arange(n) / self.sample_rate
+        base = _VOICES[request.voice] * (1.0 + 0.1 * rng.random())
+        # One "syllable" every ~200 ms: a pitch wobble under a raised-cosine envelope.
+        syllable = 0.2
+        phase = (t % syllable) / syllable
+        envelope = 0.5 - 0.5 * np.cos(2 * np.pi * phase)
+        pitch = base * (1.0 + 0.05 * np.sin(2 * np.pi * 3.0 * t))
+        wave = np.sin(2 * np.pi * np.cumsum(pitch) / self.sample_rate) * envelope * 0.5
+        return np.round(wave * 32767).astype("<i2")
+
+    async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        samples = self.render(request)
+        if self.first_chunk_delay_s:
+            await asyncio.sleep(self.first_chunk_delay_s)
+        for start in range(0, len(samples), self.chunk_samples):
+            piece = samples[start : start + self.chunk_samples]
+            if start and self.speed:
+                await asyncio.sleep(len(piece) / self.sample_rate / self.speed)
+            else:
+                await asyncio.sleep(0)  # a cancellation point between chunks, like a real engine
+            yield AudioChunk(piece.tobytes())
