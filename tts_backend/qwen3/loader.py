@@ -1,0 +1,121 @@
+"""Checkpoint folder -> modules, tensor by tensor, refusing anything that does not match exactly.
+
+A Qwen3-TTS folder holds `model.safetensors` (talker + code predictor, bf16) and `speech_tokenizer/model.safetensors`
+(codec, fp32). Every tensor is mapped by name onto a module parameter; a missing, unexpected, mis-shaped or
+wrong-dtype tensor is an error that names the tensor and the file, so a wrong or truncated download fails loudly
+at start-up instead of producing noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder does not hold exactly the tensors and files this model needs."""
+
+
+class SafetensorsFile:
+    """Lazy access to one `.safetensors` file: names, shapes and dtypes without reading the data."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"missing file {self.path}")
+        self._handle = safe_open(str(self.path), framework="pt", device="cpu")
+
+    def keys(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self._handle.get_slice(name).get_dtype()]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._handle.get_tensor(name)
+
+
+class _InMemoryTensors:
+    """Adapter so `load_tensors_strict` accepts a plain name -> tensor mapping as well."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._t = tensors
+
+    def keys(self) -> list[str]:
+        return list(self._t.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._t[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._t[name].dtype
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._t[name]
+
+
+def load_tensors_strict(
+    module: nn.Module,
+    tensors: SafetensorsFile | Mapping[str, torch.Tensor],
+    file: str | Path,
+    name_map: Mapping[str, str],
+    *,
+    stored_dtype: torch.dtype | None,
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Copy every tensor of `tensors` into `module`, by name, or raise CheckpointError naming what is wrong.
+
+    name_map: checkpoint tensor name -> name in `module.state_dict()`. It must cover the module's whole state
+      (parameters and persistent buffers); the checkpoint must hold every key of the map.
+    stored_dtype: the dtype every mapped tensor must have in the file (bf16 for the model, fp32 for the codec);
+      None skips the dtype check. Values are converted to the module's own dtype on copy.
+    ignore: checkpoint names that may be present and are deliberately not loaded (e.g. the codec's encoder).
+    """
+    source = tensors if isinstance(tensors, SafetensorsFile) else _InMemoryTensors(tensors)
+    state = module.state_dict(keep_vars=True)
+    targets = set(name_map.values())
+    unmapped_state = sorted(set(state) - targets)
+    if unmapped_state:
+        # A programming error in the map, not a bad checkpoint; still fail before touching anything.
+        raise CheckpointError(f"{file}: loader has no checkpoint name for module tensors {unmapped_state[:5]}")
+    for target in targets:
+        if target not in state:
+            raise CheckpointError(f"{file}: loader maps onto unknown module tensor {target!r}")
+
+    problems: list[str] = []
+    present = set(source.keys())
+    for name in sorted(set(name_map) - present):
+        problems.append(f"missing tensor {name!r} (expected shape {list(state[name_map[name]].shape)})")
+    for name in sorted(present - set(name_map)):
+        if not ignore(name):
+            problems.append(f"unexpected tensor {name!r} (shape {list(source.shape(name))})")
+    for name in sorted(present & set(name_map)):
+        want = tuple(state[name_map[name]].shape)
+        got = source.shape(name)
+        if got != want:
+            problems.append(f"tensor {name!r} has shape {list(got)}, expected {list(want)}")
+        if stored_dtype is not None and source.dtype(name) != stored_dtype:
+            problems.append(f"tensor {name!r} has dtype {source.dtype(name)}, expected {stored_dtype}")
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise CheckpointError(f"checkpoint file {file} does not match the model:\n  {shown}{more}")
+
+    with torch.no_grad():
+        for name, target in name_map.items():
+            dest = state[target]
+            dest.copy_(source.tensor(name).to(device=dest.device, dtype=dest.dtype))
