@@ -1,0 +1,250 @@
+"""Incremental sentence splitting for text that arrives token by token from an LLM.
+
+The segmenter sees text in arbitrary pieces and releases speakable units (sentences, or clauses) the
+moment each is certainly complete, never later:
+
+- A sentence boundary can only sit in a run of whitespace after a token that holds a terminator
+  (``. ! ? …``), or in whitespace that holds a line break. Whether such a candidate really is a boundary
+  depends on what follows ("Dr. Smith" vs "done. Then"), so it is decided exactly when the first
+  non-whitespace character after the run arrives, by asking pysbd about the unreleased text up to and
+  including that character. The decision never looks further ahead, so the result is the same however
+  the text is cut into pieces, and the sentence is spoken as early as it can be known.
+- CJK terminators (``。 ！ ？ ｡ ．``) end a sentence at once, without waiting for whitespace. Closing
+  brackets or quotes after them start the next unit.
+- ``clause`` granularity also splits after ``, ; :`` followed by whitespace, after a dash that stands
+  alone (`` - ``, ``--``) or an em/en dash, and after CJK ``，、；：``, once the clause is at least
+  ``CLAUSE_MIN_CHARS`` (24) characters long (``CJK_CLAUSE_MIN_CHARS``, 12, for CJK clause marks: each
+  CJK character is a syllable or more). Shorter clauses stay with what follows, so the voice is never
+  asked to speak two words on their own.
+- ``none`` releases text only on ``flush()``.
+
+Units keep their text exactly; only the whitespace between units is dropped, and whitespace-only units
+are never emitted. pysbd only ever sees the unreleased tail (at most ``PYSBD_WINDOW`` characters of it,
+ending at the decision point), so cost stays proportional to the text, not to its square.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import pysbd
+
+Granularity = Literal["sentence", "clause", "none"]
+GRANULARITIES: tuple[str, ...] = ("sentence", "clause", "none")
+
+# A token containing one of these may end a sentence; pysbd decides whether it does.
+SENTENCE_TERMINATORS = frozenset(".!?…‼⁇⁈⁉")
+# These end a sentence on their own, immediately: CJK text has no space after a sentence.
+CJK_TERMINATORS = frozenset("。！？｡．")
+CLAUSE_MARKS = frozenset(",;:")
+CJK_CLAUSE_MARKS = frozenset("，、；：")
+DASHES = frozenset("—–")  # em dash, en dash
+CLOSING_QUOTES = "\"')]}”’»"
+CLAUSE_MIN_CHARS = 24
+CJK_CLAUSE_MIN_CHARS = 12
+# pysbd's decisions are local (a few words either side, plus quote/bracket pairing within the sentence);
+# a sentence longer than this is judged on its last PYSBD_WINDOW characters only.
+PYSBD_WINDOW = 200
+# A unit that grows this long without a boundary is cut at its last clause mark, else its last
+# whitespace, else right there: it bounds both the latency of run-on text and the cost of judging it.
+MAX_UNIT_CHARS = 500
+
+_LANGUAGE_NAMES = {
+    "english": "en",
+    "chinese": "zh",
+    "japanese": "ja",
+    "german": "de",
+    "french": "fr",
+    "spanish": "es",
+    "italian": "it",
+    "russian": "ru",
+    "dutch": "nl",
+    "polish": "pl",
+    "greek": "el",
+    "danish": "da",
+    "arabic": "ar",
+    "hindi": "hi",
+}
+
+
+def pysbd_language(language: str | None) -> str:
+    """The pysbd language code for a protocol language name or code; English when pysbd lacks it."""
+    if not language:
+        return "en"
+    key = language.strip().lower()
+    key = _LANGUAGE_NAMES.get(key, key.split("-")[0].split("_")[0])
+    return key if key in pysbd.languages.LANGUAGE_CODES else "en"
+
+
+class SentenceSegmenter:
+    """Turns a stream of text pieces into speakable units. One instance per utterance (or context)."""
+
+    def __init__(self, granularity: Granularity = "sentence", language: str = "en") -> None:
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, not {granularity!r}")
+        self.granularity = granularity
+        self.language = pysbd_language(language)
+        self._pysbd = pysbd.Segmenter(language=self.language, clean=False)
+        self._tail = ""  # text not yet released; never starts with whitespace
+        self._reset_scan()
+
+    def _reset_scan(self) -> None:
+        self._scan = 0  # characters of _tail already examined
+        self._token_start = 0  # start of the current (or last) non-whitespace token
+        # A sentence-boundary candidate waiting for the next non-whitespace character:
+        # (start of the whitespace run, start of the token before it), or None.
+        self._pending: tuple[int, int] | None = None
+
+    @property
+    def buffered_chars(self) -> int:
+        return len(self._tail)
+
+    def push(self, text: str) -> list[str]:
+        """Add text; return the units that are certainly complete now, in order."""
+        if not text:
+            return []
+        if not self._tail:
+            text = text.lstrip()
+        self._tail += text
+        if self.granularity == "none":
+            return []
+        released: list[str] = []
+        tail = self._tail
+        i = self._scan
+        while i < len(tail):
+            cut = self._examine(tail, i)
+            if cut is None and i + 1 >= MAX_UNIT_CHARS:
+                cut = _forced_cut(tail[: i + 1])
+            if cut is None:
+                i += 1
+                continue
+            end, resume = cut
+            unit = tail[:end].strip()
+            if unit:
+                released.append(unit)
+            tail = tail[resume:].lstrip()
+            self._tail = tail
+            self._reset_scan()
+            i = 0
+        self._tail = tail
+        self._scan = len(tail)
+        return released
+
+    def flush(self) -> list[str]:
+        """Release everything buffered as one unit; the utterance may continue afterwards."""
+        unit = self._tail.strip()
+        self._tail = ""
+        self._reset_scan()
+        return [unit] if unit else []
+
+    # -- decisions -------------------------------------------------------------------------------------
+
+    def _examine(self, tail: str, i: int) -> tuple[int, int] | None:
+        """Look at character i (all earlier ones were examined). Returns (unit end, next unit start) when
+        a unit is complete, else None and updates the scan state."""
+        char = tail[i]
+        prev = tail[i - 1] if i else ""
+        if char.isspace():
+            if prev and not prev.isspace():
+                token = tail[self._token_start : i]
+                if self.granularity == "clause" and self._clause_ends_with(token, i):
+                    return i, i
+                if self._pending is None and (char == "\n" or any(c in SENTENCE_TERMINATORS for c in token)):
+                    self._pending = (i, self._token_start)
+            elif char == "\n" and self._pending is None and self._token_start < i:
+                self._pending = (self._whitespace_run_start(tail, i), self._token_start)
+            return None
+
+        if self._pending is not None:
+            run_start, token_start = self._pending
+            self._pending = None
+            if not _is_list_marker(tail, token_start, run_start, i) and self._pysbd_splits(tail, token_start, i):
+                return run_start, i
+        if not prev or prev.isspace():
+            self._token_start = i
+        if char in CJK_TERMINATORS and _has_word_char(tail[: i + 1]):
+            return i + 1, i + 1
+        if self.granularity == "clause":
+            if char in CJK_CLAUSE_MARKS and i + 1 >= CJK_CLAUSE_MIN_CHARS:
+                return i + 1, i + 1
+            # An em/en dash inside a word ("now—then") ends a clause once the next word starts.
+            if prev in DASHES and char not in DASHES and i >= CLAUSE_MIN_CHARS and tail[self._token_start] not in DASHES:
+                return i, i
+        return None
+
+    def _clause_ends_with(self, token: str, end: int) -> bool:
+        """Whether `token`, followed by whitespace at `end`, closes a clause long enough to speak alone."""
+        if end < CLAUSE_MIN_CHARS:
+            return False
+        token = token.rstrip(CLOSING_QUOTES)
+        if token and (token[-1] in CLAUSE_MARKS or token[-1] in DASHES):
+            return True
+        return token in ("-", "--")
+
+    @staticmethod
+    def _whitespace_run_start(tail: str, i: int) -> int:
+        while i > 0 and tail[i - 1].isspace():
+            i -= 1
+        return i
+
+    def _pysbd_splits(self, tail: str, token_start: int, next_start: int) -> bool:
+        """Whether pysbd, shown the tail up to and including the first character after the candidate,
+        starts a new sentence after the token at token_start (anywhere up to next_start)."""
+        window_start = 0
+        if next_start > PYSBD_WINDOW:
+            window_start = tail.find(" ", next_start - PYSBD_WINDOW, token_start)
+            window_start = 0 if window_start < 0 else window_start + 1
+        text = tail[window_start : next_start + 1]
+        low, high = token_start - window_start, next_start - window_start
+        return any(low < start <= high for start in self._sentence_starts(text))
+
+    def _sentence_starts(self, text: str) -> list[int]:
+        """Offsets in `text` where pysbd starts its sentences. pysbd's own char_span search can land on an
+        earlier copy of a repeated sentence, so its sentences are aligned here in order instead."""
+        starts = []
+        cursor = 0
+        for sentence in self._pysbd.processor(text).process():
+            sentence = sentence.strip()
+            if not sentence:
+                continue
+            found = text.find(sentence, cursor)
+            if found < 0:  # pysbd rewrote the text; trust only what was aligned so far
+                break
+            starts.append(found)
+            cursor = found + len(sentence)
+        return starts
+
+
+def _forced_cut(unit: str) -> tuple[int, int]:
+    """Where to cut an over-long unit: after its last clause mark, else at its last whitespace."""
+    last_space = -1
+    for k in range(len(unit) - 1, 0, -1):
+        if unit[k].isspace() and not unit[k - 1].isspace():
+            if unit[k - 1] in CLAUSE_MARKS:
+                return k, k
+            if last_space < 0:
+                last_space = k
+    if last_space > 0:
+        return last_space, last_space
+    return len(unit), len(unit)
+
+
+def _is_list_marker(tail: str, token_start: int, token_end: int, next_start: int) -> bool:
+    """Whether the token is list numbering ("1.", "2)") inside a sentence rather than a sentence end:
+    a bare small number that opens the unit, follows a colon, comma, semicolon or line break, or is
+    followed by a lowercase word. pysbd, shown only the next character, would split "Steps: 1. mix"."""
+    token = tail[token_start:token_end]
+    if not _LIST_MARKER.fullmatch(token):
+        return False
+    if token_start == 0 or tail[next_start].islower():
+        return True
+    before = tail[:token_start]
+    return before.rstrip()[-1:] in (":", ",", ";") or "\n" in before[len(before.rstrip()) :]
+
+
+_LIST_MARKER = re.compile(r"\d{1,2}[.)]")
+
+
+def _has_word_char(text: str) -> bool:
+    return any(c.isalnum() for c in text)
