@@ -1,0 +1,259 @@
+"""Scheduler and engine-loop behaviour with a deterministic model-runner test double (no model, no device).
+
+Most tests drive `Engine.step()` directly with a manual clock, so each decision is observable; the last
+ones run the real engine thread and the asyncio bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.engine_fixtures import ManualClock, Script, ScriptedRunnerTestDouble
+from tts_backend.base import BackendOverloadedError
+from tts_backend.engine.engine import Engine, EngineConfig
+from tts_backend.engine.request import Phase, SamplingParams, Stage
+from tts_backend.engine.scheduler import SchedulerConfig
+from tts_backend.engine.silence import LeadingSilenceTrimmer, find_onset
+
+SPF = 1920
+
+
+def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, **sched):
+    clock = ManualClock()
+    runner = ScriptedRunnerTestDouble(max_slots=max_active)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule, max_queued=max_queued
+    )
+    engine = Engine(runner, config, clock=clock)
+    engine.start_inline()
+    return engine, runner, clock
+
+
+def submit(engine, frames, max_frames=10_000, silent_frames=0, chunk_schedule=None):
+    return engine.submit(Script(frames, silent_frames), sampling=SamplingParams(seed=1), max_frames=max_frames,
+                         chunk_schedule=chunk_schedule)
+
+
+def run_until_idle(engine, limit=10_000):
+    batches = []
+    for _ in range(limit):
+        batch = engine.step()
+        if batch is None:
+            return batches
+        batches.append(batch)
+    raise AssertionError("engine never went idle")
+
+
+def run_until(engine, predicate, limit=10_000):
+    for _ in range(limit):
+        if predicate():
+            return
+        assert engine.step() is not None, "went idle before the condition held"
+    raise AssertionError("condition never held")
+
+
+async def collect(stream) -> bytes:
+    return b"".join([chunk async for chunk in stream])
+
+
+async def test_one_request_follows_chunk_schedule_and_ends_at_eos():
+    engine, runner, _ = make_engine()
+    stream = submit(engine, frames=30)
+    run_until_idle(engine)
+    codec_frames = [c[2] for c in runner.calls if c[0] == "codec"]
+    assert codec_frames == [2, 4, 8, 12, 4]  # grows, then the remainder once generation finished
+    stages = runner.stages()
+    assert stages[:3] == ["prefill", "code_predict", "decode"]
+    assert stages.count("code_predict") == 30 and stages.count("decode") == 30  # the 30th decode samples EOS
+    audio = await collect(stream)
+    assert len(audio) == 30 * SPF * 2
+    assert runner.released == [stream.request_id]
+    assert engine.scheduler.active == 0
+
+
+async def test_frame_cap_and_per_request_schedule_override():
+    engine, runner, _ = make_engine()
+    stream = submit(engine, frames=100, max_frames=7, chunk_schedule=(3,))
+    run_until_idle(engine)
+    assert [c[2] for c in runner.calls if c[0] == "codec"] == [3, 3, 1]
+    assert runner.stages().count("decode") == 6
+    assert len(await collect(stream)) == 7 * SPF * 2
+
+
+async def test_compatible_work_is_batched_anchor_plus_fill():
+    engine, runner, _ = make_engine()
+    streams = [submit(engine, frames=5) for _ in range(3)]
+    ids = [s.request_id for s in streams]
+    first = engine.step()
+    assert first.stage is Stage.PREFILL and [r.request_id for r in first.requests] == ids
+    second = engine.step()
+    assert second.stage is Stage.CODE_PREDICT and len(second.requests) == 3
+    run_until_idle(engine)
+    # Codec calls batch requests that decode the same number of frames.
+    codec_calls = [c for c in runner.calls if c[0] == "codec"]
+    assert codec_calls[0][1] == ids and codec_calls[0][2] == 2
+    for s in streams:
+        assert len(await collect(s)) == 5 * SPF * 2
+
+
+async def test_batch_cap_splits_work():
+    engine, runner, _ = make_engine(max_active=6, max_batch={Stage.PREFILL: 2, Stage.DECODE: 4,
+                                                             Stage.CODE_PREDICT: 4, Stage.CODEC: 3})
+    streams = [submit(engine, frames=3) for _ in range(6)]
+    run_until_idle(engine)
+    for stage, ids, _ in runner.calls:
+        assert len(ids) <= {"prefill": 2, "decode": 4, "code_predict": 4, "codec": 3}[stage]
+    assert sum(len(ids) for stage, ids, _ in runner.calls if stage == "prefill") == 6
+    for s in streams:
+        assert len(await collect(s)) == 3 * SPF * 2
+
+
+async def test_new_request_outranks_playing_stream_with_slack():
+    engine, runner, clock = make_engine()
+    a = submit(engine, frames=200)
+    engine.step()
+    req_a = engine.scheduler.get(a.request_id)
+    # A plays 2 s of audio ahead of its clock: lots of slack.
+    run_until(engine, lambda: req_a.output.emitted_samples >= 26 * SPF)
+    b = submit(engine, frames=5)
+    batch = engine.step()
+    assert batch.rule == "startup" and batch.stage is Stage.PREFILL
+    assert [r.request_id for r in batch.requests] == [b.request_id]
+
+
+async def test_late_codec_of_playing_stream_outranks_new_request():
+    engine, runner, clock = make_engine()
+    a = submit(engine, frames=200)
+    engine.step()
+    req_a = engine.scheduler.get(a.request_id)
+    run_until(engine, lambda: req_a.playing and req_a.codec_ready_frames() > 0)
+    submit(engine, frames=5)
+    clock.advance(10.0)  # A's audio has run out
+    batch = engine.step()
+    assert batch.rule == "urgent_codec" and batch.stage is Stage.CODEC
+    assert [r.request_id for r in batch.requests] == [a.request_id]
+
+
+async def test_pressing_then_round_robin():
+    engine, runner, clock = make_engine()
+    a = submit(engine, frames=400)
+    engine.step()
+    req_a = engine.scheduler.get(a.request_id)
+    run_until(engine, lambda: req_a.playing)
+    batch = engine.step()
+    assert batch.rule == "pressing"  # 160 ms of audio: inside the 1 s lead
+    run_until(engine, lambda: req_a.output.emitted_samples > 3 * 24000)  # 3 s ahead now
+    rules = {engine.step().rule for _ in range(10)}
+    assert rules == {"round_robin"}
+    clock.advance(2.5)  # within 1 s of running out again
+    assert engine.step().rule in ("pressing", "urgent_codec")
+
+
+async def test_cancel_frees_the_slot_at_once():
+    engine, runner, _ = make_engine(max_active=1)
+    a = submit(engine, frames=50)
+    b = submit(engine, frames=3)
+    batch = engine.step()
+    assert [r.request_id for r in batch.requests] == [a.request_id]
+    assert engine.scheduler.get(b.request_id).phase is Phase.WAITING
+    a.cancel()
+    batch = engine.step()
+    assert runner.released == [a.request_id]
+    assert batch.stage is Stage.PREFILL and [r.request_id for r in batch.requests] == [b.request_id]
+    assert engine.scheduler.get(a.request_id) is None
+    run_until_idle(engine)
+    assert len(await collect(b)) == 3 * SPF * 2
+    assert [chunk async for chunk in a] == []  # a cancelled stream just ends
+    assert engine.stats.cancelled == 1
+
+
+async def test_overload_is_refused_with_a_clear_error():
+    engine, _, _ = make_engine(max_active=1, max_queued=1)
+    submit(engine, frames=3)
+    submit(engine, frames=3)
+    with pytest.raises(BackendOverloadedError):
+        submit(engine, frames=3)
+
+
+async def test_back_pressure_pauses_a_stream_whose_consumer_stopped_reading():
+    engine, runner, _ = make_engine(max_buffered_s=0.5)
+    a = submit(engine, frames=100)
+    run_until_idle(engine)  # idles although A is not finished: its buffer is full
+    req_a = engine.scheduler.get(a.request_id)
+    assert req_a is not None and not req_a.done
+    buffered = req_a.output.buffered_samples
+    assert 0.5 * 24000 <= buffered <= 0.5 * 24000 + 12 * SPF
+    total = 0
+    finished = False
+    for _ in range(10_000):  # read what is buffered, let the engine resume, repeat
+        await asyncio.sleep(0)
+        while not a._queue.empty():
+            try:
+                total += len(await a.__anext__())
+            except StopAsyncIteration:
+                finished = True
+        if finished:
+            break
+        engine.step()
+    assert finished and total == 100 * SPF * 2
+
+
+async def test_leading_silence_is_not_shipped_ahead_of_speech():
+    engine, runner, _ = make_engine()
+    stream = submit(engine, frames=10, silent_frames=3)
+    run_until_idle(engine)
+    audio = np.frombuffer(await collect(stream), "<i2").astype(np.float32) / 32767
+    assert find_onset(audio, 24000) == 0  # the very first window is already audible
+    assert 7 * SPF <= len(audio) <= 7 * SPF + 2  # no silence kept ahead of the tone
+
+
+def test_trimmer_finds_onset_across_chunk_boundaries_and_flushes_quiet_streams():
+    sr = 24000
+    trimmer = LeadingSilenceTrimmer(sr)
+    silence = np.zeros(1000, np.float32)
+    tone = (0.3 * np.sin(np.arange(4800) * 0.2)).astype(np.float32)
+    assert trimmer.push(silence).size == 0
+    assert trimmer.push(tone[:100]).size == 0  # too short to prove onset
+    out = trimmer.push(tone[100:])
+    assert 4790 <= out.size <= 4800 and trimmer.started
+    quiet = LeadingSilenceTrimmer(sr)
+    assert quiet.push(np.zeros(5000, np.float32)).size == 0
+    assert quiet.flush().size > 0
+
+
+async def test_engine_thread_serves_concurrent_streams_and_cancellation():
+    runner = ScriptedRunnerTestDouble(max_slots=4, step_delay_s=0.0005)
+    engine = Engine(runner, EngineConfig(scheduler=SchedulerConfig(max_active=4)))
+    engine.start()
+    try:
+        await asyncio.to_thread(engine.wait_ready, 10)
+        frames = [5, 9, 14, 20, 3, 7]
+        streams = [engine.submit(Script(n), sampling=SamplingParams(), max_frames=1000) for n in frames]
+        victim = engine.submit(Script(500), sampling=SamplingParams(), max_frames=1000)
+
+        async def read_some_then_cancel():
+            got = 0
+            async for chunk in victim:
+                got += len(chunk)
+                if got >= 6 * SPF * 2:
+                    victim.cancel()
+                    break
+            return got
+
+        results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams), read_some_then_cancel()), 30)
+        for n, audio in zip(frames, results[:-1]):
+            assert len(audio) == n * SPF * 2
+        for _ in range(200):
+            if victim.request_id in runner.released:
+                break
+            await asyncio.sleep(0.005)
+        assert victim.request_id in runner.released
+        assert engine.scheduler.active == 0 or all(r.done for r in engine.scheduler.requests)
+        # The victim stopped long before its 500 frames.
+        victim_calls = sum(victim.request_id in ids for stage, ids, _ in runner.calls if stage == "decode")
+        assert victim_calls < 100
+    finally:
+        engine.stop()

@@ -1,0 +1,316 @@
+"""The engine thread: owns the scheduler and the runner, and hands audio to asyncio.
+
+asyncio side -> engine: `submit` and `cancel` put commands on a thread-safe queue and wake the thread.
+engine -> asyncio side: each chunk goes into the stream's `asyncio.Queue` through
+`loop.call_soon_threadsafe`, so the event loop never blocks on the device and the device never waits on the
+event loop. Only the engine thread touches scheduler and runner state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..base import BackendOverloadedError, SynthesisError
+from .request import (
+    DEFAULT_CHUNK_SCHEDULE,
+    OutputAccounting,
+    Phase,
+    RequestState,
+    SamplingParams,
+    Stage,
+    validate_schedule,
+)
+from .runner import ModelRunner
+from .scheduler import Batch, Scheduler, SchedulerConfig
+from .silence import LeadingSilenceTrimmer
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_queued: int = 256  # requests waiting for a slot beyond which submit refuses (overload)
+    chunk_schedule: tuple[int, ...] = DEFAULT_CHUNK_SCHEDULE
+    trim_leading_silence: bool = True
+    silence_threshold_dbfs: float = -45.0
+
+
+@dataclass
+class EngineStats:
+    decisions: int = 0
+    batches: dict = field(default_factory=lambda: {s.name: 0 for s in Stage})
+    items: dict = field(default_factory=lambda: {s.name: 0 for s in Stage})
+    busy_s: float = 0.0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+class EngineStream:
+    """The consumer's end of one request: an async iterator of s16le PCM bytes."""
+
+    def __init__(self, engine: Engine, request_id: int, output: OutputAccounting,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._output = output
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._finished = False
+
+    # engine thread
+    def _deliver(self, item: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self._engine.cancel(self.request_id)
+
+    # event loop
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self._finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        self._output.consumed_samples += len(item) // 2
+        if self._engine._paused_waiting:  # a stream paused by back-pressure may resume now
+            self._engine._wake.set()
+        return item
+
+    def cancel(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine.cancel(self.request_id)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runner = runner
+        self.clock = clock  # monotonic seconds; tests substitute a manual clock
+        self.config = config or EngineConfig()
+        sched_config = self.config.scheduler
+        if sched_config.max_active > runner.max_slots:
+            raise ValueError(f"max_active {sched_config.max_active} exceeds the runner's {runner.max_slots} slots")
+        self.scheduler = Scheduler(sched_config)
+        self.stats = EngineStats()
+        self._ids = itertools.count(1)
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._ready = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._streams: dict[int, EngineStream] = {}
+        self._trimmers: dict[int, LeadingSilenceTrimmer] = {}
+        self._startup_error: BaseException | None = None
+        self._paused_waiting = False
+
+    # ---- lifecycle (any thread) -------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="voxgate-engine", daemon=True)
+        self._thread.start()
+
+    def start_inline(self) -> None:
+        """Prepare the runner on the calling thread and accept work without starting the engine thread;
+        the caller then drives `step()` itself (tests, single-threaded tools)."""
+        self.runner.prepare()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("engine did not become ready in time")
+        if self._startup_error is not None:
+            raise SynthesisError(f"engine failed to start: {self._startup_error}") from self._startup_error
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._startup_error is None and not self._stopping
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def load(self) -> float:
+        return min(1.0, len(self._streams) / max(1, self.config.scheduler.max_active))
+
+    # ---- requests (event-loop thread) -------------------------------------------------------------
+    def submit(self, prompt: object, *, sampling: SamplingParams, max_frames: int,
+               chunk_schedule: tuple[int, ...] | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> EngineStream:
+        if not self.ready:
+            raise SynthesisError("engine is not ready")
+        if len(self._streams) >= self.config.scheduler.max_active + self.config.max_queued:
+            raise BackendOverloadedError("engine queue is full")
+        schedule = validate_schedule(chunk_schedule or self.config.chunk_schedule)
+        request = RequestState(
+            request_id=next(self._ids),
+            prompt=prompt,
+            sampling=sampling,
+            max_frames=max(1, int(max_frames)),
+            chunk_schedule=schedule,
+            arrival=self.clock(),
+            sample_rate=self.runner.sample_rate,
+            samples_per_frame=self.runner.samples_per_frame,
+        )
+        stream = EngineStream(self, request.request_id, request.output, loop or asyncio.get_running_loop())
+        self._streams[request.request_id] = stream
+        self._commands.append(("submit", request))
+        self._wake.set()
+        return stream
+
+    def cancel(self, request_id: int) -> None:
+        self._commands.append(("cancel", request_id))
+        self._wake.set()
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.runner.prepare()
+        except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
+            log.exception("engine start-up failed")
+            self._startup_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        while not self._stopping:
+            if self.step() is None:
+                # Readiness never changes with time alone, except for streams paused by back-pressure,
+                # whose consumers wake us as they read; the timeout is a safety net.
+                self._paused_waiting = bool(self.scheduler.requests)
+                self._wake.wait(0.05)
+                self._wake.clear()
+                self._paused_waiting = False
+        self._fail_all(SynthesisError("engine stopped"))
+
+    def step(self, now: float | None = None) -> Batch | None:
+        """One turn: take commands, pick one batch, run it. Returns the batch, or None when idle.
+        Called by the engine thread; tests drive it directly (with a chosen clock) instead of the thread."""
+        self._drain_commands()
+        batch = self.scheduler.decide(self.clock() if now is None else now)
+        if batch is not None:
+            self._execute(batch)
+        return batch
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            kind, arg = self._commands.popleft()
+            if kind == "submit":
+                self._trimmers[arg.request_id] = LeadingSilenceTrimmer(
+                    arg.sample_rate, self.config.silence_threshold_dbfs
+                ) if self.config.trim_leading_silence else None
+                self.scheduler.add(arg)
+            elif kind == "cancel":
+                request = self.scheduler.get(arg)
+                if request is not None:
+                    request.cancelled = True
+                    self.stats.cancelled += 1
+                    self._finish(request, None)
+
+    def _execute(self, batch: Batch) -> None:
+        runner = self.runner
+        requests = batch.requests
+        started = time.perf_counter()
+        try:
+            if batch.stage is Stage.PREFILL:
+                runner.prefill(requests)
+                for r in requests:
+                    r.phase = Phase.NEED_CODE_PREDICT
+            elif batch.stage is Stage.CODE_PREDICT:
+                runner.code_predict(requests)
+                for r in requests:
+                    r.frames_generated += 1
+                    r.phase = Phase.FINISHED if r.frames_generated >= r.max_frames else Phase.NEED_DECODE
+            elif batch.stage is Stage.DECODE:
+                eos = runner.decode(requests)
+                for r, stop in zip(requests, eos):
+                    r.phase = Phase.FINISHED if stop else Phase.NEED_CODE_PREDICT
+            else:
+                pieces = runner.codec(requests, batch.frames)
+                for r, pcm in zip(requests, pieces):
+                    r.frames_decoded += batch.frames
+                    r.chunks_decoded += 1
+                    self._emit(r, pcm)
+        except Exception as exc:  # a failed batch fails its requests, not the engine
+            log.exception("%s batch failed", batch.stage.name)
+            for r in requests:
+                self.stats.failed += 1
+                self._finish(r, SynthesisError(f"synthesis failed in {batch.stage.name.lower()}: {exc}"))
+            return
+        finally:
+            self.stats.busy_s += time.perf_counter() - started
+            self.stats.decisions += 1
+            self.stats.batches[batch.stage.name] += 1
+            self.stats.items[batch.stage.name] += len(requests)
+        for r in requests:
+            if r.phase is Phase.FINISHED and r.pending_frames == 0 and not r.done:
+                self.stats.completed += 1
+                self._finish(r, None)
+
+    def _emit(self, request: RequestState, pcm: np.ndarray) -> None:
+        trimmer = self._trimmers.get(request.request_id)
+        if trimmer is not None:
+            pcm = trimmer.push(pcm)
+        self._send_audio(request, pcm)
+
+    def _send_audio(self, request: RequestState, pcm: np.ndarray) -> None:
+        if pcm.size == 0:
+            return
+        data = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+        now = self.clock()
+        if request.playback_start is None:
+            request.playback_start = now
+            request.first_audio_at = now
+        request.output.emitted_samples += len(data) // 2
+        stream = self._streams.get(request.request_id)
+        if stream is not None:
+            stream._deliver(data)
+
+    def _finish(self, request: RequestState, error: BaseException | None) -> None:
+        """Done, failed or cancelled: free the slot now and end the consumer's stream."""
+        if request.done:
+            return
+        request.done = True
+        trimmer = self._trimmers.pop(request.request_id, None)
+        if error is None and not request.cancelled and trimmer is not None and not trimmer.started:
+            self._send_audio(request, trimmer.flush())
+        if request.slot is not None:
+            try:
+                self.runner.release(request)
+            except Exception:  # noqa: BLE001 - releasing must never take the engine down
+                log.exception("runner release failed")
+        self.scheduler.remove(request)
+        stream = self._streams.pop(request.request_id, None)
+        if stream is not None and not request.cancelled:
+            stream._deliver(error if error is not None else _END)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._drain_commands()
+        for request in self.scheduler.requests:
+            self._finish(request, error)
+        for stream in list(self._streams.values()):
+            stream._deliver(error)
+        self._streams.clear()

@@ -1,0 +1,133 @@
+"""One request's state inside the engine: generation phase, frames, chunks, playback deadline, buffering.
+
+Everything here is owned by the engine thread, except the two counters of `OutputAccounting` that the
+consumer (the asyncio side) advances as it takes audio; reading a Python int written by another thread is
+atomic under the GIL, and the engine only ever compares it, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_CHUNK_SCHEDULE: tuple[int, ...] = (2, 4, 8, 12)
+
+
+class Stage(enum.IntEnum):
+    """Kinds of work. The integer is the startup rank: for a request with no audio yet, finishing a
+    nearly-ready first chunk outranks admitting new prefills, which outrank generation steps."""
+
+    CODEC = 0
+    PREFILL = 1
+    CODE_PREDICT = 2
+    DECODE = 3
+
+
+class Phase(enum.Enum):
+    """Where a request's generation stands (codec work runs beside it, on frames already made)."""
+
+    WAITING = "waiting"  # admitted to the engine, no KV slot yet
+    NEED_PREFILL = "need_prefill"  # has a slot; the prompt has not been run
+    NEED_CODE_PREDICT = "need_code_predict"  # codebook 0 of the next frame is sampled; residuals are not
+    NEED_DECODE = "need_decode"  # the last frame is complete; the Talker must step to the next one
+    FINISHED = "finished"  # EOS sampled or the frame cap reached; codec work may remain
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The logits pipeline of the published generation config; `seed` None means unseeded."""
+
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_do_sample: bool = True
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    seed: int | None = None
+
+
+def chunk_frames(schedule: tuple[int, ...], chunk_index: int) -> int:
+    """Frames in chunk `chunk_index` (0-based) of a schedule that grows and then repeats its last size."""
+    return schedule[min(chunk_index, len(schedule) - 1)]
+
+
+def validate_schedule(schedule: tuple[int, ...]) -> tuple[int, ...]:
+    schedule = tuple(int(x) for x in schedule)
+    if not schedule or any(x < 1 or x > 64 for x in schedule):
+        raise ValueError(f"chunk schedule must be 1..64 frames per chunk, got {schedule}")
+    return schedule
+
+
+class OutputAccounting:
+    """Audio handed to the consumer vs audio it has taken: the difference is what is buffered."""
+
+    __slots__ = ("emitted_samples", "consumed_samples")
+
+    def __init__(self) -> None:
+        self.emitted_samples = 0  # advanced by the engine thread
+        self.consumed_samples = 0  # advanced by the consumer
+
+    @property
+    def buffered_samples(self) -> int:
+        return self.emitted_samples - self.consumed_samples
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request. `prompt` is opaque to the scheduler: the model runner knows what it holds."""
+
+    request_id: int
+    prompt: Any
+    sampling: SamplingParams
+    max_frames: int
+    chunk_schedule: tuple[int, ...]
+    arrival: float  # monotonic seconds when the engine accepted it (admission order)
+    sample_rate: int
+    samples_per_frame: int
+    output: OutputAccounting = field(default_factory=OutputAccounting)
+
+    phase: Phase = Phase.WAITING
+    slot: int | None = None
+    cancelled: bool = False
+    frames_generated: int = 0  # complete frames (all 16 codebooks)
+    frames_decoded: int = 0  # frames the codec has turned into PCM
+    chunks_decoded: int = 0  # codec calls made, for the chunk schedule
+    playback_start: float | None = None  # when the first audio left the engine
+    first_audio_at: float | None = None
+    done: bool = False
+
+    @property
+    def pending_frames(self) -> int:
+        return self.frames_generated - self.frames_decoded
+
+    @property
+    def playing(self) -> bool:
+        return self.playback_start is not None
+
+    @property
+    def deadline(self) -> float | None:
+        """When the listener runs out of audio: playback start plus the duration of all audio emitted."""
+        if self.playback_start is None:
+            return None
+        return self.playback_start + self.output.emitted_samples / self.sample_rate
+
+    def next_chunk_frames(self) -> int:
+        return chunk_frames(self.chunk_schedule, self.chunks_decoded)
+
+    def codec_ready_frames(self) -> int:
+        """Frames the next codec call should decode, or 0 when codec work is not ready."""
+        pending = self.pending_frames
+        if pending <= 0:
+            return 0
+        want = self.next_chunk_frames()
+        if pending >= want:
+            return want
+        return pending if self.phase is Phase.FINISHED else 0
+
+    @property
+    def generating(self) -> bool:
+        return self.phase in (Phase.NEED_PREFILL, Phase.NEED_CODE_PREDICT, Phase.NEED_DECODE)

@@ -1,0 +1,193 @@
+"""The scheduler: which batch runs next.
+
+Pure bookkeeping, no threads and no device: the engine thread calls `decide(now)` and gets one batch of
+one kind of work (Talker prefill, Talker decode, code-predictor loop or codec chunk). The batch is built
+around an anchor, the most urgent ready item, and filled with every compatible ready item, because on a
+bandwidth-bound GPU a batch of 8 costs about what a batch of 1 does.
+
+Urgency, highest first (engine.md):
+1. codec work of a playing stream about to run out of audio (now >= deadline - reserve);
+2. any work of a request that has no audio yet, by stage rank (codec, prefill, code predictor, decode),
+   then arrival;
+3. work of a stream within `pressing_lead_s` of its deadline, earliest deadline first;
+4. otherwise round-robin: the stage served least recently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import Phase, RequestState, Stage
+
+# Round-robin tie order when several stages were served equally long ago.
+_ROUND_ROBIN_ORDER = (Stage.PREFILL, Stage.DECODE, Stage.CODEC, Stage.CODE_PREDICT)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_active: int = 64  # KV slots: requests admitted to generation at once
+    max_batch: dict = field(
+        default_factory=lambda: {Stage.PREFILL: 8, Stage.DECODE: 64, Stage.CODE_PREDICT: 64, Stage.CODEC: 16}
+    )
+    codec_reserve_s: float = 0.025  # an incremental codec call plus hand-off must fit in this
+    pressing_lead_s: float = 1.0
+    max_buffered_s: float = 10.0  # audio a consumer may leave unread before its stream pauses
+
+
+@dataclass
+class Batch:
+    stage: Stage
+    requests: list[RequestState]
+    frames: int = 0  # codec only: frames each request decodes in this call
+    rule: str = ""  # which urgency rule chose it (for tests and tracing)
+
+
+@dataclass
+class _Item:
+    request: RequestState
+    stage: Stage
+    frames: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self._requests: dict[int, RequestState] = {}  # insertion order = arrival order
+        self._free_slots = list(range(self.config.max_active - 1, -1, -1))
+        self._served_at = {stage: -1 for stage in Stage}
+        self._decisions = 0
+
+    # ---- membership -------------------------------------------------------------------------------
+    def add(self, request: RequestState) -> None:
+        request.phase = Phase.WAITING
+        self._requests[request.request_id] = request
+        self._admit()
+
+    def remove(self, request: RequestState) -> int | None:
+        """Forget a request (finished or cancelled) and free its slot at once; returns the slot."""
+        self._requests.pop(request.request_id, None)
+        slot = request.slot
+        if slot is not None:
+            self._free_slots.append(slot)
+            request.slot = None
+            self._admit()
+        return slot
+
+    def _admit(self) -> None:
+        for request in self._requests.values():
+            if not self._free_slots:
+                return
+            if request.phase is Phase.WAITING:
+                request.slot = self._free_slots.pop()
+                request.phase = Phase.NEED_PREFILL
+
+    @property
+    def requests(self) -> list[RequestState]:
+        return list(self._requests.values())
+
+    @property
+    def active(self) -> int:
+        return self.config.max_active - len(self._free_slots)
+
+    def get(self, request_id: int) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    # ---- readiness --------------------------------------------------------------------------------
+    def _paused(self, request: RequestState) -> bool:
+        """Back-pressure: a consumer that stopped reading stops its stream's work (slot kept)."""
+        limit = self.config.max_buffered_s * request.sample_rate
+        return request.output.buffered_samples >= limit
+
+    def _ready_items(self) -> list[_Item]:
+        items: list[_Item] = []
+        for request in self._requests.values():
+            if request.cancelled or request.done or request.slot is None or self._paused(request):
+                continue
+            phase = request.phase
+            if phase is Phase.NEED_PREFILL:
+                items.append(_Item(request, Stage.PREFILL))
+            elif phase is Phase.NEED_CODE_PREDICT:
+                items.append(_Item(request, Stage.CODE_PREDICT))
+            elif phase is Phase.NEED_DECODE:
+                items.append(_Item(request, Stage.DECODE))
+            frames = request.codec_ready_frames()
+            if frames:
+                items.append(_Item(request, Stage.CODEC, frames))
+        return items
+
+    def has_work(self) -> bool:
+        return bool(self._ready_items())
+
+    # ---- the decision -----------------------------------------------------------------------------
+    def decide(self, now: float) -> Batch | None:
+        items = self._ready_items()
+        if not items:
+            return None
+        batch = (
+            self._urgent_codec(items, now)
+            or self._startup(items)
+            or self._pressing(items, now)
+            or self._round_robin(items)
+        )
+        self._decisions += 1
+        self._served_at[batch.stage] = self._decisions
+        return batch
+
+    def _urgent_codec(self, items: list[_Item], now: float) -> Batch | None:
+        reserve = self.config.codec_reserve_s
+        urgent = [
+            it for it in items
+            if it.stage is Stage.CODEC and it.request.playing and now >= it.request.deadline - reserve
+        ]
+        if not urgent:
+            return None
+        anchor = min(urgent, key=lambda it: (it.request.deadline, it.request.arrival))
+        return self._fill(anchor, items, priority=urgent, rule="urgent_codec")
+
+    def _startup(self, items: list[_Item]) -> Batch | None:
+        startup = [it for it in items if not it.request.playing]
+        if not startup:
+            return None
+        anchor = min(startup, key=lambda it: (int(it.stage), it.request.arrival))
+        return self._fill(anchor, items, priority=startup, rule="startup")
+
+    def _pressing(self, items: list[_Item], now: float) -> Batch | None:
+        lead = self.config.pressing_lead_s
+        pressing = [it for it in items if it.request.playing and now >= it.request.deadline - lead]
+        if not pressing:
+            return None
+        anchor = min(pressing, key=lambda it: (it.request.deadline, int(it.stage), it.request.arrival))
+        return self._fill(anchor, items, priority=pressing, rule="pressing")
+
+    def _round_robin(self, items: list[_Item]) -> Batch:
+        stages = {it.stage for it in items}
+        stage = min(
+            stages, key=lambda s: (self._served_at[s], _ROUND_ROBIN_ORDER.index(s))
+        )
+        candidates = [it for it in items if it.stage is stage]
+        anchor = min(candidates, key=lambda it: (it.request.deadline or 0.0, it.request.arrival))
+        return self._fill(anchor, items, priority=[], rule="round_robin")
+
+    def _fill(self, anchor: _Item, items: list[_Item], priority: list[_Item], rule: str) -> Batch:
+        """The anchor, then compatible priority items (in their urgency order), then the rest by deadline
+        and arrival, up to the stage's batch cap. Codec items are compatible when they decode the same
+        number of frames (one captured shape per frame count)."""
+
+        def compatible(it: _Item) -> bool:
+            return it.stage is anchor.stage and (it.stage is not Stage.CODEC or it.frames == anchor.frames)
+
+        def order(it: _Item):
+            deadline = it.request.deadline
+            return (deadline is not None, deadline or 0.0, it.request.arrival)
+
+        cap = self.config.max_batch[anchor.stage]
+        chosen = [anchor.request]
+        seen = {anchor.request.request_id}
+        for group in (sorted(priority, key=order), sorted(items, key=order)):
+            for it in group:
+                if len(chosen) >= cap:
+                    break
+                if compatible(it) and it.request.request_id not in seen:
+                    seen.add(it.request.request_id)
+                    chosen.append(it.request)
+        return Batch(anchor.stage, chosen, frames=anchor.frames, rule=rule)
