@@ -1,0 +1,172 @@
+"""The FastAPI application factory: routes, lifespan (backend and store start/stop), per-app state.
+
+Everything mutable belongs to one `Gateway` object per app (backend, store, metrics, admission), so
+tests and embedders can run several apps in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from tts_backend.base import Synthesizer
+from tts_backend.registry import create_backend
+
+from .auth import AuthError, Authenticator, api_key_authenticator
+from .http import ApiError, router
+from .limits import Admission
+from .metrics import GatewayMetrics
+from .protocol import CloseCode, ErrorCode, ProtocolError
+from .session import StreamingSession
+from .settings import GatewaySettings
+from .store import SessionStore, create_store
+
+log = logging.getLogger("voxgate")
+
+STREAM_PATHS = ("/v1/audio/speech/stream", "/v1/tts/stream")
+
+
+def backend_options(settings: GatewaySettings) -> dict[str, Any]:
+    """Constructor options for the configured backend: --model and --device plus backend_options."""
+    options: dict[str, Any] = {}
+    if settings.model is not None:
+        options["model"] = settings.model
+    if settings.device is not None:
+        options["device"] = settings.device
+    options.update(settings.backend_options)
+    return options
+
+
+@dataclass
+class Gateway:
+    settings: GatewaySettings
+    backend: Synthesizer
+    store: SessionStore
+    metrics: GatewayMetrics
+    authenticate: Authenticator
+    admission: Admission
+    started_at: float = field(default_factory=time.time)
+    draining: bool = False  # set while shutting down (issue 5): /ready says no, new sessions are refused
+    backend_error: BaseException | None = None
+    sessions: set[StreamingSession] = field(default_factory=set)
+
+    @property
+    def default_voice(self) -> str:
+        return self.settings.voice or self.backend.default_voice
+
+
+async def _refuse(websocket: WebSocket, error: ProtocolError, metrics: GatewayMetrics) -> None:
+    metrics.errors_total.labels(error.code.value).inc()
+    await websocket.send_text(error.to_message().encode())
+    await websocket.close(int(error.close or CloseCode.policy), reason=error.code.value)
+
+
+def create_app(
+    settings: GatewaySettings | None = None,
+    backend: Synthesizer | None = None,
+    *,
+    store: SessionStore | None = None,
+    authenticate: Authenticator | None = None,
+) -> FastAPI:
+    """A gateway app. `backend` defaults to the one `settings.backend` names (created, started and
+    stopped by the app's lifespan); `authenticate` is the auth hook (default: API keys from settings)."""
+    settings = settings or GatewaySettings()
+    if backend is None:
+        backend = create_backend(settings.backend, **backend_options(settings))
+    if store is None:
+        store = create_store(
+            settings.store,
+            ttl_s=settings.session_ttl_s,
+            replay_log_bytes=settings.replay_log_bytes,
+            redis_url=settings.redis_url,
+        )
+    gateway = Gateway(
+        settings=settings,
+        backend=backend,
+        store=store,
+        metrics=GatewayMetrics(),
+        authenticate=authenticate or api_key_authenticator(settings),
+        admission=Admission(settings),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.store.start()
+        # The backend loads in the background: /health answers at once, /ready once it is warm.
+        starting = asyncio.create_task(gateway.backend.start(), name="backend-start")
+
+        def started(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                gateway.backend_error = task.exception()
+                log.error("the %s backend failed to start: %r", gateway.backend.name, gateway.backend_error)
+
+        starting.add_done_callback(started)
+        try:
+            yield
+        finally:
+            gateway.draining = True
+            if not starting.done():
+                starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await gateway.backend.stop()
+            await gateway.store.stop()
+
+    app = FastAPI(title="Voxgate", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = gateway
+    app.include_router(router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors()
+        )
+        gateway.metrics.errors_total.labels(ErrorCode.invalid_message.value).inc()
+        return ApiError(ErrorCode.invalid_message, f"invalid request: {details}").response()
+
+    async def speech_stream(websocket: WebSocket) -> None:
+        await websocket.accept()
+        try:
+            principal = await gateway.authenticate(websocket)
+        except AuthError as exc:
+            await _refuse(websocket, ProtocolError(ErrorCode.unauthorized, str(exc), close=CloseCode.policy), gateway.metrics)
+            return
+        if gateway.draining or not gateway.backend.ready:
+            reason = "the gateway is shutting down" if gateway.draining else "the speech backend is still starting"
+            await _refuse(
+                websocket,
+                ProtocolError(ErrorCode.overloaded, f"{reason}; retry shortly", close=CloseCode.try_again_later),
+                gateway.metrics,
+            )
+            return
+        try:
+            with gateway.admission.session(principal):
+                session = StreamingSession(
+                    websocket,
+                    settings=settings,
+                    backend=gateway.backend,
+                    store=gateway.store,
+                    metrics=gateway.metrics,
+                )
+                gateway.sessions.add(session)
+                try:
+                    await session.run()
+                finally:
+                    gateway.sessions.discard(session)
+        except ProtocolError as error:
+            await _refuse(websocket, error, gateway.metrics)
+
+    for path in STREAM_PATHS:
+        app.add_api_websocket_route(path, speech_stream)
+    return app

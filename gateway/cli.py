@@ -1,0 +1,96 @@
+"""`voxgate serve` (the gateway) and `voxgate worker` (a synthesis worker process, tts_backend.worker).
+
+Flags override environment variables (VOXGATE_*), which override the defaults in settings.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .settings import GatewaySettings
+
+WS_FRAME_MARGIN = 64 * 1024  # the transport accepts a little more than the largest message we answer
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except ValueError:
+        return key.replace("-", "_"), value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voxgate", description="Real-time streaming TTS gateway")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gateway (HTTP + WebSocket)")
+    serve.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
+    serve.add_argument("--backend", help="piper (default), synthetic, qwen3, remote")
+    serve.add_argument("--voice", help="default voice (default: the backend's first)")
+    serve.add_argument("--model", help="model path or name for the backend")
+    serve.add_argument("--device", help="device for the backend, e.g. cpu or cuda:0")
+    serve.add_argument(
+        "--option", "-o", action="append", type=_option, default=[], metavar="KEY=VALUE",
+        help="extra backend option (JSON value or string); repeatable, e.g. -o noise_scale=0.667",
+    )
+    serve.add_argument("--served-model-name", help="model id shown by /v1/models")
+    serve.add_argument("--lookahead-sentences", type=int, help="sentences synthesized ahead (default 2)")
+    serve.add_argument("--config-timeout", dest="config_timeout_s", type=float, help="seconds to wait for session.config")
+    serve.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, help="idle seconds before a session closes")
+    serve.add_argument("--max-buffered-chars", type=int, help="unspoken characters allowed per session")
+    serve.add_argument("--max-sessions", type=int, help="concurrent sessions (0 = unlimited)")
+    serve.add_argument("--api-key", dest="api_keys", action="append", help="accepted API key; repeatable")
+    serve.add_argument("--store", choices=["memory", "redis"], help="session store")
+    serve.add_argument("--redis-url", help="Redis URL for --store redis")
+    serve.add_argument("--log-level", help="debug, info, warning, error")
+
+    commands.add_parser("worker", help="run a synthesis worker (see `voxgate worker --help`)", add_help=False)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    overrides = {
+        key: value
+        for key, value in vars(args).items()
+        if key not in ("command", "option") and value is not None
+    }
+    if args.option:
+        overrides["backend_options"] = dict(args.option)
+    return GatewaySettings(**overrides)
+
+
+def serve(settings: GatewaySettings) -> None:
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        ws_max_size=settings.max_config_bytes + WS_FRAME_MARGIN,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "worker":
+        from tts_backend.worker import main as worker_main  # imported only when used
+
+        return worker_main(argv[1:]) or 0
+    args = build_parser().parse_args(argv)
+    serve(settings_from_args(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

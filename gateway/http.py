@@ -1,0 +1,367 @@
+"""HTTP companions of the WebSocket: OpenAI-compatible speech, voices, models, health, readiness, metrics.
+
+`POST /v1/audio/speech` accepts what the OpenAI SDK sends (`client.audio.speech.create`, also through
+`with_streaming_response`) plus vLLM-Omni's fields. The body is split into sentences and synthesized
+with the same look-ahead as the WebSocket, so the first sentence's audio leaves before the last is made:
+- `pcm`, `mulaw`, `alaw`: raw audio, streamed as it is produced;
+- `wav`: a complete file, or with `stream_format: "audio"` streamed behind a header of unknown length;
+- `stream_format: "sse"` (or vLLM's `stream: true` alone): Server-Sent Events as OpenAI documents them,
+  `speech.audio.delta` with base64 audio, then `speech.audio.done` with usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
+
+from . import audio
+from .auth import AuthError, Principal
+from .protocol import ErrorCode, ProtocolError
+from .segmenter import SentenceSegmenter
+from .session import resolve_voice
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+router = APIRouter()
+
+_STATUS = {
+    ErrorCode.unauthorized: 401,
+    ErrorCode.text_too_long: 413,
+    ErrorCode.message_too_large: 413,
+    ErrorCode.rate_limited: 429,
+    ErrorCode.too_many_sessions: 429,
+    ErrorCode.overloaded: 503,
+    ErrorCode.internal: 500,
+    ErrorCode.synthesis_failed: 500,
+}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "code", "param"}}."""
+
+    def __init__(self, code: ErrorCode, message: str, status: int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status or _STATUS.get(code, 400)
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        body = {"error": {"message": self.message, "type": kind, "code": self.code.value, "param": self.param}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def gateway_of(request: Request) -> "Gateway":
+    return request.app.state.gateway
+
+
+async def require_auth(request: Request) -> Principal:
+    """The auth hook as a FastAPI dependency."""
+    gateway = gateway_of(request)
+    try:
+        return await gateway.authenticate(request)
+    except AuthError as exc:
+        gateway.metrics.errors_total.labels(ErrorCode.unauthorized.value).inc()
+        raise ApiError(ErrorCode.unauthorized, str(exc)) from None
+
+
+# ----------------------------------------------------------------------------------------- speech
+
+
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str | None = None
+    input: str
+    voice: str | dict[str, Any] | None = Field(None, validation_alias=AliasChoices("voice", "speaker"))
+    response_format: str | None = None
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream: bool | None = None
+    stream_format: Literal["audio", "sse"] | None = None
+    language: str = "Auto"
+    instructions: str | None = None
+    sample_rate: int | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = Field(None, ge=1)
+    task_type: str | None = None
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
+
+    @property
+    def voice_id(self) -> str | None:
+        if isinstance(self.voice, dict):
+            return self.voice.get("id")
+        return self.voice
+
+    @property
+    def sse(self) -> bool:
+        return self.stream_format == "sse" or (self.stream is True and self.stream_format is None)
+
+
+async def pipelined_synthesis(
+    backend: Synthesizer, requests: list[SynthesisRequest], lookahead: int
+) -> AsyncIterator[bytes]:
+    """PCM of each request in order, synthesizing up to `lookahead` requests ahead of the one being read."""
+    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
+    tasks: list[asyncio.Task | None] = [None] * len(requests)
+    end = object()
+
+    async def run(i: int) -> None:
+        try:
+            async with contextlib.aclosing(backend.synthesize(requests[i])) as stream:
+                async for chunk in stream:
+                    if chunk.pcm:
+                        queues[i].put_nowait(chunk.pcm)
+            queues[i].put_nowait(end)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queues[i].put_nowait(exc)
+
+    try:
+        for i in range(len(requests)):
+            for j in range(i, min(len(requests), i + 1 + lookahead)):
+                if tasks[j] is None:
+                    tasks[j] = asyncio.create_task(run(j), name=f"http-synth-{j}")
+            while True:
+                item = await queues[i].get()
+                if item is end:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            if task is not None and not task.done():
+                task.cancel()
+        for task in tasks:
+            if task is not None:
+                with contextlib.suppress(BaseException):
+                    await task
+
+
+def _sentences(text: str, language: str) -> list[str]:
+    segmenter = SentenceSegmenter("sentence", language=language)
+    units = segmenter.push(text) + segmenter.flush()
+    return [u for u in units if u.strip()]
+
+
+@router.post("/v1/audio/speech")
+async def create_speech(body: SpeechRequest, request: Request, principal: Principal = Depends(require_auth)) -> Response:
+    arrived = time.monotonic()
+    gateway = gateway_of(request)
+    settings, backend = gateway.settings, gateway.backend
+    gateway.metrics.http_requests_total.labels("sse" if body.sse else "audio").inc()
+    try:
+        if not backend.ready:
+            raise ApiError(ErrorCode.overloaded, "the speech backend is still starting; retry shortly", status=503)
+        if not body.input.strip():
+            raise ApiError(ErrorCode.invalid_message, "input must contain text", param="input")
+        if len(body.input) > settings.max_http_input_chars:
+            raise ApiError(
+                ErrorCode.text_too_long,
+                f"input has {len(body.input)} characters; the limit is {settings.max_http_input_chars}",
+                param="input",
+            )
+        try:
+            voice = resolve_voice(backend, settings, body.voice_id)
+        except ProtocolError as exc:
+            raise ApiError(exc.code, exc.message, param="voice") from None
+        fmt = (body.response_format or ("pcm" if body.sse else "wav")).lower()
+        if fmt not in audio.FORMATS:
+            raise ApiError(
+                ErrorCode.unsupported_format,
+                f"response_format {fmt!r} is not supported; choose one of {', '.join(audio.FORMATS)}",
+                param="response_format",
+            )
+        rate = body.sample_rate or (8000 if fmt in ("mulaw", "alaw") else backend.sample_rate)
+        if rate not in audio.SAMPLE_RATES and rate != backend.sample_rate:
+            raise ApiError(
+                ErrorCode.unsupported_format,
+                f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
+                param="sample_rate",
+            )
+    except ApiError as error:
+        gateway.metrics.errors_total.labels(error.code.value).inc()
+        return error.response()
+
+    extra: dict[str, Any] = {
+        k: v for k, v in (("task_type", body.task_type), ("ref_audio", body.ref_audio), ("ref_text", body.ref_text),
+                          ("x_vector_only_mode", body.x_vector_only_mode)) if v is not None
+    }
+    if body.speed != 1.0:
+        extra["speed"] = body.speed
+    request_id = f"http-{id(request):x}-{int(arrived * 1000)}"
+    requests = [
+        SynthesisRequest(
+            text=text,
+            voice=voice,
+            language=body.language,
+            instructions=body.instructions,
+            seed=body.seed,
+            max_new_tokens=body.max_new_tokens,
+            utterance_key=request_id,
+            request_id=f"{request_id}/{i}",
+            extra=extra,
+        )
+        for i, text in enumerate(_sentences(body.input, body.language))
+    ]
+    metrics = gateway.metrics
+    stream_fmt = "pcm" if fmt == "wav" else fmt
+
+    async def encoded() -> AsyncIterator[bytes]:
+        """The encoded audio stream (wav: its PCM body), recording time to first audio."""
+        encoder = audio.StreamEncoder(stream_fmt, backend.sample_rate, rate)
+        first = True
+        async with contextlib.aclosing(pipelined_synthesis(backend, requests, settings.lookahead_sentences)) as pcm_stream:
+            async for pcm in pcm_stream:
+                data = encoder.encode(pcm)
+                if data:
+                    if first:
+                        metrics.ttfa_seconds.labels("http").observe(time.monotonic() - arrived)
+                        first = False
+                    metrics.audio_bytes_total.labels("http").inc(len(data))
+                    yield data
+        tail = encoder.flush()
+        if tail:
+            metrics.audio_bytes_total.labels("http").inc(len(tail))
+            yield tail
+
+    def failure_of(exc: Exception) -> ApiError:
+        if isinstance(exc, UnknownVoiceError):
+            return ApiError(ErrorCode.unknown_voice, str(exc))
+        if isinstance(exc, BackendOverloadedError):
+            return ApiError(ErrorCode.overloaded, str(exc))
+        if isinstance(exc, SynthesisError):
+            return ApiError(ErrorCode.synthesis_failed, str(exc))
+        return ApiError(ErrorCode.internal, f"synthesis failed: {type(exc).__name__}")
+
+    if body.sse:
+        async def events() -> AsyncIterator[bytes]:
+            total = 0
+            header = audio.wav_header(rate) if fmt == "wav" else b""
+            try:
+                async for data in encoded():
+                    data, header = header + data, b""
+                    total += len(data)
+                    event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
+                    yield f"data: {json.dumps(event)}\n\n".encode()
+            except Exception as exc:
+                error = failure_of(exc)
+                metrics.errors_total.labels(error.code.value).inc()
+                event = {"type": "speech.audio.error", "error": {"message": error.message, "code": error.code.value}}
+                yield f"data: {json.dumps(event)}\n\n".encode()
+                return
+            tokens = len(body.input.split())
+            usage = {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}
+            yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n".encode()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    headers = {"X-Sample-Rate": str(rate)}
+    if fmt == "wav" and body.stream_format != "audio" and not body.stream:
+        # A complete file with true sizes: made whole, then sent.
+        try:
+            pcm = b"".join([chunk async for chunk in encoded()])
+        except Exception as exc:
+            error = failure_of(exc)
+            metrics.errors_total.labels(error.code.value).inc()
+            return error.response()
+        return Response(audio.wav_bytes(pcm, rate), media_type=audio.content_type("wav"), headers=headers)
+
+    async def body_stream() -> AsyncIterator[bytes]:
+        if fmt == "wav":
+            yield audio.wav_header(rate)
+        async for data in encoded():
+            yield data
+
+    # Fail before the status line if the first sentence cannot be made (e.g. the backend refuses it).
+    stream = body_stream()
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        first = b""
+    except Exception as exc:
+        error = failure_of(exc)
+        metrics.errors_total.labels(error.code.value).inc()
+        return error.response()
+
+    async def rest() -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(stream):
+            if first:
+                yield first
+            async for data in stream:
+                yield data
+
+    return StreamingResponse(rest(), media_type=audio.content_type(fmt, rate), headers=headers)
+
+
+# ----------------------------------------------------------------------------------------- catalogue
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    backend = gateway_of(request).backend
+    voices = backend.voices()
+    return {
+        "object": "list",
+        "voices": [v.id for v in voices],
+        "default": gateway_of(request).default_voice,
+        "data": [
+            {"id": v.id, "object": "voice", "name": v.name, "language": v.language, "description": v.description}
+            for v in voices
+        ],
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": gateway.settings.served_model_name,
+                "object": "model",
+                "created": int(gateway.started_at),
+                "owned_by": "voxgate",
+                "backend": gateway.backend.name,
+            }
+        ],
+    }
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    gateway = gateway_of(request)
+    is_ready = gateway.backend.ready and not gateway.draining
+    body = {"status": "ready" if is_ready else "not_ready", "backend": gateway.backend.name,
+            "draining": gateway.draining}
+    return JSONResponse(body, status_code=200 if is_ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    gateway = gateway_of(request)
+    return Response(gateway.metrics.render(), media_type=gateway.metrics.content_type)

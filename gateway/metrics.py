@@ -1,0 +1,40 @@
+"""Prometheus metrics, one CollectorRegistry per app instance (so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Time to first audio spans sub-10 ms (synthetic backend) to seconds (an overloaded GPU).
+TTFA_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.sessions_active = Gauge("voxgate_sessions_active", "WebSocket sessions open now", registry=r)
+        self.sessions_total = Counter("voxgate_sessions_total", "WebSocket sessions started", registry=r)
+        self.sentences_total = Counter(
+            "voxgate_sentences_total", "Sentences finished, by outcome (done, failed, cancelled)", ["outcome"], registry=r
+        )
+        self.audio_bytes_total = Counter(
+            "voxgate_audio_bytes_total", "Encoded audio bytes sent to clients", ["transport"], registry=r
+        )
+        self.ttfa_seconds = Histogram(
+            "voxgate_ttfa_seconds",
+            "Time to first audio: from an utterance's first sentence being released for synthesis (WebSocket)"
+            " or the request arriving (HTTP) to its first audio byte being sent",
+            ["transport"],
+            buckets=TTFA_BUCKETS,
+            registry=r,
+        )
+        self.errors_total = Counter("voxgate_errors_total", "Errors reported to clients, by code", ["code"], registry=r)
+        self.http_requests_total = Counter(
+            "voxgate_speech_requests_total", "POST /v1/audio/speech requests", ["stream"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

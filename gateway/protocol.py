@@ -1,0 +1,301 @@
+"""Typed messages of the streaming protocol (version 1, ../shared/design/protocol.md).
+
+Client messages are parsed through one discriminated union on `type`; server messages are pydantic
+models serialized with `encode()`, which leaves out unset optional fields so that clients written for
+vLLM-Omni see exactly the fields they know plus our extensions.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+STREAMING_FORMATS = ("pcm", "mulaw", "alaw")
+GRANULARITIES = ("sentence", "clause", "none")
+
+
+class ErrorCode(str, enum.Enum):
+    invalid_json = "invalid_json"
+    invalid_message = "invalid_message"
+    unknown_type = "unknown_type"
+    config_required = "config_required"
+    config_locked = "config_locked"
+    unknown_voice = "unknown_voice"
+    unsupported_format = "unsupported_format"
+    text_too_long = "text_too_long"
+    message_too_large = "message_too_large"
+    rate_limited = "rate_limited"
+    too_many_sessions = "too_many_sessions"
+    unauthorized = "unauthorized"
+    session_not_found = "session_not_found"
+    resume_out_of_range = "resume_out_of_range"
+    synthesis_failed = "synthesis_failed"
+    overloaded = "overloaded"
+    idle_timeout = "idle_timeout"
+    internal = "internal"
+
+
+# Whether the same request may succeed later.
+RETRYABLE = {
+    ErrorCode.rate_limited,
+    ErrorCode.too_many_sessions,
+    ErrorCode.overloaded,
+    ErrorCode.synthesis_failed,
+    ErrorCode.internal,
+}
+
+
+class CloseCode(enum.IntEnum):
+    normal = 1000
+    policy = 1008
+    too_big = 1009
+    internal = 1011
+    try_again_later = 1013
+
+
+class ProtocolError(Exception):
+    """An error to report to the client. `close` set means it is fatal: the socket closes with that code."""
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        close: CloseCode | None = None,
+        context_id: str | None = None,
+        sentence_index: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.close = close
+        self.context_id = context_id
+        self.sentence_index = sentence_index
+
+    def to_message(self) -> "ErrorMessage":
+        return ErrorMessage(
+            message=self.message,
+            code=self.code.value,
+            retryable=self.code in RETRYABLE,
+            context_id=self.context_id,
+            sentence_index=self.sentence_index,
+        )
+
+
+# ----------------------------------------------------------------------------------------- client messages
+
+
+class _ClientMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SessionConfig(_ClientMessage):
+    """`session.config`. Unknown fields are rejected; vLLM-Omni's voice-clone fields are accepted and
+    passed to the backend, which refuses them if it cannot clone."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["session.config"] = "session.config"
+    model: str | None = None
+    voice: str | None = Field(None, validation_alias=AliasChoices("voice", "speaker"))
+    language: str = "Auto"
+    instructions: str | None = None
+    task_type: str | None = None
+    response_format: str | None = None
+    stream_audio: bool = False
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    max_new_tokens: int | None = Field(None, ge=1)
+    initial_codec_chunk_frames: int | None = Field(None, ge=0)
+    seed: int | None = None
+    split_granularity: Literal["sentence", "clause", "none"] = "sentence"
+    sample_rate: int | None = None
+    chunk_schedule: list[Annotated[int, Field(ge=1)]] | None = None
+    # vLLM-Omni voice cloning inputs, forwarded in SynthesisRequest.extra.
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
+
+    @model_validator(mode="after")
+    def _defaults_and_streaming_rules(self) -> "SessionConfig":
+        if self.response_format is None:
+            self.response_format = "pcm" if self.stream_audio else "wav"
+        self.response_format = self.response_format.lower()
+        if self.stream_audio and self.speed != 1.0:
+            raise ValueError("speed must be 1.0 when stream_audio is true (speed works for whole files only)")
+        return self
+
+    @property
+    def effective_chunk_schedule(self) -> tuple[int, ...] | None:
+        if self.chunk_schedule:
+            return tuple(self.chunk_schedule)
+        if self.initial_codec_chunk_frames:
+            return (self.initial_codec_chunk_frames,)
+        return None
+
+    def backend_extra(self) -> dict[str, Any]:
+        """Request options that only some backends understand."""
+        extra: dict[str, Any] = {}
+        for name in ("task_type", "ref_audio", "ref_text", "x_vector_only_mode"):
+            value = getattr(self, name)
+            if value is not None:
+                extra[name] = value
+        if self.speed != 1.0:
+            extra["speed"] = self.speed
+        return extra
+
+
+class InputText(_ClientMessage):
+    type: Literal["input.text"]
+    text: str
+    context_id: str | None = None
+
+
+class InputFlush(_ClientMessage):
+    type: Literal["input.flush"]
+    context_id: str | None = None
+
+
+class InputDone(_ClientMessage):
+    type: Literal["input.done"]
+    context_id: str | None = None
+
+
+class InputCancel(_ClientMessage):
+    type: Literal["input.cancel"]
+    context_id: str | None = None
+
+
+class SessionResume(_ClientMessage):
+    type: Literal["session.resume"]
+    session_id: str
+    sentence_index: int = Field(0, ge=0)
+    bytes_received: int = Field(0, ge=0)
+
+
+class SessionClose(_ClientMessage):
+    type: Literal["session.close"]
+
+
+class Ping(_ClientMessage):
+    type: Literal["ping"]
+    id: Any = None
+
+
+ClientMessage = Annotated[
+    Union[SessionConfig, InputText, InputFlush, InputDone, InputCancel, SessionResume, SessionClose, Ping],
+    Field(discriminator="type"),
+]
+CLIENT_TYPES = (
+    "session.config",
+    "input.text",
+    "input.flush",
+    "input.done",
+    "input.cancel",
+    "session.resume",
+    "session.close",
+    "ping",
+)
+_client_adapter: TypeAdapter[Any] = TypeAdapter(ClientMessage)
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        location = ".".join(str(p) for p in item["loc"] if p not in CLIENT_TYPES)
+        parts.append(f"{location}: {item['msg']}" if location else item["msg"])
+    return "; ".join(parts)
+
+
+def parse_client_message(raw: str) -> Any:
+    """Parse one text frame. Raises ProtocolError (invalid_json, invalid_message, unknown_type)."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ProtocolError(ErrorCode.invalid_json, f"message is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(ErrorCode.invalid_message, "message must be a JSON object")
+    kind = data.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError(ErrorCode.invalid_message, "message needs a string field 'type'")
+    if kind not in CLIENT_TYPES:
+        raise ProtocolError(
+            ErrorCode.unknown_type, f"unknown message type {kind!r}; expected one of {', '.join(CLIENT_TYPES)}"
+        )
+    try:
+        return _client_adapter.validate_python(data)
+    except ValidationError as exc:
+        raise ProtocolError(ErrorCode.invalid_message, f"invalid {kind}: {_describe(exc)}") from None
+
+
+# ----------------------------------------------------------------------------------------- server messages
+
+
+class _ServerMessage(BaseModel):
+    def encode(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+class SessionStarted(_ServerMessage):
+    type: Literal["session.started"] = "session.started"
+    session_id: str
+    sample_rate: int
+    format: str
+    voices: list[str]
+    voice: str
+
+
+class AudioStart(_ServerMessage):
+    type: Literal["audio.start"] = "audio.start"
+    sentence_index: int
+    sentence_text: str
+    format: str
+    sample_rate: int
+    channels: int = 1
+    context_id: str | None = None
+
+
+class AudioDone(_ServerMessage):
+    type: Literal["audio.done"] = "audio.done"
+    sentence_index: int
+    total_bytes: int
+    error: bool = False
+    context_id: str | None = None
+    duration_ms: float
+    cancelled: bool | None = None
+
+
+class UtteranceDone(_ServerMessage):
+    type: Literal["utterance.done"] = "utterance.done"
+    context_id: str | None = None
+    total_sentences: int
+
+
+class ContextCancelled(_ServerMessage):
+    type: Literal["context.cancelled"] = "context.cancelled"
+    context_id: str | None = None
+    sentence_index: int | None = None
+
+
+class SessionDone(_ServerMessage):
+    type: Literal["session.done"] = "session.done"
+    total_sentences: int
+
+
+class ErrorMessage(_ServerMessage):
+    type: Literal["error"] = "error"
+    message: str
+    code: str
+    retryable: bool = False
+    context_id: str | None = None
+    sentence_index: int | None = None
+
+
+class Pong(_ServerMessage):
+    type: Literal["pong"] = "pong"
+    id: Any = None
+
+    def encode(self) -> str:  # `id` is echoed even when null
+        return json.dumps({"type": self.type, "id": self.id})

@@ -1,0 +1,771 @@
+"""One streaming session per WebSocket: the protocol's state machine.
+
+Ownership of tasks (all created and ended by `StreamingSession.run`):
+- the reader (the coroutine `run` itself awaits `_read_loop`) parses client messages, feeds each
+  context's segmenter and appends work to the send queue; it never waits on synthesis;
+- the sender (`_send_loop`) walks the send queue in order: for each sentence it sends `audio.start`,
+  the binary frames, `audio.done`; for an utterance marker `utterance.done`/`session.done`. Only one
+  sentence is ever being sent, so two sentences' frames never interleave;
+- one synthesis task per sentence (`_synthesize`) fills that sentence's chunk queue. The first
+  1 + `lookahead_sentences` sentences of the send queue are synthesizing at any time: sentence N+1 is
+  being made while N is sent, so there is no gap, and memory stays bounded.
+
+Every write to the socket takes `_send_lock`, and a sentence's frames are sent only while it is not
+cancelled, checked under that lock: after `input.cancel` has taken the lock and marked a context
+cancelled, not one more byte of it goes out. Sentence indices count from 0 across the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
+
+from . import audio
+from .metrics import GatewayMetrics
+from .protocol import (
+    STREAMING_FORMATS,
+    AudioDone,
+    AudioStart,
+    CloseCode,
+    ContextCancelled,
+    ErrorCode,
+    InputCancel,
+    InputDone,
+    InputFlush,
+    InputText,
+    Ping,
+    Pong,
+    ProtocolError,
+    SessionClose,
+    SessionConfig,
+    SessionDone,
+    SessionResume,
+    SessionStarted,
+    UtteranceDone,
+    parse_client_message,
+)
+from .segmenter import SentenceSegmenter
+from .settings import GatewaySettings
+from .store import SessionStore
+
+log = logging.getLogger("voxgate.session")
+
+_END = object()  # a sentence's synthesis finished
+_CANCELLED = object()  # a sentence was cancelled; wakes a sender waiting on its chunks
+
+
+class _ClientGone(Exception):
+    """The socket is closed; stop quietly."""
+
+
+# ------------------------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A validated session.config with the gateway's choices filled in."""
+
+    message: SessionConfig
+    voice: str
+    response_format: str
+    stream_audio: bool
+    source_rate: int
+    output_rate: int
+
+    def snapshot(self) -> dict[str, Any]:
+        data = self.message.model_dump(exclude_none=True)
+        data.update(voice=self.voice, response_format=self.response_format, sample_rate=self.output_rate)
+        return data
+
+
+@dataclass(eq=False)
+class Utterance:
+    """The text of one context between its first input.text and its input.done (or cancel)."""
+
+    context_id: str | None
+    number: int  # per session, for SynthesisRequest.utterance_key
+    segmenter: SentenceSegmenter
+    sentences: int = 0
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class SentenceJob:
+    index: int
+    text: str
+    utterance: Utterance
+    config: ResolvedConfig
+    released_at: float
+    first_of_utterance: bool
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    started_sending: bool = False
+    finished: bool = False
+    bytes_sent: int = 0
+    source_samples: int = 0  # backend samples received, for duration_ms
+
+    @property
+    def cancelled(self) -> bool:
+        return self.utterance.cancelled
+
+
+@dataclass(eq=False)
+class UtteranceEnd:
+    """Marks the end of an utterance in the send queue."""
+
+    utterance: Utterance
+
+
+@dataclass(eq=False)
+class SessionEnd:
+    """session.close: after everything before it, send session.done and close."""
+
+
+# ------------------------------------------------------------------------------------------ session
+
+
+class StreamingSession:
+    def __init__(
+        self,
+        websocket: WebSocket,
+        *,
+        settings: GatewaySettings,
+        backend: Synthesizer,
+        store: SessionStore,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.ws = websocket
+        self.settings = settings
+        self.backend = backend
+        self.store = store
+        self.metrics = metrics
+
+        self.session_id: str | None = None
+        self.config: ResolvedConfig | None = None
+        self.uses_contexts = False  # set once any message names a context_id
+        self.next_sentence_index = 0
+        self._utterance_count = 0
+        self._open: dict[str | None, Utterance] = {}  # context id -> utterance still taking text
+        self._queue: deque[SentenceJob | UtteranceEnd | SessionEnd] = deque()
+        self._queue_changed = asyncio.Event()
+        self._current: SentenceJob | UtteranceEnd | SessionEnd | None = None  # being sent now
+        self._pending_chars = 0  # text of released sentences not yet fully sent
+        self._send_lock = asyncio.Lock()
+        self._closing = False  # session.close received
+        self._last_activity = time.monotonic()
+        self._sender: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def run(self) -> None:
+        """Serve the socket until it closes. The socket must already be accepted."""
+        self.metrics.sessions_total.inc()
+        self.metrics.sessions_active.inc()
+        try:
+            if await self._handshake():
+                self._sender = asyncio.create_task(self._send_loop(), name=f"sender-{self.session_id}")
+                self._reader = asyncio.create_task(self._read_loop(), name=f"reader-{self.session_id}")
+                done, _ = await asyncio.wait({self._reader, self._sender}, return_when=asyncio.FIRST_COMPLETED)
+                if self._reader in done:
+                    self._reader.result()  # raises the fatal error or _ClientGone, if any
+                    await self._sender  # after session.close: it sends session.done and closes the socket
+                else:
+                    self._sender.result()  # the sender only ends on error or after session.close
+        except ProtocolError as error:
+            await self._fail(error)
+        except (_ClientGone, WebSocketDisconnect):
+            pass
+        except Exception:
+            log.exception("session %s failed", self.session_id)
+            await self._fail(ProtocolError(ErrorCode.internal, "internal error", close=CloseCode.internal))
+        finally:
+            await self._shutdown()
+            self.metrics.sessions_active.dec()
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in [self._reader, self._sender, *self._synthesis_tasks()] if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._sender is not None and self._sender.done() and not self._sender.cancelled():
+            error = self._sender.exception()
+            if error is not None and not isinstance(error, (_ClientGone, WebSocketDisconnect)):
+                log.error("sender of session %s failed: %r", self.session_id, error)
+        if self.session_id is not None:
+            await self.store.detach(self.session_id)
+        if self.ws.application_state == WebSocketState.CONNECTED:
+            with contextlib.suppress(Exception):
+                await self.ws.close(CloseCode.normal)
+
+    def _synthesis_tasks(self) -> list[asyncio.Task | None]:
+        jobs = [item for item in [self._current, *self._queue] if isinstance(item, SentenceJob)]
+        return [job.task for job in jobs]
+
+    @property
+    def busy(self) -> bool:
+        """Audio is being made or sent: the idle timeout does not run."""
+        return self._current is not None or bool(self._queue)
+
+    # -------------------------------------------------------------- socket I/O
+
+    async def _receive_text(self, timeout: float) -> str:
+        """The next text frame. Raises TimeoutError, _ClientGone, or ProtocolError for binary frames."""
+        message = await asyncio.wait_for(self.ws.receive(), timeout)
+        if message["type"] == "websocket.disconnect":
+            raise _ClientGone()
+        text = message.get("text")
+        if text is None:
+            raise ProtocolError(ErrorCode.invalid_message, "binary frames are not accepted; send JSON text frames")
+        return text
+
+    def _parse(self, raw: str):
+        size = len(raw) if raw.isascii() else len(raw.encode("utf-8"))
+        if size > self.settings.max_config_bytes:
+            raise ProtocolError(
+                ErrorCode.message_too_large,
+                f"message of {size} bytes exceeds the {self.settings.max_config_bytes}-byte limit",
+                close=CloseCode.too_big,
+            )
+        message = parse_client_message(raw)
+        if size > self.settings.max_message_bytes and not isinstance(message, SessionConfig):
+            raise ProtocolError(
+                ErrorCode.message_too_large,
+                f"{message.type} message of {size} bytes exceeds the {self.settings.max_message_bytes}-byte limit",
+                context_id=getattr(message, "context_id", None),
+            )
+        return message
+
+    async def _send_json(self, message) -> None:
+        async with self._send_lock:
+            await self._send_text_locked(message.encode())
+
+    async def _send_text_locked(self, text: str) -> None:
+        try:
+            await self.ws.send_text(text)
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise _ClientGone() from exc
+
+    async def _send_bytes_locked(self, data: bytes) -> None:
+        try:
+            await self.ws.send_bytes(data)
+        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
+            raise _ClientGone() from exc
+
+    async def _report(self, error: ProtocolError) -> None:
+        """A non-fatal error: tell the client, keep going."""
+        self.metrics.errors_total.labels(error.code.value).inc()
+        await self._send_json(error.to_message())
+
+    async def _fail(self, error: ProtocolError) -> None:
+        """A fatal error: tell the client and close with the error's close code."""
+        self.metrics.errors_total.labels(error.code.value).inc()
+        if self.ws.application_state != WebSocketState.CONNECTED:
+            return
+        with contextlib.suppress(Exception):
+            async with self._send_lock:
+                await self.ws.send_text(error.to_message().encode())
+                await self.ws.close(int(error.close or CloseCode.policy), reason=error.code.value)
+
+    # -------------------------------------------------------------- handshake
+
+    async def _handshake(self) -> bool:
+        """Wait for a valid session.config. Returns False if the client left."""
+        deadline = time.monotonic() + self.settings.config_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                raw = await self._receive_text(remaining)
+                message = self._parse(raw)
+            except TimeoutError:
+                raise ProtocolError(
+                    ErrorCode.config_required,
+                    f"no session.config received within {self.settings.config_timeout_s:g} s",
+                    close=CloseCode.policy,
+                ) from None
+            except _ClientGone:
+                return False
+            except ProtocolError as error:
+                if error.close is not None:
+                    raise
+                await self._report(error)
+                continue
+            try:
+                if isinstance(message, SessionConfig):
+                    await self._apply_config(message)
+                    return True
+                if isinstance(message, Ping):
+                    await self._send_json(Pong(id=message.id))
+                elif isinstance(message, SessionResume):
+                    await self._resume(message)
+                else:
+                    raise ProtocolError(
+                        ErrorCode.config_required,
+                        f"send session.config before {message.type}; this message was not processed",
+                        context_id=getattr(message, "context_id", None),
+                    )
+            except ProtocolError as error:
+                if error.close is not None:
+                    raise
+                await self._report(error)
+
+    async def _resume(self, message: SessionResume) -> None:
+        # Resuming needs the session's synthesis to outlive its socket: issue 5. Until then no session
+        # can be found, and the client may start a new one on this socket with session.config.
+        raise ProtocolError(
+            ErrorCode.session_not_found,
+            f"session {message.session_id!r} cannot be resumed here; send session.config to start a new session",
+        )
+
+    def _resolve(self, message: SessionConfig) -> ResolvedConfig:
+        voice = resolve_voice(self.backend, self.settings, message.voice)
+        fmt = message.response_format or "pcm"
+        if fmt not in audio.FORMATS:
+            raise ProtocolError(
+                ErrorCode.unsupported_format,
+                f"response_format {fmt!r} is not supported; choose one of {', '.join(audio.FORMATS)}",
+            )
+        if message.stream_audio and fmt not in STREAMING_FORMATS:
+            raise ProtocolError(
+                ErrorCode.unsupported_format,
+                f"stream_audio needs one of {', '.join(STREAMING_FORMATS)}; {fmt!r} is sent whole per sentence"
+                " with stream_audio false",
+            )
+        rate = message.sample_rate
+        if rate is None:
+            rate = 8000 if fmt in ("mulaw", "alaw") else self.backend.sample_rate
+        if rate not in audio.SAMPLE_RATES and rate != self.backend.sample_rate:
+            raise ProtocolError(
+                ErrorCode.unsupported_format,
+                f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
+            )
+        return ResolvedConfig(
+            message=message,
+            voice=voice,
+            response_format=fmt,
+            stream_audio=message.stream_audio,
+            source_rate=self.backend.sample_rate,
+            output_rate=rate,
+        )
+
+    async def _apply_config(self, message: SessionConfig) -> None:
+        if self.config is not None and self._open:
+            raise ProtocolError(
+                ErrorCode.config_locked,
+                "session.config is allowed only between utterances; finish (input.done) or cancel open ones first",
+            )
+        resolved = self._resolve(message)
+        first = self.config is None
+        self.config = resolved
+        if first:
+            self.session_id = uuid.uuid4().hex
+            await self.store.create(self.session_id, resolved.snapshot())
+        else:
+            await self.store.update_config(self.session_id, resolved.snapshot())
+        await self._send_json(
+            SessionStarted(
+                session_id=self.session_id,
+                sample_rate=resolved.output_rate,
+                format=resolved.response_format,
+                voices=[v.id for v in self.backend.voices()],
+                voice=resolved.voice,
+            )
+        )
+
+    # -------------------------------------------------------------- reading
+
+    async def _read_loop(self) -> None:
+        while not self._closing:
+            idle_for = time.monotonic() - self._last_activity
+            timeout = max(0.05, self.settings.idle_timeout_s - idle_for)
+            try:
+                raw = await self._receive_text(timeout)
+            except TimeoutError:
+                if self.busy:
+                    self._last_activity = time.monotonic()
+                elif time.monotonic() - self._last_activity >= self.settings.idle_timeout_s:
+                    raise ProtocolError(
+                        ErrorCode.idle_timeout,
+                        f"no message for {self.settings.idle_timeout_s:g} s; closing the session",
+                        close=CloseCode.normal,
+                    ) from None
+                continue
+            except ProtocolError as error:  # a binary frame
+                self._last_activity = time.monotonic()
+                await self._report(error)
+                continue
+            self._last_activity = time.monotonic()
+            try:
+                await self._dispatch(self._parse(raw))
+            except ProtocolError as error:
+                if error.close is not None:
+                    raise
+                await self._report(error)
+
+    async def _dispatch(self, message) -> None:
+        context_id = getattr(message, "context_id", None)
+        if context_id is not None:
+            self.uses_contexts = True
+        if isinstance(message, InputText):
+            await self._on_text(message)
+        elif isinstance(message, InputFlush):
+            await self._on_flush(message.context_id)
+        elif isinstance(message, InputDone):
+            await self._on_done(message.context_id)
+        elif isinstance(message, InputCancel):
+            await self._on_cancel(message.context_id)
+        elif isinstance(message, Ping):
+            await self._send_json(Pong(id=message.id))
+        elif isinstance(message, SessionConfig):
+            await self._apply_config(message)
+        elif isinstance(message, SessionClose):
+            await self._on_close()
+        elif isinstance(message, SessionResume):
+            raise ProtocolError(ErrorCode.invalid_message, "session.resume is only valid as a connection's first message")
+
+    def _utterance(self, context_id: str | None) -> Utterance:
+        utterance = self._open.get(context_id)
+        if utterance is None:
+            assert self.config is not None
+            self._utterance_count += 1
+            utterance = Utterance(
+                context_id=context_id,
+                number=self._utterance_count,
+                segmenter=SentenceSegmenter(self.config.message.split_granularity, language=self.config.message.language),
+            )
+            self._open[context_id] = utterance
+        return utterance
+
+    def _buffered_chars(self) -> int:
+        return self._pending_chars + sum(u.segmenter.buffered_chars for u in self._open.values())
+
+    async def _on_text(self, message: InputText) -> None:
+        if self._closing:
+            raise ProtocolError(ErrorCode.invalid_message, "the session is closing", context_id=message.context_id)
+        limit = self.settings.max_buffered_chars
+        if self._buffered_chars() + len(message.text) > limit:
+            raise ProtocolError(
+                ErrorCode.text_too_long,
+                f"this input.text ({len(message.text)} characters) was not accepted: the session would hold more"
+                f" than {limit} characters not yet spoken; wait for audio or send input.flush",
+                context_id=message.context_id,
+            )
+        utterance = self._utterance(message.context_id)
+        await self._release(utterance, utterance.segmenter.push(message.text))
+
+    async def _on_flush(self, context_id: str | None) -> None:
+        utterance = self._open.get(context_id)
+        if utterance is not None:
+            await self._release(utterance, utterance.segmenter.flush())
+
+    async def _on_done(self, context_id: str | None) -> None:
+        utterance = self._open.pop(context_id, None)
+        if utterance is None:
+            # input.done with no text: the utterance is empty, but the client still gets its answer.
+            assert self.config is not None
+            self._utterance_count += 1
+            utterance = Utterance(context_id, self._utterance_count, SentenceSegmenter("none"))
+        else:
+            await self._release(utterance, utterance.segmenter.flush())
+        self._enqueue(UtteranceEnd(utterance))
+
+    async def _on_close(self) -> None:
+        for context_id in list(self._open):
+            await self._on_done(context_id)
+        self._closing = True
+        self._enqueue(SessionEnd())
+
+    async def _release(self, utterance: Utterance, sentences: list[str]) -> None:
+        assert self.config is not None and self.session_id is not None
+        now = time.monotonic()
+        for text in sentences:
+            if not text.strip():
+                continue
+            job = SentenceJob(
+                index=self.next_sentence_index,
+                text=text,
+                utterance=utterance,
+                config=self.config,
+                released_at=now,
+                first_of_utterance=utterance.sentences == 0,
+            )
+            self.next_sentence_index += 1
+            utterance.sentences += 1
+            self._pending_chars += len(text)
+            # Recorded before the sentence can produce audio, so the store always knows what a byte belongs to.
+            await self.store.add_sentence(self.session_id, job.index, text, utterance.context_id)
+            self._enqueue(job)
+
+    def _enqueue(self, item: SentenceJob | UtteranceEnd | SessionEnd) -> None:
+        self._queue.append(item)
+        self._fill_pipeline()
+        self._queue_changed.set()
+
+    # -------------------------------------------------------------- cancel
+
+    async def _on_cancel(self, context_id: str | None) -> None:
+        cancelled_any = False
+        stopped: list[SentenceJob] = []
+        utterance = self._open.pop(context_id, None)
+        if utterance is not None:
+            utterance.cancelled = True
+            cancelled_any = True
+        async with self._send_lock:
+            # Holding the send lock: the sender is between frames, and from here on it sees the flag.
+            interrupted: SentenceJob | None = None
+            current = self._current
+            if isinstance(current, (SentenceJob, UtteranceEnd)) and current.utterance.context_id == context_id:
+                if not current.utterance.cancelled:
+                    current.utterance.cancelled = True
+                    cancelled_any = True
+            for item in self._queue:
+                if isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.context_id == context_id:
+                    if not item.utterance.cancelled:
+                        item.utterance.cancelled = True
+                        cancelled_any = True
+            kept: deque = deque()
+            first_unsent: int | None = None
+            for item in [current, *self._queue]:
+                if isinstance(item, SentenceJob) and item.cancelled and not item.finished:
+                    if first_unsent is None:
+                        first_unsent = item.index
+                    self._stop_job(item)
+                    stopped.append(item)
+                    if item is current and item.started_sending:
+                        interrupted = item
+            for item in self._queue:
+                if isinstance(item, (SentenceJob, UtteranceEnd)) and item.cancelled:
+                    continue
+                kept.append(item)
+            self._queue = kept
+            if interrupted is not None:
+                await self._send_text_locked(self._audio_done(interrupted, error=False, cancelled=True).encode())
+            await self._send_text_locked(ContextCancelled(context_id=context_id, sentence_index=first_unsent).encode())
+        if not cancelled_any:
+            log.debug("input.cancel for %r: nothing to cancel", context_id)
+        for job in stopped:
+            await self.store.set_sentence_state(self.session_id, job.index, "cancelled")
+        self._fill_pipeline()
+        self._queue_changed.set()
+
+    def _stop_job(self, job: SentenceJob) -> None:
+        job.finished = True
+        self._pending_chars -= len(job.text)
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+        job.chunks.put_nowait(_CANCELLED)
+        self.metrics.sentences_total.labels("cancelled").inc()
+
+    # -------------------------------------------------------------- synthesis
+
+    def _fill_pipeline(self) -> None:
+        """Start synthesis for the first 1 + lookahead sentences waiting to be sent."""
+        room = 1 + self.settings.lookahead_sentences
+        for item in [self._current, *self._queue]:
+            if room == 0:
+                break
+            if isinstance(item, SentenceJob) and not item.cancelled and not item.finished:
+                room -= 1
+                if item.task is None:
+                    item.task = asyncio.create_task(self._synthesize(item), name=f"synth-{self.session_id}-{item.index}")
+
+    async def _synthesize(self, job: SentenceJob) -> None:
+        config = job.config
+        request = SynthesisRequest(
+            text=job.text,
+            voice=config.voice,
+            language=config.message.language,
+            instructions=config.message.instructions,
+            seed=config.message.seed,
+            max_new_tokens=config.message.max_new_tokens,
+            chunk_schedule=config.message.effective_chunk_schedule,
+            utterance_key=f"{self.session_id}/{job.utterance.number}",
+            request_id=f"{self.session_id}/{job.index}",
+            extra=config.message.backend_extra(),
+        )
+        try:
+            async with contextlib.aclosing(self.backend.synthesize(request)) as stream:
+                async for chunk in stream:
+                    if chunk.pcm:
+                        job.chunks.put_nowait(chunk.pcm)
+            job.chunks.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # reported by the sender, in order
+            job.chunks.put_nowait(exc)
+
+    # -------------------------------------------------------------- sending
+
+    async def _send_loop(self) -> None:
+        while True:
+            while not self._queue:
+                self._queue_changed.clear()
+                await self._queue_changed.wait()
+            item = self._queue.popleft()
+            self._current = item
+            try:
+                if isinstance(item, SentenceJob):
+                    await self._send_sentence(item)
+                elif isinstance(item, UtteranceEnd):
+                    await self._send_utterance_end(item)
+                else:
+                    await self._send_session_end()
+                    return
+            finally:
+                self._current = None
+                self._last_activity = time.monotonic()
+            self._fill_pipeline()
+
+    def _audio_done(self, job: SentenceJob, *, error: bool, cancelled: bool = False) -> AudioDone:
+        return AudioDone(
+            sentence_index=job.index,
+            total_bytes=job.bytes_sent,
+            error=error,
+            context_id=job.utterance.context_id,
+            duration_ms=round(job.source_samples * 1000 / job.config.source_rate, 1),
+            cancelled=True if cancelled else None,
+        )
+
+    async def _send_frames(self, job: SentenceJob, data: bytes, frame_bytes: int) -> bool:
+        """Send encoded audio, split into frames. False if the sentence was cancelled meanwhile."""
+        for start in range(0, len(data), frame_bytes):
+            frame = data[start : start + frame_bytes]
+            async with self._send_lock:
+                if job.cancelled:
+                    return False
+                await self._send_bytes_locked(frame)
+                if job.bytes_sent == 0 and job.first_of_utterance:
+                    self.metrics.ttfa_seconds.labels("websocket").observe(time.monotonic() - job.released_at)
+                job.bytes_sent += len(frame)
+            self.metrics.audio_bytes_total.labels("websocket").inc(len(frame))
+            await self.store.append_audio(self.session_id, job.index, frame)
+        return True
+
+    async def _send_sentence(self, job: SentenceJob) -> None:
+        config = job.config
+        encoder = audio.StreamEncoder(config.response_format if config.stream_audio else "pcm", config.source_rate, config.output_rate)
+        # Whole samples per frame, at most max_frame_ms of audio.
+        frame_bytes = max(1, config.output_rate * self.settings.max_frame_ms // 1000) * encoder.bytes_per_sample
+        async with self._send_lock:
+            if job.cancelled:
+                return
+            await self._send_text_locked(
+                AudioStart(
+                    sentence_index=job.index,
+                    sentence_text=job.text,
+                    format=config.response_format,
+                    sample_rate=config.output_rate,
+                    context_id=job.utterance.context_id,
+                ).encode()
+            )
+            job.started_sending = True
+        await self.store.set_sentence_state(self.session_id, job.index, "speaking")
+        whole: list[bytes] = []
+        failure: BaseException | None = None
+        while True:
+            item = await job.chunks.get()
+            if item is _CANCELLED or job.cancelled:
+                return
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                failure = item
+                break
+            job.source_samples += len(item) // 2
+            encoded = encoder.encode(item)
+            if config.stream_audio:
+                if encoded and not await self._send_frames(job, encoded, frame_bytes):
+                    return
+            else:
+                whole.append(encoded)
+        tail = encoder.flush()
+        if config.stream_audio:
+            if tail and not await self._send_frames(job, tail, frame_bytes):
+                return
+        elif failure is None:
+            pcm = b"".join(whole) + tail
+            if config.response_format == "wav":
+                data = audio.wav_bytes(pcm, config.output_rate)
+            elif config.response_format == "pcm":
+                data = pcm
+            else:
+                file_encoder = audio.StreamEncoder(config.response_format, config.output_rate, config.output_rate)
+                data = file_encoder.encode(pcm) + file_encoder.flush()
+            if data and not await self._send_frames(job, data, max(len(data), 1)):
+                return
+        async with self._send_lock:
+            if job.cancelled:
+                return
+            job.finished = True
+            self._pending_chars -= len(job.text)
+            if failure is not None:
+                error = _synthesis_error(failure, job)
+                self.metrics.errors_total.labels(error.code.value).inc()
+                await self._send_text_locked(error.to_message().encode())
+            await self._send_text_locked(self._audio_done(job, error=failure is not None).encode())
+        outcome = "failed" if failure is not None else "done"
+        self.metrics.sentences_total.labels(outcome).inc()
+        await self.store.set_sentence_state(self.session_id, job.index, outcome)
+
+    async def _send_utterance_end(self, marker: UtteranceEnd) -> None:
+        async with self._send_lock:
+            if marker.utterance.cancelled:
+                return
+            if self.uses_contexts or marker.utterance.context_id is not None:
+                message = UtteranceDone(context_id=marker.utterance.context_id, total_sentences=marker.utterance.sentences)
+            else:
+                message = SessionDone(total_sentences=self.next_sentence_index)
+            await self._send_text_locked(message.encode())
+
+    async def _send_session_end(self) -> None:
+        async with self._send_lock:
+            await self._send_text_locked(SessionDone(total_sentences=self.next_sentence_index).encode())
+            with contextlib.suppress(Exception):
+                await self.ws.close(CloseCode.normal)
+        if self.session_id is not None:
+            await self.store.delete(self.session_id)
+
+
+def resolve_voice(backend: Synthesizer, settings: GatewaySettings, voice: str | None) -> str:
+    """The backend's id for a requested voice (case-insensitive); the configured default when None."""
+    voice = voice or settings.voice or backend.default_voice
+    for known in backend.voices():
+        if known.id == voice or known.id.lower() == voice.lower():
+            return known.id
+    if backend.has_voice(voice):
+        return voice
+    names = ", ".join(v.id for v in backend.voices())
+    raise ProtocolError(ErrorCode.unknown_voice, f"unknown voice {voice!r}; available: {names}")
+
+
+def _synthesis_error(failure: BaseException, job: SentenceJob) -> ProtocolError:
+    if isinstance(failure, UnknownVoiceError):
+        code, message = ErrorCode.unknown_voice, str(failure)
+    elif isinstance(failure, SynthesisError):
+        code, message = ErrorCode.synthesis_failed, str(failure)
+    else:
+        log.error("synthesis of sentence %d failed", job.index, exc_info=failure)
+        code, message = ErrorCode.synthesis_failed, f"synthesis failed: {type(failure).__name__}"
+    if isinstance(failure, BackendOverloadedError):
+        code = ErrorCode.overloaded
+    return ProtocolError(
+        code,
+        f"sentence {job.index} ({job.text!r}) could not be synthesized: {message}",
+        context_id=job.utterance.context_id,
+        sentence_index=job.index,
+    )
+

