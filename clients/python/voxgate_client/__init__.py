@@ -1,0 +1,54 @@
+"""Voxgate client: an asyncio library for the Voxgate streaming TTS WebSocket protocol (version 1)."""
+
+from .audio import MULAW_SILENCE, SoundCardPlayer, alaw_to_pcm16, mulaw_to_pcm16, pcm16_to_mulaw, to_pcm16, write_wav
+from .config import SAMPLE_RATES, SessionConfig
+from .events import (
+    AudioChunk,
+    AudioDone,
+    AudioStart,
+    ContextCancelled,
+    Disconnected,
+    Error,
+    Event,
+    Pong,
+    Reconnected,
+    SessionDone,
+    SessionStarted,
+    UnknownMessage,
+    UtteranceDone,
+    parse_server_message,
+)
+from .session import DEFAULT_PATH, Context, Session, VoxgateError, connect
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AudioChunk",
+    "AudioDone",
+    "AudioStart",
+    "Context",
+    "ContextCancelled",
+    "DEFAULT_PATH",
+    "Disconnected",
+    "Error",
+    "Event",
+    "MULAW_SILENCE",
+    "Pong",
+    "Reconnected",
+    "SAMPLE_RATES",
+    "Session",
+    "SessionConfig",
+    "SessionDone",
+    "SessionStarted",
+    "SoundCardPlayer",
+    "UnknownMessage",
+    "UtteranceDone",
+    "VoxgateError",
+    "alaw_to_pcm16",
+    "connect",
+    "mulaw_to_pcm16",
+    "parse_server_message",
+    "pcm16_to_mulaw",
+    "to_pcm16",
+    "write_wav",
+]

@@ -1,0 +1,152 @@
+"""Typed events a Voxgate session yields, one class per server message (protocol.md, "Server → client").
+
+Binary audio frames become `AudioChunk` events carrying the sentence and context they belong to and their
+byte offset within that sentence, so a consumer never has to track which `audio.start` came last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class of everything `Session.events()` yields."""
+
+
+@dataclass(frozen=True)
+class SessionStarted(Event):
+    session_id: str
+    sample_rate: int
+    format: str
+    voices: list[str] = field(default_factory=list)
+    voice: str | None = None
+
+
+@dataclass(frozen=True)
+class AudioStart(Event):
+    sentence_index: int
+    sentence_text: str
+    format: str
+    sample_rate: int
+    channels: int = 1
+    context_id: str | None = None
+
+
+@dataclass(frozen=True)
+class AudioChunk(Event):
+    """One binary frame: `data` is raw audio in the session format (s16le mono for pcm)."""
+
+    data: bytes
+    sentence_index: int
+    offset: int  # byte offset of `data` within its sentence's audio
+    context_id: str | None = None
+
+    def __repr__(self) -> str:  # audio bytes make the default repr unreadable
+        return (
+            f"AudioChunk(sentence_index={self.sentence_index}, offset={self.offset}, "
+            f"bytes={len(self.data)}, context_id={self.context_id!r})"
+        )
+
+
+@dataclass(frozen=True)
+class AudioDone(Event):
+    sentence_index: int
+    total_bytes: int
+    error: bool = False
+    context_id: str | None = None
+    duration_ms: float | None = None
+    cancelled: bool | None = None
+
+
+@dataclass(frozen=True)
+class UtteranceDone(Event):
+    context_id: str | None
+    total_sentences: int
+
+
+@dataclass(frozen=True)
+class ContextCancelled(Event):
+    context_id: str | None
+    sentence_index: int | None = None
+
+
+@dataclass(frozen=True)
+class SessionDone(Event):
+    total_sentences: int
+
+
+@dataclass(frozen=True)
+class Error(Event):
+    message: str
+    code: str | None = None
+    retryable: bool = False
+    context_id: str | None = None
+    sentence_index: int | None = None
+
+
+@dataclass(frozen=True)
+class Pong(Event):
+    id: Any = None
+
+
+@dataclass(frozen=True)
+class Reconnected(Event):
+    """The client lost its connection and resumed the session on a new one (client-side event)."""
+
+    session_id: str
+    sentence_index: int
+    bytes_received: int
+    attempts: int
+    url: str
+
+
+@dataclass(frozen=True)
+class Disconnected(Event):
+    """The connection ended for good (client-side event): no further events follow."""
+
+    code: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class UnknownMessage(Event):
+    """A JSON message of a type this client version does not know; kept, not dropped."""
+
+    type: str
+    data: dict[str, Any]
+
+
+def _pick(data: dict[str, Any], *names: str) -> dict[str, Any]:
+    return {name: data[name] for name in names if name in data}
+
+
+def parse_server_message(data: dict[str, Any]) -> Event:
+    """Turn one decoded JSON server message into its typed event."""
+    kind = data.get("type")
+    if kind == "session.started":
+        return SessionStarted(**_pick(data, "session_id", "sample_rate", "format", "voices", "voice"))
+    if kind == "audio.start":
+        return AudioStart(
+            **_pick(data, "sentence_index", "format", "sample_rate", "channels", "context_id"),
+            sentence_text=data.get("sentence_text", ""),
+        )
+    if kind == "audio.done":
+        return AudioDone(
+            **_pick(data, "sentence_index", "total_bytes", "error", "context_id", "duration_ms", "cancelled")
+        )
+    if kind == "utterance.done":
+        return UtteranceDone(context_id=data.get("context_id"), total_sentences=data.get("total_sentences", 0))
+    if kind == "context.cancelled":
+        return ContextCancelled(context_id=data.get("context_id"), sentence_index=data.get("sentence_index"))
+    if kind == "session.done":
+        return SessionDone(total_sentences=data.get("total_sentences", 0))
+    if kind == "error":
+        return Error(
+            message=data.get("message", ""),
+            **_pick(data, "code", "retryable", "context_id", "sentence_index"),
+        )
+    if kind == "pong":
+        return Pong(id=data.get("id"))
+    return UnknownMessage(type=str(kind), data=data)

@@ -1,0 +1,690 @@
+"""An asyncio Voxgate session: one WebSocket, many utterances, typed events, transparent resume.
+
+Ownership: the session owns one receive task (started once `session.started` arrived) that reads every
+frame, updates the resume position, and routes each event to the queue of the context it belongs to (if
+the application made a `Context` for it) or to the session's own queue. Application code only sends and
+reads queues; it never touches the socket directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from typing import Any
+from urllib.parse import urlencode, urlsplit, urlunsplit
+
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from .config import SessionConfig
+from .events import (
+    AudioChunk,
+    AudioDone,
+    AudioStart,
+    ContextCancelled,
+    Disconnected,
+    Error,
+    Event,
+    Pong,
+    Reconnected,
+    SessionDone,
+    SessionStarted,
+    UtteranceDone,
+    parse_server_message,
+)
+
+DEFAULT_PATH = "/v1/audio/speech/stream"
+
+# Close codes after which resuming cannot help: a normal close, a policy violation (auth, bad handshake),
+# a message that was too big.
+_FINAL_CLOSE_CODES = {1000, 1008, 1009}
+# Error codes that end a session for good even if the socket then drops abnormally.
+_FINAL_ERROR_CODES = {"unauthorized", "session_not_found", "resume_out_of_range", "config_required"}
+
+
+class VoxgateError(Exception):
+    """The gateway refused something: `code` is the protocol's error code (or `http_<status>`)."""
+
+    def __init__(self, message: str, code: str | None = None, retryable: bool = False) -> None:
+        super().__init__(f"{code}: {message}" if code else message)
+        self.message = message
+        self.code = code
+        self.retryable = retryable
+
+
+class _End:
+    """Queue sentinel: no more events will arrive on this queue."""
+
+
+_END = _End()
+
+
+def _is_end(event: Event) -> bool:
+    return isinstance(event, (Disconnected,))
+
+
+class Context:
+    """One utterance stream on a shared session, keyed by `context_id` (protocol extension).
+
+    Events carrying this id (audio.start, audio chunks, audio.done, utterance.done, context.cancelled,
+    errors) go to this object's queue instead of the session's.
+    """
+
+    def __init__(self, session: "Session", context_id: str) -> None:
+        self.session = session
+        self.context_id = context_id
+        self._queue: asyncio.Queue[Event | _End] = asyncio.Queue()
+        self.finished = False  # utterance.done or context.cancelled arrived
+        self.cancelling = False
+
+    async def send_text(self, text: str) -> None:
+        await self.session.send_text(text, context_id=self.context_id)
+
+    async def stream_text(self, tokens: Iterable[str] | AsyncIterable[str], *, done: bool = True) -> int:
+        return await self.session.stream_text(tokens, context_id=self.context_id, done=done)
+
+    async def flush(self) -> None:
+        await self.session.flush(context_id=self.context_id)
+
+    async def done(self) -> None:
+        await self.session.done(context_id=self.context_id)
+
+    async def cancel(self) -> None:
+        """Barge-in: stop this context's audio. Audio already queued here but not yet read is dropped."""
+        self.cancelling = True
+        _drop_audio(self._queue, self.context_id)
+        await self.session.cancel(context_id=self.context_id)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """This context's events, ending after utterance.done, context.cancelled or a lost connection."""
+        while True:
+            event = await self._queue.get()
+            if isinstance(event, _End):
+                self._queue.put_nowait(event)  # later readers end too
+                return
+            yield event
+            if isinstance(event, (UtteranceDone, ContextCancelled)) or _is_end(event):
+                return
+
+    async def audio(self) -> AsyncIterator[bytes]:
+        """Just the audio bytes of this context, in order. Raises VoxgateError on a fatal error."""
+        async for event in self.events():
+            if isinstance(event, AudioChunk):
+                yield event.data
+            elif isinstance(event, Disconnected) and not self.finished:
+                raise VoxgateError(f"connection lost before the utterance finished: {event.reason}", "disconnected")
+
+    async def collect(self) -> bytes:
+        """All audio until utterance.done (or cancel)."""
+        return b"".join([chunk async for chunk in self.audio()])
+
+    async def speak(self, text: str) -> bytes:
+        """Send `text` as a whole utterance (text + input.done) and return its audio."""
+        await self.send_text(text)
+        await self.done()
+        return await self.collect()
+
+
+def _drop_audio(queue: asyncio.Queue, context_id: str | None) -> None:
+    """Remove queued audio events of `context_id`, keeping everything else in order."""
+    kept = []
+    while not queue.empty():
+        event = queue.get_nowait()
+        if isinstance(event, (AudioStart, AudioChunk, AudioDone)) and event.context_id == context_id:
+            continue
+        kept.append(event)
+    for event in kept:
+        queue.put_nowait(event)
+
+
+class Session:
+    """A connected Voxgate session. Create it with `voxgate_client.connect(...)`."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        config: SessionConfig,
+        *,
+        api_key: str | None = None,
+        api_key_header: str | None = "Authorization",
+        api_key_query: str | None = None,
+        resume: bool = True,
+        max_reconnect_attempts: int = 6,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        open_timeout_s: float = 10.0,
+        keepalive_s: float | None = 10.0,
+        extra_headers: dict[str, str] | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("at least one gateway URL is needed")
+        self.urls = [_with_default_path(u) for u in urls]
+        self.config = config
+        self.api_key = api_key
+        self.api_key_header = api_key_header
+        self.api_key_query = api_key_query
+        self.resume_enabled = resume
+        self.max_reconnect_attempts = max_reconnect_attempts
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.open_timeout_s = open_timeout_s
+        self.keepalive_s = keepalive_s
+        self.extra_headers = dict(extra_headers or {})
+
+        self.started: SessionStarted | None = None
+        self._ws: ClientConnection | None = None
+        self._url_index = 0
+        self._connected = asyncio.Event()
+        self._queue: asyncio.Queue[Event | _End] = asyncio.Queue()
+        self._contexts: dict[str, Context] = {}
+        self._pings: dict[str, asyncio.Future[float]] = {}
+        self._receiver: asyncio.Task[None] | None = None
+        self._keepalive: asyncio.Task[None] | None = None
+        self._closing = False  # the application asked to close: a dropped socket is not resumed
+        self._ended = False  # no further events will arrive
+        self._final_error: Error | None = None
+        self._session_cancelling = False  # input.cancel without context sent, context.cancelled pending
+
+        # Resume position: the sentence being received and how many of its bytes arrived.
+        self.bytes_received: dict[int, int] = {}
+        self._open_sentence: tuple[int, str | None] | None = None  # (sentence_index, context_id)
+        self._last_done_sentence = -1
+        self.reconnects = 0
+
+    # ------------------------------------------------------------------------------------------ properties
+
+    @property
+    def session_id(self) -> str | None:
+        return self.started.session_id if self.started else None
+
+    @property
+    def sample_rate(self) -> int | None:
+        return self.started.sample_rate if self.started else None
+
+    @property
+    def format(self) -> str | None:
+        return self.started.format if self.started else None
+
+    @property
+    def voices(self) -> list[str]:
+        return list(self.started.voices) if self.started else []
+
+    @property
+    def url(self) -> str:
+        return self.urls[self._url_index]
+
+    @property
+    def closed(self) -> bool:
+        return self._ended
+
+    def resume_position(self) -> tuple[int, int]:
+        """(sentence_index, bytes_received): the first byte of audio this client does not have."""
+        if self._open_sentence is not None:
+            index = self._open_sentence[0]
+            return index, self.bytes_received.get(index, 0)
+        return self._last_done_sentence + 1, 0
+
+    # ----------------------------------------------------------------------------------------- connecting
+
+    def _request(self, url: str) -> tuple[str, dict[str, str]]:
+        headers = dict(self.extra_headers)
+        if self.api_key:
+            if self.api_key_query:
+                parts = urlsplit(url)
+                query = "&".join(q for q in (parts.query, urlencode({self.api_key_query: self.api_key})) if q)
+                url = urlunsplit(parts._replace(query=query))
+            if self.api_key_header:
+                value = f"Bearer {self.api_key}" if self.api_key_header.lower() == "authorization" else self.api_key
+                headers[self.api_key_header] = value
+        return url, headers
+
+    async def _open(self, url: str) -> ClientConnection:
+        target, headers = self._request(url)
+        try:
+            return await ws_connect(
+                target,
+                additional_headers=headers,
+                open_timeout=self.open_timeout_s,
+                max_size=32 * 1024 * 1024,
+                ping_interval=20,
+                ping_timeout=20,
+            )
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            body = exc.response.body.decode("utf-8", "replace") if exc.response.body else ""
+            code, message, retryable = f"http_{status}", body or f"HTTP {status}", status in (429, 503)
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                detail = json.loads(body)
+                detail = detail.get("error", detail) if isinstance(detail, dict) else detail
+                if isinstance(detail, dict):
+                    code = detail.get("code", code)
+                    message = detail.get("message", detail.get("detail", message))
+                    retryable = detail.get("retryable", retryable)
+            raise VoxgateError(str(message), code, bool(retryable)) from None
+
+    async def _start(self) -> None:
+        """Open the socket, send session.config, wait for session.started, start the receive task."""
+        ws = await self._open(self.url)
+        try:
+            await ws.send(json.dumps(self.config.to_message()))
+            raw = await asyncio.wait_for(ws.recv(), self.open_timeout_s)
+        except ConnectionClosed as exc:
+            await ws.close()
+            raise VoxgateError(f"gateway closed the connection during the handshake ({exc})", "closed") from None
+        except BaseException:
+            await ws.close()
+            raise
+        event = parse_server_message(json.loads(raw)) if isinstance(raw, str) else None
+        if isinstance(event, Error):
+            await ws.close()
+            raise VoxgateError(event.message, event.code, event.retryable)
+        if not isinstance(event, SessionStarted):
+            await ws.close()
+            raise VoxgateError(f"expected session.started, got {raw!r:.200}", "invalid_message")
+        self.started = event
+        self._queue.put_nowait(event)
+        self._ws = ws
+        self._connected.set()
+        self._receiver = asyncio.create_task(self._receive_forever(), name=f"voxgate-receive-{event.session_id}")
+        if self.keepalive_s:
+            self._keepalive = asyncio.create_task(self._keepalive_forever(), name="voxgate-keepalive")
+
+    async def _reconnect(self) -> bool:
+        """Reattach with session.resume after an unexpected drop. Returns False if every attempt failed."""
+        delay = self.backoff_initial_s
+        last_error = ""
+        for attempt in range(1, self.max_reconnect_attempts + 1):
+            await asyncio.sleep(delay)
+            delay = min(self.backoff_max_s, delay * 2)
+            self._url_index = (self._url_index + (attempt > 1)) % len(self.urls)
+            try:
+                ws = await self._open(self.url)
+            except VoxgateError as exc:
+                if not exc.retryable and not (exc.code or "").startswith("http_5"):
+                    self._final_error = Error(message=exc.message, code=exc.code, retryable=exc.retryable)
+                    return False
+                last_error = str(exc)
+                continue
+            except (OSError, asyncio.TimeoutError) as exc:
+                last_error = repr(exc)
+                continue
+            sentence_index, bytes_received = self.resume_position()
+            try:
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "session.resume",
+                            "session_id": self.session_id,
+                            "sentence_index": sentence_index,
+                            "bytes_received": bytes_received,
+                        }
+                    )
+                )
+            except ConnectionClosed as exc:
+                last_error = repr(exc)
+                continue
+            self._ws = ws
+            self.reconnects += 1
+            self._connected.set()
+            self._queue.put_nowait(
+                Reconnected(
+                    session_id=self.session_id or "",
+                    sentence_index=sentence_index,
+                    bytes_received=bytes_received,
+                    attempts=attempt,
+                    url=self.url,
+                )
+            )
+            return True
+        self._final_error = Error(message=f"could not resume: {last_error}", code="disconnected", retryable=True)
+        return False
+
+    # ------------------------------------------------------------------------------------------ receiving
+
+    async def _receive_forever(self) -> None:
+        code: int | None = None
+        reason = ""
+        try:
+            while True:
+                assert self._ws is not None
+                try:
+                    async for frame in self._ws:
+                        self._handle_frame(frame)
+                    code, reason = self._ws.close_code, self._ws.close_reason or ""
+                except ConnectionClosed as exc:
+                    code = exc.rcvd.code if exc.rcvd else None
+                    reason = exc.rcvd.reason if exc.rcvd else str(exc)
+                self._connected.clear()
+                if not self._should_resume(code):
+                    break
+                if not await self._reconnect():
+                    if self._final_error is not None:
+                        self._route(self._final_error)
+                        reason = self._final_error.message
+                    break
+        finally:
+            self._finish(code, reason)
+
+    def _should_resume(self, code: int | None) -> bool:
+        if self._closing or not self.resume_enabled or self.session_id is None:
+            return False
+        if self._final_error is not None:
+            return False
+        return code not in _FINAL_CLOSE_CODES
+
+    def _finish(self, code: int | None, reason: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._connected.set()  # wake senders so they fail instead of waiting forever
+        for future in self._pings.values():
+            if not future.done():
+                future.set_exception(VoxgateError("connection closed before pong", "disconnected"))
+        end = Disconnected(code=code, reason=reason)
+        self._queue.put_nowait(end)
+        self._queue.put_nowait(_END)
+        for context in self._contexts.values():
+            context._queue.put_nowait(end)
+            context._queue.put_nowait(_END)
+        if self._keepalive:
+            self._keepalive.cancel()
+
+    def _handle_frame(self, frame: str | bytes) -> None:
+        if isinstance(frame, bytes):
+            if self._open_sentence is None:
+                # The protocol forbids audio outside audio.start/audio.done; surface it rather than guess.
+                self._route(Error(message=f"{len(frame)} audio bytes outside a sentence", code="client_protocol"))
+                return
+            index, context_id = self._open_sentence
+            offset = self.bytes_received.get(index, 0)
+            self.bytes_received[index] = offset + len(frame)
+            self._route(AudioChunk(data=frame, sentence_index=index, offset=offset, context_id=context_id))
+            return
+        try:
+            data = json.loads(frame)
+        except ValueError:
+            self._route(Error(message=f"gateway sent invalid JSON: {frame[:200]!r}", code="client_protocol"))
+            return
+        event = parse_server_message(data)
+        if isinstance(event, SessionStarted):
+            # A resumed connection may announce the session again; keep the newest details, emit once.
+            self.started = event
+            return
+        if isinstance(event, AudioStart):
+            repeated = event.sentence_index in self.bytes_received
+            self._open_sentence = (event.sentence_index, event.context_id)
+            self.bytes_received.setdefault(event.sentence_index, 0)
+            if repeated:  # the same sentence continuing after a resume: seamless for the reader
+                return
+        elif isinstance(event, AudioDone):
+            self._open_sentence = None
+            self._last_done_sentence = max(self._last_done_sentence, event.sentence_index)
+        elif isinstance(event, Pong):
+            future = self._pings.pop(str(event.id), None)
+            if future is not None:
+                if not future.done():
+                    future.set_result(asyncio.get_running_loop().time())
+                return
+        elif isinstance(event, Error) and event.code in _FINAL_ERROR_CODES:
+            self._final_error = event
+        elif isinstance(event, ContextCancelled) and event.context_id is None:
+            self._session_cancelling = False
+        self._route(event)
+
+    def _route(self, event: Event) -> None:
+        context_id = getattr(event, "context_id", None)
+        context = self._contexts.get(context_id) if context_id is not None else None
+        if context is not None:
+            if context.cancelling and isinstance(event, (AudioStart, AudioChunk, AudioDone)):
+                return  # barge-in: the application already dropped this context's audio
+            if isinstance(event, (UtteranceDone, ContextCancelled)):
+                context.finished = True
+                context.cancelling = False
+            context._queue.put_nowait(event)
+            return
+        if (
+            self._session_cancelling
+            and context_id is None
+            and isinstance(event, (AudioStart, AudioChunk, AudioDone))
+        ):
+            return
+        self._queue.put_nowait(event)
+
+    # -------------------------------------------------------------------------------------------- sending
+
+    async def send_json(self, message: dict[str, Any]) -> None:
+        """Send one protocol message, waiting out a reconnect in progress."""
+        while True:
+            await self._connected.wait()
+            if self._ended:
+                raise VoxgateError("session is closed", "closed")
+            ws = self._ws
+            assert ws is not None
+            try:
+                await ws.send(json.dumps(message))
+                return
+            except ConnectionClosed:
+                # Not sent: the receive task notices the drop and resumes (or ends the session).
+                if not self.resume_enabled:
+                    raise VoxgateError("connection closed", "closed") from None
+                if self._ws is ws:
+                    self._connected.clear()
+                await asyncio.sleep(0)
+
+    async def send_text(self, text: str, context_id: str | None = None) -> None:
+        message: dict[str, Any] = {"type": "input.text", "text": text}
+        if context_id is not None:
+            message["context_id"] = context_id
+        await self.send_json(message)
+
+    async def stream_text(
+        self,
+        tokens: Iterable[str] | AsyncIterable[str],
+        context_id: str | None = None,
+        *,
+        done: bool = True,
+    ) -> int:
+        """Send tokens as they come (e.g. straight from an LLM), then input.done if `done`.
+        Returns the number of characters sent."""
+        sent = 0
+        if isinstance(tokens, AsyncIterable):
+            async for token in tokens:
+                if token:
+                    await self.send_text(token, context_id)
+                    sent += len(token)
+        else:
+            for token in tokens:
+                if token:
+                    await self.send_text(token, context_id)
+                    sent += len(token)
+        if done:
+            await self.done(context_id)
+        return sent
+
+    async def _send_control(self, kind: str, context_id: str | None) -> None:
+        message: dict[str, Any] = {"type": kind}
+        if context_id is not None:
+            message["context_id"] = context_id
+        await self.send_json(message)
+
+    async def flush(self, context_id: str | None = None) -> None:
+        await self._send_control("input.flush", context_id)
+
+    async def done(self, context_id: str | None = None) -> None:
+        await self._send_control("input.done", context_id)
+
+    async def cancel(self, context_id: str | None = None) -> None:
+        """Barge-in. With a Context object prefer `context.cancel()`, which also drops its queued audio."""
+        context = self._contexts.get(context_id) if context_id is not None else None
+        if context is not None and not context.cancelling:
+            context.cancelling = True
+            _drop_audio(context._queue, context_id)
+        if context_id is None:
+            self._session_cancelling = True
+            _drop_audio(self._queue, None)
+        await self._send_control("input.cancel", context_id)
+
+    async def reconfigure(self, config: SessionConfig) -> None:
+        """Send a new session.config (allowed between utterances only)."""
+        self.config = config
+        await self.send_json(config.to_message())
+
+    async def ping(self, timeout_s: float = 5.0) -> float:
+        """Round trip time in seconds of a protocol-level ping."""
+        loop = asyncio.get_running_loop()
+        ping_id = uuid.uuid4().hex[:12]
+        future: asyncio.Future[float] = loop.create_future()
+        self._pings[ping_id] = future
+        sent_at = loop.time()
+        try:
+            await self.send_json({"type": "ping", "id": ping_id})
+            return await asyncio.wait_for(future, timeout_s) - sent_at
+        finally:
+            self._pings.pop(ping_id, None)
+
+    async def send_ping(self, ping_id: Any = None) -> None:
+        """Send a ping without waiting; its Pong shows up in `events()`."""
+        await self.send_json({"type": "ping", "id": ping_id})
+
+    async def _keepalive_forever(self) -> None:
+        """Protocol pings keep the gateway's idle timeout from closing a session that is only listening."""
+        assert self.keepalive_s
+        while not self._ended:
+            await asyncio.sleep(self.keepalive_s)
+            with contextlib.suppress(VoxgateError, asyncio.TimeoutError):
+                await self.ping()
+
+    # --------------------------------------------------------------------------------------- contexts/events
+
+    def context(self, context_id: str | None = None) -> Context:
+        """A Context for `context_id` (a fresh random id if None); its events leave the session queue."""
+        context_id = context_id or uuid.uuid4().hex[:16]
+        if context_id not in self._contexts:
+            self._contexts[context_id] = Context(self, context_id)
+        return self._contexts[context_id]
+
+    def forget_context(self, context_id: str) -> None:
+        """Stop routing `context_id` to its Context (after it finished); later events go to the session."""
+        self._contexts.pop(context_id, None)
+
+    async def events(self, *, until_done: bool = True) -> AsyncIterator[Event]:
+        """Events not claimed by a Context, in arrival order. Ends after session.done (if `until_done`) or
+        when the connection is gone for good (a final `Disconnected` event)."""
+        while True:
+            event = await self._queue.get()
+            if isinstance(event, _End):
+                self._queue.put_nowait(event)
+                return
+            yield event
+            if (until_done and isinstance(event, SessionDone)) or _is_end(event):
+                return
+
+    async def audio(self) -> AsyncIterator[bytes]:
+        """Audio bytes of the context-less utterance until session.done / utterance.done."""
+        async for event in self.events():
+            if isinstance(event, AudioChunk):
+                yield event.data
+            elif isinstance(event, Error) and self._final_error is event:
+                raise VoxgateError(event.message, event.code, event.retryable)
+            elif isinstance(event, (UtteranceDone, ContextCancelled)) and event.context_id is None:
+                return
+            elif isinstance(event, Disconnected):
+                raise VoxgateError(f"connection lost before the utterance finished: {event.reason}", "disconnected")
+
+    async def speak(self, text: str) -> bytes:
+        """Speak `text` as one utterance without contexts (vLLM-Omni style: text, input.done) and return
+        all of its audio once session.done arrives."""
+        await self.send_text(text)
+        await self.done()
+        return b"".join([chunk async for chunk in self.audio()])
+
+    # ------------------------------------------------------------------------------------------- closing
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """session.close: let the gateway finish what is open, then close the socket."""
+        if self._ended:
+            return
+        self._closing = True
+        with contextlib.suppress(VoxgateError, ConnectionClosed):
+            await asyncio.wait_for(self._send_control("session.close", None), timeout_s)
+        if self._receiver is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._receiver), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        await self.abort()
+
+    async def abort(self) -> None:
+        """Close the socket now without session.close and without resuming."""
+        self._closing = True
+        if self._ws is not None:
+            await self._ws.close()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive
+        self._finish(None, "closed by the client")
+
+    async def drop_connection(self) -> None:
+        """Close the current socket as if the network failed (for tests and failover drills): with resume
+        enabled the session reconnects and resumes on its own."""
+        if self._ws is not None:
+            self._connected.clear()
+            await self._ws.close(code=4000, reason="client dropped the connection")
+
+    async def __aenter__(self) -> "Session":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            await self.close()
+        else:
+            await self.abort()
+
+
+def _with_default_path(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme in ("http", "https"):
+        parts = parts._replace(scheme="ws" if parts.scheme == "http" else "wss")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path=DEFAULT_PATH)
+    return urlunsplit(parts)
+
+
+class _Connecting:
+    """`await connect(...)` gives a Session; `async with connect(...) as session` also closes it."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def __await__(self):
+        return self._connect().__await__()
+
+    async def _connect(self) -> Session:
+        await self._session._start()
+        return self._session
+
+    async def __aenter__(self) -> Session:
+        return await self._connect()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._session.__aexit__(*exc_info)
+
+
+def connect(
+    url: str | Sequence[str],
+    config: SessionConfig | None = None,
+    **options: Any,
+) -> _Connecting:
+    """Open a session. `url` is a gateway base URL (`ws://host:port`, the stream path is added) or full
+    WebSocket URL, or a list of them (replicas tried in turn when resuming). Options: see `Session`."""
+    urls = [url] if isinstance(url, str) else list(url)
+    return _Connecting(Session(urls, config or SessionConfig(), **options))
