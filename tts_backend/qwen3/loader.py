@@ -119,3 +119,81 @@ def load_tensors_strict(
         for name, target in name_map.items():
             dest = state[target]
             dest.copy_(source.tensor(name).to(device=dest.device, dtype=dest.dtype))
+
+
+MODEL_FILE = "model.safetensors"
+SPEECH_TOKENIZER_DIR = "speech_tokenizer"
+
+
+class ModelWeights(nn.Module):
+    """Talker + code predictor under one root, so one strict pass checks all of model.safetensors."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from .code_predictor import CodePredictor
+        from .talker import Talker
+
+        self.talker = Talker(cfg.talker)
+        self.code_predictor = CodePredictor(cfg.talker)
+
+
+def model_name_map(weights: ModelWeights) -> dict[str, str]:
+    """Checkpoint name -> ModelWeights state name: `talker.X` for the talker, `talker.code_predictor.X` for the
+    predictor (the released files nest the predictor inside the talker)."""
+    names = {}
+    for key in weights.state_dict():
+        if key.startswith("talker."):
+            names[key] = key
+        else:
+            names["talker." + key] = key  # "code_predictor.X" -> "talker.code_predictor.X"
+    return names
+
+
+def check_model_folder(folder: str | Path) -> Path:
+    """Refuse a folder that lacks a file the model needs, naming the file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    required = ["config.json", MODEL_FILE, "vocab.json", "merges.txt", "tokenizer_config.json",
+                f"{SPEECH_TOKENIZER_DIR}/config.json", f"{SPEECH_TOKENIZER_DIR}/{MODEL_FILE}"]
+    for name in required:
+        if not (folder / name).is_file():
+            what = " (the speech tokenizer)" if name.startswith(SPEECH_TOKENIZER_DIR) else ""
+            raise CheckpointError(f"missing file {folder / name}{what}")
+    return folder
+
+
+def load_model_weights(
+    folder: str | Path, cfg, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> ModelWeights:
+    """Talker and code predictor from `<folder>/model.safetensors` (stored bf16), cast to `dtype` on `device`."""
+    path = Path(folder) / MODEL_FILE
+    if cfg.tts_model_type == "base":
+        raise CheckpointError(f"{path}: Base (voice clone) checkpoints are not supported; use CustomVoice or "
+                              "VoiceDesign")
+    with torch.device("meta"):
+        weights = ModelWeights(cfg)
+    weights = weights.to_empty(device=device).to(dtype)
+    load_tensors_strict(weights, SafetensorsFile(path), path, model_name_map(weights), stored_dtype=torch.bfloat16)
+    return weights.eval()
+
+
+def load_codec_decoder(folder: str | Path, device: torch.device | str = "cpu"):
+    """The 12 Hz codec decoder of a checkpoint, in float32 as stored.
+
+    folder: the model folder (holding `speech_tokenizer/`) or the speech tokenizer folder itself. The Mimi encoder
+    and the RVQ input projections in the file are recognised and skipped (`is_ignored_codec_tensor`).
+    """
+    from tts_backend.qwen3.codec import (
+        CodecDecoder, CodecDecoderConfig, codec_checkpoint_name_map, is_ignored_codec_tensor)
+
+    folder = Path(folder)
+    tokenizer_dir = folder / "speech_tokenizer" if (folder / "speech_tokenizer").is_dir() else folder
+    config_path = tokenizer_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"missing file {config_path} (the speech tokenizer config)")
+    decoder = CodecDecoder(CodecDecoderConfig.from_json(config_path))
+    weights = tokenizer_dir / "model.safetensors"
+    load_tensors_strict(decoder, SafetensorsFile(weights), weights, codec_checkpoint_name_map(decoder),
+                        stored_dtype=torch.float32, ignore=is_ignored_codec_tensor)
+    return decoder.to(device).eval()

@@ -1,0 +1,398 @@
+"""Generation: the reference-style batched loop, and a streaming utterance whose text can arrive in pieces.
+
+Per-step building blocks (reused by the GPU engine's batched runner):
+  `Qwen3TTS.prefill(cache, slots, prompt_embeds)`     prompt embeddings -> last hidden per row
+  `Qwen3TTS.decode_step(cache, slots, input_pos, embeds)`  one new position per row -> hidden
+  `Qwen3TTS.residual_codes(hidden, c0, choose)`        the 15-step code predictor loop for a batch
+  `Qwen3TTS.frame_embeds(c0, residual)`                sum of the 16 code embeddings (next talker input, minus text)
+and the sampling functions of `sampling.py`.
+
+One frame, for a row that has sampled c0 from hidden h (spec §5.6): residual = predictor(h, c0); frame =
+(c0, residual); next input = frame_embeds + T(next text id or tts_pad); talker step -> h' -> sample next c0;
+stop when c0 is EOS or after max_new_tokens sampled c0 tokens (N sampled c0 give N-1 frames).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .code_predictor import CodePredictor
+from .config import GenerationConfig, Qwen3TTSConfig
+from .prompt import Prompt, build_prompt, embed_prompt
+from .sampling import Generators, SamplingParams, sample_residual, sample_talker, suppression_mask
+from .talker import KVCache, Talker
+from .tokenizer import TextTokenizer
+
+
+class TextFeed:
+    """Text tokens waiting to be added to decode steps, one per step (streaming-text mode).
+
+    `next_id()` gives the next text id, tts_pad once the text is closed and drained, or None when more text is
+    expected but none has arrived yet (the generation must wait: adding pads there would let the model end
+    the utterance early).
+    """
+
+    def __init__(self, ids: Sequence[int], closed: bool, pad_id: int, eos_id: int):
+        self._pending: deque[int] = deque(ids)
+        self._closed = closed
+        self._pad_id = pad_id
+        self._eos_id = eos_id
+
+    def push(self, ids: Sequence[int]) -> None:
+        if self._closed:
+            raise RuntimeError("text already finished for this utterance")
+        self._pending.extend(ids)
+
+    def close(self) -> None:
+        """No more text: tts_eos follows what is pending, then pads."""
+        if not self._closed:
+            self._pending.append(self._eos_id)
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def next_id(self) -> int | None:
+        if self._pending:
+            return self._pending.popleft()
+        return self._pad_id if self._closed else None
+
+
+@dataclass
+class Qwen3TTS:
+    """A loaded checkpoint: configs, talker, code predictor, codec decoder and text tokenizer."""
+
+    config: Qwen3TTSConfig
+    generation_config: GenerationConfig
+    talker: Talker
+    code_predictor: CodePredictor
+    codec: torch.nn.Module | None
+    tokenizer: TextTokenizer
+    codec_config: object | None = None
+    _suppress: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        codec_dtype: torch.dtype = torch.float32,
+        load_codec: bool = True,
+    ) -> "Qwen3TTS":
+        """Load a checkpoint folder. Model weights are stored bf16 and cast to `dtype`; the codec stays fp32
+        (as stored) unless `codec_dtype` says otherwise. Raises CheckpointError/ConfigError on a bad folder."""
+        from .loader import check_model_folder, load_codec_decoder, load_model_weights
+
+        folder = check_model_folder(path)
+        config = Qwen3TTSConfig.from_json(folder / "config.json")
+        gen_path = folder / "generation_config.json"
+        generation = GenerationConfig.from_json(gen_path) if gen_path.is_file() else GenerationConfig()
+        weights = load_model_weights(folder, config, device, dtype)
+        codec = codec_config = None
+        if load_codec:
+            from .codec import CodecDecoderConfig
+
+            codec_config = CodecDecoderConfig.from_json(folder / "speech_tokenizer" / "config.json")
+            codec = load_codec_decoder(folder, device).to(codec_dtype)
+            if codec_config.num_quantizers != config.talker.num_code_groups or \
+                    codec_config.codebook_size != config.talker.codebook_size:
+                from .loader import CheckpointError
+
+                raise CheckpointError(f"{folder / 'speech_tokenizer' / 'config.json'}: codec codebooks "
+                                      f"({codec_config.num_quantizers} x {codec_config.codebook_size}) do not match "
+                                      f"the talker ({config.talker.num_code_groups} x {config.talker.codebook_size})")
+        return cls(config, generation, weights.talker, weights.code_predictor, codec,
+                   TextTokenizer.from_folder(folder), codec_config)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def device(self) -> torch.device:
+        return self.talker.codec_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.talker.codec_head.weight.dtype
+
+    @property
+    def num_code_groups(self) -> int:
+        return self.config.talker.num_code_groups
+
+    @property
+    def suppress_mask(self) -> torch.Tensor:
+        if self._suppress is None or self._suppress.device != self.device:
+            self._suppress = suppression_mask(self.config.talker, self.device)
+        return self._suppress
+
+    def sampling_params(self, **overrides) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults with explicit overrides (None = keep default)."""
+        return SamplingParams.from_generation_config(self.generation_config, **overrides)
+
+    # ------------------------------------------------------------------ prompts
+
+    def make_prompt(
+        self,
+        text: str,
+        *,
+        speaker: str | None = None,
+        language: str | None = "auto",
+        instruct: str | None = None,
+        non_streaming_mode: bool = True,
+        text_complete: bool = True,
+    ) -> Prompt:
+        """Tokenise and lay out one request (CustomVoice needs `speaker`; VoiceDesign takes `instruct`)."""
+        instruct_ids = self.tokenizer.instruct_ids(instruct) if instruct else None
+        return build_prompt(
+            self.config, self.tokenizer.text_ids(text), speaker=speaker, language=language,
+            instruct_ids=instruct_ids, non_streaming_mode=non_streaming_mode, text_complete=text_complete,
+        )
+
+    def text_feed(self, prompt: Prompt) -> TextFeed:
+        return TextFeed(prompt.trailing, prompt.text_complete, self.config.tts_pad_token_id,
+                        self.config.tts_eos_token_id)
+
+    # ------------------------------------------------------------------ per-step building blocks
+
+    def new_talker_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return self.talker.new_cache(num_slots, max_len)
+
+    def new_predictor_cache(self, num_slots: int) -> KVCache:
+        return self.code_predictor.new_cache(num_slots)
+
+    def prompt_embeds(self, prompt: Prompt) -> torch.Tensor:
+        """-> [S, D]"""
+        return embed_prompt(self.talker, prompt)
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, slots: torch.Tensor, embeds: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Write each row's prompt into its slot at positions 0..S_i-1 -> last hidden states [B, D].
+
+        Rows are right-padded to the longest; the pad positions' cache entries are overwritten by the row's own
+        decode steps before any query can see them (keys are visible only at positions <= the query's).
+        """
+        lengths = [e.shape[0] for e in embeds]
+        S = max(lengths)
+        if S > cache.max_len:
+            raise ValueError(f"prompt of {S} positions does not fit the KV cache ({cache.max_len})")
+        B = len(embeds)
+        x = embeds[0].new_zeros(B, S, embeds[0].shape[-1])
+        for i, e in enumerate(embeds):
+            x[i, : e.shape[0]] = e
+        pos = torch.arange(S, device=x.device)[None].expand(B, S)
+        hidden = self.talker(x, cache, slots, pos, attend_len=S)  # [B, S, D]
+        last = torch.tensor([n - 1 for n in lengths], device=x.device)
+        return hidden[torch.arange(B, device=x.device), last]
+
+    @torch.inference_mode()
+    def decode_step(
+        self, cache: KVCache, slots: torch.Tensor, input_pos: torch.Tensor, embeds: torch.Tensor,
+        attend_len: int | None = None,
+    ) -> torch.Tensor:
+        """embeds [B, D] at positions input_pos [B] -> hidden [B, D]."""
+        if attend_len is None:
+            attend_len = int(input_pos.max()) + 1
+        return self.talker(embeds[:, None], cache, slots, input_pos[:, None], attend_len)[:, 0]
+
+    @torch.inference_mode()
+    def residual_codes(
+        self, cache: KVCache, slots: torch.Tensor, hidden: torch.Tensor, c0: torch.Tensor,
+        choose: Callable[[torch.Tensor], torch.Tensor], logits_out: list | None = None,
+    ) -> torch.Tensor:
+        """hidden [B, D], c0 [B] -> codebooks 1..G-1 [B, G-1]."""
+        return self.code_predictor.predict(hidden, self.talker.embed_codec(c0), cache, slots, choose, logits_out)
+
+    @torch.inference_mode()
+    def frame_embeds(self, c0: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Sum of the 16 code embeddings of a frame [B, D] (talker table for c0, predictor tables after)."""
+        stacked = torch.cat((self.talker.embed_codec(c0)[:, None], self.code_predictor.embed_residual(residual)), 1)
+        return stacked.sum(1)
+
+    @torch.inference_mode()
+    def text_embeds(self, ids: Sequence[int]) -> torch.Tensor:
+        """T(id) for one id per row -> [B, D]."""
+        return self.talker.embed_text(torch.tensor(list(ids), device=self.device))
+
+    # ------------------------------------------------------------------ whole generations
+
+    @torch.inference_mode()
+    def generate_codes(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        generators: Generators = None,
+        *,
+        trace: dict | None = None,
+    ) -> list[torch.Tensor]:
+        """The reference's batched loop -> one LongTensor [frames_i, G] per prompt.
+
+        All rows step together until every row has stopped; a stopped row keeps being fed EOS like the reference
+        (so a shared generator is consumed identically), and its frames are cut at its first EOS.
+        trace: if given, receives "talker_logits" (list of fp32 [B, V] per c0 draw) and "predictor_logits".
+        """
+        B = len(prompts)
+        device = self.device
+        eos = self.config.talker.codec_eos_token_id
+        feeds = [self.text_feed(p) for p in prompts]
+        embeds = [self.prompt_embeds(p) for p in prompts]
+        max_len = max(e.shape[0] for e in embeds) + params.max_new_tokens + 1
+        cache = self.new_talker_cache(B, max_len)
+        pcache = self.new_predictor_cache(B)
+        slots = torch.arange(B, device=device)
+        positions = torch.tensor([e.shape[0] for e in embeds], device=device)
+        talker_logits: list[torch.Tensor] = []
+        predictor_logits: list[torch.Tensor] = []
+
+        def choose_residual(logits: torch.Tensor) -> torch.Tensor:
+            return sample_residual(logits, params, generators)
+
+        hidden = self.prefill(cache, slots, embeds)
+        logits = self.talker.logits(hidden).float()
+        talker_logits.append(logits)
+        c0 = sample_talker(logits, None, 0, params, eos, self.suppress_mask, generators)
+        history = c0[:, None]
+        finished = c0 == eos
+        frames: list[torch.Tensor] = []
+        while not bool(finished.all()) and history.shape[1] < params.max_new_tokens:
+            residual = self.residual_codes(pcache, slots, hidden, c0, choose_residual, predictor_logits)
+            frames.append(torch.cat((c0[:, None], residual), dim=1))
+            text_ids = [f.next_id() for f in feeds]
+            if any(i is None for i in text_ids):
+                raise RuntimeError("generate_codes needs complete text; use Utterance for text pushed over time")
+            x = self.frame_embeds(c0, residual) + self.text_embeds(text_ids)
+            hidden = self.decode_step(cache, slots, positions, x)
+            positions = positions + 1
+            logits = self.talker.logits(hidden).float()
+            talker_logits.append(logits)
+            c0 = sample_talker(logits, history, history.shape[1], params, eos, self.suppress_mask, generators)
+            c0 = torch.where(finished, torch.full_like(c0, eos), c0)
+            history = torch.cat((history, c0[:, None]), dim=1)
+            finished = finished | (c0 == eos)
+        if trace is not None:
+            trace["talker_logits"] = talker_logits
+            trace["predictor_logits"] = predictor_logits
+        if not frames:
+            return [torch.zeros(0, self.num_code_groups, dtype=torch.long, device=device) for _ in range(B)]
+        codes = torch.stack(frames, dim=1)  # [B, F, G]
+        out = []
+        for row in range(B):
+            is_eos = codes[row, :, 0] == eos
+            n = int(is_eos.int().argmax()) if bool(is_eos.any()) else codes.shape[1]
+            out.append(codes[row, :n])
+        return out
+
+    def synthesize_codes(
+        self, text: str, *, speaker: str | None = None, language: str = "auto", instruct: str | None = None,
+        non_streaming_mode: bool = True, seed: int | None = None, **sampling_overrides,
+    ) -> torch.Tensor:
+        """One utterance -> codes [frames, G] (convenience for tests and tools)."""
+        prompt = self.make_prompt(text, speaker=speaker, language=language, instruct=instruct,
+                                  non_streaming_mode=non_streaming_mode)
+        generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        return self.generate_codes([prompt], self.sampling_params(**sampling_overrides), generator)[0]
+
+    def start_utterance(
+        self, text: str, *, speaker: str | None = None, language: str = "auto", instruct: str | None = None,
+        params: SamplingParams | None = None, seed: int | None = None, more_text: bool = False,
+        max_len: int | None = None,
+    ) -> "Utterance":
+        """A streaming-text generation context: frames come out while text can still be pushed.
+
+        more_text=True leaves the text open (push more with `Utterance.push_text`, end with `finish_text`);
+        False is the reference's streaming-text mode for a complete text.
+        """
+        prompt = self.make_prompt(text, speaker=speaker, language=language, instruct=instruct,
+                                  non_streaming_mode=False, text_complete=not more_text)
+        generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        return Utterance(self, prompt, params or self.sampling_params(), generator, max_len=max_len)
+
+
+class Utterance:
+    """One generation context (batch 1) that yields frames as they are made and accepts more text meanwhile.
+
+    `frames()` runs until the utterance ends (EOS / max_new_tokens) or until it needs text that has not been
+    pushed yet; call it again after `push_text`/`finish_text`. With the whole text pushed and finished before
+    the first call, the frames equal `generate_codes` in streaming-text mode for the same seed.
+    """
+
+    def __init__(self, model: Qwen3TTS, prompt: Prompt, params: SamplingParams,
+                 generator: torch.Generator | None, max_len: int | None = None):
+        self.model = model
+        self.params = params
+        self.generator = generator
+        self.feed = model.text_feed(prompt)
+        embeds = model.prompt_embeds(prompt)
+        self.max_len = max_len or embeds.shape[0] + params.max_new_tokens + 1
+        self.cache = model.new_talker_cache(1, self.max_len)
+        self.pcache = model.new_predictor_cache(1)
+        self.slots = torch.zeros(1, dtype=torch.long, device=model.device)
+        self.position = embeds.shape[0]
+        self.hidden = model.prefill(self.cache, self.slots, [embeds])
+        self._eos = model.config.talker.codec_eos_token_id
+        self.history: list[int] = []
+        self.c0 = self._sample_c0()
+        self._frame_pending_text = False  # a frame was emitted; its talker step waits for text
+        self.finished = self.c0 == self._eos
+
+    def push_text(self, text: str) -> None:
+        self.feed.push(self.model.tokenizer.continuation_ids(text))
+
+    def push_ids(self, ids: Sequence[int]) -> None:
+        self.feed.push(ids)
+
+    def finish_text(self) -> None:
+        self.feed.close()
+
+    @property
+    def waiting_for_text(self) -> bool:
+        return not self.finished and self._frame_pending_text and self.feed.pending == 0 and not self.feed.closed
+
+    @torch.inference_mode()
+    def _sample_c0(self) -> int:
+        logits = self.model.talker.logits(self.hidden).float()
+        history = torch.tensor([self.history], device=self.model.device, dtype=torch.long)
+        c0 = sample_talker(logits, history, len(self.history), self.params, self._eos, self.model.suppress_mask,
+                           self.generator)
+        self.history.append(int(c0))
+        return int(c0)
+
+    @torch.inference_mode()
+    def frames(self) -> Iterator[torch.Tensor]:
+        """Yield frames [G] (long) until the utterance ends or needs more text."""
+        m = self.model
+        device = m.device
+        while not self.finished:
+            if not self._frame_pending_text:
+                if len(self.history) >= self.params.max_new_tokens:
+                    self.finished = True  # the cap's last c0 is never expanded, like the reference
+                    return
+                c0 = torch.tensor([self.c0], device=device)
+                residual = m.residual_codes(self.pcache, self.slots, self.hidden, c0,
+                                            lambda l: sample_residual(l, self.params, self.generator))
+                self._residual = residual
+                self._frame_pending_text = True
+                yield torch.cat((c0, residual[0]))
+            text_id = self.feed.next_id()
+            if text_id is None:
+                return  # wait for push_text / finish_text
+            if self.position >= self.max_len:
+                self.finished = True
+                return
+            c0 = torch.tensor([self.c0], device=device)
+            x = m.frame_embeds(c0, self._residual) + m.text_embeds([text_id])
+            self.hidden = m.decode_step(self.cache, self.slots, torch.tensor([self.position], device=device), x)
+            self.position += 1
+            self._frame_pending_text = False
+            self.c0 = self._sample_c0()
+            self.finished = self.c0 == self._eos
