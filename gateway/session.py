@@ -124,6 +124,7 @@ class UtteranceEnd:
     """Marks the end of an utterance in the send queue."""
 
     utterance: Utterance
+    by_close: bool = False  # ended by session.close, whose own session.done follows
 
 
 @dataclass(eq=False)
@@ -472,7 +473,7 @@ class StreamingSession:
         if utterance is not None:
             await self._release(utterance, utterance.segmenter.flush())
 
-    async def _on_done(self, context_id: str | None) -> None:
+    async def _on_done(self, context_id: str | None, by_close: bool = False) -> None:
         utterance = self._open.pop(context_id, None)
         if utterance is None:
             # input.done with no text: the utterance is empty, but the client still gets its answer.
@@ -481,11 +482,11 @@ class StreamingSession:
             utterance = Utterance(context_id, self._utterance_count, SentenceSegmenter("none"))
         else:
             await self._release(utterance, utterance.segmenter.flush())
-        self._enqueue(UtteranceEnd(utterance))
+        self._enqueue(UtteranceEnd(utterance, by_close=by_close))
 
     async def _on_close(self) -> None:
         for context_id in list(self._open):
-            await self._on_done(context_id)
+            await self._on_done(context_id, by_close=True)
         self._closing = True
         self._enqueue(SessionEnd())
 
@@ -548,7 +549,7 @@ class StreamingSession:
                     if item is current and item.started_sending:
                         interrupted = item
             for item in self._queue:
-                if isinstance(item, (SentenceJob, UtteranceEnd)) and item.cancelled:
+                if isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled:
                     continue
                 kept.append(item)
             self._queue = kept
@@ -727,6 +728,8 @@ class StreamingSession:
                 return
             if self.uses_contexts or marker.utterance.context_id is not None:
                 message = UtteranceDone(context_id=marker.utterance.context_id, total_sentences=marker.utterance.sentences)
+            elif marker.by_close:
+                return  # session.close answers with one session.done for everything
             else:
                 message = SessionDone(total_sentences=self.next_sentence_index)
             await self._send_text_locked(message.encode())
