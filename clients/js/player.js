@@ -1,0 +1,157 @@
+// StreamPlayer: plays a Voxgate audio stream in the browser through an AudioWorklet (player-worklet.js).
+//
+//   const player = new StreamPlayer({ prerollMs: 50 });
+//   await player.start();              // inside a user gesture, or with autoplay allowed
+//   player.attach(client);             // play every `audio` event of a VoxgateClient
+//   player.on("stats", (s) => ...);    // live counters, ~20 times a second
+//   player.interrupt();                // barge-in: the queued audio is gone within one render quantum
+//
+// Counters (player.stats): samplesReceived (stream rate), framesQueued / framesPlayed (context rate),
+// underruns, underrunFrames, bufferedMs, interrupts, droppedFrames, state, plus ttfaMs (time from
+// `markRequest()` to the first sample leaving the worklet) and firstChunkMs (to the first audio written).
+// Importing this module in Node is harmless; only start() needs Web Audio.
+
+import { Emitter } from "./emitter.js";
+
+const DEFAULT_WORKLET_URL = new URL("./player-worklet.js", import.meta.url).href;
+
+function now() {
+  return performance.now();
+}
+
+export class StreamPlayer extends Emitter {
+  constructor({ prerollMs = 50, audioContext = null, sampleRate = undefined, workletUrl = DEFAULT_WORKLET_URL } = {}) {
+    super();
+    this.prerollMs = prerollMs;
+    this.context = audioContext;
+    this.ownsContext = audioContext === null;
+    this.contextOptions = sampleRate ? { sampleRate, latencyHint: "interactive" } : { latencyHint: "interactive" };
+    this.workletUrl = workletUrl;
+    this.node = null;
+    this.stats = emptyStats();
+    this.requestedAt = null;
+    this.sentences = new Map(); // tag -> {firstChunkAt, startedAt}
+  }
+
+  async start() {
+    if (this.node) return this;
+    if (!this.context) this.context = new AudioContext(this.contextOptions);
+    await this.context.audioWorklet.addModule(this.workletUrl);
+    this.node = new AudioWorkletNode(this.context, "voxgate-player", {
+      numberOfInputs: 0,
+      numberOfOutputs: 1,
+      outputChannelCount: [1],
+      processorOptions: { prerollMs: this.prerollMs },
+    });
+    this.node.port.onmessage = (event) => this.#onWorkletMessage(event.data);
+    this.node.connect(this.context.destination);
+    if (this.context.state !== "running") await this.context.resume();
+    return this;
+  }
+
+  get sampleRate() {
+    return this.context?.sampleRate ?? null;
+  }
+
+  /** Start the clock for time-to-first-audio: call it when the text is sent. */
+  markRequest(at = now()) {
+    this.requestedAt = at;
+    this.stats.ttfaMs = null;
+    this.stats.firstChunkMs = null;
+  }
+
+  /** Queue 16-bit samples of sentence `tag` at `sampleRate` (resampled to the context's rate). */
+  write(samples, sampleRate, tag) {
+    if (!this.node) throw new Error("StreamPlayer.start() first");
+    const at = now();
+    if (!this.sentences.has(tag)) this.sentences.set(tag, { firstChunkAt: at, startedAt: null });
+    if (this.stats.firstChunkMs === null && this.requestedAt !== null) this.stats.firstChunkMs = at - this.requestedAt;
+    // The samples are copied into the message: the caller may reuse its buffer.
+    this.node.port.postMessage({ type: "write", samples, sampleRate, tag });
+  }
+
+  /** Sentence `tag` has no more audio: its tail may play out without waiting for a pre-roll. */
+  endSegment(tag) {
+    this.node?.port.postMessage({ type: "segment-end", tag });
+  }
+
+  /** Drop everything queued now (barge-in). Resolves with the worklet's report. */
+  interrupt() {
+    if (!this.node) return Promise.resolve({ droppedFrames: 0 });
+    const done = new Promise((resolve) => this.once("interrupted", resolve));
+    this.node.port.postMessage({ type: "interrupt" });
+    return done;
+  }
+
+  setPrerollMs(prerollMs) {
+    this.prerollMs = prerollMs;
+    this.node?.port.postMessage({ type: "config", prerollMs });
+  }
+
+  /**
+   * Play a VoxgateClient's audio: `audio` events are written, `audio.done` ends a sentence, and a
+   * cancelled context's queued audio is dropped. Returns a function that detaches.
+   */
+  attach(client) {
+    const key = (index) => `${client.sessionId}:${index}`;
+    const removers = [
+      client.on("audio", (chunk) => this.write(chunk.samples, chunk.sampleRate, key(chunk.sentenceIndex))),
+      client.on("audio.done", (message) => this.endSegment(key(message.sentence_index))),
+    ];
+    return () => removers.forEach((remove) => remove());
+  }
+
+  async close() {
+    this.node?.disconnect();
+    this.node = null;
+    if (this.ownsContext && this.context) await this.context.close();
+    this.context = null;
+  }
+
+  #onWorkletMessage(message) {
+    const at = now();
+    switch (message.event) {
+      case "stats":
+        Object.assign(this.stats, message);
+        delete this.stats.event;
+        this.emit("stats", this.stats);
+        break;
+      case "segment-start": {
+        const record = this.sentences.get(message.tag);
+        if (record) record.startedAt = at;
+        if (this.stats.ttfaMs === null && this.requestedAt !== null) this.stats.ttfaMs = at - this.requestedAt;
+        this.emit("segmentstart", { tag: message.tag, at, contextTime: message.contextTime, ...record });
+        break;
+      }
+      case "underrun":
+        this.emit("underrun", { tag: message.tag, at });
+        break;
+      case "drained":
+        this.emit("drained", { at });
+        break;
+      case "interrupted":
+        this.emit("interrupted", { droppedFrames: message.droppedFrames, at });
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+function emptyStats() {
+  return {
+    samplesReceived: 0,
+    framesQueued: 0,
+    framesPlayed: 0,
+    underruns: 0,
+    underrunFrames: 0,
+    interrupts: 0,
+    droppedFrames: 0,
+    bufferedFrames: 0,
+    bufferedMs: 0,
+    state: "idle",
+    contextRate: null,
+    ttfaMs: null,
+    firstChunkMs: null,
+  };
+}

@@ -1,0 +1,531 @@
+// Voxgate JavaScript client: the streaming TTS protocol (version 1) for browsers and Node 20.
+//
+// One ES module, no build step. In a browser it uses the page's WebSocket and offers `StreamPlayer`, an
+// AudioWorklet player with a jitter buffer; in Node it uses the `ws` package (Node 20 has no global
+// WebSocket), loaded only when needed.
+//
+//   import { VoxgateClient } from "./voxgate.js";
+//   const client = await VoxgateClient.connect("ws://127.0.0.1:8000", { voice: "tone-mid" });
+//   client.on("audio", (chunk) => play(chunk.samples, chunk.sampleRate));
+//   const result = await client.speak("Hello there. How are you?");
+//
+// Protocol: ../../shared/design/protocol.md (in the repository: the WebSocket `/v1/audio/speech/stream`).
+
+import { Emitter } from "./emitter.js";
+
+export const STREAM_PATH = "/v1/audio/speech/stream";
+
+const SERVER_EVENTS = [
+  "session.started",
+  "audio.start",
+  "audio.done",
+  "utterance.done",
+  "context.cancelled",
+  "session.done",
+  "error",
+  "pong",
+];
+
+// session.config fields, camelCase option name -> protocol name. Anything else in `options.config` is
+// sent as given, so new server fields need no client release.
+const CONFIG_FIELDS = {
+  model: "model",
+  voice: "voice",
+  language: "language",
+  instructions: "instructions",
+  taskType: "task_type",
+  responseFormat: "response_format",
+  sampleRate: "sample_rate",
+  maxNewTokens: "max_new_tokens",
+  initialCodecChunkFrames: "initial_codec_chunk_frames",
+  seed: "seed",
+  splitGranularity: "split_granularity",
+  chunkSchedule: "chunk_schedule",
+};
+
+/** An error the server reported (`type: "error"`), or a failed connection. */
+export class VoxgateError extends Error {
+  constructor(message, { code = "internal", retryable = false, contextId = null, sentenceIndex = null } = {}) {
+    super(message);
+    this.name = "VoxgateError";
+    this.code = code;
+    this.retryable = retryable;
+    this.contextId = contextId;
+    this.sentenceIndex = sentenceIndex;
+  }
+
+  static fromMessage(message) {
+    return new VoxgateError(message.message || "error", {
+      code: message.code || "internal",
+      retryable: Boolean(message.retryable),
+      contextId: message.context_id ?? null,
+      sentenceIndex: message.sentence_index ?? null,
+    });
+  }
+}
+
+// --------------------------------------------------------------------------------------- audio decoding
+
+function buildMulawTable() {
+  const table = new Int16Array(256);
+  for (let i = 0; i < 256; i++) {
+    const u = ~i & 0xff;
+    const exponent = (u >> 4) & 0x07;
+    const magnitude = (((u & 0x0f) << 3) + 0x84) << exponent;
+    table[i] = u & 0x80 ? 0x84 - magnitude : magnitude - 0x84;
+  }
+  return table;
+}
+
+function buildAlawTable() {
+  const table = new Int16Array(256);
+  for (let i = 0; i < 256; i++) {
+    const a = i ^ 0x55;
+    const exponent = (a >> 4) & 0x07;
+    let magnitude = (a & 0x0f) << 4;
+    magnitude = exponent === 0 ? magnitude + 8 : (magnitude + 0x108) << (exponent - 1);
+    table[i] = a & 0x80 ? magnitude : -magnitude;
+  }
+  return table;
+}
+
+const MULAW_TABLE = buildMulawTable();
+const ALAW_TABLE = buildAlawTable();
+
+/** Bytes of one sample in a streaming format. */
+export function bytesPerSample(format) {
+  return format === "mulaw" || format === "alaw" ? 1 : 2;
+}
+
+/**
+ * Decode one binary frame of a streaming format (`pcm` s16le, `mulaw`, `alaw`) to 16-bit samples.
+ * Returns an Int16Array that owns its memory.
+ */
+export function decodeAudio(bytes, format) {
+  const view = bytes instanceof Uint8Array ? bytes : new Uint8Array(bytes);
+  if (format === "pcm") {
+    const samples = new Int16Array(view.byteLength >> 1);
+    // Copy through a DataView: the frame may sit at an odd offset and the host may not be little-endian.
+    const data = new DataView(view.buffer, view.byteOffset, view.byteLength);
+    for (let i = 0; i < samples.length; i++) samples[i] = data.getInt16(i * 2, true);
+    return samples;
+  }
+  const table = format === "mulaw" ? MULAW_TABLE : format === "alaw" ? ALAW_TABLE : null;
+  if (!table) throw new VoxgateError(`cannot decode format ${format}`, { code: "unsupported_format" });
+  const samples = new Int16Array(view.byteLength);
+  for (let i = 0; i < view.byteLength; i++) samples[i] = table[view[i]];
+  return samples;
+}
+
+// ------------------------------------------------------------------------------------------- client
+
+/** Turn "http://host:port", "ws://host:port" or a full endpoint URL into the streaming endpoint URL. */
+export function streamUrl(base, { apiKey = null, apiKeyParam = "api_key" } = {}) {
+  const fallback = globalThis.location?.href;
+  const url = new URL(base, fallback);
+  if (url.protocol === "http:") url.protocol = "ws:";
+  if (url.protocol === "https:") url.protocol = "wss:";
+  if (url.pathname === "/" || url.pathname === "") url.pathname = STREAM_PATH;
+  if (apiKey) url.searchParams.set(apiKeyParam, apiKey);
+  return url.toString();
+}
+
+async function resolveWebSocket(explicit) {
+  if (explicit) return explicit;
+  if (globalThis.WebSocket) return globalThis.WebSocket;
+  try {
+    const module = await import("ws");
+    return module.WebSocket || module.default;
+  } catch (error) {
+    throw new VoxgateError(
+      "no WebSocket implementation: install the `ws` package (npm install ws) or pass options.WebSocket",
+      { code: "internal" },
+    );
+  }
+}
+
+function configMessage(options) {
+  const message = { type: "session.config", stream_audio: true, response_format: "pcm" };
+  for (const [option, field] of Object.entries(CONFIG_FIELDS)) {
+    if (options[option] !== undefined && options[option] !== null) message[field] = options[option];
+  }
+  Object.assign(message, options.config || {});
+  return message;
+}
+
+/**
+ * A Voxgate streaming session over one WebSocket.
+ *
+ * Events (`client.on(type, fn)`): every server message by its type (`session.started`, `audio.start`,
+ * `audio.done`, `utterance.done`, `context.cancelled`, `session.done`, `error`, `pong`) with the parsed
+ * message; `audio` for each binary frame as
+ * `{sentenceIndex, contextId, format, sampleRate, offset, bytes: Uint8Array, samples: Int16Array}`;
+ * `message` for every JSON message; `close` with `{code, reason}`.
+ *
+ * Audio for a context that this client cancelled is not emitted (audio already in flight when the cancel
+ * was sent is dropped here, as the server drops what it had not sent), but it still counts for resume.
+ */
+export class VoxgateClient extends Emitter {
+  #pingCounter = 0;
+
+  constructor(url, options = {}) {
+    super();
+    this.url = url;
+    this.options = options;
+    this.socket = null;
+    this.sessionId = null;
+    this.sampleRate = null;
+    this.format = null;
+    this.voice = null;
+    this.voices = [];
+    this.closed = false;
+    // Where the audio stream stands: the sentence being received and its bytes so far. That names the
+    // next byte the client needs, which is what session.resume sends after a dropped connection.
+    this.sentenceIndex = null;
+    this.bytesReceived = 0;
+    this.totalBytesReceived = 0;
+    this.currentSentence = null; // {index, contextId, format, sampleRate, text}
+    this.cancelledContexts = new Set();
+    this.sentences = new Map(); // index -> {index, contextId, text, bytes, done, error}
+  }
+
+  /** Open a session: connect, send session.config, wait for session.started. */
+  static async connect(url, options = {}) {
+    const client = new VoxgateClient(url, options);
+    await client.open(configMessage(options));
+    return client;
+  }
+
+  /** Reattach to a session after a disconnect (protocol: session.resume as the first message). */
+  static async resume(url, state, options = {}) {
+    const client = new VoxgateClient(url, options);
+    client.sentenceIndex = state.sentence_index ?? state.sentenceIndex ?? null;
+    client.bytesReceived = state.bytes_received ?? state.bytesReceived ?? 0;
+    await client.open({
+      type: "session.resume",
+      session_id: state.session_id ?? state.sessionId,
+      sentence_index: client.sentenceIndex ?? 0,
+      bytes_received: client.bytesReceived,
+    });
+    return client;
+  }
+
+  /** The position to hand to `VoxgateClient.resume` after the connection dropped. */
+  resumeState() {
+    return {
+      session_id: this.sessionId,
+      sentence_index: this.sentenceIndex ?? 0,
+      bytes_received: this.sentenceIndex === null ? 0 : this.bytesReceived,
+    };
+  }
+
+  async open(firstMessage) {
+    const WebSocketImpl = await resolveWebSocket(this.options.WebSocket);
+    const target = streamUrl(this.url, this.options);
+    const socket = new WebSocketImpl(target, this.options.protocols);
+    socket.binaryType = "arraybuffer";
+    this.socket = socket;
+
+    await new Promise((resolve, reject) => {
+      const timeoutMs = this.options.connectTimeoutMs ?? 10000;
+      const timer = setTimeout(() => fail(new VoxgateError(`no answer from ${target} within ${timeoutMs} ms`)), timeoutMs);
+      const cleanups = [];
+      const finish = () => {
+        clearTimeout(timer);
+        cleanups.forEach((cleanup) => cleanup());
+      };
+      const fail = (error) => {
+        finish();
+        if (socket.readyState <= 1) socket.close(1000);
+        reject(error);
+      };
+      cleanups.push(
+        this.once("session.started", () => {
+          finish();
+          resolve();
+        }),
+        this.on("error", (message) => fail(VoxgateError.fromMessage(message))),
+        this.once("close", ({ code, reason }) =>
+          fail(new VoxgateError(`connection closed before the session started (code ${code}${reason ? `: ${reason}` : ""})`)),
+        ),
+      );
+      socket.onopen = () => this.#sendJson(firstMessage);
+      socket.onerror = (event) => fail(new VoxgateError(`cannot connect to ${target}: ${event?.message || "socket error"}`));
+      socket.onmessage = (event) => this.#onFrame(event.data);
+      socket.onclose = (event) => this.#onClose(event);
+    });
+    return this;
+  }
+
+  #onClose(event) {
+    this.closed = true;
+    this.emit("close", { code: event?.code ?? 1006, reason: event?.reason ?? "" });
+  }
+
+  #onFrame(data) {
+    if (typeof data === "string") {
+      this.#onMessage(JSON.parse(data));
+      return;
+    }
+    // ws may hand over a Buffer (a Uint8Array) even with binaryType "arraybuffer" for some frames.
+    const bytes = data instanceof ArrayBuffer ? new Uint8Array(data) : new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
+    const sentence = this.currentSentence;
+    if (!sentence) {
+      this.emit("protocol_violation", { reason: "binary frame before audio.start", bytes: bytes.byteLength });
+      return;
+    }
+    const offset = this.bytesReceived;
+    this.bytesReceived += bytes.byteLength;
+    this.totalBytesReceived += bytes.byteLength;
+    this.sentences.get(sentence.index).bytes += bytes.byteLength;
+    if (this.cancelledContexts.has(sentence.contextId)) return;
+    this.emit("audio", {
+      sentenceIndex: sentence.index,
+      contextId: sentence.contextId,
+      format: sentence.format,
+      sampleRate: sentence.sampleRate,
+      offset,
+      bytes,
+      samples: decodeAudio(bytes, sentence.format),
+    });
+  }
+
+  #onMessage(message) {
+    switch (message.type) {
+      case "session.started":
+        this.sessionId = message.session_id ?? this.sessionId;
+        this.sampleRate = message.sample_rate ?? this.sampleRate;
+        this.format = message.format ?? this.format;
+        this.voices = message.voices ?? this.voices;
+        this.voice = message.voice ?? this.voice;
+        break;
+      case "audio.start": {
+        const contextId = message.context_id ?? null;
+        this.currentSentence = {
+          index: message.sentence_index,
+          contextId,
+          format: message.format ?? this.format,
+          sampleRate: message.sample_rate ?? this.sampleRate,
+          text: message.sentence_text,
+        };
+        // A resumed sentence continues where the client stood; a new one starts at byte 0.
+        if (this.sentenceIndex !== message.sentence_index) this.bytesReceived = 0;
+        this.sentenceIndex = message.sentence_index;
+        if (!this.sentences.has(message.sentence_index)) {
+          this.sentences.set(message.sentence_index, {
+            index: message.sentence_index,
+            contextId,
+            text: message.sentence_text,
+            bytes: 0,
+            done: false,
+            error: false,
+          });
+        }
+        break;
+      }
+      case "audio.done": {
+        const record = this.sentences.get(message.sentence_index);
+        if (record) {
+          record.done = true;
+          record.error = Boolean(message.error);
+          record.totalBytes = message.total_bytes;
+          record.durationMs = message.duration_ms;
+        }
+        this.currentSentence = null;
+        break;
+      }
+      default:
+        break;
+    }
+    this.emit("message", message);
+    const contextId = message.context_id ?? null;
+    const silenced =
+      this.cancelledContexts.has(contextId) && (message.type === "audio.start" || message.type === "audio.done");
+    if (SERVER_EVENTS.includes(message.type) && !silenced) this.emit(message.type, message);
+  }
+
+  #sendJson(message) {
+    if (!this.socket || this.socket.readyState !== 1) {
+      throw new VoxgateError(`cannot send ${message.type}: the connection is not open`, { code: "internal" });
+    }
+    this.socket.send(JSON.stringify(message));
+  }
+
+  #withContext(message, contextId) {
+    if (contextId !== undefined && contextId !== null) message.context_id = contextId;
+    return message;
+  }
+
+  /** Append text (complete sentences are spoken at once; an unterminated tail waits). */
+  sendText(text, { contextId = null } = {}) {
+    if (contextId !== null) this.cancelledContexts.delete(contextId);
+    this.#sendJson(this.#withContext({ type: "input.text", text }, contextId));
+  }
+
+  /** Speak whatever text is buffered now; the utterance stays open. */
+  flush({ contextId = null } = {}) {
+    this.#sendJson(this.#withContext({ type: "input.flush" }, contextId));
+  }
+
+  /** End this utterance's text. */
+  done({ contextId = null } = {}) {
+    this.#sendJson(this.#withContext({ type: "input.done" }, contextId));
+  }
+
+  /** Barge-in: stop this context now. Audio of it still in flight is dropped by this client. */
+  cancel({ contextId = null } = {}) {
+    this.cancelledContexts.add(contextId);
+    this.#sendJson(this.#withContext({ type: "input.cancel" }, contextId));
+  }
+
+  /** Change the session's configuration between utterances (answered by session.started). */
+  configure(options) {
+    this.#sendJson(configMessage(options));
+    return this.#waitFor("session.started");
+  }
+
+  /** Ask the server to finish everything open, answer session.done and close. */
+  async close({ timeoutMs = 30000 } = {}) {
+    if (this.closed) return;
+    const closed = new Promise((resolve) => this.once("close", resolve));
+    this.#sendJson({ type: "session.close" });
+    const timer = setTimeout(() => this.socket.close(1000), timeoutMs);
+    await closed;
+    clearTimeout(timer);
+  }
+
+  /** Drop the connection without a protocol goodbye (the session stays resumable on the server). */
+  disconnect() {
+    this.socket?.close(1000);
+  }
+
+  /** Round trip to the server; resolves with the measured milliseconds. */
+  async ping() {
+    const id = `ping-${++this.#pingCounter}`;
+    const started = now();
+    const answered = this.#waitFor("pong", (message) => message.id === id);
+    this.#sendJson({ type: "ping", id });
+    await answered;
+    return now() - started;
+  }
+
+  /**
+   * Stream text as it is produced (an async or sync iterable of strings, e.g. LLM tokens), then end the
+   * utterance unless `done: false`. Resolves with the utterance's result (see `speak`).
+   */
+  async streamText(tokens, { contextId = null, done = true } = {}) {
+    const finished = done ? this.#utteranceResult(contextId) : null;
+    for await (const token of tokens) {
+      if (token) this.sendText(token, { contextId });
+    }
+    if (!done) return null;
+    this.done({ contextId });
+    return finished;
+  }
+
+  /** Speak a whole text as one utterance; resolves when all its audio has arrived. */
+  speak(text, { contextId = null } = {}) {
+    return this.streamText([text], { contextId });
+  }
+
+  /** A handle bound to one context id: text / flush / done / cancel / stream / speak. */
+  context(contextId) {
+    return {
+      id: contextId,
+      text: (text) => this.sendText(text, { contextId }),
+      flush: () => this.flush({ contextId }),
+      done: () => this.done({ contextId }),
+      cancel: () => this.cancel({ contextId }),
+      stream: (tokens, options = {}) => this.streamText(tokens, { ...options, contextId }),
+      speak: (text) => this.speak(text, { contextId }),
+    };
+  }
+
+  // Resolves with {contextId, sentences: [{index, text, bytes, totalBytes, error}], bytes, cancelled}
+  // when the utterance ends: utterance.done (contexts), session.done (no context) or context.cancelled.
+  #utteranceResult(contextId) {
+    const sentences = [];
+    const removers = [];
+    return new Promise((resolve, reject) => {
+      const finish = (outcome) => {
+        removers.forEach((remove) => remove());
+        const records = sentences.map((index) => this.sentences.get(index));
+        resolve({
+          contextId,
+          sentences: records,
+          bytes: records.reduce((sum, record) => sum + record.bytes, 0),
+          ...outcome,
+        });
+      };
+      const mine = (message) => (message.context_id ?? null) === contextId;
+      removers.push(
+        this.on("message", (message) => {
+          if (message.type === "audio.start" && mine(message)) sentences.push(message.sentence_index);
+          else if (message.type === "utterance.done" && mine(message)) finish({ cancelled: false });
+          else if (message.type === "session.done" && contextId === null) finish({ cancelled: false });
+          else if (message.type === "context.cancelled" && mine(message)) finish({ cancelled: true });
+          else if (message.type === "error" && mine(message) && message.sentence_index == null && !message.retryable) {
+            removers.forEach((remove) => remove());
+            reject(VoxgateError.fromMessage(message));
+          }
+        }),
+        this.on("close", ({ code, reason }) => {
+          removers.forEach((remove) => remove());
+          reject(new VoxgateError(`connection closed (code ${code}${reason ? `: ${reason}` : ""}) before the utterance finished`));
+        }),
+      );
+    });
+  }
+
+  #waitFor(type, predicate = () => true) {
+    return new Promise((resolve, reject) => {
+      const removers = [
+        this.on(type, (message) => {
+          if (!predicate(message)) return;
+          removers.forEach((remove) => remove());
+          resolve(message);
+        }),
+        this.on("close", ({ code }) => {
+          removers.forEach((remove) => remove());
+          reject(new VoxgateError(`connection closed (code ${code}) while waiting for ${type}`));
+        }),
+      ];
+    });
+  }
+
+  /** Wait for the next server message of a type (optionally matching a predicate). */
+  waitFor(type, predicate) {
+    return this.#waitFor(type, predicate);
+  }
+}
+
+function now() {
+  return globalThis.performance ? performance.now() : Date.now();
+}
+
+/** Voices the gateway offers (GET /v1/audio/voices), for a base URL such as "http://127.0.0.1:8000". */
+export async function listVoices(baseUrl, { apiKey = null } = {}) {
+  const url = new URL("/v1/audio/voices", baseUrl.replace(/^ws/, "http"));
+  const response = await fetch(url, { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
+  if (!response.ok) throw new VoxgateError(`GET ${url} answered ${response.status}`);
+  return response.json();
+}
+
+/**
+ * Simulated LLM output: yields `text` in word-sized tokens at `tokensPerSecond` (0 = as fast as possible).
+ * `signal` (an AbortSignal) stops it early.
+ */
+export async function* simulatedTokens(text, { tokensPerSecond = 20, signal = null } = {}) {
+  const tokens = text.match(/\s*\S+/g) || [];
+  const interval = tokensPerSecond > 0 ? 1000 / tokensPerSecond : 0;
+  const start = now();
+  for (let i = 0; i < tokens.length; i++) {
+    if (signal?.aborted) return;
+    const due = start + i * interval - now();
+    if (due > 0) await new Promise((resolve) => setTimeout(resolve, due));
+    if (signal?.aborted) return;
+    yield tokens[i];
+  }
+}
+
+export { StreamPlayer } from "./player.js";

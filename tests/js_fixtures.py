@@ -1,0 +1,63 @@
+"""Shared helpers of the JavaScript client and web demo tests: find Node, the npm packages and Chromium.
+
+Locally a missing part skips the test with the command that provides it; in CI (tests.conftest.IN_CI)
+it fails, because .ci/run installs all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import IN_CI
+
+REPO = Path(__file__).resolve().parent.parent
+JS_CLIENT_DIR = REPO / "clients" / "js"
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def missing(what: str, how: str) -> None:
+    message = f"{what} is missing ({how})"
+    if IN_CI:
+        pytest.fail(message + "; CI must provide it (.ci/run installs it)", pytrace=False)
+    pytest.skip(message)
+
+
+def require_node() -> str:
+    node = shutil.which("node")
+    if node is None:
+        missing("node (Node.js 20)", "apt-get install -y nodejs npm")
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    if int(version.lstrip("v").split(".")[0]) < 20:
+        missing(f"Node.js 20 or newer (found {version})", "install Node.js 20")
+    return node
+
+
+def require_npm_packages() -> None:
+    for package in ("ws", "playwright-core"):
+        if not (JS_CLIENT_DIR / "node_modules" / package / "package.json").exists():
+            missing(f"npm package {package} in clients/js", "cd clients/js && npm ci")
+
+
+def require_chromium() -> Path:
+    if not CHROMIUM.exists():
+        missing("Debian's Chromium at /usr/bin/chromium", "apt-get install -y chromium")
+    return CHROMIUM
+
+
+def run_node_json(script: Path, *args: str, timeout: float = 90.0, env: dict | None = None) -> dict:
+    """Run a Node script that prints one JSON object on stdout; fail the test with its stderr otherwise."""
+    node = require_node()
+    completed = subprocess.run(
+        [node, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=JS_CLIENT_DIR, env=env
+    )
+    if completed.returncode != 0:
+        pytest.fail(f"{script.name} exited with {completed.returncode}:\n{completed.stderr[-4000:]}", pytrace=False)
+    try:
+        return json.loads(completed.stdout)
+    except ValueError:
+        pytest.fail(f"{script.name} printed no JSON:\n{completed.stdout[-2000:]}\n{completed.stderr[-2000:]}", pytrace=False)
