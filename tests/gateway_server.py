@@ -116,3 +116,101 @@ def running_gateway(
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+# ------------------------------------------------------------------------------------- client helpers
+
+
+async def receive_until(ws, *types: str, timeout: float = 20.0) -> list[Any]:
+    """Messages from a `websockets` connection up to and including the first JSON one whose type is in
+    `types`; JSON frames decoded to dicts, binary frames kept as bytes."""
+    import json
+
+    received: list[Any] = []
+    async with asyncio.timeout(timeout):
+        while True:
+            frame = await ws.recv()
+            if isinstance(frame, bytes):
+                received.append(frame)
+                continue
+            message = json.loads(frame)
+            received.append(message)
+            if message.get("type") in types:
+                return received
+
+
+def audio_by_sentence(messages: list[Any]) -> dict[int, bytes]:
+    """Binary frames grouped by the sentence whose audio.start precedes them."""
+    audio: dict[int, bytearray] = {}
+    current: int | None = None
+    for message in messages:
+        if isinstance(message, bytes):
+            assert current is not None, "binary audio before any audio.start"
+            audio[current] += message
+        elif message.get("type") == "audio.start":
+            current = message["sentence_index"]
+            audio[current] = bytearray()
+        elif message.get("type") == "audio.done":
+            current = None
+    return {index: bytes(data) for index, data in audio.items()}
+
+
+# ------------------------------------------------------------------------------------- test backends
+
+
+@dataclass
+class StreamRecord:
+    text: str
+    started: float
+    chunks: int = 0
+    finished: float | None = None  # last chunk produced
+    closed: float | None = None  # the consumer stopped early (cancel)
+    chunk_times: list[float] | None = None
+
+
+class RecordingBackend(Synthesizer):
+    """Wraps a backend and records, per request, when it started, each chunk it produced, and whether the
+    consumer closed it early. `fail_on`: texts containing this substring raise SynthesisError."""
+
+    def __init__(self, inner: Synthesizer, fail_on: str | None = None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.sample_rate = inner.sample_rate
+        self.fail_on = fail_on
+        self.records: list[StreamRecord] = []
+
+    async def start(self) -> None:
+        await self.inner.start()
+        self.sample_rate = self.inner.sample_rate
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.inner.ready
+
+    def voices(self):
+        return self.inner.voices()
+
+    def has_voice(self, voice: str) -> bool:
+        return self.inner.has_voice(voice)
+
+    async def synthesize(self, request):
+        from tts_backend.base import SynthesisError
+
+        record = StreamRecord(request.text, time.monotonic(), chunk_times=[])
+        self.records.append(record)
+        if self.fail_on and self.fail_on in request.text:
+            raise SynthesisError(f"refusing {request.text!r} on purpose")
+        completed = False
+        try:
+            async for chunk in self.inner.synthesize(request):
+                record.chunks += 1
+                record.chunk_times.append(time.monotonic())
+                yield chunk
+            completed = True
+            record.finished = time.monotonic()
+        finally:
+            if not completed:
+                record.closed = time.monotonic()
