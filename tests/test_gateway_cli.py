@@ -1,0 +1,89 @@
+"""`voxgate serve` as a newcomer runs it: a real process, settings from flags and environment."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import websockets
+
+from gateway.cli import build_parser, main, settings_from_args
+from tests.gateway_server import free_port, receive_until
+
+
+def test_flags_override_environment_which_overrides_defaults(monkeypatch):
+    monkeypatch.setenv("VOXGATE_PORT", "9100")
+    monkeypatch.setenv("VOXGATE_IDLE_TIMEOUT_S", "12")
+    monkeypatch.setenv("VOXGATE_API_KEYS", '["a", "b"]')
+    args = build_parser().parse_args(
+        ["serve", "--port", "9200", "--backend", "qwen3", "--model", "/models/q", "--device", "cuda:0",
+         "-o", "max_batch=8", "-o", "name=fast"]
+    )
+    settings = settings_from_args(args)
+    assert settings.port == 9200 and settings.idle_timeout_s == 12 and settings.api_keys == ["a", "b"]
+    assert (settings.backend, settings.model, settings.device) == ("qwen3", "/models/q", "cuda:0")
+    assert settings.backend_options == {"max_batch": 8, "name": "fast"}
+    defaults = settings_from_args(build_parser().parse_args(["serve"]))
+    assert defaults.backend == "piper" and defaults.port == 9100 and defaults.host == "127.0.0.1"
+
+
+def test_backend_options_reach_the_backend():
+    from gateway.app import backend_options
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(backend="synthetic", model="m", backend_options={"speed": 2.0})
+    assert backend_options(settings) == {"model": "m", "speed": 2.0}
+    assert backend_options(GatewaySettings(backend="synthetic")) == {}
+
+
+def test_worker_subcommand_delegates_to_the_worker(monkeypatch):
+    import tts_backend.worker
+
+    seen = {}
+    monkeypatch.setattr(tts_backend.worker, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert main(["worker", "--socket", "/tmp/x.sock"]) == 0
+    assert seen["argv"] == ["--socket", "/tmp/x.sock"]
+
+
+@pytest.mark.parametrize("backend_args", [[], ["--backend", "synthetic"]], ids=["default-piper", "synthetic"])
+def test_voxgate_serve_process_speaks(backend_args):
+    """README line 1 (`voxgate serve`) in a real process: health, readiness, then audio over the WebSocket."""
+    port = free_port()
+    env = dict(os.environ, VOXGATE_LOG_LEVEL="warning")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *backend_args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.stdout.read().decode()
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "voxgate serve did not become ready"
+            time.sleep(0.1)
+
+        async def speak():
+            async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+                await ws.send(json.dumps({"type": "session.config", "stream_audio": True}))
+                await ws.send(json.dumps({"type": "input.text", "text": "Hello from a real process."}))
+                await ws.send(json.dumps({"type": "input.done"}))
+                return await receive_until(ws, "session.done", timeout=60)
+
+        messages = asyncio.run(speak())
+        assert sum(len(m) for m in messages if isinstance(m, bytes)) > 10000
+        expected = "piper" if not backend_args else "synthetic"
+        assert httpx.get(url + "/ready").json()["backend"] == expected
+    finally:
+        process.terminate()
+        process.wait(10)
