@@ -1,0 +1,289 @@
+"""Pipecat scenarios against a live gateway; run in the pipecat venv (tests/adapter_env.py).
+
+    python pipecat_scenarios.py WS_URL SCENARIOS_JSON
+
+Each scenario builds a real Pipecat pipeline (PipelineWorker + WorkerRunner): the frames an LLM service
+would emit (LLMFullResponseStartFrame, LLMTextFrame tokens, LLMFullResponseEndFrame) go into
+VoxgateTTSService, and a collector at the end records what comes out. Prints one JSON object: scenario
+name -> observations (or {"error": traceback}); the pytest side asserts on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+import traceback
+
+from pipecat.frames.frames import (
+    EndFrame,
+    ErrorFrame,
+    Frame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    MetricsFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+)
+from pipecat.metrics.metrics import TTFBMetricsData
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.workers.runner import WorkerRunner
+
+from voxgate_client import events as vg
+from voxgate_pipecat import VoxgateTTSService
+
+
+def llm_tokens(text: str) -> list[str]:
+    """Split text the way an LLM streams it: words with their leading space, punctuation on its own."""
+    return re.findall(r"\s*[^\s.,!?;:]+|[.,!?;:]", text)
+
+
+class RecordingTTS(VoxgateTTSService):
+    """The service under test, noting the gateway's sentence announcements and cancel timings."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.sentences: dict[str, list[str]] = {}
+        self.cancel_sent_at: dict[str, float] = {}
+
+    async def _handle_event(self, event):
+        if isinstance(event, vg.AudioStart) and event.context_id is not None:
+            self.sentences.setdefault(event.context_id, []).append(event.sentence_text)
+        await super()._handle_event(event)
+
+    async def on_audio_context_interrupted(self, context_id: str):
+        self.cancel_sent_at[context_id] = time.monotonic()
+        await super().on_audio_context_interrupted(context_id)
+
+
+class Collector(FrameProcessor):
+    """End of the pipeline: keeps every frame that reaches it, with its arrival time."""
+
+    def __init__(self):
+        super().__init__()
+        self.frames: list[tuple[float, Frame]] = []
+        self.stopped: dict[str, asyncio.Event] = {}
+        self.first_audio = asyncio.Event()
+
+    def stopped_event(self, context_id: str) -> asyncio.Event:
+        return self.stopped.setdefault(context_id, asyncio.Event())
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        self.frames.append((time.monotonic(), frame))
+        if isinstance(frame, TTSAudioRawFrame):
+            self.first_audio.set()
+        if isinstance(frame, TTSStoppedFrame) and frame.context_id:
+            self.stopped_event(frame.context_id).set()
+        await self.push_frame(frame, direction)
+
+
+class Harness:
+    def __init__(self, url: str, sample_rate: int = 24000, **tts_options):
+        self.tts = RecordingTTS(url=url, settings=VoxgateTTSService.Settings(voice="tone-mid"), **tts_options)
+        self.collector = Collector()
+        self.worker = PipelineWorker(
+            Pipeline([self.tts, self.collector]),
+            params=PipelineParams(audio_out_sample_rate=sample_rate, enable_metrics=True),
+            idle_timeout_secs=None,
+            enable_rtvi=False,
+        )
+        self.runner = WorkerRunner(handle_sigint=False)
+        self.started = asyncio.Event()
+        self.errors: list[str] = []
+
+        @self.worker.event_handler("on_pipeline_started")
+        async def _started(worker, frame):
+            self.started.set()
+
+        @self.worker.event_handler("on_pipeline_error")
+        async def _error(worker, frame: ErrorFrame):
+            self.errors.append(str(frame.error))
+
+    async def __aenter__(self) -> "Harness":
+        await self.runner.add_workers(self.worker)
+        self.run_task = asyncio.create_task(self.runner.run())
+        await asyncio.wait_for(self.started.wait(), 20)
+        for _ in range(200):  # setup() connects in the background; wait for the session
+            if self.tts.session is not None:
+                break
+            await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.worker.queue_frame(EndFrame())
+        await asyncio.wait_for(self.run_task, 20)
+
+    async def speak_turn(self, text: str, token_delay_s: float = 0.002) -> None:
+        """Push one LLM turn token by token, as an LLM service would."""
+        await self.worker.queue_frame(LLMFullResponseStartFrame())
+        for token in llm_tokens(text):
+            await self.worker.queue_frame(LLMTextFrame(token))
+            await asyncio.sleep(token_delay_s)
+        await self.worker.queue_frame(LLMFullResponseEndFrame())
+
+    def contexts(self) -> list[str]:
+        return [f.context_id for _, f in self.collector.frames if isinstance(f, TTSStartedFrame)]
+
+    async def wait_stopped(self, context_id: str, timeout: float = 30) -> None:
+        await asyncio.wait_for(self.collector.stopped_event(context_id).wait(), timeout)
+
+    def audio_of(self, context_id: str) -> dict:
+        frames = [f for _, f in self.collector.frames if isinstance(f, TTSAudioRawFrame) and f.context_id == context_id]
+        return {
+            "bytes": sum(len(f.audio) for f in frames),
+            "frames": len(frames),
+            "odd_frames": sum(len(f.audio) % 2 for f in frames),
+            "sample_rates": sorted({f.sample_rate for f in frames}),
+            "channels": sorted({f.num_channels for f in frames}),
+            "sentences": self.tts.sentences.get(context_id, []),
+        }
+
+    def ttfb(self) -> list[float]:
+        values = []
+        for _, frame in self.collector.frames:
+            if isinstance(frame, MetricsFrame):
+                values += [d.value for d in frame.data if isinstance(d, TTFBMetricsData) and d.value > 0]
+        return values
+
+
+async def wait_for_contexts(h: Harness, n: int, timeout: float = 20) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while len(h.contexts()) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"expected {n} audio contexts, saw {h.contexts()}")
+        await asyncio.sleep(0.01)
+    return h.contexts()
+
+
+async def scenario_two_turns(url: str, turns: list[str]) -> dict:
+    """Two LLM turns, one after the other, on one connection."""
+    async with Harness(url) as h:
+        session_id = h.tts.session.session_id
+        results = []
+        for i, text in enumerate(turns):
+            await h.speak_turn(text)
+            context_id = (await wait_for_contexts(h, i + 1))[i]
+            await h.wait_stopped(context_id)
+            results.append({"context_id": context_id, **h.audio_of(context_id)})
+        return {
+            "turns": results,
+            "session_ids": [session_id, h.tts.session.session_id],
+            "reconnects": h.tts.session.reconnects,
+            "ttfb_s": h.ttfb(),
+            "errors": h.errors,
+        }
+
+
+async def scenario_interrupt(url: str, long_turn: str, next_turn: str) -> dict:
+    """Barge-in after the first audio of a long turn, then a fresh turn on the same socket."""
+    async with Harness(url) as h:
+        cancelled: list[tuple[str, int, float]] = []
+
+        @h.tts.event_handler("on_context_cancelled")
+        async def _cancelled(tts, context_id, late_bytes):
+            cancelled.append((context_id, late_bytes, time.monotonic()))
+
+        await h.speak_turn(long_turn)
+        await asyncio.wait_for(h.collector.first_audio.wait(), 20)
+        interrupted_at = time.monotonic()
+        await h.worker.queue_frame(InterruptionFrame())
+        for _ in range(500):
+            if cancelled:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # anything still coming would arrive by now
+        context_id = h.contexts()[0]
+        audio_frames = [(t, f) for t, f in h.collector.frames if isinstance(f, TTSAudioRawFrame) and f.context_id == context_id]
+        after = [f for t, f in audio_frames if t > interrupted_at]
+
+        await h.speak_turn(next_turn)
+        next_id = (await wait_for_contexts(h, 2))[1]
+        await h.wait_stopped(next_id)
+        return {
+            "interrupted": {"context_id": context_id, **h.audio_of(context_id)},
+            "frames_after_interrupt": len(after),
+            "bytes_after_interrupt": sum(len(f.audio) for f in after),
+            "cancel_sent_at": h.tts.cancel_sent_at.get(context_id),
+            "cancelled": [{"context_id": c, "late_bytes": b, "at": t} for c, b, t in cancelled],
+            "stopped_frame_for_interrupted": h.collector.stopped_event(context_id).is_set(),
+            "next": {"context_id": next_id, **h.audio_of(next_id)},
+            "reconnects": h.tts.session.reconnects,
+            "errors": h.errors,
+        }
+
+
+async def scenario_resume(url: str, text: str, next_turn: str) -> dict:
+    """The socket drops in the middle of a turn. With gateway resume the session continues and the turn's
+    audio is whole; without it Pipecat's reconnect opens a fresh session. Either way the next turn works."""
+    async with Harness(url) as h:
+        reconnected = []
+
+        @h.tts.event_handler("on_reconnected")
+        async def _reconnected(tts, event):
+            reconnected.append(event.attempts)
+
+        session_id = h.tts.session.session_id
+        await h.speak_turn(text)
+        await asyncio.wait_for(h.collector.first_audio.wait(), 20)
+        await h.tts.session.drop_connection()
+        context_id = h.contexts()[0]
+        try:
+            await h.wait_stopped(context_id, timeout=10)
+        except asyncio.TimeoutError:
+            pass  # the lost session's context was closed without its end
+        for _ in range(500):  # a fresh session, if one was needed, is up before the next turn
+            if h.tts.session is not None and not h.tts.session.closed:
+                break
+            await asyncio.sleep(0.01)
+        await h.speak_turn(next_turn)
+        next_id = (await wait_for_contexts(h, 2))[1]
+        await h.wait_stopped(next_id)
+        return {
+            "turn": {"context_id": context_id, **h.audio_of(context_id)},
+            "turn_stopped": h.collector.stopped_event(context_id).is_set(),
+            "next": {"context_id": next_id, **h.audio_of(next_id)},
+            "reconnected": reconnected,
+            "session_ids": [session_id, h.tts.session.session_id],
+            "errors": h.errors,
+        }
+
+
+async def scenario_sentence_mode_16k(url: str, text: str) -> dict:
+    """Pipecat's own sentence aggregation and a 16 kHz pipeline (the gateway resamples)."""
+    from pipecat.services.tts_service import TextAggregationMode
+
+    async with Harness(url, sample_rate=16000, text_aggregation_mode=TextAggregationMode.SENTENCE) as h:
+        await h.speak_turn(text)
+        context_id = (await wait_for_contexts(h, 1))[0]
+        await h.wait_stopped(context_id)
+        return {"turn": {"context_id": context_id, **h.audio_of(context_id)}, "errors": h.errors}
+
+
+SCENARIOS = {
+    "two_turns": scenario_two_turns,
+    "interrupt": scenario_interrupt,
+    "resume": scenario_resume,
+    "sentence_mode_16k": scenario_sentence_mode_16k,
+}
+
+
+async def main(url: str, plan: dict) -> dict:
+    results = {}
+    for name, kwargs in plan.items():
+        try:
+            results[name] = await asyncio.wait_for(SCENARIOS[name](url, **kwargs), 60)
+        except BaseException:
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+if __name__ == "__main__":
+    print("RESULTS " + json.dumps(asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))))

@@ -1,0 +1,146 @@
+"""The Pipecat adapter (clients/pipecat) in real Pipecat pipelines against a real gateway (issue 8).
+
+pipecat-ai 1.14.0 runs in its own cached venv (tests/adapter_env.py); this process serves a gateway on
+loopback with the synthetic backend (deterministic tones, named as such, paced at 4x real time and
+recorded per request), runs tests/adapter_scripts/pipecat_scenarios.py once with every scenario, and
+checks the audio that came out of each pipeline against what the backend makes for the same sentences.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.adapter_env import adapter_python, run_in_adapter_env
+from tests.gateway_server import RecordingBackend, running_gateway
+from tts_backend.base import SynthesisRequest
+from tts_backend.synthetic import SyntheticSynthesizer
+
+SCRIPT = Path(__file__).parent / "adapter_scripts" / "pipecat_scenarios.py"
+VOICE = "tone-mid"
+CHUNK_BYTES = 24000 * 80 // 1000 * 2  # one synthetic-backend chunk: 80 ms of s16le at 24 kHz
+
+TURN_1 = ["Hello there.", "This is the first turn of the test.", "It has three sentences in all."]
+TURN_2 = ["Now the second turn begins on the same socket.", "It ends right here."]
+LONG_TURN = [f"This is sentence number {word} of a long answer that the user will interrupt." for word in
+             ("one", "two", "three", "four", "five", "six", "seven", "eight")]
+AFTER_BARGE_IN = ["After the interruption, speech goes on at once."]
+RESUME_TURN = ["The connection drops while this turn plays.", "Resuming brings back every missing byte.",
+               "Nothing is lost or repeated."]
+AFTER_DROP = ["The next turn speaks on a working session."]
+SENTENCE_MODE = ["Sentence mode works too.", "Each sentence is flushed at once."]
+
+
+def pcm_bytes(sentence: str) -> int:
+    """Bytes of s16le the synthetic backend makes for one sentence at 24 kHz."""
+    return len(SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=VOICE))) * 2
+
+
+@pytest.fixture(scope="module")
+def results():
+    # Build the framework venv while the gateway starts (the build is cached across runs).
+    venv = threading.Thread(target=adapter_python, args=("pipecat",))
+    venv.start()
+    backend = RecordingBackend(SyntheticSynthesizer(speed=4.0))
+    with running_gateway(backend) as server:
+        venv.join()
+        plan = {
+            "two_turns": {"turns": [" ".join(TURN_1), " ".join(TURN_2)]},
+            "interrupt": {"long_turn": " ".join(LONG_TURN), "next_turn": " ".join(AFTER_BARGE_IN)},
+            "resume": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP)},
+            "sentence_mode_16k": {"text": " ".join(SENTENCE_MODE)},
+        }
+        run = run_in_adapter_env("pipecat", SCRIPT, server.url.replace("http://", "ws://"), json.dumps(plan))
+        line = next(line for line in run.stdout.splitlines() if line.startswith("RESULTS "))
+        yield json.loads(line[len("RESULTS "):]), backend
+
+
+def scenario(results, name: str) -> dict:
+    observed = results[0][name]
+    assert "error" not in observed, observed["error"]
+    return observed
+
+
+def assert_whole_turn(audio: dict, sentences: list[str], sample_rate: int = 24000) -> None:
+    assert [s.strip() for s in audio["sentences"]] == sentences
+    assert audio["odd_frames"] == 0, "every frame must hold whole 16-bit samples"
+    assert audio["sample_rates"] == [sample_rate] and audio["channels"] == [1]
+    assert audio["bytes"] == sum(pcm_bytes(s) for s in sentences)
+
+
+def test_two_llm_turns_on_one_connection(results):
+    observed = scenario(results, "two_turns")
+    first, second = observed["turns"]
+    assert first["context_id"] != second["context_id"], "one Voxgate context per LLM turn"
+    assert_whole_turn(first, TURN_1)
+    assert_whole_turn(second, TURN_2)
+    session_ids = observed["session_ids"]
+    assert session_ids[0] and session_ids[0] == session_ids[1] and observed["reconnects"] == 0
+    assert observed["errors"] == []
+
+
+def test_ttfb_metrics_are_reported(results):
+    ttfb = scenario(results, "two_turns")["ttfb_s"]
+    assert len(ttfb) >= 2, "one TTFB metric per turn"
+    assert all(0 < value < 5 for value in ttfb)
+
+
+def test_interruption_stops_audio_within_one_chunk(results):
+    observed = scenario(results, "interrupt")
+    _, backend = results
+    interrupted = observed["interrupted"]
+    full = sum(pcm_bytes(s) for s in LONG_TURN)
+    assert 0 < interrupted["bytes"] < full / 4, "the interrupted turn must have been cut short"
+    assert interrupted["odd_frames"] == 0
+    # Pipecat side: at most one audio frame reaches the end of the pipeline after the interruption.
+    assert observed["frames_after_interrupt"] <= 1
+    # Gateway side: input.cancel was sent and confirmed, with at most one chunk in flight meanwhile...
+    cancelled = observed["cancelled"]
+    assert [c["context_id"] for c in cancelled] == [interrupted["context_id"]]
+    assert cancelled[0]["late_bytes"] <= CHUNK_BYTES
+    # ...and generation stopped: no sentence of the long turn produced more than one chunk after it.
+    cancel_at = observed["cancel_sent_at"]
+    records = [r for r in backend.records if r.text.strip() in LONG_TURN]
+    assert records and len(records) < len(LONG_TURN), "later sentences must never be synthesized"
+    for record in records:
+        late = [t for t in record.chunk_times if t > cancel_at]
+        assert len(late) <= 1, f"{record.text!r}: {len(late)} chunks made after input.cancel"
+    assert any(record.closed is not None for record in records), "the sentence being spoken was cut"
+
+
+def test_next_turn_after_barge_in_uses_the_same_socket(results):
+    observed = scenario(results, "interrupt")
+    assert_whole_turn(observed["next"], AFTER_BARGE_IN)
+    assert observed["reconnects"] == 0
+    assert observed["errors"] == []
+
+
+def test_dropped_connection_next_turn_is_whole(results):
+    """Whatever happens to the turn that was playing, the agent keeps speaking after a network drop."""
+    observed = scenario(results, "resume")
+    assert_whole_turn(observed["next"], AFTER_DROP)
+    assert observed["turn"]["bytes"] > 0 and observed["turn"]["odd_frames"] == 0
+
+
+def test_dropped_connection_resumes_without_losing_audio(results):
+    observed = scenario(results, "resume")
+    if any("session_not_found" in e for e in observed["errors"]):
+        # The gateway refused session.resume; the adapter fell back to a fresh session (checked above).
+        pytest.xfail("the gateway cannot resume sessions yet (issue 5): it answered session_not_found")
+    assert observed["reconnected"], "the client must have resumed the session"
+    assert observed["session_ids"][0] == observed["session_ids"][1]
+    assert observed["turn_stopped"]
+    assert_whole_turn(observed["turn"], RESUME_TURN)
+    assert observed["errors"] == []
+
+
+def test_sentence_aggregation_and_16k_output(results):
+    turn = scenario(results, "sentence_mode_16k")["turn"]
+    assert [s.strip() for s in turn["sentences"]] == SENTENCE_MODE
+    assert turn["odd_frames"] == 0 and turn["sample_rates"] == [16000]
+    expected = sum(pcm_bytes(s) for s in SENTENCE_MODE) * 16000 // 24000
+    # The gateway resamples each sentence; its length may differ by a few samples at the edges.
+    assert abs(turn["bytes"] - expected) <= 2 * 64 * len(SENTENCE_MODE)
