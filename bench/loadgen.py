@@ -39,6 +39,9 @@ from typing import Any
 
 import numpy as np
 
+if __package__ in (None, ""):  # run as a script: make `gateway` and `bench` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/audio/speech/stream"
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "arctic_en.jsonl"
 
@@ -622,7 +625,16 @@ def hardware() -> dict[str, Any]:
     except OSError:
         pass
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu, "cpus_usable": affinity, "platform": platform.platform(), "python": platform.python_version()}
+    return {"cpu": cpu, "cpus_usable": affinity, "platform": platform.platform(), "python": platform.python_version(),
+            "load_average_1m": load_average()}
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average: other work on the box skews every latency figure."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _ms(value: float) -> str:
@@ -699,6 +711,7 @@ def options_from_args(args: argparse.Namespace) -> ClientOptions:
 async def run_seeds(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_prompts(args.prompts)
     options = options_from_args(args)
+    load_before = load_average()
     runs = []
     for seed in args.seed or [0]:
         plan = RunPlan(seed=seed, warmup_s=args.warmup, duration_s=args.duration, concurrency=args.concurrency,
@@ -712,7 +725,7 @@ async def run_seeds(args: argparse.Namespace) -> dict[str, Any]:
         "tool": "bench/loadgen.py",
         "label": args.label,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "hardware": hardware(),
+        "hardware": hardware() | {"load_average_1m_before": load_before},
         "load": {"concurrency": args.concurrency, "rps": args.rps, "warmup_s": args.warmup,
                  "duration_s": args.duration, "requests": args.requests, "sentences": list(args.sentences),
                  "stream_tokens": args.stream_tokens, "token_rate": args.token_rate if args.stream_tokens else None},
