@@ -14,7 +14,7 @@ import pytest
 from tests.engine_fixtures import ManualClock, Script, ScriptedRunnerTestDouble
 from tts_backend.base import BackendOverloadedError
 from tts_backend.engine.engine import Engine, EngineConfig
-from tts_backend.engine.request import Phase, SamplingParams, Stage
+from tts_backend.engine.request import Phase, Stage
 from tts_backend.engine.scheduler import SchedulerConfig
 from tts_backend.engine.silence import LeadingSilenceTrimmer, find_onset
 
@@ -33,7 +33,7 @@ def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, **sched):
 
 
 def submit(engine, frames, max_frames=10_000, silent_frames=0, chunk_schedule=None):
-    return engine.submit(Script(frames, silent_frames), sampling=SamplingParams(seed=1), max_frames=max_frames,
+    return engine.submit(Script(frames, silent_frames), seed=1, max_frames=max_frames,
                          chunk_schedule=chunk_schedule)
 
 
@@ -231,8 +231,8 @@ async def test_engine_thread_serves_concurrent_streams_and_cancellation():
     try:
         await asyncio.to_thread(engine.wait_ready, 10)
         frames = [5, 9, 14, 20, 3, 7]
-        streams = [engine.submit(Script(n), sampling=SamplingParams(), max_frames=1000) for n in frames]
-        victim = engine.submit(Script(500), sampling=SamplingParams(), max_frames=1000)
+        streams = [engine.submit(Script(n), seed=None, max_frames=1000) for n in frames]
+        victim = engine.submit(Script(500), seed=None, max_frames=1000)
 
         async def read_some_then_cancel():
             got = 0

@@ -25,7 +25,6 @@ from .request import (
     OutputAccounting,
     Phase,
     RequestState,
-    SamplingParams,
     Stage,
     validate_schedule,
 )
@@ -158,7 +157,7 @@ class Engine:
         return min(1.0, len(self._streams) / max(1, self.config.scheduler.max_active))
 
     # ---- requests (event-loop thread) -------------------------------------------------------------
-    def submit(self, prompt: object, *, sampling: SamplingParams, max_frames: int,
+    def submit(self, prompt: object, *, seed: int | None, max_frames: int,
                chunk_schedule: tuple[int, ...] | None = None,
                loop: asyncio.AbstractEventLoop | None = None) -> EngineStream:
         if not self.ready:
@@ -169,7 +168,7 @@ class Engine:
         request = RequestState(
             request_id=next(self._ids),
             prompt=prompt,
-            sampling=sampling,
+            seed=seed,
             max_frames=max(1, int(max_frames)),
             chunk_schedule=schedule,
             arrival=self.clock(),

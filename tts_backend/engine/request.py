@@ -34,22 +34,6 @@ class Phase(enum.Enum):
     FINISHED = "finished"  # EOS sampled or the frame cap reached; codec work may remain
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """The logits pipeline of the published generation config; `seed` None means unseeded."""
-
-    do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-    subtalker_do_sample: bool = True
-    subtalker_temperature: float = 0.9
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
-    seed: int | None = None
-
-
 def chunk_frames(schedule: tuple[int, ...], chunk_index: int) -> int:
     """Frames in chunk `chunk_index` (0-based) of a schedule that grows and then repeats its last size."""
     return schedule[min(chunk_index, len(schedule) - 1)]
@@ -82,7 +66,7 @@ class RequestState:
 
     request_id: int
     prompt: Any
-    sampling: SamplingParams
+    seed: int | None  # per-request sampling seed; None draws one
     max_frames: int
     chunk_schedule: tuple[int, ...]
     arrival: float  # monotonic seconds when the engine accepted it (admission order)

@@ -8,10 +8,20 @@ request's slot, so a batch is just a list of slots.
 from __future__ import annotations
 
 import abc
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from .request import RequestState
+
+import torch
+
+from .graphs import GraphSet
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner(abc.ABC):
@@ -40,3 +50,397 @@ class ModelRunner(abc.ABC):
 
     def release(self, request: RequestState) -> None:
         """The request left the engine (done or cancelled); its slot may be reused at once."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The Qwen3-TTS runner
+# ------------------------------------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors (every product stays below 2**63, so no overflow)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Counter-based Gumbel noise [B, vocab] for (seed, draw counter) per row.
+
+    Integer arithmetic only until the last step, so a (seed, counter) gives the same noise on any device
+    and in any batch; argmax(scores + noise) is a draw from softmax(scores). This is what makes seeded
+    sampling reproducible inside CUDA graphs, where per-request torch generators cannot be used.
+    """
+    vocab_ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    key = _hash32((seeds & _MASK32) ^ 0x3C6EF372)
+    ctr = _hash32((counters * 0x9E37 + key) & _MASK32)  # [B]
+    x = _hash32(((ctr[:, None] ^ vocab_ids[None]) * 0x2C1B3C6D + key[:, None]) & _MASK32)  # [B, V]
+    u = ((x >> 8).float() + 0.5) * (1.0 / 16777216.0)  # (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+@dataclass(frozen=True)
+class Qwen3RunnerConfig:
+    max_slots: int = 64
+    max_len: int = 2048  # Talker KV positions per slot: prompt + frames
+    frame_ring: int = 64  # frames generated but not yet decoded, per slot
+    trailing_capacity: int = 256  # streaming-text mode: text tokens fed one per frame
+    # "reference": per-request torch generators, draws in the reference's order (equals Qwen3TTS.generate_codes
+    # for a seed; eager only). "stateless": counter-based Gumbel noise per (seed, draw) (graph-capturable,
+    # batch-independent). "auto": stateless when CUDA graphs are used, reference otherwise.
+    sampler: str = "auto"
+    greedy: bool = False
+    cuda_graphs: bool = True
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    attend_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    prefill_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_len_buckets: tuple[int, ...] = (16, 32, 64, 128)
+    codec_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    codec_frames: tuple[int, ...] = tuple(range(1, 13))
+
+
+def _bucket(value: int, buckets: Sequence[int]) -> int | None:
+    for b in buckets:
+        if b >= value:
+            return b
+    return None
+
+
+class Qwen3ModelRunner(ModelRunner):
+    """Batched Talker prefill/decode, the 15-step code-predictor loop and the stateful codec over slots.
+
+    Per-slot state lives in preallocated device buffers (row `max_slots` is a scratch row that padding rows
+    of a captured batch point at). Each step reads and writes only those buffers, so the same Python code
+    runs eagerly (CPU, CI) and inside CUDA graphs captured per shape at start-up (GPU).
+    """
+
+    def __init__(self, model, config: Qwen3RunnerConfig | None = None) -> None:
+        from tts_backend.qwen3.sampling import SamplingParams
+
+        self.model = model
+        self.config = cfg = config or Qwen3RunnerConfig()
+        self.device = torch.device(model.device)
+        self.max_slots = cfg.max_slots
+        if model.codec is None:
+            raise ValueError("the runner needs the codec decoder (load_codec=True)")
+        self.codec_module = model.codec
+        self.samples_per_frame = int(self.codec_module.samples_per_frame)
+        self.sample_rate = int(getattr(model.codec_config, "output_sample_rate", 24000))
+        use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        sampler = cfg.sampler if cfg.sampler != "auto" else ("stateless" if use_graphs else "reference")
+        if sampler not in ("reference", "stateless"):
+            raise ValueError(f"sampler must be reference, stateless or auto, got {cfg.sampler!r}")
+        if sampler == "reference":
+            use_graphs = False  # per-request generators cannot live inside a graph
+        self.sampler = sampler
+        params = model.sampling_params()
+        self.params: SamplingParams = params.greedy() if cfg.greedy else params
+        self.graphs = GraphSet(self.device, use_graphs)
+        self.decode_buckets = self._buckets(cfg.decode_buckets, cfg.max_slots)
+        self.attend_buckets = tuple(a for a in cfg.attend_buckets if a < cfg.max_len) + (cfg.max_len,)
+        self.codec_buckets = self._buckets(cfg.codec_batch_buckets, cfg.max_slots)
+        self._allocated = False
+
+    @staticmethod
+    def _buckets(buckets: Sequence[int], limit: int) -> tuple[int, ...]:
+        kept = tuple(b for b in sorted(buckets) if b < limit)
+        return kept + (limit,)
+
+    @property
+    def max_batch(self) -> int:
+        return self.max_slots
+
+    # ---- set-up -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare(self) -> None:
+        self._allocate()
+        if self.graphs.enabled:
+            self._capture_all()
+
+    def _allocate(self) -> None:
+        if self._allocated:
+            return
+        m, cfg, dev = self.model, self.config, self.device
+        tcfg = m.config.talker
+        S = cfg.max_slots + 1
+        self.scratch = cfg.max_slots
+        D = tcfg.hidden_size
+        G = m.num_code_groups
+        self.G = G
+        self.vocab = tcfg.vocab_size
+        self.eos_id = tcfg.codec_eos_token_id
+        self.codebook_size = tcfg.codebook_size
+        dtype = m.dtype
+        self.kv = m.new_talker_cache(S, cfg.max_len)
+        self.cp_cache = m.new_predictor_cache(max(self.decode_buckets))
+        self.cp_rows = torch.arange(max(self.decode_buckets), device=dev)
+        self.hidden = torch.zeros(S, D, device=dev, dtype=dtype)
+        self.next_embed = torch.zeros(S, D, device=dev, dtype=dtype)
+        self.c0 = torch.zeros(S, device=dev, dtype=torch.long)
+        self.pos = torch.zeros(S, device=dev, dtype=torch.long)
+        self.generated = torch.zeros(S, device=dev, dtype=torch.long)
+        self.presence = torch.zeros(S, self.vocab, device=dev, dtype=torch.bool)
+        self.seeds = torch.zeros(S, device=dev, dtype=torch.long)
+        self.draws = torch.zeros(S, device=dev, dtype=torch.long)
+        self.ring = torch.zeros(S, cfg.frame_ring, G, device=dev, dtype=torch.long)
+        self.written = torch.zeros(S, device=dev, dtype=torch.long)
+        self.decoded = torch.zeros(S, device=dev, dtype=torch.long)
+        self.frame_offsets = torch.arange(max(cfg.codec_frames + (64,)), device=dev)
+        self.trail_buf = torch.zeros(S, cfg.trailing_capacity, D, device=dev, dtype=dtype)
+        self.trail_len = torch.zeros(S, device=dev, dtype=torch.long)
+        self.trail_pos = torch.zeros(S, device=dev, dtype=torch.long)
+        self.pad_embed = m.text_embeds([m.config.tts_pad_token_id])[0]
+        self.eos_out = torch.zeros(max(self.decode_buckets), device=dev, dtype=torch.bool)
+        codec_dtype = next(self.codec_module.parameters()).dtype
+        self.wav_out = torch.zeros(max(self.codec_buckets), 64 * self.samples_per_frame, device=dev,
+                                   dtype=codec_dtype)
+        self.codec_pool = self.codec_module.init_state(S, device=dev)
+        self.codec_static = {b: self.codec_module.init_state(b, device=dev) for b in self.codec_buckets}
+        self.eos_onehot = torch.zeros(self.vocab, device=dev, dtype=torch.bool)
+        self.eos_onehot[self.eos_id] = True
+        self.suppress = m.suppress_mask
+        # Host mirrors (reference sampler, attention bucket choice); never read from the device.
+        self.pos_host = [0] * S
+        self.generators: dict[int, torch.Generator] = {}
+        self.history: dict[int, list[int]] = {}
+        self._host_slots: list[int] = []
+        self._allocated = True
+
+    def _capture_all(self) -> None:
+        dev, sc = self.device, self.scratch
+        started = time.perf_counter()
+        for b in sorted(self.decode_buckets, reverse=True):
+            slots = torch.full((b,), sc, device=dev, dtype=torch.long)
+            for a in self.attend_buckets:
+                self.graphs.capture(("decode", b, a), lambda s, a=a: self._decode_fn(s, a), [slots])
+            self.graphs.capture(("cp", b), self._cp_fn, [slots])
+        for b in sorted(self.codec_buckets, reverse=True):
+            slots = torch.full((b,), sc, device=dev, dtype=torch.long)
+            for f in self.config.codec_frames:
+                self.graphs.capture(("codec", f, b), lambda s, f=f, b=b: self._codec_fn(s, f, self.codec_static[b]),
+                                    [slots])
+        for b in self.config.prefill_batch_buckets:
+            for n in self.config.prefill_len_buckets:
+                if n > self.config.max_len:
+                    continue
+                example = [torch.full((b,), sc, device=dev, dtype=torch.long),
+                           torch.zeros(b, n, device=dev, dtype=torch.long),
+                           torch.full((b, n), -1, device=dev, dtype=torch.long),
+                           torch.ones(b, device=dev, dtype=torch.long)]
+                self.graphs.capture(("prefill", b, n), self._prefill_fn, example)
+        torch.cuda.synchronize(dev)
+        log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
+
+    # ---- sampling -----------------------------------------------------------------------------------
+    def _sample_c0(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 talker logits [B, V] -> codebook-0 ids [B], updating penalty history and draw counters."""
+        from tts_backend.qwen3.sampling import sample_talker, warp
+
+        p = self.params
+        if self.sampler == "reference":
+            out = []
+            for i, slot in enumerate(self._host_slots):
+                hist = self.history[slot]
+                hist_t = torch.tensor([hist], device=self.device, dtype=torch.long) if hist else None
+                c = sample_talker(logits[i:i + 1], hist_t, len(hist), p, self.eos_id, self.suppress,
+                                  self.generators[slot])
+                hist.append(int(c))
+                out.append(c)
+            return torch.cat(out)
+        scores = logits
+        if p.repetition_penalty != 1.0:
+            seen = self.presence[slots]
+            penalised = torch.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
+            scores = torch.where(seen, penalised, scores)
+        block = (self.generated[slots] < p.min_new_tokens)[:, None] & self.eos_onehot[None]
+        scores = scores.masked_fill(block, float("-inf")).masked_fill(self.suppress, float("-inf"))
+        if p.do_sample:
+            scores = warp(scores, p.temperature, p.top_k, p.top_p)
+            draws = self.draws[slots]
+            c0 = torch.argmax(scores + gumbel_noise(self.seeds[slots], draws, scores.shape[1]), dim=-1)
+            self.draws[slots] = draws + 1
+        else:
+            c0 = torch.argmax(scores, dim=-1)
+        self.presence[slots, c0] = True
+        self.generated[slots] = self.generated[slots] + 1
+        return c0
+
+    def _residual_chooser(self, slots: torch.Tensor):
+        from tts_backend.qwen3.sampling import sample_residual, warp
+
+        p = self.params
+        if self.sampler == "reference":
+            gens = [self.generators[s] for s in self._host_slots]
+            return lambda logits: sample_residual(logits, p, gens)
+        seeds = self.seeds[slots]
+        base = self.draws[slots]
+        step = [0]
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            if not p.subtalker_do_sample:
+                return torch.argmax(logits, dim=-1)
+            scores = warp(logits.float(), p.subtalker_temperature, p.subtalker_top_k, p.subtalker_top_p)
+            code = torch.argmax(scores + gumbel_noise(seeds, base + step[0], scores.shape[1]), dim=-1)
+            step[0] += 1
+            return code
+
+        return choose
+
+    # ---- the steps (eager or captured) --------------------------------------------------------------
+    def _trailing(self, slots: torch.Tensor) -> torch.Tensor:
+        tp = self.trail_pos[slots]
+        emb = self.trail_buf[slots, tp.clamp(max=self.config.trailing_capacity - 1)]
+        self.trail_pos[slots] = tp + 1
+        return torch.where((tp < self.trail_len[slots])[:, None], emb, self.pad_embed)
+
+    def _prefill_fn(self, slots, text_ids, codec_ids, lengths) -> None:
+        talker = self.model.talker
+        B, S = text_ids.shape
+        emb = talker.embed_text(text_ids)
+        has_codec = codec_ids >= 0
+        emb = torch.where(has_codec[..., None], emb + talker.embed_codec(codec_ids.clamp(min=0)), emb)
+        pos = torch.arange(S, device=self.device)[None].expand(B, S)
+        hidden = talker(emb, self.kv, slots, pos, attend_len=S)
+        last = hidden[torch.arange(B, device=self.device), lengths - 1]
+        self._after_talker(slots, last, lengths)
+
+    def _after_talker(self, slots, hidden, new_pos) -> None:
+        self.hidden[slots] = hidden
+        self.pos[slots] = new_pos
+        logits = self.model.talker.logits(hidden).float()
+        c0 = self._sample_c0(logits, slots)
+        self.c0[slots] = c0
+        self.eos_out[: slots.shape[0]] = c0 == self.eos_id
+        self.pos[self.scratch] = 0  # padding rows must never walk off the end of the scratch slot
+
+    def _decode_fn(self, slots: torch.Tensor, attend_len: int) -> None:
+        x = self.next_embed[slots] + self._trailing(slots)
+        pos = self.pos[slots]
+        hidden = self.model.decode_step(self.kv, slots, pos, x, attend_len)
+        self._after_talker(slots, hidden, pos + 1)
+
+    def _cp_fn(self, slots: torch.Tensor) -> None:
+        m = self.model
+        B = slots.shape[0]
+        c0 = self.c0[slots]
+        choose = self._residual_chooser(slots)
+        residual = m.residual_codes(self.cp_cache, self.cp_rows[:B], self.hidden[slots], c0, choose)
+        if self.sampler == "stateless":
+            self.draws[slots] = self.draws[slots] + residual.shape[1]
+        written = self.written[slots]
+        self.ring[slots, written % self.config.frame_ring] = torch.cat((c0[:, None], residual), dim=1)
+        self.written[slots] = written + 1
+        self.next_embed[slots] = m.frame_embeds(c0, residual)
+
+    def _codec_fn(self, slots: torch.Tensor, frames: int, state) -> None:
+        start = self.decoded[slots]
+        idx = (start[:, None] + self.frame_offsets[:frames][None]) % self.config.frame_ring
+        codes = self.ring[slots[:, None], idx].clamp(0, self.codebook_size - 1)  # [B, f, G]
+        if state is None:
+            state = self.codec_pool.index_select(slots)
+        else:
+            state.copy_rows_from_(self.codec_pool, slots)
+        wav = self.codec_module.decode_chunk(codes.transpose(1, 2).contiguous(), state)
+        self.codec_pool.index_copy_(slots, state)
+        self.decoded[slots] = start + frames
+        self.wav_out[: slots.shape[0], : wav.shape[1]] = wav
+
+    # ---- the ModelRunner interface ----------------------------------------------------------------------
+    def _slots(self, requests: list[RequestState], bucket: int | None) -> torch.Tensor:
+        slots = [r.slot for r in requests]
+        self._host_slots = slots
+        if bucket is not None:
+            slots = slots + [self.scratch] * (bucket - len(slots))
+        return torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _graph_bucket(self, n: int, buckets: Sequence[int]) -> int | None:
+        return _bucket(n, buckets) if self.graphs.enabled else None
+
+    @torch.inference_mode()
+    def prefill(self, requests: list[RequestState]) -> None:
+        import secrets
+
+        from tts_backend.qwen3.prompt import NO_CODEC
+
+        m = self.model
+        slot_list = [r.slot for r in requests]
+        slots_t = torch.tensor(slot_list, dtype=torch.long).to(self.device)
+        # Fresh per-slot state for the new requests.
+        for buf in (self.presence, self.generated, self.draws, self.written, self.decoded, self.trail_pos,
+                    self.trail_len):
+            buf[slots_t] = 0
+        self.codec_pool.reset_(slots_t)
+        seeds = [r.seed if r.seed is not None else secrets.randbits(31) for r in requests]
+        self.seeds[slots_t] = torch.tensor(seeds, dtype=torch.long).to(self.device)
+        for r, seed in zip(requests, seeds):
+            prompt = r.prompt
+            if len(prompt) + r.max_frames + 1 > self.config.max_len:
+                raise ValueError(f"prompt of {len(prompt)} positions plus {r.max_frames} frames exceeds max_len")
+            if prompt.trailing:
+                n = len(prompt.trailing)
+                if n > self.config.trailing_capacity:
+                    raise ValueError(f"{n} trailing text tokens exceed trailing_capacity")
+                self.trail_buf[r.slot, :n] = m.talker.embed_text(torch.tensor(prompt.trailing, device=self.device))
+                self.trail_len[r.slot] = n
+            self.pos_host[r.slot] = len(prompt)
+            if self.sampler == "reference":
+                self.generators[r.slot] = torch.Generator(device=self.device).manual_seed(seed)
+                self.history[r.slot] = []
+        longest = max(len(r.prompt) for r in requests)
+        b = self._graph_bucket(len(requests), self.config.prefill_batch_buckets)
+        n = self._graph_bucket(longest, self.config.prefill_len_buckets)
+        if b is not None and n is not None and ("prefill", b, n) in self.graphs:
+            text = torch.zeros(b, n, dtype=torch.long)
+            codec = torch.full((b, n), NO_CODEC, dtype=torch.long)
+            lengths = torch.ones(b, dtype=torch.long)
+            for i, r in enumerate(requests):
+                k = len(r.prompt)
+                text[i, :k] = torch.tensor(r.prompt.text_track)
+                codec[i, :k] = torch.tensor(r.prompt.codec_track)
+                lengths[i] = k
+            slots = self._slots(requests, b)
+            self.graphs.run(("prefill", b, n), self._prefill_fn, [slots, text, codec, lengths])
+            return
+        # Eager: exactly the model's own prefill (right-padded to the longest prompt of the batch).
+        self._host_slots = slot_list
+        embeds = [m.prompt_embeds(r.prompt) for r in requests]
+        hidden = m.prefill(self.kv, slots_t, embeds)
+        lengths_t = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long).to(self.device)
+        self._after_talker(slots_t, hidden, lengths_t)
+
+    @torch.inference_mode()
+    def code_predict(self, requests: list[RequestState]) -> None:
+        b = self._graph_bucket(len(requests), self.decode_buckets)
+        slots = self._slots(requests, b)
+        self.graphs.run(("cp", b), self._cp_fn, [slots])
+
+    @torch.inference_mode()
+    def decode(self, requests: list[RequestState]) -> list[bool]:
+        longest = max(self.pos_host[r.slot] for r in requests) + 1
+        for r in requests:
+            self.pos_host[r.slot] += 1
+        b = self._graph_bucket(len(requests), self.decode_buckets)
+        slots = self._slots(requests, b)
+        if b is None:
+            self._decode_fn(slots, longest)  # eager: attend exactly the positions in use
+        else:
+            a = _bucket(longest, self.attend_buckets)
+            self.graphs.run(("decode", b, a), lambda s: self._decode_fn(s, a), [slots])
+        return self.eos_out[: len(requests)].tolist()
+
+    @torch.inference_mode()
+    def codec(self, requests: list[RequestState], frames: int) -> list[np.ndarray]:
+        b = self._graph_bucket(len(requests), self.codec_buckets)
+        slots = self._slots(requests, b)
+        if b is None:
+            self._codec_fn(slots, frames, None)
+        else:
+            self.graphs.run(("codec", frames, b), lambda s: self._codec_fn(s, frames, self.codec_static[b]), [slots])
+        wav = self.wav_out[: len(requests), : frames * self.samples_per_frame].float().cpu().numpy()
+        return [wav[i] for i in range(len(requests))]
+
+    def release(self, request: RequestState) -> None:
+        self.generators.pop(request.slot, None)
+        self.history.pop(request.slot, None)

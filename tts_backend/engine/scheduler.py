@@ -32,6 +32,7 @@ class SchedulerConfig:
     codec_reserve_s: float = 0.025  # an incremental codec call plus hand-off must fit in this
     pressing_lead_s: float = 1.0
     max_buffered_s: float = 10.0  # audio a consumer may leave unread before its stream pauses
+    max_pending_frames: int = 48  # generated but not yet decoded; bounded by the runner's frame ring
 
 
 @dataclass
@@ -104,7 +105,9 @@ class Scheduler:
             if request.cancelled or request.done or request.slot is None or self._paused(request):
                 continue
             phase = request.phase
-            if phase is Phase.NEED_PREFILL:
+            if request.pending_frames >= self.config.max_pending_frames:
+                pass  # generation waits for the codec to catch up
+            elif phase is Phase.NEED_PREFILL:
                 items.append(_Item(request, Stage.PREFILL))
             elif phase is Phase.NEED_CODE_PREDICT:
                 items.append(_Item(request, Stage.CODE_PREDICT))

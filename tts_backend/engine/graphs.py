@@ -1,0 +1,78 @@
+"""Capture and replay of the runner's steady-state steps as CUDA graphs.
+
+A step is a function of a few small index tensors (slots, prompt ids) that reads and writes only the
+runner's persistent per-slot buffers. Capturing it once per shape turns hundreds of kernel launches into
+one replay. Every graph shares one memory pool: graphs run one at a time on one stream, so the
+temporaries of one replay are dead before the next starts, and a step's results always land in the
+persistent buffers, never in graph-owned memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CapturedStep:
+    def __init__(self, graph: torch.cuda.CUDAGraph, static_inputs: Sequence[torch.Tensor]) -> None:
+        self.graph = graph
+        self.static_inputs = static_inputs
+
+    def replay(self, inputs: Sequence[torch.Tensor]) -> None:
+        for static, value in zip(self.static_inputs, inputs):
+            static.copy_(value, non_blocking=True)
+        self.graph.replay()
+
+
+class GraphSet:
+    """Captured steps by key; `run` replays a captured one or runs the step eagerly."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device = device
+        self.enabled = enabled and device.type == "cuda"
+        self._steps: dict[Hashable, CapturedStep] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.capture_seconds = 0.0
+        self.replays = 0
+        self.eager_runs = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._steps
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def capture(self, key: Hashable, fn: Callable[..., None], example_inputs: Sequence[torch.Tensor],
+                warmup: int = 2) -> None:
+        """Record `fn(*inputs)` for inputs shaped like `example_inputs` (which must be safe to run: index
+        tensors pointing at the scratch slot)."""
+        if not self.enabled:
+            return
+        started = time.perf_counter()
+        static_inputs = [t.clone() for t in example_inputs]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn(*static_inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn(*static_inputs)
+        torch.cuda.synchronize(self.device)
+        self._steps[key] = CapturedStep(graph, static_inputs)
+        self.capture_seconds += time.perf_counter() - started
+
+    def run(self, key: Hashable, fn: Callable[..., None], inputs: Sequence[torch.Tensor]) -> None:
+        step = self._steps.get(key)
+        if step is None:
+            self.eager_runs += 1
+            fn(*inputs)
+        else:
+            self.replays += 1
+            step.replay(inputs)

@@ -1,0 +1,190 @@
+"""The Qwen3-TTS backend: our model under our serving engine, behind the gateway's one interface.
+
+`voxgate serve --backend qwen3 --model PATH [--device cuda]` builds this. start() loads the checkpoint,
+allocates the KV slots and captures the CUDA graphs on the engine thread; `ready` turns true only after
+that (and a warm-up request) are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+from .base import AudioChunk, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice
+
+# ISO codes the gateway may pass -> the model's language names.
+_LANGUAGE_CODES = {
+    "en": "english", "zh": "chinese", "de": "german", "es": "spanish", "ja": "japanese", "fr": "french",
+    "ko": "korean", "ru": "russian", "it": "italian", "pt": "portuguese",
+}
+_SPEAKER_LANGUAGE = {"ryan": "en", "aiden": "en", "ono_anna": "ja", "sohee": "ko"}  # others are Chinese voices
+_VOICE_DESIGN_VOICE = "designed"
+
+
+class Qwen3Synthesizer(Synthesizer):
+    """Qwen3-TTS 12 Hz (CustomVoice or VoiceDesign) served by the batched engine.
+
+    model: checkpoint folder. device: "cuda", "cuda:0", "cpu" (default: cuda when available).
+    max_active: concurrent requests holding KV slots. max_len: Talker positions per slot.
+    cuda_graphs: capture every steady-state shape at start-up (GPU only).
+    sampler: "auto", "reference" or "stateless" (see engine/runner.py). greedy: argmax decoding.
+    streaming_text: feed the text one token per frame (fixed 10-position prefill) instead of all at once.
+    chunk_schedule: default frames per codec chunk. max_new_tokens: cap on sampled codebook-0 tokens.
+    frame_cap_chars_per_second: for random-weight checkpoints, whose EOS never comes naturally: cap each
+      request at the frames its text takes at this speaking rate (bench/README.md: 15 characters/s).
+    warmup: run one request through every stage before reporting ready.
+    """
+
+    name = "qwen3"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str | None = None,
+        dtype: str = "bfloat16",
+        max_active: int = 64,
+        max_len: int = 2048,
+        cuda_graphs: bool = True,
+        sampler: str = "auto",
+        greedy: bool = False,
+        streaming_text: bool = False,
+        chunk_schedule: tuple[int, ...] | list[int] = (2, 4, 8, 12),
+        max_new_tokens: int | None = None,
+        frame_cap_chars_per_second: float | None = None,
+        max_queued: int = 256,
+        warmup: bool = True,
+        trim_leading_silence: bool = True,
+        runner_options: dict | None = None,
+    ) -> None:
+        if not model:
+            raise SynthesisError("the qwen3 backend needs --model PATH (a Qwen3-TTS checkpoint folder)")
+        self.model_path = model
+        self.device = device
+        self.dtype = dtype
+        self.max_active = int(max_active)
+        self.max_len = int(max_len)
+        self.cuda_graphs = bool(cuda_graphs)
+        self.sampler = sampler
+        self.greedy = bool(greedy)
+        self.streaming_text = bool(streaming_text)
+        self.chunk_schedule = tuple(chunk_schedule)
+        self.max_new_tokens = max_new_tokens
+        self.frame_cap_chars_per_second = frame_cap_chars_per_second
+        self.max_queued = int(max_queued)
+        self.warmup = bool(warmup)
+        self.trim_leading_silence = bool(trim_leading_silence)
+        self.runner_options = dict(runner_options or {})
+        self.model = None
+        self.engine = None
+        self._voices: list[Voice] = []
+        self._ready = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def _build(self) -> None:
+        import torch
+
+        from .engine.engine import Engine, EngineConfig
+        from .engine.request import Stage
+        from .engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
+        from .engine.scheduler import SchedulerConfig
+        from .qwen3.generate import Qwen3TTS
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = getattr(torch, self.dtype)
+        self.model = Qwen3TTS.from_pretrained(self.model_path, device=device, dtype=dtype)
+        runner = Qwen3ModelRunner(self.model, Qwen3RunnerConfig(
+            max_slots=self.max_active, max_len=self.max_len, cuda_graphs=self.cuda_graphs, sampler=self.sampler,
+            greedy=self.greedy, **self.runner_options,
+        ))
+        codec_cap = max(runner.codec_buckets)
+        scheduler = SchedulerConfig(
+            max_active=self.max_active,
+            max_batch={Stage.PREFILL: max(runner.config.prefill_batch_buckets), Stage.DECODE: self.max_active,
+                       Stage.CODE_PREDICT: self.max_active, Stage.CODEC: codec_cap},
+            max_pending_frames=runner.config.frame_ring - max(self.chunk_schedule),
+        )
+        self.engine = Engine(runner, EngineConfig(
+            scheduler=scheduler, max_queued=self.max_queued, chunk_schedule=self.chunk_schedule,
+            trim_leading_silence=self.trim_leading_silence,
+        ))
+        config = self.model.config
+        if config.supported_speakers:
+            self._voices = [
+                Voice(id=s, name=s, language=_SPEAKER_LANGUAGE.get(s, "zh"), description="Qwen3-TTS CustomVoice speaker")
+                for s in config.supported_speakers
+            ]
+        else:
+            self._voices = [Voice(id=_VOICE_DESIGN_VOICE, name="designed", language="en",
+                                  description="Qwen3-TTS VoiceDesign: describe the voice in the instructions")]
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._build)
+        self.engine.start()
+        await asyncio.to_thread(self.engine.wait_ready)
+        if self.warmup:
+            # One short request through every stage (and the first-chunk path) before we say ready.
+            warm = SynthesisRequest(text="Warm up.", voice=self.default_voice, seed=0, max_new_tokens=8,
+                                    instructions=None if self._voices[0].id != _VOICE_DESIGN_VOICE else "A calm voice.")
+            self._ready = True
+            try:
+                async for _ in self.synthesize(warm):
+                    pass
+            finally:
+                self._ready = False
+        self._ready = True
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.engine is not None and self.engine.ready
+
+    def voices(self) -> list[Voice]:
+        return list(self._voices)
+
+    def load(self) -> float:
+        return self.engine.load() if self.engine is not None else 1.0
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def _language(self, language: str | None) -> str:
+        lang = (language or "auto").lower()
+        return _LANGUAGE_CODES.get(lang.split("-")[0], lang) if lang != "auto" else "auto"
+
+    def _max_frames(self, request: SynthesisRequest, prompt_len: int) -> int:
+        max_new = request.max_new_tokens or self.max_new_tokens or self.model.generation_config.max_new_tokens
+        frames = max(1, max_new - 1)  # N sampled codebook-0 tokens give N-1 frames (the last is EOS or the cap)
+        if self.frame_cap_chars_per_second:
+            spoken = len(request.text.strip()) / self.frame_cap_chars_per_second
+            frames = min(frames, max(2, math.ceil(spoken * 12.5)))
+        return min(frames, self.max_len - prompt_len - 1)
+
+    async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        from .qwen3.prompt import PromptError
+
+        if not self.ready:
+            raise SynthesisError("the qwen3 backend is not ready")
+        if not self.has_voice(request.voice):
+            raise UnknownVoiceError(f"unknown voice {request.voice!r}")
+        if not request.text.strip():
+            raise SynthesisError("text is empty")
+        speaker = None if request.voice == _VOICE_DESIGN_VOICE else request.voice
+        try:
+            prompt = self.model.make_prompt(
+                request.text, speaker=speaker, language=self._language(request.language),
+                instruct=request.instructions, non_streaming_mode=not self.streaming_text,
+            )
+        except PromptError as exc:
+            raise SynthesisError(str(exc)) from exc
+        stream = self.engine.submit(
+            prompt, seed=request.seed, max_frames=self._max_frames(request, len(prompt)),
+            chunk_schedule=request.chunk_schedule,
+        )
+        try:
+            async for pcm in stream:
+                yield AudioChunk(pcm)
+        finally:
+            stream.cancel()  # frees the slot at once if the consumer left early; no-op once finished
