@@ -117,28 +117,34 @@ class SpeechRequest(BaseModel):
 async def pipelined_synthesis(
     backend: Synthesizer, requests: list[SynthesisRequest], lookahead: int
 ) -> AsyncIterator[bytes]:
-    """PCM of each request in order, synthesizing up to `lookahead` requests ahead of the one being read."""
+    """PCM of each request in order. One producer synthesizes the requests one after another, running
+    up to `lookahead` requests ahead of the one being read, so the next sentence is made while this one
+    is sent and the head sentence never competes with its successors for the backend."""
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
-    tasks: list[asyncio.Task | None] = [None] * len(requests)
     end = object()
+    reading = 0
+    advanced = asyncio.Event()
 
-    async def run(i: int) -> None:
-        try:
-            async with contextlib.aclosing(backend.synthesize(requests[i])) as stream:
-                async for chunk in stream:
-                    if chunk.pcm:
-                        queues[i].put_nowait(chunk.pcm)
-            queues[i].put_nowait(end)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            queues[i].put_nowait(exc)
+    async def produce() -> None:
+        for j, request in enumerate(requests):
+            while j > reading + lookahead:
+                advanced.clear()
+                await advanced.wait()
+            try:
+                async with contextlib.aclosing(backend.synthesize(request)) as stream:
+                    async for chunk in stream:
+                        if chunk.pcm:
+                            queues[j].put_nowait(chunk.pcm)
+            except Exception as exc:
+                queues[j].put_nowait(exc)
+                return
+            queues[j].put_nowait(end)
 
+    producer = asyncio.create_task(produce(), name="http-synthesis")
     try:
         for i in range(len(requests)):
-            for j in range(i, min(len(requests), i + 1 + lookahead)):
-                if tasks[j] is None:
-                    tasks[j] = asyncio.create_task(run(j), name=f"http-synth-{j}")
+            reading = i
+            advanced.set()
             while True:
                 item = await queues[i].get()
                 if item is end:
@@ -147,13 +153,9 @@ async def pipelined_synthesis(
                     raise item
                 yield item
     finally:
-        for task in tasks:
-            if task is not None and not task.done():
-                task.cancel()
-        for task in tasks:
-            if task is not None:
-                with contextlib.suppress(BaseException):
-                    await task
+        producer.cancel()
+        with contextlib.suppress(BaseException):
+            await producer
 
 
 def _sentences(text: str, language: str) -> list[str]:

@@ -166,6 +166,8 @@ class StreamingSession:
         self._last_activity = time.monotonic()
         self._sender: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
+        self._synthesis: set[asyncio.Task] = set()  # running synthesis tasks, owned here
+        self._stopping = False
 
     # -------------------------------------------------------------- lifecycle
 
@@ -195,7 +197,8 @@ class StreamingSession:
             self.metrics.sessions_active.dec()
 
     async def _shutdown(self) -> None:
-        tasks = [t for t in [self._reader, self._sender, *self._synthesis_tasks()] if t is not None and not t.done()]
+        self._stopping = True  # no new synthesis from here on
+        tasks = [t for t in [self._reader, self._sender, *self._synthesis] if t is not None and not t.done()]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -210,10 +213,6 @@ class StreamingSession:
         if self.ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await self.ws.close(CloseCode.normal)
-
-    def _synthesis_tasks(self) -> list[asyncio.Task | None]:
-        jobs = [item for item in [self._current, *self._queue] if isinstance(item, SentenceJob)]
-        return [job.task for job in jobs]
 
     @property
     def busy(self) -> bool:
@@ -574,15 +573,27 @@ class StreamingSession:
     # -------------------------------------------------------------- synthesis
 
     def _fill_pipeline(self) -> None:
-        """Start synthesis for the first 1 + lookahead sentences waiting to be sent."""
-        room = 1 + self.settings.lookahead_sentences
+        """Start synthesis for the sentences waiting to be sent, in order: at most `synthesis_concurrency`
+        at a time (sentence N+1 starts as soon as N is made, while N is still being sent), and never more
+        than 1 + `lookahead_sentences` sentences made or in the making ahead of the one being sent."""
+        if self._stopping:
+            return
+        window = 1 + self.settings.lookahead_sentences
+        running = sum(1 for task in self._synthesis if not task.done())
         for item in [self._current, *self._queue]:
-            if room == 0:
+            if window == 0 or running >= self.settings.synthesis_concurrency:
                 break
             if isinstance(item, SentenceJob) and not item.cancelled and not item.finished:
-                room -= 1
+                window -= 1
                 if item.task is None:
                     item.task = asyncio.create_task(self._synthesize(item), name=f"synth-{self.session_id}-{item.index}")
+                    self._synthesis.add(item.task)
+                    item.task.add_done_callback(self._synthesis_ended)
+                    running += 1
+
+    def _synthesis_ended(self, task: asyncio.Task) -> None:
+        self._synthesis.discard(task)
+        self._fill_pipeline()
 
     async def _synthesize(self, job: SentenceJob) -> None:
         config = job.config

@@ -45,6 +45,9 @@ class GatewaySettings(BaseSettings):
     lookahead_sentences: int = Field(
         2, ge=0, description="sentences synthesized ahead of the one being sent (pipelining depth)"
     )
+    synthesis_concurrency: int = Field(
+        1, ge=1, description="sentences of one session synthesized at the same time (1: in order, head first)"
+    )
     max_frame_ms: int = Field(200, ge=10, description="longest audio per binary frame; bigger chunks are split")
 
     # --- session store (resume, issue 5)

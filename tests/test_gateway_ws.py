@@ -225,11 +225,17 @@ async def test_next_sentence_is_synthesized_while_the_current_one_is_sent():
             await send(ws, type="input.text", text="The first sentence is long enough to take a while. Second one. Third one here.")
             await send(ws, type="input.done")
             messages = await receive_until(ws, "session.done")
-            received_at = time.monotonic()
-    first, second, third = backend.records
-    # Sentence 1 started synthesizing before sentence 0 finished, and so did sentence 2 (look-ahead 2).
-    assert second.started < first.finished and third.started < first.finished
-    assert messages[-1]["total_sentences"] == 3 and received_at > third.finished
+    records = backend.records
+    assert [r.text for r in records] == ["The first sentence is long enough to take a while.", "Second one.", "Third one here."]
+    audio = audio_by_sentence(messages)
+    for previous, following, index in zip(records, records[1:], (0, 1)):
+        # Each sentence starts as soon as the one before is made, one at a time (the head first) ...
+        assert 0 <= following.started - previous.finished < 0.05
+        # ... and its first audio exists before the previous sentence, played from its first chunk in
+        # real time, runs out: no gap.
+        played_until = previous.chunk_times[0] + len(audio[index]) / 2 / 24000
+        assert following.chunk_times[0] < played_until
+    assert messages[-1]["total_sentences"] == 3
 
 
 async def test_cancel_stops_synthesis_within_one_chunk_and_sends_no_more_audio():
