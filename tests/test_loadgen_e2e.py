@@ -46,7 +46,7 @@ def run(args: list[str]) -> dict:
 
 
 def test_closed_loop_run_measures_every_request(prompt_file: Path, tmp_path: Path) -> None:
-    backend = SyntheticSynthesizer(first_chunk_delay_s=0.05, speed=4.0)
+    backend = SyntheticSynthesizer(first_chunk_delay_s=0.05)
     with running_gateway(backend) as server:
         out = tmp_path / "report.json"
         code = main(["--url", server.ws_url, "--concurrency", "2", "--warmup", "0.3", "--requests", "6",
