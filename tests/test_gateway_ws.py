@@ -527,3 +527,53 @@ async def test_store_records_sentences_and_audio(server):
             break
         await asyncio.sleep(0.02)
     assert server.call(server.gateway.store.get, session_id).attached is False
+
+
+# ------------------------------------------------------------------------------------- many sessions, disconnects
+
+
+async def test_concurrent_sessions_each_get_exactly_their_own_audio():
+    backend = SyntheticSynthesizer(first_chunk_delay_s=0.02, speed=20.0)
+    voices = ["tone-low", "tone-mid", "tone-high"]
+
+    async def one(url, n):
+        voice = voices[n % 3]
+        text = f"Session {n} says hello. It has a second sentence number {n}. And a third!"
+        async with websockets.connect(url) as ws:
+            await send(ws, type="session.config", voice=voice, stream_audio=True)
+            for word in text.split(" "):
+                await send(ws, type="input.text", text=word + " ")
+            await send(ws, type="input.done")
+            messages = await receive_until(ws, "session.done", timeout=60)
+        starts = [m for m in messages if isinstance(m, dict) and m["type"] == "audio.start"]
+        audio = audio_by_sentence(messages)
+        expected = await direct_pcm(SyntheticSynthesizer(), [m["sentence_text"] for m in starts], voice)
+        assert [audio[m["sentence_index"]] for m in starts] == expected
+        return len(starts)
+
+    with running_gateway(backend) as server:
+        counts = await asyncio.gather(*(one(server.ws_url, n) for n in range(12)))
+        assert counts == [3] * 12
+        for _ in range(100):
+            if not server.gateway.sessions:
+                break
+            await asyncio.sleep(0.02)
+        assert not server.gateway.sessions and server.gateway.admission.open_sessions == 0
+
+
+async def test_a_client_that_disappears_mid_utterance_stops_its_synthesis():
+    backend = RecordingBackend(SyntheticSynthesizer(speed=1.0))
+    with running_gateway(backend) as server:
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="session.config", stream_audio=True)
+            await send(ws, type="input.text", text="A sentence that takes a couple of seconds to speak. Another one after it.")
+            await receive_until(ws, "audio.start")
+            await ws.recv()
+        # The socket is gone: the session ends, its synthesis stops, nothing is left running.
+        for _ in range(100):
+            if not server.gateway.sessions and backend.records[0].closed is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert not server.gateway.sessions
+        assert backend.records[0].closed is not None and backend.records[0].finished is None
+        assert server.gateway.metrics.registry.get_sample_value("voxgate_sessions_active") == 0
