@@ -480,6 +480,8 @@ async def run_request(spec: RequestSpec, options: ClientOptions, measured: bool,
                         break
             finally:
                 if sender is not None:
+                    if sender.done() and not sender.cancelled() and sender.exception() is not None:
+                        result.errors.append(f"sending text failed: {sender.exception()!r}"[:200])
                     sender.cancel()
         if not result.completed:
             result.errors.append("closed_before_session_done")
