@@ -1,10 +1,12 @@
 """Reference side of the Qwen3-TTS parity tests: run qwen-tts 0.1.1 on a checkpoint folder and dump what it does.
 
-Usage: python qwen3_ref_generate.py CHECKPOINT CASES_JSON OUT_PT
-CASES_JSON: {"dtype": "float32", "tokenize": [text, ...], "cases": [{"name", "texts", "speakers", "languages",
-  "instructs", "non_streaming_mode", "seed", "gen": {generate kwargs}}]}
-OUT_PT (torch.save): {"tokenize": {text: ids}, "cases": {name: {"codes": [LongTensor[F, G]],
-  "talker_logits": fp32 [steps, B, V], "predictor_logits": fp32 [draws, B, V]}}}
+Usage: python qwen3_ref_generate.py SPEC_JSON OUT_PT
+SPEC_JSON: {"dtype": "float32", "threads": 1, "runs": [{"checkpoint": folder, "tokenize": [text, ...],
+  "cases": [{"name", "texts", "speakers", "languages", "instructs", "non_streaming_mode", "seed",
+  "gen": {generate kwargs}}]}]}
+OUT_PT (torch.save): {"runs": [{"tokenize": {text: ids}, "cases": {name: {"codes": [LongTensor[F, G]],
+  "talker_logits": fp32 [steps, B, V], "predictor_logits": fp32 [draws, B, V], "input_ids": [[int]]}}}]}
+(one process for several checkpoints: importing qwen_tts and converting the tokenizer dominate its run time)
 Runs in the reference virtualenv (tests/reference_env.py), never in Voxgate's own environment.
 """
 
@@ -15,10 +17,16 @@ import torch
 from qwen_tts import Qwen3TTSModel
 
 
-def main(checkpoint: str, cases_path: str, out_path: str) -> None:
-    spec = json.loads(open(cases_path, encoding="utf-8").read())
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(open(spec_path, encoding="utf-8").read())
+    torch.set_num_threads(int(spec.get("threads", 1)))  # tiny models: threads only add contention
     dtype = getattr(torch, spec.get("dtype", "float32"))
-    wrapper = Qwen3TTSModel.from_pretrained(checkpoint, dtype=dtype, device_map=spec.get("device", "cpu"))
+    runs = [run_checkpoint(run, dtype, spec.get("device", "cpu")) for run in spec["runs"]]
+    torch.save({"runs": runs}, out_path)
+
+
+def run_checkpoint(spec: dict, dtype: torch.dtype, device: str) -> dict:
+    wrapper = Qwen3TTSModel.from_pretrained(spec["checkpoint"], dtype=dtype, device_map=device)
     model = wrapper.model
     talker = model.talker
     out = {"tokenize": {}, "cases": {}}
@@ -55,8 +63,8 @@ def main(checkpoint: str, cases_path: str, out_path: str) -> None:
             "predictor_logits": torch.stack(captured["predictor"]),
             "input_ids": [i[0].tolist() for i in input_ids],
         }
-    torch.save(out, out_path)
+    return out
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:3])
