@@ -140,7 +140,7 @@ class Qwen3ModelRunner(ModelRunner):
         self.graphs = GraphSet(self.device, use_graphs)
         self.decode_buckets = self._buckets(cfg.decode_buckets, cfg.max_slots)
         self.attend_buckets = tuple(a for a in cfg.attend_buckets if a < cfg.max_len) + (cfg.max_len,)
-        self.codec_buckets = self._buckets(cfg.codec_batch_buckets, cfg.max_slots)
+        self.codec_buckets = tuple(sorted(b for b in cfg.codec_batch_buckets if b <= cfg.max_slots)) or (1,)
         self._allocated = False
 
     @staticmethod
@@ -200,6 +200,7 @@ class Qwen3ModelRunner(ModelRunner):
         self.codec_static = {b: self.codec_module.init_state(b, device=dev) for b in self.codec_buckets}
         self.eos_onehot = torch.zeros(self.vocab, device=dev, dtype=torch.bool)
         self.eos_onehot[self.eos_id] = True
+        self._true = torch.ones((), device=dev, dtype=torch.bool)
         self.suppress = m.suppress_mask
         # Host mirrors (reference sampler, attention bucket choice); never read from the device.
         self.pos_host = [0] * S
@@ -263,7 +264,7 @@ class Qwen3ModelRunner(ModelRunner):
             self.draws[slots] = draws + 1
         else:
             c0 = torch.argmax(scores, dim=-1)
-        self.presence[slots, c0] = True
+        self.presence.index_put_((slots, c0), self._true)
         self.generated[slots] = self.generated[slots] + 1
         return c0
 
@@ -313,7 +314,7 @@ class Qwen3ModelRunner(ModelRunner):
         c0 = self._sample_c0(logits, slots)
         self.c0[slots] = c0
         self.eos_out[: slots.shape[0]] = c0 == self.eos_id
-        self.pos[self.scratch] = 0  # padding rows must never walk off the end of the scratch slot
+        self.pos.narrow(0, self.scratch, 1).fill_(0)  # padding rows must never walk off the scratch slot's end
 
     def _decode_fn(self, slots: torch.Tensor, attend_len: int) -> None:
         x = self.next_embed[slots] + self._trailing(slots)

@@ -1,0 +1,167 @@
+"""Open-loop load through the gateway's WebSocket with the Qwen3 engine behind it, rate by rate until it fails.
+
+    python bench/engine_load.py --model /tmp/qwen3-1.7b-random --rates 1,10,20,40,60,80 \\
+        --warmup 10 --duration 30 --output bench/results/engine_load_h200.json
+
+Starts `voxgate serve --backend qwen3 --model PATH` (CUDA graphs captured at start-up; the gateway reports
+ready only after capture and a warm-up request), then runs bench/loadgen.py's open-loop Poisson client at
+each rate in turn and stops after the first rate that fails (any underrun, error, incomplete request, or
+p95 audible TTFA above --fail-ttfa-ms). Random weights never end on their own, so each request is capped at
+the frames its text takes at 15 characters per second (bench/README.md); with random weights the audio is
+noise, so audible and first-playable TTFA are reported side by side. GPU memory in use is sampled at each
+rate with nvidia-smi.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.loadgen import ClientOptions, RunPlan, Workload, json_safe, load_prompts, markdown_table, run_load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_memory_mib() -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return float(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(base + "/ready", timeout=2) as response:
+                if response.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"gateway not ready after {timeout_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rates", default="1,10,20,40,60,80")
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--voice", default="ryan")
+    parser.add_argument("--fail-ttfa-ms", type=float, default=100.0, help="p95 audible TTFA above this fails a rate")
+    parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--log", type=Path, help="gateway log file")
+    args = parser.parse_args(argv)
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    options = ["-o", "frame_cap_chars_per_second=15", "-o", "max_active=64", "-o", "max_len=512",
+               "-o", 'runner_options={"attend_buckets": [128, 256]}']
+    for item in args.option:
+        options += ["-o", item]
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--backend", "qwen3", "--model", args.model,
+               "--device", args.device, "--port", str(port), "--log-level", "warning", *options]
+    if args.log:
+        args.log.parent.mkdir(parents=True, exist_ok=True)
+    log = open(args.log, "w") if args.log else subprocess.DEVNULL
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    report = {"tool": "bench/engine_load.py", "command": " ".join(["python", "bench/engine_load.py", *(argv or sys.argv[1:])]),
+              "gateway_command": " ".join(command), "rates": []}
+    try:
+        report["startup_s"] = wait_ready(base, proc, args.ready_timeout)
+        report["gpu_memory_idle_MiB"] = gpu_memory_mib()
+        print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
+        prompts = load_prompts(ROOT / "bench" / "data" / "arctic_en.jsonl")
+        client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=args.voice, timeout_s=60)
+        for rate in [float(r) for r in args.rates.split(",")]:
+            plan = RunPlan(seed=args.seed, warmup_s=args.warmup, duration_s=args.duration, rps=rate, drain_timeout_s=60)
+            memory: list[float] = []
+
+            async def run_with_memory():
+                async def sample():
+                    while True:
+                        value = await asyncio.to_thread(gpu_memory_mib)
+                        if value is not None:
+                            memory.append(value)
+                        await asyncio.sleep(2.0)
+
+                sampler = asyncio.create_task(sample())
+                try:
+                    return await run_load(plan, Workload(prompts, args.seed, (1, 1)), client)
+                finally:
+                    sampler.cancel()
+
+            run = asyncio.run(run_with_memory())
+            summary = run["summary"]
+            p95 = summary["audible_ttfa_s"]["p95"]
+            passed = bool(summary["passed"]) and p95 is not None and p95 * 1000 <= args.fail_ttfa_ms
+            entry = {"rps": rate, "passed": passed, "gpu_memory_max_MiB": max(memory) if memory else None,
+                     "summary": summary}
+            report["rates"].append(entry)
+            print(markdown_table(summary, f"{rate:g} RPS"), flush=True)
+            print(f"GPU memory max {entry['gpu_memory_max_MiB']} MiB; verdict {'PASS' if passed else 'FAIL'}", flush=True)
+            if not passed:
+                break
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    table = summary_table(report)
+    print(table)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
+        args.output.with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+def summary_table(report: dict) -> str:
+    def ms(d, key):
+        v = d.get(key)
+        return "-" if v is None or v != v else f"{v * 1000:.1f}"
+
+    lines = ["| RPS | audible TTFA p50 / p95 / p99 (ms) | first playable p95 (ms) | TTFB p95 (ms) | E2E p95 (ms) | "
+             "underruns | failed | requests | max in flight | GPU MiB | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for entry in report["rates"]:
+        s = entry["summary"]
+        a = s["audible_ttfa_s"]
+        lines.append(
+            f"| {entry['rps']:g} | {ms(a, 'p50')} / {ms(a, 'p95')} / {ms(a, 'p99')} | {ms(s['first_playable_s'], 'p95')} | "
+            f"{ms(s['ttfb_s'], 'p95')} | {ms(s['e2e_s'], 'p95')} | {s['underrun_events']} | {s['failed']} | "
+            f"{s['requests']} | {s['max_in_flight']} | {entry['gpu_memory_max_MiB']} | "
+            f"{'PASS' if entry['passed'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
