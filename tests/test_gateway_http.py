@@ -230,3 +230,20 @@ async def test_metrics_count_sessions_sentences_bytes_ttfa_and_errors():
     assert values['voxgate_ttfa_seconds_count{transport="websocket"}'] == 1  # one utterance
     assert values['voxgate_ttfa_seconds_count{transport="http"}'] == 1
     assert values['voxgate_errors_total{code="invalid_json"}'] == 1
+
+
+def test_a_backend_failure_is_an_error_response_or_an_sse_error_event():
+    from tests.gateway_server import RecordingBackend
+
+    with running_gateway(RecordingBackend(SyntheticSynthesizer(), fail_on="BROKEN")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.audio.speech.create(model="voxgate", voice="tone-mid", input="BROKEN text.", response_format="pcm")
+        assert info.value.body["code"] == "synthesis_failed"
+        with pytest.raises(openai.InternalServerError):
+            client.audio.speech.create(model="voxgate", voice="tone-mid", input="Fine. BROKEN later.", response_format="wav")
+        response = httpx.post(server.url + "/v1/audio/speech",
+                              json={"input": "Fine first. BROKEN second.", "voice": "tone-mid", "stream_format": "sse"})
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[0]["type"] == "speech.audio.delta"
+        assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == "synthesis_failed"
