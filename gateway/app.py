@@ -28,6 +28,7 @@ from .protocol import CloseCode, ErrorCode, ProtocolError
 from .session import StreamingSession
 from .settings import GatewaySettings
 from .store import SessionStore, create_store
+from .web import mount_web_demo
 
 log = logging.getLogger("voxgate")
 
@@ -169,4 +170,5 @@ def create_app(
 
     for path in STREAM_PATHS:
         app.add_api_websocket_route(path, speech_stream)
+    mount_web_demo(app)  # last: its catch-all "/" must not shadow the API
     return app

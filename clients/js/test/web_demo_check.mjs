@@ -1,0 +1,91 @@
+// Loads the web demo from a running gateway in headless Chromium (Debian's /usr/bin/chromium driven by
+// playwright-core, no browser download), speaks a text, barges in on a second one, and prints what the
+// page and its AudioWorklet reported as JSON. tests/test_web_demo.py checks the numbers.
+// Usage: node web_demo_check.mjs <gateway base url> <screenshot dir> <voice> <text> <long text>
+
+import { chromium } from "playwright-core";
+
+const [baseUrl, screenshotDir, voice, text, longText] = process.argv.slice(2);
+
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  headless: true,
+  args: [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    // Let the AudioContext start without a user gesture; headless Chromium plays into a fake output.
+    "--autoplay-policy=no-user-gesture-required",
+  ],
+});
+
+const output = { consoleErrors: [], pageErrors: [] };
+try {
+  const page = await browser.newPage({ viewport: { width: 1280, height: 1000 }, deviceScaleFactor: 1 });
+  page.on("console", (message) => {
+    if (message.type() === "error") output.consoleErrors.push(message.text());
+  });
+  page.on("pageerror", (error) => output.pageErrors.push(String(error)));
+
+  const snapshot = () => page.evaluate(() => window.voxgateDemo.snapshot());
+  const waitFor = (predicate, timeout = 30000) =>
+    page.waitForFunction(predicate, null, { timeout, polling: 50 });
+
+  const response = await page.goto(baseUrl + "/", { waitUntil: "load" });
+  output.pageStatus = response.status();
+  await waitFor(() => document.querySelector("#voice").options.length > 0 && window.voxgateDemo);
+  output.voiceOptions = await page.$$eval("#voice option", (options) => options.map((o) => o.value));
+
+  // 1. Speak a text to the end: every sample must reach the worklet and play without an underrun.
+  await page.selectOption("#voice", voice);
+  await page.selectOption("#format", "pcm");
+  await page.selectOption("#sample-rate", "24000");
+  await page.selectOption("#preroll", "60");
+  await page.fill("#text", text);
+  await page.click("#speak");
+  await waitFor(() => window.voxgateDemo.snapshot().utterance?.outcome === "played");
+  // The last stats message is posted on drain; give it a moment to land.
+  await page.waitForTimeout(150);
+  output.played = await snapshot();
+  await page.screenshot({ path: `${screenshotDir}/web-demo-played.png`, fullPage: true });
+
+  // 2. Barge in: simulate an LLM streaming a long text, interrupt once audio is playing.
+  await page.click('label:has(input[name="mode"][value="llm"])');
+  await page.fill("#tokens-per-second", "60");
+  await page.dispatchEvent("#tokens-per-second", "input");
+  await page.fill("#text", longText);
+  await page.click("#speak");
+  await waitFor(() => {
+    const s = window.voxgateDemo.snapshot();
+    return s.utterance?.contextId === "utt-2" && s.player.state === "playing" && s.utterance.sentences.length >= 2;
+  });
+  await page.waitForTimeout(400);
+  output.beforeInterrupt = await snapshot();
+  await page.click("#interrupt");
+  // After the click: the worklet has dropped its queue (the page awaits its report before logging).
+  await waitFor(() => window.voxgateDemo.snapshot().utterance?.outcome === "interrupted", 5000);
+  await page.waitForTimeout(100);
+  output.afterInterrupt = await snapshot();
+  await waitFor(() => window.voxgateDemo.snapshot().utterance?.cancelAcknowledged, 5000);
+  await page.waitForTimeout(600);
+  output.later = await snapshot();
+  await page.screenshot({ path: `${screenshotDir}/web-demo-interrupted.png`, fullPage: true });
+
+  // 3. The session stays usable after the barge-in: a short utterance plays to the end.
+  await page.click('label:has(input[name="mode"][value="text"])');
+  await page.fill("#text", "And we are back.");
+  await page.click("#speak");
+  await waitFor(() => window.voxgateDemo.snapshot().utterance?.outcome === "played");
+  await page.waitForTimeout(150);
+  output.afterBargeIn = await snapshot();
+} catch (error) {
+  output.failure = String(error.stack || error);
+  process.exitCode = 1;
+} finally {
+  await browser.close();
+}
+process.stdout.write(JSON.stringify(output));

@@ -1,0 +1,432 @@
+// The Voxgate demo page: speak typed or LLM-streamed text through the gateway, hear it as it arrives,
+// interrupt it, and watch each sentence's timing. Everything protocol- and audio-related lives in the
+// client library (clients/js); this file is the page's wiring.
+//
+// `window.voxgateDemo.snapshot()` returns the page's state as plain data (used by the browser tests).
+
+import { VoxgateClient, StreamPlayer, listVoices, simulatedTokens, bytesPerSample } from "../clients/js/voxgate.js";
+import { BufferSparkline, TimelineChart } from "./chart.js";
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+const gatewayUrl = params.get("gateway") || location.origin;
+
+const ui = {
+  status: $("status"),
+  backendInfo: $("backend-info"),
+  text: $("text"),
+  tokensPerSecond: $("tokens-per-second"),
+  tokensPerSecondValue: $("tokens-per-second-value"),
+  llmRow: $("llm-speed-row"),
+  voice: $("voice"),
+  format: $("format"),
+  sampleRate: $("sample-rate"),
+  preroll: $("preroll"),
+  apiKey: $("api-key"),
+  speak: $("speak"),
+  interrupt: $("interrupt"),
+  hint: $("hint"),
+  playerState: $("player-state"),
+  ttfa: $("m-ttfa"),
+  firstByte: $("m-first-byte"),
+  buffered: $("m-buffered"),
+  underruns: $("m-underruns"),
+  received: $("m-received"),
+  played: $("m-played"),
+  sentencesInfo: $("m-sentences"),
+  rates: $("rates"),
+  rows: $("sentence-rows"),
+  events: $("events"),
+};
+
+const state = {
+  client: null,
+  clientKey: null, // the settings the open session was configured with
+  player: null,
+  utterance: null, // the utterance being spoken (see newUtterance)
+  utteranceCount: 0,
+};
+
+const chart = new TimelineChart($("chart"));
+const sparkline = new BufferSparkline($("buffer-chart"));
+
+if (params.get("api_key")) ui.apiKey.value = params.get("api_key");
+
+// ------------------------------------------------------------------------------------------ helpers
+
+function setStatus(kind, text) {
+  ui.status.dataset.state = kind;
+  ui.status.className = `pill pill-${kind}`;
+  ui.status.textContent = text;
+}
+
+function logEvent(text, kind = "") {
+  const item = document.createElement("li");
+  const time = state.utterance ? `${Math.round(performance.now() - state.utterance.t0)} ms` : "";
+  item.innerHTML = `<time></time><span></span>`;
+  item.querySelector("time").textContent = time;
+  item.querySelector("span").textContent = text;
+  if (kind) item.classList.add(kind);
+  ui.events.prepend(item);
+  while (ui.events.children.length > 60) ui.events.lastChild.remove();
+}
+
+function logSeparator(text) {
+  const item = document.createElement("li");
+  item.className = "separator";
+  item.textContent = text;
+  ui.events.prepend(item);
+}
+
+const ms = (value) => (value === null || value === undefined ? "–" : `${Math.round(value)} ms`);
+const count = (value) => (value ?? 0).toLocaleString("en-US");
+
+function selectedMode() {
+  return document.querySelector('input[name="mode"]:checked').value;
+}
+
+function settings() {
+  return {
+    voice: ui.voice.value || undefined,
+    responseFormat: ui.format.value,
+    sampleRate: ui.sampleRate.value ? Number(ui.sampleRate.value) : undefined,
+    apiKey: ui.apiKey.value || undefined,
+  };
+}
+
+// ------------------------------------------------------------------------------------------ session
+
+async function loadVoices() {
+  try {
+    const voices = await listVoices(gatewayUrl, { apiKey: ui.apiKey.value || null });
+    ui.voice.replaceChildren(
+      ...voices.data.map((voice) => {
+        const option = new Option(voice.name, voice.id);
+        option.title = voice.description || voice.language || "";
+        option.selected = voice.id === voices.default;
+        return option;
+      }),
+    );
+    setStatus("idle", "ready");
+  } catch (error) {
+    setStatus("error", "gateway unreachable");
+    logEvent(`voices: ${error.message}`, "error");
+  }
+}
+
+async function ensurePlayer() {
+  if (!state.player) {
+    state.player = new StreamPlayer({ prerollMs: Number(ui.preroll.value) });
+    await state.player.start();
+    state.player.on("stats", (stats) => {
+      sparkline.push(performance.now(), stats);
+      renderStats(stats);
+    });
+    state.player.on("segmentstart", ({ tag, at }) => {
+      const sentence = state.utterance?.byTag.get(tag);
+      if (sentence && sentence.playAt === null) {
+        sentence.playAt = at - state.utterance.t0;
+        renderSentenceRow(sentence);
+      }
+    });
+    state.player.on("underrun", ({ tag }) => logEvent(`underrun in sentence ${tag.split(":")[1]}`, "warn"));
+    state.player.on("drained", () => {
+      if (state.utterance?.finished) finishUtterance("played");
+    });
+  }
+  state.player.setPrerollMs(Number(ui.preroll.value));
+  if (state.player.context.state !== "running") await state.player.context.resume();
+  return state.player;
+}
+
+async function ensureClient() {
+  const wanted = settings();
+  const key = JSON.stringify(wanted);
+  if (state.client && !state.client.closed && state.clientKey === key) return state.client;
+  if (state.client && !state.client.closed) await state.client.close().catch(() => {});
+  setStatus("busy", "connecting");
+  const client = await VoxgateClient.connect(gatewayUrl, wanted);
+  state.client = client;
+  state.clientKey = key;
+  setStatus("live", `session ${client.sessionId.slice(0, 8)}`);
+  ui.rates.textContent = `stream ${client.format} @ ${client.sampleRate} Hz → audio context @ ${state.player.sampleRate} Hz (resampled in the worklet)`;
+  logEvent(`session.started: voice ${client.voice}, ${client.format} ${client.sampleRate} Hz`);
+  wireClient(client);
+  return client;
+}
+
+function wireClient(client) {
+  const player = state.player;
+  const tag = (index) => `${client.sessionId}:${index}`;
+  client.on("audio.start", (message) => {
+    const utterance = state.utterance;
+    if (!utterance || message.context_id !== utterance.contextId) return;
+    const sentence = {
+      index: message.sentence_index,
+      tag: tag(message.sentence_index),
+      text: message.sentence_text,
+      textReadyAt: utterance.textReadyAt(message.sentence_text),
+      firstAudioAt: null,
+      playAt: null,
+      bytes: 0,
+      samples: 0,
+      sampleRate: message.sample_rate,
+      done: false,
+      cut: false,
+    };
+    utterance.sentences.push(sentence);
+    utterance.byTag.set(sentence.tag, sentence);
+    renderSentenceRow(sentence);
+  });
+  client.on("audio", (chunk) => {
+    const utterance = state.utterance;
+    if (!utterance || utterance.outcome === "interrupted" || chunk.contextId !== utterance.contextId) return;
+    const sentence = utterance.byTag.get(tag(chunk.sentenceIndex));
+    const now = performance.now() - utterance.t0;
+    if (utterance.firstByteAt === null) utterance.firstByteAt = now;
+    if (sentence.firstAudioAt === null) sentence.firstAudioAt = now;
+    sentence.bytes += chunk.bytes.byteLength;
+    sentence.samples += chunk.samples.length;
+    utterance.bytes += chunk.bytes.byteLength;
+    utterance.samples += chunk.samples.length;
+    player.write(chunk.samples, chunk.sampleRate, sentence.tag);
+  });
+  client.on("audio.done", (message) => {
+    player.endSegment(tag(message.sentence_index));
+    const sentence = state.utterance?.byTag.get(tag(message.sentence_index));
+    if (sentence) {
+      sentence.done = true;
+      sentence.totalBytes = message.total_bytes;
+      renderSentenceRow(sentence);
+    }
+  });
+  client.on("utterance.done", (message) => {
+    const utterance = state.utterance;
+    if (!utterance || message.context_id !== utterance.contextId) return;
+    utterance.finished = true;
+    utterance.serverSentences = message.total_sentences;
+    logEvent(`utterance.done: ${message.total_sentences} sentences, ${count(utterance.bytes)} bytes`);
+    if (player.stats.state === "idle" && player.stats.bufferedFrames === 0) finishUtterance("played");
+  });
+  client.on("context.cancelled", (message) => {
+    logEvent(`context.cancelled (${message.context_id})`, "warn");
+    if (state.utterance && message.context_id === state.utterance.contextId) state.utterance.cancelAcknowledged = true;
+  });
+  client.on("error", (message) => logEvent(`error ${message.code}: ${message.message}`, "error"));
+  client.on("close", ({ code }) => {
+    if (state.client === client) {
+      setStatus(code === 1000 ? "idle" : "error", code === 1000 ? "session closed" : `closed (${code})`);
+      state.client = null;
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------ speaking
+
+function newUtterance(contextId, text) {
+  const t0 = performance.now();
+  const sent = []; // [{end: cumulative characters, at}]
+  let cumulative = "";
+  let searchFrom = 0;
+  return {
+    contextId,
+    text,
+    t0,
+    sentences: [],
+    byTag: new Map(),
+    bytes: 0,
+    samples: 0,
+    firstByteAt: null,
+    finished: false,
+    cancelAcknowledged: false,
+    outcome: null,
+    abort: new AbortController(),
+    recordSent(token) {
+      cumulative += token;
+      sent.push({ end: cumulative.length, at: performance.now() - t0 });
+    },
+    // When the text of a sentence was complete on the wire: the time its last character was sent.
+    textReadyAt(sentenceText) {
+      const found = cumulative.indexOf(sentenceText.trim(), searchFrom);
+      if (found < 0) return null;
+      const end = found + sentenceText.trim().length;
+      searchFrom = end;
+      return sent.find((entry) => entry.end >= end)?.at ?? null;
+    },
+  };
+}
+
+async function speak() {
+  const text = ui.text.value.trim();
+  if (!text) {
+    ui.hint.textContent = "Type something to speak.";
+    return;
+  }
+  ui.hint.textContent = "";
+  if (state.utterance && !state.utterance.outcome) await interrupt();
+  ui.speak.disabled = true;
+  try {
+    const player = await ensurePlayer();
+    const client = await ensureClient();
+    const contextId = `utt-${++state.utteranceCount}`;
+    const utterance = newUtterance(contextId, text);
+    state.utterance = utterance;
+    chart.reset(utterance);
+    ui.rows.replaceChildren();
+    logSeparator(`utterance ${state.utteranceCount} (${contextId})`);
+    player.markRequest(performance.now());
+    ui.interrupt.disabled = false;
+    setStatus("live", "speaking");
+    const mode = selectedMode();
+    logEvent(mode === "llm" ? `streaming tokens at ${ui.tokensPerSecond.value}/s` : "text sent");
+    const tokens = mode === "llm" ? simulatedTokens(text, { tokensPerSecond: Number(ui.tokensPerSecond.value), signal: utterance.abort.signal }) : [text];
+    for await (const token of tokens) {
+      if (utterance.abort.signal.aborted) break;
+      utterance.recordSent(token);
+      client.sendText(token, { contextId });
+    }
+    if (!utterance.abort.signal.aborted) client.done({ contextId });
+  } catch (error) {
+    setStatus("error", "error");
+    logEvent(error.message, "error");
+    ui.interrupt.disabled = true;
+  } finally {
+    ui.speak.disabled = false;
+  }
+}
+
+async function interrupt() {
+  const utterance = state.utterance;
+  if (!utterance || utterance.outcome) return;
+  utterance.abort.abort();
+  utterance.interruptedAt = performance.now() - utterance.t0;
+  // Both happen now, before anything else can run: the client stops delivering this context's audio
+  // (frames already in flight are dropped) and tells the server; the worklet empties its queue.
+  if (state.client && !state.client.closed) state.client.cancel({ contextId: utterance.contextId });
+  const report = state.player ? state.player.interrupt() : Promise.resolve({ droppedFrames: 0 });
+  for (const sentence of utterance.sentences) if (sentence.playAt !== null) sentence.cut = true;
+  finishUtterance("interrupted");
+  const { droppedFrames } = await report;
+  logEvent(`interrupted: ${Math.round((droppedFrames / (state.player?.sampleRate || 48000)) * 1000)} ms of queued audio dropped`, "warn");
+}
+
+function finishUtterance(outcome) {
+  const utterance = state.utterance;
+  if (!utterance || utterance.outcome) return;
+  utterance.outcome = outcome;
+  utterance.endedAt = performance.now() - utterance.t0;
+  ui.interrupt.disabled = true;
+  if (state.client) setStatus("live", outcome === "played" ? "done" : "interrupted");
+  if (outcome === "played") logEvent("playback finished");
+  utterance.sentences.forEach(renderSentenceRow);
+}
+
+// ------------------------------------------------------------------------------------------ rendering
+
+function renderStats(stats) {
+  ui.playerState.textContent = stats.state;
+  ui.playerState.dataset.state = stats.state;
+  ui.ttfa.textContent = ms(stats.ttfaMs);
+  ui.firstByte.textContent = ms(state.utterance?.firstByteAt ?? null);
+  ui.buffered.textContent = `${Math.round(stats.bufferedMs)} ms`;
+  ui.underruns.textContent = count(stats.underruns);
+  ui.underruns.parentElement.classList.toggle("alert", stats.underruns > 0);
+  ui.received.textContent = count(stats.samplesReceived);
+  ui.played.textContent = count(stats.framesPlayed);
+  const utterance = state.utterance;
+  if (utterance) {
+    const played = utterance.sentences.filter((s) => s.playAt !== null).length;
+    ui.sentencesInfo.textContent = `${played}/${utterance.sentences.length} sentences playing or played`;
+  }
+}
+
+function renderSentenceRow(sentence) {
+  let row = document.getElementById(`sentence-${sentence.index}`);
+  if (!row) {
+    row = document.createElement("tr");
+    row.id = `sentence-${sentence.index}`;
+    for (let i = 0; i < 6; i++) row.append(document.createElement("td"));
+    ui.rows.append(row);
+  }
+  const cells = row.children;
+  const durationMs = (sentence.samples / sentence.sampleRate) * 1000;
+  cells[0].textContent = sentence.index;
+  cells[1].textContent = sentence.text;
+  cells[1].title = sentence.text;
+  cells[2].textContent = ms(sentence.textReadyAt);
+  cells[3].textContent = ms(sentence.firstAudioAt);
+  const dropped = sentence.playAt === null && state.utterance?.outcome === "interrupted";
+  cells[4].textContent = dropped ? "not played" : ms(sentence.playAt);
+  row.classList.toggle("dropped", dropped);
+  cells[5].textContent = `${(durationMs / 1000).toFixed(2)} s${sentence.done ? "" : " …"}`;
+}
+
+function animate() {
+  const now = performance.now();
+  if (state.utterance) chart.draw(state.utterance, now - state.utterance.t0);
+  sparkline.draw(now, Number(ui.preroll.value));
+  requestAnimationFrame(animate);
+}
+
+// ------------------------------------------------------------------------------------------ wiring
+
+ui.speak.addEventListener("click", speak);
+ui.interrupt.addEventListener("click", interrupt);
+ui.tokensPerSecond.addEventListener("input", () => {
+  ui.tokensPerSecondValue.textContent = `${ui.tokensPerSecond.value} tokens/s`;
+});
+for (const radio of document.querySelectorAll('input[name="mode"]')) {
+  radio.addEventListener("change", () => ui.llmRow.classList.toggle("disabled", selectedMode() !== "llm"));
+}
+ui.llmRow.classList.toggle("disabled", selectedMode() !== "llm");
+ui.format.addEventListener("change", () => {
+  // G.711 is a telephony format: the gateway sends it at 8 kHz unless told otherwise.
+  if (ui.format.value !== "pcm" && !ui.sampleRate.value) ui.sampleRate.value = "8000";
+});
+ui.apiKey.addEventListener("change", loadVoices);
+window.addEventListener("keydown", (event) => {
+  if (event.key === "Escape") interrupt();
+  if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) speak();
+});
+
+fetch(new URL("/v1/models", gatewayUrl), { headers: ui.apiKey.value ? { Authorization: `Bearer ${ui.apiKey.value}` } : {} })
+  .then((response) => (response.ok ? response.json() : null))
+  .then((models) => {
+    const model = models?.data?.[0];
+    if (model) ui.backendInfo.textContent = `${model.id} · ${model.backend} backend`;
+  })
+  .catch(() => {});
+
+loadVoices();
+requestAnimationFrame(animate);
+
+// A read-only view of the page's state for automated checks.
+window.voxgateDemo = {
+  speak,
+  interrupt,
+  snapshot() {
+    const utterance = state.utterance;
+    return {
+      status: ui.status.dataset.state,
+      sessionId: state.client?.sessionId ?? null,
+      streamRate: state.client?.sampleRate ?? null,
+      format: state.client?.format ?? null,
+      bytesPerSample: state.client ? bytesPerSample(state.client.format) : null,
+      contextRate: state.player?.sampleRate ?? null,
+      player: state.player ? { ...state.player.stats } : null,
+      log: [...ui.events.children].map((item) => item.textContent).reverse(),
+      utterance: utterance && {
+        contextId: utterance.contextId,
+        bytes: utterance.bytes,
+        samples: utterance.samples,
+        finished: utterance.finished,
+        outcome: utterance.outcome,
+        cancelAcknowledged: utterance.cancelAcknowledged,
+        serverSentences: utterance.serverSentences ?? null,
+        sentences: utterance.sentences.map(({ index, text, bytes, samples, totalBytes, done, firstAudioAt, playAt, textReadyAt }) => ({
+          index, text, bytes, samples, totalBytes: totalBytes ?? null, done, firstAudioAt, playAt, textReadyAt,
+        })),
+      },
+    };
+  },
+};
