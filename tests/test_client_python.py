@@ -311,3 +311,13 @@ async def test_resume_after_the_socket_is_closed_mid_sentence(paced_gateway):
         assert reconnected is not None and session.reconnects == 1
         assert (reconnected.sentence_index, reconnected.bytes_received) == dropped_at
     assert bytes(pcm) == expected_pcm(sentences)
+
+
+def test_cli_play_without_a_sound_card_says_so(gateway):
+    if vg.SoundCardPlayer.available():
+        pytest.skip("this machine has a sound card: playing would make noise")
+    result = subprocess.run(
+        [sys.executable, "-m", "voxgate_client.cli", "--url", gateway.url, "--voice", VOICE, "--play"],
+        input="Hello.", capture_output=True, text=True, timeout=30,
+    )
+    assert result.returncode == 2 and "no sound card" in result.stderr

@@ -270,11 +270,17 @@ class Session:
         """Open the socket, send session.config, wait for session.started, start the receive task."""
         ws = await self._open(self.url)
         try:
-            await ws.send(json.dumps(self.config.to_message()))
+            # A gateway that refuses at once (auth, limits) sends its error and closes, possibly before
+            # our config arrives: the error is still read below.
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send(json.dumps(self.config.to_message()))
             raw = await asyncio.wait_for(ws.recv(), self.open_timeout_s)
         except ConnectionClosed as exc:
             await ws.close()
-            raise VoxgateError(f"gateway closed the connection during the handshake ({exc})", "closed") from None
+            reason = exc.rcvd.reason if exc.rcvd else ""
+            raise VoxgateError(
+                f"gateway closed the connection during the handshake ({exc})", reason or "closed"
+            ) from None
         except BaseException:
             await ws.close()
             raise

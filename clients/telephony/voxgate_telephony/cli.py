@@ -1,0 +1,73 @@
+"""`voxgate-twilio`: run the Twilio Media Streams bridge with a small demo agent.
+
+    voxgate-twilio --gateway ws://127.0.0.1:8000 --port 8080 --public-url wss://example.ngrok.app \
+        --greeting "Thanks for calling. Press any key."
+
+Point a Twilio number's voice webhook (HTTP GET) at https://<public host>/twiml. The demo agent speaks
+the greeting when the call's stream starts and reads back DTMF digits; with --barge-in, caller speech
+interrupts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+import voxgate_client as vg
+
+from .bargein import EnergyBargeIn
+from .bridge import Call, TwilioBridge
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voxgate-twilio", description=__doc__.split("\n")[0])
+    parser.add_argument("--gateway", default=os.environ.get("VOXGATE_URL", "ws://127.0.0.1:8000"))
+    parser.add_argument("--api-key", default=os.environ.get("VOXGATE_API_KEY"))
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--public-url", help="wss:// base URL Twilio reaches this bridge on")
+    parser.add_argument("--voice")
+    parser.add_argument("--language")
+    parser.add_argument("--greeting", default="Hello! You are talking to Voxgate. Press a key on your phone.")
+    parser.add_argument("--barge-in", action="store_true", help="interrupt the agent when the caller speaks")
+    parser.add_argument("--barge-in-dbfs", type=float, default=-30.0)
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+async def run(args: argparse.Namespace) -> None:
+    async def demo_agent(call: Call) -> None:
+        logging.info("call %s started (stream %s)", call.call_sid, call.stream_sid)
+        await call.say(args.greeting)
+
+    async def on_dtmf(call: Call, digit: str) -> None:
+        await call.interrupt()
+        await call.say(f"You pressed {digit}.")
+
+    bridge = TwilioBridge(
+        args.gateway,
+        config=vg.SessionConfig(voice=args.voice, language=args.language),
+        on_call=demo_agent,
+        on_dtmf=on_dtmf,
+        barge_in_factory=(lambda: EnergyBargeIn(args.barge_in_dbfs)) if args.barge_in else None,
+        client_options={"api_key": args.api_key} if args.api_key else {},
+    )
+    server = await bridge.serve(args.host, args.port, public_url=args.public_url)
+    logging.info("Twilio bridge on %s:%d (stream /twilio, TwiML /twiml) -> %s", args.host, args.port, args.gateway)
+    await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        asyncio.run(run(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
