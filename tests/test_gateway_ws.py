@@ -455,7 +455,7 @@ async def test_idle_timeout_closes_an_idle_session_but_not_a_busy_one():
             await send(ws, type="input.done")
             assert (await receive_until(ws, "session.done"))[-1]["total_sentences"] == 1
             started = time.monotonic()
-            error = await expect_error(ws, "idle_timeout")
+            await expect_error(ws, "idle_timeout")
             assert 0.3 < time.monotonic() - started < 3
             with pytest.raises(websockets.ConnectionClosed):
                 await ws.recv()
