@@ -153,3 +153,24 @@ def test_codes_are_valid_for_the_codec(model):
                                    max_new_tokens=16)
     assert codes.shape[1] == model.num_code_groups
     assert int(codes.min()) >= 0 and int(codes.max()) < model.config.talker.codebook_size
+
+
+def test_streamed_audio_equals_whole_decode(tiny_custom_voice):
+    """Frames of a streaming utterance decoded chunk by chunk as they come equal one decode of all frames."""
+    full = Qwen3TTS.from_pretrained(tiny_custom_voice, "cpu", torch.float32)
+    utterance = full.start_utterance("Streaming audio out.", speaker="vivian", language="english", seed=9,
+                                     params=full.sampling_params(max_new_tokens=14))
+    stream = full.codec_stream()
+    frames, chunks, pending = [], [], []
+    for frame in utterance.frames():
+        frames.append(frame)
+        pending.append(frame)
+        if len(pending) == 3:
+            chunks.append(stream.decode(torch.stack(pending)))
+            pending = []
+    chunks.append(stream.decode(torch.stack(pending)) if pending else torch.zeros(0))
+    streamed = torch.cat(chunks)
+    whole = full.decode_codes(torch.stack(frames))
+    assert streamed.shape == (len(frames) * 1920,)
+    torch.testing.assert_close(streamed, whole, rtol=0, atol=1e-5)
+    assert float(whole.abs().max()) > 0

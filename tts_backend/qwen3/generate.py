@@ -302,6 +302,17 @@ class Qwen3TTS:
         generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         return self.generate_codes([prompt], self.sampling_params(**sampling_overrides), generator)[0]
 
+    def codec_stream(self) -> "CodecStream":
+        """Incremental waveform decoding for one stream (state carried between calls)."""
+        if self.codec is None:
+            raise RuntimeError("model loaded without its codec (load_codec=False)")
+        return CodecStream(self.codec)
+
+    @torch.inference_mode()
+    def decode_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [F, G] -> float32 waveform [F * 1920] at 24 kHz (whole-sequence decode)."""
+        return self.codec_stream().decode(codes)
+
     def start_utterance(
         self, text: str, *, speaker: str | None = None, language: str = "auto", instruct: str | None = None,
         params: SamplingParams | None = None, seed: int | None = None, more_text: bool = False,
@@ -396,3 +407,21 @@ class Utterance:
             self._frame_pending_text = False
             self.c0 = self._sample_c0()
             self.finished = self.c0 == self._eos
+
+
+class CodecStream:
+    """Frames in, waveform out, for one stream: each call decodes only the new frames, carrying the codec's
+    convolution and attention state, so the concatenated output equals one whole-sequence decode."""
+
+    def __init__(self, codec: torch.nn.Module):
+        self.codec = codec
+        self.state = codec.init_state(1)
+
+    @torch.inference_mode()
+    def decode(self, frames: torch.Tensor) -> torch.Tensor:
+        """frames [F, G] (long) -> float32 waveform [F * samples_per_frame]."""
+        if frames.shape[0] == 0:
+            return torch.zeros(0)
+        weight_device = self.state.positions.device
+        codes = frames.to(weight_device).T[None]  # [1, G, F]
+        return self.codec.decode_chunk(codes, self.state)[0].float()
