@@ -66,19 +66,23 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(**overrides)
 
 
+def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
+    """How uvicorn serves the gateway (also used by the test server in tests/gateway_server.py)."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "ws_max_size": settings.max_config_bytes + WS_FRAME_MARGIN,
+        "ws_per_message_deflate": False,  # audio barely compresses; deflate would only cost CPU and latency
+    }
+
+
 def serve(settings: GatewaySettings) -> None:
     import uvicorn
 
     from .app import create_app
 
-    app = create_app(settings)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        ws_max_size=settings.max_config_bytes + WS_FRAME_MARGIN,
-    )
+    uvicorn.run(create_app(settings), **uvicorn_options(settings))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,7 +222,7 @@ class StreamingSession:
     # -------------------------------------------------------------- socket I/O
 
     async def _receive_text(self, timeout: float) -> str:
-        """The next text frame. Raises TimeoutError, _ClientGone, or ProtocolError for binary frames."""
+        """The next text frame. Raises asyncio.TimeoutError, _ClientGone, or ProtocolError for binary frames."""
         message = await asyncio.wait_for(self.ws.receive(), timeout)
         if message["type"] == "websocket.disconnect":
             raise _ClientGone()
@@ -288,10 +288,10 @@ class StreamingSession:
             remaining = deadline - time.monotonic()
             try:
                 if remaining <= 0:
-                    raise TimeoutError
+                    raise asyncio.TimeoutError
                 raw = await self._receive_text(remaining)
                 message = self._parse(raw)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
                 raise ProtocolError(
                     ErrorCode.config_required,
                     f"no session.config received within {self.settings.config_timeout_s:g} s",
@@ -394,7 +394,7 @@ class StreamingSession:
             timeout = max(0.05, self.settings.idle_timeout_s - idle_for)
             try:
                 raw = await self._receive_text(timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 if self.busy:
                     self._last_activity = time.monotonic()
                 elif time.monotonic() - self._last_activity >= self.settings.idle_timeout_s:

@@ -30,7 +30,7 @@ import httpx
 import uvicorn
 
 from gateway.app import create_app
-from gateway.cli import WS_FRAME_MARGIN
+from gateway.cli import uvicorn_options
 from gateway.settings import GatewaySettings
 from tts_backend.base import Synthesizer
 
@@ -73,14 +73,7 @@ def running_gateway(
     name = backend.name if instance is not None else backend
     settings = GatewaySettings(host="127.0.0.1", port=port, backend=name, log_level="warning", **settings_overrides)
     app = create_app(settings, backend=instance)
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        lifespan="on",
-        ws_max_size=settings.max_config_bytes + WS_FRAME_MARGIN,
-    )
+    config = uvicorn.Config(app, lifespan="on", **uvicorn_options(settings))
     server = uvicorn.Server(config)
     loop_box: dict[str, asyncio.AbstractEventLoop] = {}
 
@@ -127,16 +120,16 @@ async def receive_until(ws, *types: str, timeout: float = 20.0) -> list[Any]:
     import json
 
     received: list[Any] = []
-    async with asyncio.timeout(timeout):
-        while True:
-            frame = await ws.recv()
-            if isinstance(frame, bytes):
-                received.append(frame)
-                continue
-            message = json.loads(frame)
-            received.append(message)
-            if message.get("type") in types:
-                return received
+    deadline = time.monotonic() + timeout
+    while True:
+        frame = await asyncio.wait_for(ws.recv(), max(0.0, deadline - time.monotonic()))
+        if isinstance(frame, bytes):
+            received.append(frame)
+            continue
+        message = json.loads(frame)
+        received.append(message)
+        if message.get("type") in types:
+            return received
 
 
 def audio_by_sentence(messages: list[Any]) -> dict[int, bytes]:
