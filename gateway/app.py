@@ -60,6 +60,11 @@ class Gateway:
     sessions: set[StreamingSession] = field(default_factory=set)
 
     @property
+    def ready(self) -> bool:
+        """The backend is loaded and warm, and the gateway is not shutting down."""
+        return self.backend.ready and self.backend_error is None and not self.draining
+
+    @property
     def default_voice(self) -> str:
         return self.settings.voice or self.backend.default_voice
 
@@ -143,7 +148,7 @@ def create_app(
         except AuthError as exc:
             await _refuse(websocket, ProtocolError(ErrorCode.unauthorized, str(exc), close=CloseCode.policy), gateway.metrics)
             return
-        if gateway.draining or not gateway.backend.ready:
+        if not gateway.ready:
             reason = "the gateway is shutting down" if gateway.draining else "the speech backend is still starting"
             await _refuse(
                 websocket,

@@ -171,8 +171,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     settings, backend = gateway.settings, gateway.backend
     gateway.metrics.http_requests_total.labels("sse" if body.sse else "audio").inc()
     try:
-        if not backend.ready:
-            raise ApiError(ErrorCode.overloaded, "the speech backend is still starting; retry shortly", status=503)
+        if not gateway.ready:
+            raise ApiError(ErrorCode.overloaded, "the speech backend is not ready; retry shortly", status=503)
         if not body.input.strip():
             raise ApiError(ErrorCode.invalid_message, "input must contain text", param="input")
         if len(body.input) > settings.max_http_input_chars:
@@ -357,9 +357,11 @@ async def health() -> dict[str, str]:
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     gateway = gateway_of(request)
-    is_ready = gateway.backend.ready and not gateway.draining
-    body = {"status": "ready" if is_ready else "not_ready", "backend": gateway.backend.name,
-            "draining": gateway.draining}
+    is_ready = gateway.ready
+    body: dict[str, Any] = {"status": "ready" if is_ready else "not_ready", "backend": gateway.backend.name,
+                            "draining": gateway.draining}
+    if gateway.backend_error is not None:
+        body.update(status="failed", error=f"the backend failed to start: {gateway.backend_error}")
     return JSONResponse(body, status_code=200 if is_ready else 503)
 
 

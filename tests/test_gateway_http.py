@@ -200,6 +200,16 @@ def test_ready_waits_for_the_backend_while_health_answers_at_once():
                 time.sleep(0.01)
         assert health.status_code == 200
         assert httpx.get(url + "/ready").status_code == 503
+
+        async def early_session():
+            async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+                error = (await receive_until(ws, "error"))[-1]
+                with pytest.raises(websockets.ConnectionClosed):
+                    await ws.recv()
+                return error, ws.close_code
+
+        error, close_code = asyncio.run(early_session())
+        assert (error["code"], error["retryable"], close_code) == ("overloaded", True, 1013)
         time.sleep(0.8)
         assert httpx.get(url + "/ready").status_code == 200
     finally:
@@ -247,3 +257,25 @@ def test_a_backend_failure_is_an_error_response_or_an_sse_error_event():
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[0]["type"] == "speech.audio.delta"
         assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == "synthesis_failed"
+
+
+class BrokenStart(SyntheticSynthesizer):
+    async def start(self):
+        raise RuntimeError("model file is corrupt")
+
+
+def test_ready_reports_a_backend_that_failed_to_start():
+    with pytest.raises(RuntimeError, match="model file is corrupt"):
+        with running_gateway(BrokenStart()):
+            pass
+    from fastapi.testclient import TestClient
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    with TestClient(create_app(GatewaySettings(backend="synthetic"), backend=BrokenStart())) as client:
+        for _ in range(100):
+            response = client.get("/ready")
+            if response.json()["status"] == "failed":
+                break
+        assert response.status_code == 503 and "model file is corrupt" in response.json()["error"]
