@@ -149,7 +149,7 @@ def create_app(
             await _refuse(websocket, ProtocolError(ErrorCode.unauthorized, str(exc), close=CloseCode.policy), gateway.metrics)
             return
         if not gateway.ready:
-            reason = "the gateway is shutting down" if gateway.draining else "the speech backend is still starting"
+            reason = "the gateway is shutting down" if gateway.draining else "the speech backend is not ready"
             await _refuse(
                 websocket,
                 ProtocolError(ErrorCode.overloaded, f"{reason}; retry shortly", close=CloseCode.try_again_later),
