@@ -286,6 +286,54 @@ def test_g711_codecs_match_the_gateway():
         assert wav.readframes(4000) == pcm
 
 
+async def test_reconfigure_between_utterances(gateway):
+    async with vg.connect(gateway.url, vg.SessionConfig(voice=VOICE)) as session:
+        assert await session.speak("Hello there.") == expected_pcm(["Hello there."])
+        await session.reconfigure(vg.SessionConfig(voice="tone-low"))
+        assert await session.speak("Hello there.") == expected_pcm(["Hello there."], voice="tone-low")
+        assert session.started.voice == "tone-low"
+
+
+async def test_one_event_stream_with_context_ids_and_cancel(paced_gateway):
+    """How a framework adapter uses the client: one reader over all events, routing by context_id."""
+    async with vg.connect(paced_gateway.url, vg.SessionConfig(voice=VOICE)) as session:
+        await session.send_text("Keep talking for a good while, please. And then some more.", context_id="a")
+        await session.done(context_id="a")
+        await session.send_text("Short one.", context_id="b")
+        await session.done(context_id="b")
+        audio: dict[str, bytearray] = {"a": bytearray(), "b": bytearray()}
+        cancelled_at = None
+        finished = set()
+        async for event in session.events(until_done=False):
+            if isinstance(event, vg.AudioChunk):
+                assert cancelled_at is None or event.context_id != "a", "audio of a cancelled context"
+                audio[event.context_id] += event.data
+                if event.context_id == "a" and len(audio["a"]) >= 4 * 1920 and cancelled_at is None:
+                    cancelled_at = len(audio["a"])
+                    await session.cancel(context_id="a")
+            elif isinstance(event, (vg.ContextCancelled, vg.UtteranceDone)):
+                finished.add((type(event).__name__, event.context_id))
+                if len(finished) == 2:
+                    break
+        assert finished == {("ContextCancelled", "a"), ("UtteranceDone", "b")}
+        assert len(audio["a"]) == cancelled_at
+        assert bytes(audio["b"]) == expected_pcm(["Short one."])
+
+
+async def test_connect_falls_over_to_the_next_replica(gateway):
+    from tests.gateway_server import free_port
+
+    dead = f"ws://127.0.0.1:{free_port()}"
+    with running_gateway(backend="synthetic", max_sessions=1) as full:
+        async with vg.connect(full.url, vg.SessionConfig(voice=VOICE)):
+            with pytest.raises(vg.VoxgateError) as busy:
+                await vg.connect(full.url, vg.SessionConfig(voice=VOICE))
+            assert busy.value.retryable
+            async with vg.connect([dead, full.url, gateway.url], vg.SessionConfig(voice=VOICE)) as session:
+                assert session.url.startswith(gateway.url.replace("http", "ws"))
+                assert await session.speak("Over here.") == expected_pcm(["Over here."])
+
+
 @pytest.mark.xfail(strict=True, reason="gateway resume lands with issue 5")
 async def test_resume_after_the_socket_is_closed_mid_sentence(paced_gateway):
     text = "The first sentence plays completely. The second sentence is cut in the middle of it. Then a third."

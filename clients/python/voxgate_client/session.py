@@ -79,7 +79,6 @@ class Context:
         self.context_id = context_id
         self._queue: asyncio.Queue[Event | _End] = asyncio.Queue()
         self.finished = False  # utterance.done or context.cancelled arrived
-        self.cancelling = False
 
     async def send_text(self, text: str) -> None:
         await self.session.send_text(text, context_id=self.context_id)
@@ -93,10 +92,13 @@ class Context:
     async def done(self) -> None:
         await self.session.done(context_id=self.context_id)
 
+    @property
+    def cancelling(self) -> bool:
+        """input.cancel was sent and context.cancelled has not arrived yet."""
+        return self.context_id in self.session._cancelling
+
     async def cancel(self) -> None:
         """Barge-in: stop this context's audio. Audio already queued here but not yet read is dropped."""
-        self.cancelling = True
-        _drop_audio(self._queue, self.context_id)
         await self.session.cancel(context_id=self.context_id)
 
     async def events(self) -> AsyncIterator[Event]:
@@ -187,7 +189,9 @@ class Session:
         self._closing = False  # the application asked to close: a dropped socket is not resumed
         self._ended = False  # no further events will arrive
         self._final_error: Error | None = None
-        self._session_cancelling = False  # input.cancel without context sent, context.cancelled pending
+        # Contexts (None: the context-less utterance) whose input.cancel was sent and whose
+        # context.cancelled has not arrived: their audio still in flight is dropped on arrival.
+        self._cancelling: set[str | None] = set()
 
         # Resume position: the sentence being received and how many of its bytes arrived.
         self.bytes_received: dict[int, int] = {}
@@ -267,6 +271,22 @@ class Session:
             raise VoxgateError(str(message), code, bool(retryable)) from None
 
     async def _start(self) -> None:
+        """Connect to the first URL that accepts the session (replicas are tried in order when one is
+        unreachable or answers with a retryable refusal such as `overloaded`)."""
+        for index in range(len(self.urls)):
+            self._url_index = index
+            last = index == len(self.urls) - 1
+            try:
+                await self._handshake()
+                return
+            except VoxgateError as exc:
+                if last or not exc.retryable:
+                    raise
+            except (OSError, asyncio.TimeoutError):
+                if last:
+                    raise
+
+    async def _handshake(self) -> None:
         """Open the socket, send session.config, wait for session.started, start the receive task."""
         ws = await self._open(self.url)
         try:
@@ -437,26 +457,19 @@ class Session:
                 return
         elif isinstance(event, Error) and event.code in _FINAL_ERROR_CODES:
             self._final_error = event
-        elif isinstance(event, ContextCancelled) and event.context_id is None:
-            self._session_cancelling = False
+        elif isinstance(event, ContextCancelled):
+            self._cancelling.discard(event.context_id)
         self._route(event)
 
     def _route(self, event: Event) -> None:
         context_id = getattr(event, "context_id", None)
+        if context_id in self._cancelling and isinstance(event, (AudioStart, AudioChunk, AudioDone)):
+            return  # barge-in: the application already gave up this context's audio
         context = self._contexts.get(context_id) if context_id is not None else None
         if context is not None:
-            if context.cancelling and isinstance(event, (AudioStart, AudioChunk, AudioDone)):
-                return  # barge-in: the application already dropped this context's audio
             if isinstance(event, (UtteranceDone, ContextCancelled)):
                 context.finished = True
-                context.cancelling = False
             context._queue.put_nowait(event)
-            return
-        if (
-            self._session_cancelling
-            and context_id is None
-            and isinstance(event, (AudioStart, AudioChunk, AudioDone))
-        ):
             return
         self._queue.put_nowait(event)
 
@@ -524,14 +537,11 @@ class Session:
         await self._send_control("input.done", context_id)
 
     async def cancel(self, context_id: str | None = None) -> None:
-        """Barge-in. With a Context object prefer `context.cancel()`, which also drops its queued audio."""
+        """Barge-in: input.cancel for `context_id` (None: the context-less utterance). Its audio that is
+        queued here but not yet read is dropped, and so is any still in flight until context.cancelled."""
+        self._cancelling.add(context_id)
         context = self._contexts.get(context_id) if context_id is not None else None
-        if context is not None and not context.cancelling:
-            context.cancelling = True
-            _drop_audio(context._queue, context_id)
-        if context_id is None:
-            self._session_cancelling = True
-            _drop_audio(self._queue, None)
+        _drop_audio(context._queue if context is not None else self._queue, context_id)
         await self._send_control("input.cancel", context_id)
 
     async def reconfigure(self, config: SessionConfig) -> None:
