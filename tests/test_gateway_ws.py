@@ -577,3 +577,17 @@ async def test_a_client_that_disappears_mid_utterance_stops_its_synthesis():
         assert not server.gateway.sessions
         assert backend.records[0].closed is not None and backend.records[0].finished is None
         assert server.gateway.metrics.registry.get_sample_value("voxgate_sessions_active") == 0
+
+
+async def test_cancel_after_input_done_drops_the_utterance_done_too():
+    with running_gateway(SyntheticSynthesizer(speed=2.0)) as server:
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="session.config", stream_audio=True)
+            await send(ws, type="input.text", context_id="a", text="A finished turn that is cut off anyway. Its second sentence.")
+            await send(ws, type="input.done", context_id="a")
+            await receive_until(ws, "audio.start")
+            await send(ws, type="input.cancel", context_id="a")
+            await receive_until(ws, "context.cancelled")
+            await send(ws, type="ping", id=1)
+            after = await receive_until(ws, "pong")
+    assert types(after) == ["pong"]  # no audio and no utterance.done for the cancelled context
