@@ -334,6 +334,34 @@ async def test_connect_falls_over_to_the_next_replica(gateway):
                 assert await session.speak("Over here.") == expected_pcm(["Over here."])
 
 
+async def test_a_refused_resume_ends_the_session_cleanly(gateway):
+    import dataclasses
+
+    session = await vg.connect(gateway.url, vg.SessionConfig(voice=VOICE), backoff_initial_s=0.01)
+    try:
+        [started] = [e async for e in _take(session.events(), 1)]
+        assert isinstance(started, vg.SessionStarted)
+        session.started = dataclasses.replace(session.started, session_id="no-such-session")
+        await session.drop_connection()
+        rest = [event async for event in session.events()]
+        assert [type(e).__name__ for e in rest] == ["Reconnected", "Error", "Disconnected"]
+        assert rest[0].session_id == "no-such-session" and (rest[0].sentence_index, rest[0].bytes_received) == (0, 0)
+        assert rest[1].code == "session_not_found" and not rest[1].retryable
+        assert session.closed
+        with pytest.raises(vg.VoxgateError):
+            await session.send_text("Nobody is listening.")
+    finally:
+        await session.abort()
+
+
+async def _take(iterator, count):
+    async for item in iterator:
+        yield item
+        count -= 1
+        if count == 0:
+            return
+
+
 @pytest.mark.xfail(strict=True, reason="gateway resume lands with issue 5")
 async def test_resume_after_the_socket_is_closed_mid_sentence(paced_gateway):
     text = "The first sentence plays completely. The second sentence is cut in the middle of it. Then a third."

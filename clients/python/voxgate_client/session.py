@@ -380,6 +380,10 @@ class Session:
                 try:
                     async for frame in self._ws:
                         self._handle_frame(frame)
+                        if self._final_error is not None:
+                            # e.g. a resume the gateway refused: this socket has no session any more
+                            await self._ws.close(1000, self._final_error.code or "")
+                            break
                     code, reason = self._ws.close_code, self._ws.close_reason or ""
                 except ConnectionClosed as exc:
                     code = exc.rcvd.code if exc.rcvd else None
