@@ -65,14 +65,20 @@ class RunningGateway:
 
 @contextlib.contextmanager
 def running_gateway(
-    backend: str | Synthesizer = "synthetic", *, ready_timeout_s: float = 60.0, **settings_overrides: Any
+    backend: str | Synthesizer = "synthetic",
+    *,
+    ready_timeout_s: float = 60.0,
+    store: Any = None,
+    authenticate: Any = None,
+    **settings_overrides: Any,
 ) -> Iterator[RunningGateway]:
-    """Start a gateway (settings = defaults + overrides; `backend` a name or a Synthesizer instance)."""
+    """Start a gateway (settings = defaults + overrides; `backend` a name or a Synthesizer instance;
+    `store` a SessionStore and `authenticate` an auth hook, both passed to create_app)."""
     port = free_port()
     instance = backend if isinstance(backend, Synthesizer) else None
     name = backend.name if instance is not None else backend
     settings = GatewaySettings(host="127.0.0.1", port=port, backend=name, log_level="warning", **settings_overrides)
-    app = create_app(settings, backend=instance)
+    app = create_app(settings, backend=instance, store=store, authenticate=authenticate)
     config = uvicorn.Config(app, lifespan="on", **uvicorn_options(settings))
     server = uvicorn.Server(config)
     loop_box: dict[str, asyncio.AbstractEventLoop] = {}

@@ -591,3 +591,41 @@ async def test_cancel_after_input_done_drops_the_utterance_done_too():
             await send(ws, type="ping", id=1)
             after = await receive_until(ws, "pong")
     assert types(after) == ["pong"]  # no audio and no utterance.done for the cancelled context
+
+
+async def test_an_unexpected_server_fault_is_reported_as_internal_and_closes_1011():
+    from gateway.store import MemorySessionStore
+
+    class BrokenStore(MemorySessionStore):
+        async def add_sentence(self, *args):
+            raise RuntimeError("disk on fire")
+
+    with running_gateway("synthetic", store=BrokenStore()) as server:
+        async with websockets.connect(server.ws_url) as ws:
+            await send(ws, type="session.config")
+            await send(ws, type="input.text", text="This sentence reaches the broken store. Yes.")
+            error = await expect_error(ws, "internal")
+            assert error["retryable"] is True and "disk on fire" not in error["message"]
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+            assert ws.close_code == 1011
+
+
+async def test_a_custom_auth_hook_sees_the_connection():
+    from gateway.auth import AuthError, Principal
+
+    async def only_team_a(connection):
+        if connection.headers.get("x-team") != "a":
+            raise AuthError("team a only")
+        return Principal(key_id="team-a")
+
+    with running_gateway("synthetic", authenticate=only_team_a) as server:
+        async with websockets.connect(server.ws_url) as ws:
+            assert (await expect_error(ws, "unauthorized"))["message"] == "team a only"
+        async with websockets.connect(server.ws_url, additional_headers={"X-Team": "a"}) as ws:
+            await send(ws, type="session.config")
+            await receive_until(ws, "session.started")
+        import httpx
+
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        assert httpx.get(server.url + "/v1/models", headers={"X-Team": "a"}).status_code == 200
