@@ -57,6 +57,7 @@ class FakeTwilio:
     call_sid: str = "CA00000000000000000000000000000001"
     account_sid: str = "AC00000000000000000000000000000001"
     custom_parameters: dict = field(default_factory=lambda: {"caller": "+15550100"})
+    headers: dict = field(default_factory=dict)  # e.g. X-Twilio-Signature on the handshake
     received: list[Received] = field(default_factory=list)
     echoed_marks: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -71,7 +72,7 @@ class FakeTwilio:
 
     async def __aenter__(self) -> "FakeTwilio":
         self.loop = asyncio.get_running_loop()
-        self.ws = await ws_connect(self.url)
+        self.ws = await ws_connect(self.url, additional_headers=self.headers)
         await self.send({"event": "connected", "protocol": "Call", "version": "1.0.0"})
         await self.send(
             {
@@ -189,10 +190,10 @@ class FakeTwilio:
         return base64.b64decode(received.message["media"]["payload"], validate=True)
 
 
-async def start_bridge(gateway_url: str, **options) -> tuple[vt.TwilioBridge, object, str]:
+async def start_bridge(gateway_url: str, serve_options=None, **options) -> tuple[vt.TwilioBridge, object, str]:
     bridge = vt.TwilioBridge(gateway_url, config=vg.SessionConfig(voice=VOICE), **options)
     port = free_port()
-    server = await bridge.serve("127.0.0.1", port)
+    server = await bridge.serve("127.0.0.1", port, **(serve_options or {}))
     return bridge, server, f"ws://127.0.0.1:{port}/twilio"
 
 
@@ -416,3 +417,40 @@ def test_parses_twilio_messages_as_documented():
         "event": "media", "streamSid": "MZ1", "media": {"payload": "AAE="}
     }
     assert json.loads(vt.clear_message("MZ1")) == {"event": "clear", "streamSid": "MZ1"}
+
+
+def test_signature_matches_twilios_documented_example():
+    # The worked example of https://www.twilio.com/docs/usage/security#validating-requests
+    params = {"CallSid": "CA1234567890ABCDE", "Caller": "+12349013030", "Digits": "1234", "From": "+12349013030",
+              "To": "+18005551212"}
+    url = "https://mycompany.com/myapp.php?foo=1&bar=2"
+    assert vt.twilio_signature("12345", url, params) == "0/KCTR6DLpKmkAf8muzZqo1nDgQ="
+    assert vt.signature_is_valid("12345", "wss://x/twilio", vt.twilio_signature("12345", "wss://x/twilio"))
+    assert not vt.signature_is_valid("12345", "wss://x/twilio", vt.twilio_signature("54321", "wss://x/twilio"))
+    assert not vt.signature_is_valid("12345", "wss://x/twilio", None)
+
+
+async def test_with_an_auth_token_only_signed_requests_are_served(gateway):
+    from websockets.exceptions import InvalidStatus
+
+    token, public = "twilio-auth-token", "wss://bridge.example"
+    bridge, server, url = await start_bridge(gateway.url, {"public_url": public, "auth_token": token})
+    http_base = url.replace("ws://", "http://").rsplit("/", 1)[0]
+    try:
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"{http_base}/twiml")).status_code == 403
+            signed = {"X-Twilio-Signature": vt.twilio_signature(token, "https://bridge.example/twiml?From=%2B1555")}
+            twiml = await http.get(f"{http_base}/twiml?From=%2B1555", headers=signed)
+            assert twiml.status_code == 200 and '<Stream url="wss://bridge.example/twilio">' in twiml.text
+        for headers in ({}, {"X-Twilio-Signature": vt.twilio_signature("another-token", public + "/twilio")}):
+            with pytest.raises(InvalidStatus) as refused:
+                async with FakeTwilio(url, headers=headers):
+                    pass
+            assert refused.value.response.status_code == 403
+        assert bridge.calls == {}
+        async with FakeTwilio(url, headers={"X-Twilio-Signature": vt.twilio_signature(token, public + "/twilio")}) as t:
+            call = await bridge.wait_for_call(t.call_sid, timeout_s=5)
+            assert await (await call.say("Signed.")).played(timeout_s=5)
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -18,6 +18,8 @@ from .twilio import (
     mark_message,
     media_message,
     parse_twilio_message,
+    signature_is_valid,
+    twilio_signature,
 )
 
 __version__ = "0.1.0"
@@ -43,4 +45,6 @@ __all__ = [
     "mark_message",
     "media_message",
     "parse_twilio_message",
+    "signature_is_valid",
+    "twilio_signature",
 ]

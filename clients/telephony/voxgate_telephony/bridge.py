@@ -44,6 +44,7 @@ from .twilio import (
     mark_message,
     media_message,
     parse_twilio_message,
+    signature_is_valid,
 )
 
 log = logging.getLogger("voxgate.telephony")
@@ -473,22 +474,34 @@ class TwilioBridge:
         stream_path: str = "/twilio",
         twiml_path: str = "/twiml",
         public_url: str | None = None,
+        auth_token: str | None = None,
     ):
         """Listen for Twilio. `GET {twiml_path}` answers TwiML pointing Twilio at `{stream_path}` (on
         `public_url`, e.g. `wss://example.ngrok.app`, or this request's Host); configure the Twilio
-        number's voice webhook as HTTP GET to that URL. Returns the `websockets` server."""
+        number's voice webhook as HTTP GET to that URL. With `auth_token` (the Twilio account's), every
+        request must carry a valid `X-Twilio-Signature` for its public URL, or it is refused with 403.
+        Returns the `websockets` server."""
         from websockets.asyncio.server import serve
+
+        def public_base(request) -> str:
+            return (public_url or f"wss://{request.headers.get('Host', f'{host}:{port}')}").rstrip("/")
 
         def process_request(connection, request):
             path = request.path.split("?", 1)[0]
+            if path not in (twiml_path, stream_path):
+                return connection.respond(HTTPStatus.NOT_FOUND, f"not found; Twilio streams connect to {stream_path}\n")
+            base = public_base(request)
+            if auth_token is not None:
+                # Twilio signs the URL it requested: https:// for the webhook, wss:// for the stream.
+                scheme_base = base.replace("wss://", "https://", 1) if path == twiml_path else base
+                if not signature_is_valid(auth_token, scheme_base + request.path, request.headers.get("X-Twilio-Signature")):
+                    log.warning("refused a request to %s without a valid X-Twilio-Signature", path)
+                    return connection.respond(HTTPStatus.FORBIDDEN, "invalid X-Twilio-Signature\n")
             if path == twiml_path:
-                base = public_url or f"wss://{request.headers.get('Host', f'{host}:{port}')}"
-                response = connection.respond(HTTPStatus.OK, connect_stream_twiml(base.rstrip("/") + stream_path))
+                response = connection.respond(HTTPStatus.OK, connect_stream_twiml(base + stream_path))
                 del response.headers["Content-Type"]
                 response.headers["Content-Type"] = "text/xml"
                 return response
-            if path != stream_path:
-                return connection.respond(HTTPStatus.NOT_FOUND, f"not found; Twilio streams connect to {stream_path}\n")
             return None
 
         return await serve(self.handle, host, port, process_request=process_request)

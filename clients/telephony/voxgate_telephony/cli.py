@@ -28,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--public-url", help="wss:// base URL Twilio reaches this bridge on")
+    parser.add_argument(
+        "--twilio-auth-token", default=os.environ.get("TWILIO_AUTH_TOKEN"),
+        help="check X-Twilio-Signature on every request (or TWILIO_AUTH_TOKEN)",
+    )
     parser.add_argument("--voice")
     parser.add_argument("--language")
     parser.add_argument("--greeting", default="Hello! You are talking to Voxgate. Press a key on your phone.")
@@ -54,7 +58,9 @@ async def run(args: argparse.Namespace) -> None:
         barge_in_factory=(lambda: EnergyBargeIn(args.barge_in_dbfs)) if args.barge_in else None,
         client_options={"api_key": args.api_key} if args.api_key else {},
     )
-    server = await bridge.serve(args.host, args.port, public_url=args.public_url)
+    server = await bridge.serve(
+        args.host, args.port, public_url=args.public_url, auth_token=args.twilio_auth_token
+    )
     logging.info("Twilio bridge on %s:%d (stream /twilio, TwiML /twiml) -> %s", args.host, args.port, args.gateway)
     await server.serve_forever()
 

@@ -8,6 +8,8 @@ string on all but `connected`). To Twilio: `media` (base64 `audio/x-mulaw` 8000 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,3 +185,16 @@ def connect_stream_twiml(stream_url: str, parameters: dict[str, str] | None = No
         '<?xml version="1.0" encoding="UTF-8"?>'
         f"<Response><Connect><Stream url={quoteattr(stream_url)}>{params}</Stream></Connect></Response>"
     )
+
+
+def twilio_signature(auth_token: str, url: str, params: dict[str, str] | None = None) -> str:
+    """Twilio's request signature (the `X-Twilio-Signature` header): base64 HMAC-SHA1, keyed with the
+    account's auth token, of the full URL followed by the POST parameters sorted by name (none for GET
+    requests and WebSocket handshakes)."""
+    data = url + "".join(name + value for name, value in sorted((params or {}).items()))
+    digest = hmac.new(auth_token.encode(), data.encode(), hashlib.sha1).digest()
+    return base64.b64encode(digest).decode("ascii")
+
+
+def signature_is_valid(auth_token: str, url: str, signature: str | None) -> bool:
+    return signature is not None and hmac.compare_digest(twilio_signature(auth_token, url), signature)
