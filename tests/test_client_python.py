@@ -100,6 +100,9 @@ async def test_streaming_llm_tokens_sync_and_async(gateway):
         turn = session.context("turn-1")
         await turn.stream_text([word + " " for word in TEXT.split(" ")])
         assert await turn.collect() == expected_pcm(SENTENCES)
+        whole = session.context("turn-2")  # a str is one piece of text, not an iterable of characters
+        assert await whole.stream_text(TEXT) == len(TEXT)
+        assert await whole.collect() == expected_pcm(SENTENCES)
 
 
 async def test_flush_releases_an_unterminated_tail(gateway):

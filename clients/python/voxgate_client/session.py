@@ -512,7 +512,10 @@ class Session:
         done: bool = True,
     ) -> int:
         """Send tokens as they come (e.g. straight from an LLM), then input.done if `done`.
-        Returns the number of characters sent."""
+        Returns the number of characters sent. A plain iterable is read on the event loop: wrap a
+        blocking one (a synchronous HTTP stream) in an async generator that uses `asyncio.to_thread`."""
+        if isinstance(tokens, str):
+            tokens = [tokens]
         sent = 0
         if isinstance(tokens, AsyncIterable):
             async for token in tokens:
