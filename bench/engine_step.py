@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_batch1_32pos_ms": prefill_s * 1e3,
         **codec_rows,
         "gpu_memory_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
+        "fused": runner.fused,
+        "compiled": runner.compile,
+        "capture_and_compile_s": runner.graphs.capture_seconds,
     }
     lines = ["| batch | frame ms | Talker ms | code predictor ms | floor ms | gap | frames/s |", "|---|---|---|---|---|---|---|"]
     for r in rows:

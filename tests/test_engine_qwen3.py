@@ -147,3 +147,21 @@ async def test_worker_process_serves_the_qwen3_engine(tiny_custom_voice, tmp_pat
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+async def test_fused_fast_path_equals_the_model_modules(tiny_custom_voice):
+    """engine/fused.py (the GPU fast path; eager here) computes what the qwen3 modules compute."""
+    results = {}
+    for fused in (False, True):
+        backend = await started(tiny_custom_voice, sampler="stateless", trim_leading_silence=False,
+                                runner_options={"fused": fused})
+        try:
+            assert backend.engine.runner.fused is fused
+            requests = [SynthesisRequest(text=TEXT[: 20 + 9 * i], voice="ryan", seed=i, max_new_tokens=24)
+                        for i in range(3)]
+            results[fused] = await asyncio.gather(*(audio_of(backend, r) for r in requests))
+        finally:
+            await backend.stop()
+    for plain, fast in zip(results[False], results[True]):
+        assert len(plain) == len(fast) > 0
+        assert np.abs(plain.astype(np.int32) - fast).max() <= 1

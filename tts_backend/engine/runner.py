@@ -20,6 +20,7 @@ from .request import RequestState
 import torch
 
 from .graphs import GraphSet
+from .sampling_noise import gumbel_noise
 
 log = logging.getLogger(__name__)
 
@@ -56,31 +57,6 @@ class ModelRunner(abc.ABC):
 # The Qwen3-TTS runner
 # ------------------------------------------------------------------------------------------------------------
 
-_MASK32 = 0xFFFFFFFF
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors (every product stays below 2**63, so no overflow)."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
-
-
-def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Counter-based Gumbel noise [B, vocab] for (seed, draw counter) per row.
-
-    Integer arithmetic only until the last step, so a (seed, counter) gives the same noise on any device
-    and in any batch; argmax(scores + noise) is a draw from softmax(scores). This is what makes seeded
-    sampling reproducible inside CUDA graphs, where per-request torch generators cannot be used.
-    """
-    vocab_ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
-    key = _hash32((seeds & _MASK32) ^ 0x3C6EF372)
-    ctr = _hash32((counters * 0x9E37 + key) & _MASK32)  # [B]
-    x = _hash32(((ctr[:, None] ^ vocab_ids[None]) * 0x2C1B3C6D + key[:, None]) & _MASK32)  # [B, V]
-    u = ((x >> 8).float() + 0.5) * (1.0 / 16777216.0)  # (0, 1)
-    return -torch.log(-torch.log(u))
-
-
 @dataclass(frozen=True)
 class Qwen3RunnerConfig:
     max_slots: int = 64
@@ -93,6 +69,10 @@ class Qwen3RunnerConfig:
     sampler: str = "auto"
     greedy: bool = False
     cuda_graphs: bool = True
+    # Fused fast path (engine/fused.py): concatenated weights, one function per layer, compiled with
+    # TorchInductor on CUDA. "auto": on with the stateless sampler on CUDA; the plain modules otherwise.
+    fused: str = "auto"
+    compile: bool = True
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
     attend_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     prefill_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
@@ -135,6 +115,11 @@ class Qwen3ModelRunner(ModelRunner):
         if sampler == "reference":
             use_graphs = False  # per-request generators cannot live inside a graph
         self.sampler = sampler
+        fused = cfg.fused if cfg.fused != "auto" else (sampler == "stateless" and self.device.type == "cuda")
+        if fused and sampler != "stateless":
+            raise ValueError("the fused path samples statelessly; use sampler='stateless'")
+        self.fused = bool(fused)
+        self.compile = bool(cfg.compile and self.fused and self.device.type == "cuda")
         params = model.sampling_params()
         self.params: SamplingParams = params.greedy() if cfg.greedy else params
         self.graphs = GraphSet(self.device, use_graphs)
@@ -173,8 +158,21 @@ class Qwen3ModelRunner(ModelRunner):
         self.eos_id = tcfg.codec_eos_token_id
         self.codebook_size = tcfg.codebook_size
         dtype = m.dtype
-        self.kv = m.new_talker_cache(S, cfg.max_len)
-        self.cp_cache = m.new_predictor_cache(max(self.decode_buckets))
+        cp_rows = max(self.decode_buckets)
+        if self.fused:
+            from .fused import FusedCodePredictor, FusedStack, PerLayerKV, fuse_codec_activations, talker_sampler
+
+            self.kv = PerLayerKV.for_stack(tcfg, S, cfg.max_len, dev, dtype)
+            self.cp_cache = PerLayerKV.for_stack(tcfg.code_predictor, cp_rows, G, dev, dtype)
+            self.fused_talker = FusedStack(m.talker.model, self.compile)
+            self.fused_cp = FusedCodePredictor(m.code_predictor, m.talker, self.params, self.compile)
+            self.talker_sample_fn = talker_sampler(self.compile)
+            fuse_codec_activations(self.codec_module, self.compile)
+            if dev.type == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 codec's matmuls (convs already use TF32)
+        else:
+            self.kv = m.new_talker_cache(S, cfg.max_len)
+            self.cp_cache = m.new_predictor_cache(cp_rows)
         self.cp_rows = torch.arange(max(self.decode_buckets), device=dev)
         self.hidden = torch.zeros(S, D, device=dev, dtype=dtype)
         self.next_embed = torch.zeros(S, D, device=dev, dtype=dtype)
@@ -250,6 +248,16 @@ class Qwen3ModelRunner(ModelRunner):
                 hist.append(int(c))
                 out.append(c)
             return torch.cat(out)
+        if self.fused:
+            draws = self.draws[slots]
+            c0 = self.talker_sample_fn(
+                logits, self.presence[slots], self.generated[slots], self.seeds[slots], draws, self.suppress,
+                self.eos_onehot, p.repetition_penalty, p.min_new_tokens, p.do_sample, p.temperature, p.top_k, p.top_p)
+            if p.do_sample:
+                self.draws[slots] = draws + 1
+            self.presence.index_put_((slots, c0), self._true)
+            self.generated[slots] = self.generated[slots] + 1
+            return c0
         scores = logits
         if p.repetition_penalty != 1.0:
             seen = self.presence[slots]
@@ -303,7 +311,10 @@ class Qwen3ModelRunner(ModelRunner):
         has_codec = codec_ids >= 0
         emb = torch.where(has_codec[..., None], emb + talker.embed_codec(codec_ids.clamp(min=0)), emb)
         pos = torch.arange(S, device=self.device)[None].expand(B, S)
-        hidden = talker(emb, self.kv, slots, pos, attend_len=S)
+        if self.fused:
+            hidden = self.fused_talker.forward(emb, self.kv, slots, pos, S)
+        else:
+            hidden = talker(emb, self.kv, slots, pos, attend_len=S)
         last = hidden[torch.arange(B, device=self.device), lengths - 1]
         self._after_talker(slots, last, lengths)
 
@@ -319,21 +330,31 @@ class Qwen3ModelRunner(ModelRunner):
     def _decode_fn(self, slots: torch.Tensor, attend_len: int) -> None:
         x = self.next_embed[slots] + self._trailing(slots)
         pos = self.pos[slots]
-        hidden = self.model.decode_step(self.kv, slots, pos, x, attend_len)
+        if self.fused:
+            hidden = self.fused_talker.forward(x[:, None], self.kv, slots, pos[:, None], attend_len)[:, 0]
+        else:
+            hidden = self.model.decode_step(self.kv, slots, pos, x, attend_len)
         self._after_talker(slots, hidden, pos + 1)
 
     def _cp_fn(self, slots: torch.Tensor) -> None:
         m = self.model
         B = slots.shape[0]
         c0 = self.c0[slots]
-        choose = self._residual_chooser(slots)
-        residual = m.residual_codes(self.cp_cache, self.cp_rows[:B], self.hidden[slots], c0, choose)
-        if self.sampler == "stateless":
-            self.draws[slots] = self.draws[slots] + residual.shape[1]
+        if self.fused:
+            draws = self.draws[slots]
+            residual, frame_embed = self.fused_cp.run(self.hidden[slots], c0, self.cp_cache, self.cp_rows[:B],
+                                                      self.seeds[slots], draws)
+            self.draws[slots] = draws + residual.shape[1]
+        else:
+            choose = self._residual_chooser(slots)
+            residual = m.residual_codes(self.cp_cache, self.cp_rows[:B], self.hidden[slots], c0, choose)
+            if self.sampler == "stateless":
+                self.draws[slots] = self.draws[slots] + residual.shape[1]
+            frame_embed = m.frame_embeds(c0, residual)
         written = self.written[slots]
         self.ring[slots, written % self.config.frame_ring] = torch.cat((c0[:, None], residual), dim=1)
         self.written[slots] = written + 1
-        self.next_embed[slots] = m.frame_embeds(c0, residual)
+        self.next_embed[slots] = frame_embed
 
     def _codec_fn(self, slots: torch.Tensor, frames: int, state) -> None:
         start = self.decoded[slots]
@@ -392,7 +413,10 @@ class Qwen3ModelRunner(ModelRunner):
         longest = max(len(r.prompt) for r in requests)
         b = self._graph_bucket(len(requests), self.config.prefill_batch_buckets)
         n = self._graph_bucket(longest, self.config.prefill_len_buckets)
-        if b is not None and n is not None and ("prefill", b, n) in self.graphs:
+        captured = b is not None and n is not None and ("prefill", b, n) in self.graphs
+        if captured or self.fused:
+            if not captured:
+                b, n = len(requests), longest
             text = torch.zeros(b, n, dtype=torch.long)
             codec = torch.full((b, n), NO_CODEC, dtype=torch.long)
             lengths = torch.ones(b, dtype=torch.long)
@@ -402,7 +426,8 @@ class Qwen3ModelRunner(ModelRunner):
                 codec[i, :k] = torch.tensor(r.prompt.codec_track)
                 lengths[i] = k
             slots = self._slots(requests, b)
-            self.graphs.run(("prefill", b, n), self._prefill_fn, [slots, text, codec, lengths])
+            inputs = [slots, text.to(self.device), codec.to(self.device), lengths.to(self.device)]
+            self.graphs.run(("prefill", b, n), self._prefill_fn, inputs)
             return
         # Eager: exactly the model's own prefill (right-padded to the longest prompt of the batch).
         self._host_slots = slot_list

@@ -1,0 +1,227 @@
+"""Fewer, larger kernels for the engine's per-frame work (GPU fast path).
+
+The model modules (tts_backend/qwen3) are written for clarity: one PyTorch op per line, about 60 kernels
+per decoder layer. Replayed as a CUDA graph that is still ~3 us per kernel, and a frame runs 28 Talker
+layers plus 16 x 5 code-predictor layers: about 6,000 kernels, 20 ms at batch 1 on an H200 (measured,
+bench/results/engine_step_h200_run1_unfused.md), against a 1.25 ms weight-read floor.
+
+Here the same math reads the same weights through:
+  * concatenated projection weights (q|k|v in one matmul, gate|up in one), built once at start-up;
+  * one pure function per decoder layer, compiled by TorchInductor (on CUDA) so that each chain of
+    elementwise ops and reductions (RMSNorm, QK-norm + RoPE, residual adds, SiLU * up) is one kernel; the
+    same compiled function serves every layer of a stack (weights are arguments, shapes are dynamic);
+  * a compiled sampler (temperature, top-k, counter-based Gumbel noise, argmax) and a compiled frame-embedding
+    sum.
+On the CPU the functions run eagerly (same numbers, no compiler needed), which is how CI checks them
+against the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tts_backend.qwen3.sampling import warp
+
+from .sampling_noise import gumbel_noise
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [B, S, N, Dh], pos [B, S] -> rotated x (rotate-half pairing, angles in fp32 like the reference)."""
+    head_dim = x.shape[-1]
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=x.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = pos.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, S, 1, Dh]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def make_layer_fn(n_heads: int, n_kv: int, head_dim: int, eps: float, theta: float):
+    """One pre-norm decoder layer over S new positions of B rows, writing K/V into per-layer cache tensors."""
+
+    def layer(x, ln1, wqkv, q_norm, k_norm, wo, ln2, wgu, wd, k_cache, v_cache, slots, pos, attend_len: int):
+        B, S, _ = x.shape
+        h = _rms_norm(x, ln1, eps)
+        q, k, v = F.linear(h, wqkv).split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+        q = _rope(_rms_norm(q.reshape(B, S, n_heads, head_dim), q_norm, eps), pos, theta)
+        k = _rope(_rms_norm(k.reshape(B, S, n_kv, head_dim), k_norm, eps), pos, theta)
+        rows = slots[:, None].expand(B, S)
+        k_cache[rows, :, pos] = k
+        v_cache[rows, :, pos] = v.reshape(B, S, n_kv, head_dim)
+        keys = k_cache[slots, :, :attend_len]  # [B, Hkv, A, Dh]
+        values = v_cache[slots, :, :attend_len]
+        key_pos = torch.arange(attend_len, device=x.device)
+        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, A]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + F.linear(out.transpose(1, 2).reshape(B, S, n_heads * head_dim), wo)
+        gate, up = F.linear(_rms_norm(x, ln2, eps), wgu).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, wd)
+
+    return layer
+
+
+def _compile(fn, enabled: bool):
+    if not enabled:
+        return fn
+    import torch._dynamo
+
+    # One code object serves several stacks and shapes (batch 1 is specialised apart from batch > 1).
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _snake_beta(x, alpha, beta):
+    """qwen3.codec.SnakeBeta.forward, as one function of its weights."""
+    a = torch.exp(alpha)[None, :, None]
+    b = torch.exp(beta)[None, :, None]
+    return x + (1.0 / (b + 1e-9)) * torch.pow(torch.sin(x * a), 2)
+
+
+def fuse_codec_activations(codec, compile: bool) -> int:
+    """Route every SnakeBeta of the codec through one compiled kernel (7 elementwise kernels become 1).
+    Changes the instances' `forward` only; returns how many were routed."""
+    if not compile:
+        return 0
+    import functools
+
+    from tts_backend.qwen3.codec import SnakeBeta
+
+    snake = _compile(_snake_beta, True)
+    count = 0
+    for module in codec.modules():
+        if isinstance(module, SnakeBeta):
+            module.forward = functools.partial(snake, alpha=module.alpha.detach(), beta=module.beta.detach())
+            count += 1
+    return count
+
+
+class PerLayerKV:
+    """A Talker/predictor KV cache with one tensor per layer (same interface as qwen3.talker.KVCache: `k[i]`,
+    `v[i]`, `max_len`), so every layer's cache has identical metadata and one compiled layer serves all."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int, device, dtype):
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.max_len = max_len
+
+    @classmethod
+    def for_stack(cls, cfg, num_slots: int, max_len: int, device, dtype) -> "PerLayerKV":
+        return cls(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim, device, dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+
+class FusedStack:
+    """A qwen3 DecoderStack's weights, regrouped for `make_layer_fn`; `forward` mirrors `run_layers`."""
+
+    def __init__(self, stack, compile: bool) -> None:
+        cfg = stack.cfg
+        self.eps = cfg.rms_norm_eps
+        self.layers = []
+        with torch.no_grad():
+            for layer in stack.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.layers.append((
+                    layer.input_layernorm.weight.detach(),
+                    torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)).detach(),
+                    a.q_norm.weight.detach(), a.k_norm.weight.detach(), a.o_proj.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach(),
+                    torch.cat((m.gate_proj.weight, m.up_proj.weight)).detach(), m.down_proj.weight.detach(),
+                ))
+        self.norm_weight = stack.norm.weight.detach()
+        self.layer_fn = _compile(make_layer_fn(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                               cfg.rms_norm_eps, cfg.rope_theta), compile)
+        self.norm_fn = _compile(_rms_norm, compile)
+
+    def forward(self, x: torch.Tensor, cache: PerLayerKV, slots: torch.Tensor, pos: torch.Tensor,
+                attend_len: int, final_norm: bool = True) -> torch.Tensor:
+        for i, weights in enumerate(self.layers):
+            x = self.layer_fn(x, *weights, cache.k[i], cache.v[i], slots, pos, attend_len)
+        return self.norm_fn(x, self.norm_weight, self.eps) if final_norm else x
+
+
+def _residual_sample(logits, seeds, counters, temperature: float, top_k: int, top_p: float):
+    scores = warp(logits.float(), temperature, top_k, top_p)
+    return torch.argmax(scores + gumbel_noise(seeds, counters, scores.shape[-1]), dim=-1)
+
+
+def _talker_sample(logits, seen, generated, seeds, draws, suppress, eos_onehot, repetition_penalty: float,
+                   min_new_tokens: int, do_sample: bool, temperature: float, top_k: int, top_p: float):
+    """The talker's logits pipeline (qwen3.sampling.talker_scores) on per-row state, then a stateless draw."""
+    scores = logits.float()
+    if repetition_penalty != 1.0:
+        penalised = torch.where(scores < 0, scores * repetition_penalty, scores / repetition_penalty)
+        scores = torch.where(seen, penalised, scores)
+    block = (generated < min_new_tokens)[:, None] & eos_onehot[None]
+    scores = scores.masked_fill(block, float("-inf")).masked_fill(suppress, float("-inf"))
+    if not do_sample:
+        return torch.argmax(scores, dim=-1)
+    scores = warp(scores, temperature, top_k, top_p)
+    return torch.argmax(scores + gumbel_noise(seeds, draws, scores.shape[-1]), dim=-1)
+
+
+def talker_sampler(compile: bool):
+    return _compile(_talker_sample, compile)
+
+
+def _frame_embeds(c0_embed, residual, tables: list[torch.Tensor]):
+    parts = [c0_embed] + [F.embedding(residual[:, i], t) for i, t in enumerate(tables)]
+    return torch.stack(parts, dim=1).sum(1)
+
+
+class FusedCodePredictor:
+    """The 15-step residual-codebook loop with fused layers and a compiled sampler.
+
+    Positions 0 and 1 (talker hidden, C(c0)) run as two single-position steps, so every step has the same
+    shape (one compiled variant); the reference runs them as one two-position step (same result).
+    """
+
+    def __init__(self, cp, talker, params, compile: bool) -> None:
+        self.cp = cp
+        self.talker = talker
+        self.stack = FusedStack(cp.model, compile)
+        self.proj = cp.small_to_mtp_projection
+        self.heads = [h.weight.detach() for h in cp.lm_head]
+        self.tables = [t.weight.detach() for t in cp.model.codec_embedding]
+        self.params = params
+        self.sample_fn = _compile(_residual_sample, compile)
+        self.embed_fn = _compile(_frame_embeds, compile)
+
+    def run(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
+        """hidden [B, D_talker], c0 [B] -> residual codes [B, G-1], frame embedding sum [B, D_talker]."""
+        p = self.params
+        B = hidden.shape[0]
+        device = hidden.device
+        c0_embed = self.talker.embed_codec(c0)
+        attend = cache.max_len
+        self.stack.forward(self.proj(hidden)[:, None], cache, rows, torch.zeros(B, 1, dtype=torch.long, device=device),
+                           attend, final_norm=False)
+        x = self.proj(c0_embed)[:, None]
+        codes = []
+        n = len(self.heads)
+        for g in range(n):
+            pos = torch.full((B, 1), g + 1, dtype=torch.long, device=device)
+            h = self.stack.forward(x, cache, rows, pos, attend)[:, 0]
+            logits = F.linear(h, self.heads[g])
+            if p.subtalker_do_sample:
+                code = self.sample_fn(logits, seeds, counters + g, p.subtalker_temperature, p.subtalker_top_k,
+                                      p.subtalker_top_p)
+            else:
+                code = torch.argmax(logits.float(), dim=-1)
+            codes.append(code)
+            if g + 1 < n:
+                x = self.proj(F.embedding(code, self.tables[g]))[:, None]
+        residual = torch.stack(codes, dim=1)
+        return residual, self.embed_fn(c0_embed, residual, self.tables)
