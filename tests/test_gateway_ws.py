@@ -629,3 +629,33 @@ async def test_a_custom_auth_hook_sees_the_connection():
 
         assert httpx.get(server.url + "/v1/models").status_code == 401
         assert httpx.get(server.url + "/v1/models", headers={"X-Team": "a"}).status_code == 200
+
+
+async def test_granularity_none_speaks_each_flush_as_one_unit_and_clause_splits_clauses(server):
+    async with websockets.connect(server.ws_url) as ws:
+        await send(ws, type="session.config", stream_audio=True, split_granularity="none")
+        await send(ws, type="input.text", text="One sentence. Another sentence! ")
+        await send(ws, type="input.text", text="And a third, all together.")
+        await send(ws, type="input.done")
+        whole = await receive_until(ws, "session.done")
+        await send(ws, type="session.config", stream_audio=True, split_granularity="clause")
+        await send(ws, type="input.text", text="When the clause is long enough to speak alone, it goes first; then the rest follows.")
+        await send(ws, type="input.done")
+        clauses = await receive_until(ws, "session.done")
+    assert [m["sentence_text"] for m in whole if isinstance(m, dict) and m["type"] == "audio.start"] == [
+        "One sentence. Another sentence! And a third, all together."
+    ]
+    assert len([m for m in clauses if isinstance(m, dict) and m["type"] == "audio.start"]) >= 2
+
+
+async def test_non_streamed_mulaw_is_one_frame_per_sentence(server):
+    async with websockets.connect(server.ws_url) as ws:
+        await send(ws, type="session.config", response_format="mulaw", voice="tone-low")
+        await send(ws, type="input.text", text="First of two. Second of two.")
+        await send(ws, type="input.done")
+        messages = await receive_until(ws, "session.done")
+    assert [t for t in types(messages) if t != "session.started"] == ["audio.start", "binary", "audio.done"] * 2 + ["session.done"]
+    expected = await direct_pcm(SyntheticSynthesizer(), ["First of two.", "Second of two."], "tone-low")
+    frames = [m for m in messages if isinstance(m, bytes)]
+    for frame, pcm in zip(frames, expected):
+        assert abs(len(frame) - len(pcm) // 2 / 3) <= 4  # 24 kHz s16le -> 8 kHz, one byte a sample
