@@ -174,3 +174,23 @@ def test_streamed_audio_equals_whole_decode(tiny_custom_voice):
     assert streamed.shape == (len(frames) * 1920,)
     torch.testing.assert_close(streamed, whole, rtol=0, atol=1e-5)
     assert float(whole.abs().max()) > 0
+
+
+@pytest.mark.parametrize("size,params", [("1.7b", 1_916_676_352), ("0.6b", 905_788_672)])
+def test_full_size_layout_matches_released_parameter_counts(size, params):
+    """The writer's tensor list for the released shapes, and our modules built on the meta device, agree with each
+    other name for name and shape for shape, and with the released parameter totals (spec §7.4)."""
+    import math
+
+    from tts_backend.qwen3.loader import ModelWeights, model_name_map
+    from tts_backend.qwen3.testing.checkpoint import model_tensor_shapes
+
+    config = model_config(size)
+    shapes = model_tensor_shapes(config)
+    assert sum(math.prod(s) for s in shapes.values()) == params
+    with torch.device("meta"):
+        weights = ModelWeights(Qwen3TTSConfig.from_dict(config))
+    names = model_name_map(weights)
+    state = weights.state_dict()
+    assert set(names) == set(shapes)
+    assert all(tuple(state[names[k]].shape) == shape for k, shape in shapes.items())
