@@ -354,6 +354,15 @@ async def test_streamed_tokens_start_playing_before_the_text_ends(gateway):
                 "The first sentence is quick.",
                 "The second takes its time.",
             ]
+
+            async def failing_llm():
+                yield "Partial answer. And then"
+                raise ConnectionError("the LLM stream broke")
+
+            broken = await call.stream(failing_llm())
+            assert await broken.played(timeout_s=10) is True  # what arrived is spoken, the utterance ends
+            assert broken.sentences == ["Partial answer.", "And then"]
+            assert isinstance(broken.feeder.exception(), ConnectionError)
         assert twilio.problems == []
     finally:
         server.close()

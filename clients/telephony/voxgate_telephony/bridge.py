@@ -160,9 +160,19 @@ class Call:
     async def stream(self, tokens: Iterable[str] | AsyncIterable[str]) -> Speech:
         """Speak text as it arrives (e.g. LLM tokens); sentences start playing before the text ends."""
         speech = self._new_speech()
-        assert self.session is not None
-        speech.feeder = self._spawn(self.session.stream_text(tokens, context_id=speech.context_id), "feeder")
+        speech.feeder = self._spawn(self._feed(speech, tokens), "feeder")
         return speech
+
+    async def _feed(self, speech: Speech, tokens: Iterable[str] | AsyncIterable[str]) -> None:
+        assert self.session is not None
+        try:
+            await self.session.stream_text(tokens, context_id=speech.context_id, done=False)
+        finally:
+            # Also when the token source fails: what it produced is spoken and the utterance ends,
+            # rather than staying open on the gateway. Not after an interrupt or the end of the call.
+            if not speech.interrupted and not self.ended.is_set():
+                with contextlib.suppress(vg.VoxgateError):
+                    await self.session.done(context_id=speech.context_id)
 
     async def interrupt(self) -> list[Speech]:
         """Barge-in: stop every speech still speaking. Twilio gets `clear` (its buffer is dropped),
