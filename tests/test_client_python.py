@@ -289,6 +289,22 @@ def test_g711_codecs_match_the_gateway():
         assert wav.readframes(4000) == pcm
 
 
+async def test_whole_file_per_sentence_when_not_streaming(gateway):
+    async with vg.connect(gateway.url, vg.SessionConfig(voice=VOICE, stream_audio=False)) as session:
+        assert session.format == "wav"
+        await session.send_text(TEXT)
+        await session.done()
+        files: dict[int, bytes] = {}
+        async for event in session.events():
+            if isinstance(event, vg.AudioChunk):
+                files[event.sentence_index] = files.get(event.sentence_index, b"") + event.data
+    assert sorted(files) == [0, 1, 2]
+    for index, sentence in enumerate(SENTENCES):
+        with wave.open(io.BytesIO(files[index]), "rb") as wav:
+            assert wav.getframerate() == 24000
+            assert wav.readframes(wav.getnframes()) == expected_pcm([sentence])
+
+
 async def test_reconfigure_between_utterances(gateway):
     async with vg.connect(gateway.url, vg.SessionConfig(voice=VOICE)) as session:
         assert await session.speak("Hello there.") == expected_pcm(["Hello there."])
