@@ -57,7 +57,7 @@ async def test_full_utterance_events_and_audio(gateway):
         assert VOICE in session.voices
         await session.send_text(TEXT)
         await session.done()
-        events = [event async for event in session.events()]
+        events = [event async for event in session]
 
     kinds = [type(e).__name__ for e in events if not isinstance(e, vg.AudioChunk)]
     assert kinds[0] == "SessionStarted"

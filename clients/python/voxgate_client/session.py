@@ -112,6 +112,9 @@ class Context:
             if isinstance(event, (UtteranceDone, ContextCancelled)) or _is_end(event):
                 return
 
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self.events()
+
     async def audio(self) -> AsyncIterator[bytes]:
         """Just the audio bytes of this context, in order. Raises VoxgateError on a fatal error."""
         async for event in self.events():
@@ -605,6 +608,10 @@ class Session:
             yield event
             if (until_done and isinstance(event, SessionDone)) or _is_end(event):
                 return
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        """`async for event in session` is `session.events()`."""
+        return self.events()
 
     async def audio(self) -> AsyncIterator[bytes]:
         """Audio bytes of the context-less utterance until session.done / utterance.done."""
