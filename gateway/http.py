@@ -3,7 +3,8 @@
 `POST /v1/audio/speech` accepts what the OpenAI SDK sends (`client.audio.speech.create`, also through
 `with_streaming_response`) plus vLLM-Omni's fields. The body is split into sentences and synthesized
 with the same look-ahead as the WebSocket, so the first sentence's audio leaves before the last is made:
-- `pcm`, `mulaw`, `alaw`: raw audio, streamed as it is produced;
+- `pcm` (24 kHz unless `sample_rate` says otherwise, as OpenAI documents), `mulaw`, `alaw` (8 kHz): raw
+  audio, streamed as it is produced;
 - `wav`: a complete file, or with `stream_format: "audio"` streamed behind a header of unknown length;
 - `stream_format: "sse"` (or vLLM's `stream: true` alone): Server-Sent Events as OpenAI documents them,
   `speech.audio.delta` with base64 audio, then `speech.audio.done` with usage.
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from .app import Gateway
 
 router = APIRouter()
+
+# Raw formats carry no header, so clients assume a rate: OpenAI documents `pcm` as 24 kHz, telephony
+# formats are 8 kHz. `wav` states its rate in its header and stays at the backend's own.
+DEFAULT_RATES = {"pcm": 24000, "mulaw": 8000, "alaw": 8000}
 
 _STATUS = {
     ErrorCode.unauthorized: 401,
@@ -192,7 +197,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                 f"response_format {fmt!r} is not supported; choose one of {', '.join(audio.FORMATS)}",
                 param="response_format",
             )
-        rate = body.sample_rate or (8000 if fmt in ("mulaw", "alaw") else backend.sample_rate)
+        rate = body.sample_rate or DEFAULT_RATES.get(fmt, backend.sample_rate)
         if rate not in audio.SAMPLE_RATES and rate != backend.sample_rate:
             raise ApiError(
                 ErrorCode.unsupported_format,

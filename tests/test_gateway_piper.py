@@ -123,9 +123,15 @@ async def test_gateway_streams_piper_audio_byte_identical_to_the_backend(piper):
         assert len(direct) > 22050  # each sentence is real speech, over half a second
 
 
-def test_http_speech_with_piper():
+def test_http_speech_with_piper(piper):
     with running_gateway("piper") as server:
-        response = httpx.post(server.url + "/v1/audio/speech",
-                              json={"model": "voxgate", "input": "Hello from Piper.", "voice": "joe"}, timeout=60)
-    assert response.status_code == 200 and response.content[:4] == b"RIFF"
-    assert len(response.content) > 44 + 22050  # over half a second of 22.05 kHz s16le
+        wav = httpx.post(server.url + "/v1/audio/speech",
+                         json={"model": "voxgate", "input": "Hello from Piper.", "voice": "joe"}, timeout=60)
+        pcm = httpx.post(server.url + "/v1/audio/speech",
+                         json={"input": "Hello from Piper.", "voice": "joe", "response_format": "pcm"}, timeout=60)
+    native = asyncio.run(synthesize(piper, "Hello from Piper."))
+    assert wav.status_code == 200 and wav.content[:4] == b"RIFF"
+    assert wav.content[44:] == native  # wav keeps Piper's own 22.05 kHz
+    # Raw pcm is 24 kHz, as OpenAI clients assume: Piper's audio resampled.
+    assert pcm.headers["x-sample-rate"] == "24000"
+    assert abs(len(pcm.content) // 2 - len(native) // 2 * 24000 / 22050) < 50
