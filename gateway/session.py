@@ -518,45 +518,30 @@ class StreamingSession:
     # -------------------------------------------------------------- cancel
 
     async def _on_cancel(self, context_id: str | None) -> None:
-        cancelled_any = False
-        stopped: list[SentenceJob] = []
-        utterance = self._open.pop(context_id, None)
-        if utterance is not None:
-            utterance.cancelled = True
-            cancelled_any = True
+        """Barge-in: everything of this context (its open utterance and any finished ones still queued)
+        stops now. Answered by context.cancelled even when nothing was left to cancel."""
+        open_utterance = self._open.pop(context_id, None)
+        if open_utterance is not None:
+            open_utterance.cancelled = True
         async with self._send_lock:
             # Holding the send lock: the sender is between frames, and from here on it sees the flag.
-            interrupted: SentenceJob | None = None
-            current = self._current
-            if isinstance(current, (SentenceJob, UtteranceEnd)) and current.utterance.context_id == context_id:
-                if not current.utterance.cancelled:
-                    current.utterance.cancelled = True
-                    cancelled_any = True
-            for item in self._queue:
+            items = [self._current, *self._queue]
+            for item in items:
                 if isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.context_id == context_id:
-                    if not item.utterance.cancelled:
-                        item.utterance.cancelled = True
-                        cancelled_any = True
-            kept: deque = deque()
-            first_unsent: int | None = None
-            for item in [current, *self._queue]:
-                if isinstance(item, SentenceJob) and item.cancelled and not item.finished:
-                    if first_unsent is None:
-                        first_unsent = item.index
-                    self._stop_job(item)
-                    stopped.append(item)
-                    if item is current and item.started_sending:
-                        interrupted = item
-            for item in self._queue:
-                if isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled:
-                    continue
-                kept.append(item)
-            self._queue = kept
-            if interrupted is not None:
-                await self._send_text_locked(self._audio_done(interrupted, error=False, cancelled=True).encode())
+                    item.utterance.cancelled = True
+            stopped = [item for item in items if isinstance(item, SentenceJob) and item.cancelled and not item.finished]
+            for job in stopped:
+                self._stop_job(job)
+            self._queue = deque(
+                item for item in self._queue
+                if not (isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled)
+            )
+            current = self._current
+            if isinstance(current, SentenceJob) and current in stopped and current.started_sending:
+                # Its audio.start went out: close it, with the bytes actually sent.
+                await self._send_text_locked(self._audio_done(current, error=False, cancelled=True).encode())
+            first_unsent = stopped[0].index if stopped else None
             await self._send_text_locked(ContextCancelled(context_id=context_id, sentence_index=first_unsent).encode())
-        if not cancelled_any:
-            log.debug("input.cancel for %r: nothing to cancel", context_id)
         for job in stopped:
             await self.store.set_sentence_state(self.session_id, job.index, "cancelled")
         self._fill_pipeline()
