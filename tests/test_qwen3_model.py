@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice, tiny_voice_design  # noqa: F401
+from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice  # noqa: F401
 from tts_backend.qwen3.config import Qwen3TTSConfig
 from tts_backend.qwen3.generate import Qwen3TTS
 from tts_backend.qwen3.prompt import NO_CODEC, PromptError, build_prompt

@@ -13,7 +13,6 @@ dependencies, nothing installed) and the derived vocab.json/merges.txt are cache
 from __future__ import annotations
 
 import base64
-import copy
 import hashlib
 import json
 import math
@@ -28,7 +27,6 @@ from pathlib import Path
 import torch
 
 DASHSCOPE_VERSION = "2.0.2"
-QWEN_TIKTOKEN_SHA256 = None  # filled from the first verified download; see _qwen_tiktoken_path
 NUM_REGULAR_TOKENS = 151643
 
 # Added tokens of the Qwen3 vocabulary (ids 151643..151675); the TTS tokens are 151669..151675 (spec §5.1).
@@ -361,7 +359,3 @@ def write_checkpoint(
     if speech_tokenizer:
         write_speech_tokenizer(folder, "tiny" if size == "tiny" else "full", seed + 1)
     return folder
-
-
-def copy_config(config: dict) -> dict:
-    return copy.deepcopy(config)
