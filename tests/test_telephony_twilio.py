@@ -69,6 +69,8 @@ class FakeTwilio:
         self.pending_marks: dict[str, asyncio.TimerHandle] = {}
         self.inbound_payload = bytes([0xFF]) * 160  # mu-law digital silence
         self.media_event = asyncio.Event()
+        self.underruns: list[float] = []  # seconds of silence each time Twilio's buffer ran empty
+        self.underrun_times: list[float] = []
 
     async def __aenter__(self) -> "FakeTwilio":
         self.loop = asyncio.get_running_loop()
@@ -146,6 +148,9 @@ class FakeTwilio:
             self.check(message)
             event = message.get("event")
             if event == "media":
+                if self.buffered_until and now > self.buffered_until:  # the player ran dry: an audible gap
+                    self.underruns.append(now - self.buffered_until)
+                    self.underrun_times.append(now)
                 self.buffered_until = max(now, self.buffered_until) + 0.02
                 self.media_event.set()
             elif event == "mark":
@@ -154,7 +159,7 @@ class FakeTwilio:
                     max(now, self.buffered_until), lambda n=name: asyncio.ensure_future(self.echo_mark(n))
                 )
             elif event == "clear":
-                self.buffered_until = now
+                self.buffered_until = 0.0  # nothing is playing: the next audio starts afresh
                 for name, handle in list(self.pending_marks.items()):
                     handle.cancel()
                     await self.echo_mark(name)

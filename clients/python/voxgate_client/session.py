@@ -257,6 +257,7 @@ class Session:
                 additional_headers=headers,
                 open_timeout=self.open_timeout_s,
                 max_size=32 * 1024 * 1024,
+                compression=None,  # audio does not compress; deflate would only cost CPU on both ends
                 ping_interval=20,
                 ping_timeout=20,
             )

@@ -359,7 +359,8 @@ class TwilioBridge:
     on_inbound_audio(call, mulaw_bytes), on_dtmf(call, digit), on_mark(call, name): optional callbacks
     (plain or async). barge_in_factory: makes a per-call detector with `feed(mulaw) -> bool` (e.g.
     `EnergyBargeIn`); caller speech while the agent speaks then interrupts it. lead_ms: how far ahead
-    of real time frames may be sent. client_options: passed to `voxgate_client.connect` (api_key, ...).
+    of real time frames may be sent; it absorbs network and scheduling jitter and costs nothing on
+    barge-in, because `clear` drops whatever Twilio holds. client_options: passed to `voxgate_client.connect` (api_key, ...).
     """
 
     def __init__(
@@ -372,7 +373,7 @@ class TwilioBridge:
         on_dtmf: Callable[[Call, str], Any] | None = None,
         on_mark: Callable[[Call, str], Any] | None = None,
         barge_in_factory: Callable[[], EnergyBargeIn] | None = None,
-        lead_ms: int = 40,
+        lead_ms: int = 100,
         client_options: dict[str, Any] | None = None,
     ) -> None:
         self.gateway_url = gateway_url
@@ -514,4 +515,5 @@ class TwilioBridge:
                 return response
             return None
 
-        return await serve(self.handle, host, port, process_request=process_request)
+        # Twilio does not use permessage-deflate, and base64 mu-law barely compresses: leave it off.
+        return await serve(self.handle, host, port, process_request=process_request, compression=None)
