@@ -305,6 +305,22 @@ async def test_whole_file_per_sentence_when_not_streaming(gateway):
             assert wav.readframes(wav.getnframes()) == expected_pcm([sentence])
 
 
+async def test_keepalive_pings_hold_off_the_idle_timeout():
+    with running_gateway(backend="synthetic", idle_timeout_s=0.6) as short_idle:
+        listening = await vg.connect(short_idle.url, vg.SessionConfig(voice=VOICE), keepalive_s=0.2)
+        silent = await vg.connect(short_idle.url, vg.SessionConfig(voice=VOICE), keepalive_s=None)
+        try:
+            ended = [e async for e in silent.events()][1:]
+            assert [type(e) for e in ended] == [vg.Error, vg.Disconnected]
+            assert ended[0].code == "idle_timeout" and silent.closed and silent.reconnects == 0
+            await asyncio.sleep(0.6)
+            assert not listening.closed
+            assert await listening.speak("Still here.") == expected_pcm(["Still here."])
+        finally:
+            await listening.close()
+            await silent.abort()
+
+
 async def test_reconfigure_between_utterances(gateway):
     async with vg.connect(gateway.url, vg.SessionConfig(voice=VOICE)) as session:
         assert await session.speak("Hello there.") == expected_pcm(["Hello there."])
