@@ -384,7 +384,7 @@ async def test_stop_ends_the_call_and_twiml_endpoint(gateway):
             assert f'<Connect><Stream url="wss://{http_base[7:]}/twilio">' in twiml.text
             assert (await http.get(f"{http_base}/elsewhere")).status_code == 404
         async with FakeTwilio(url) as twilio:
-            call = await bridge.wait_for_call(timeout_s=5)
+            call = await bridge.wait_for_call(twilio.call_sid, timeout_s=5)
             session = call.session
         for _ in range(100):
             if not bridge.calls:

@@ -63,10 +63,6 @@ class _End:
 _END = _End()
 
 
-def _is_end(event: Event) -> bool:
-    return isinstance(event, (Disconnected,))
-
-
 class Context:
     """One utterance stream on a shared session, keyed by `context_id` (protocol extension).
 
@@ -109,7 +105,7 @@ class Context:
                 self._queue.put_nowait(event)  # later readers end too
                 return
             yield event
-            if isinstance(event, (UtteranceDone, ContextCancelled)) or _is_end(event):
+            if isinstance(event, (UtteranceDone, ContextCancelled)) or isinstance(event, Disconnected):
                 return
 
     def __aiter__(self) -> AsyncIterator[Event]:
@@ -607,7 +603,7 @@ class Session:
                 self._queue.put_nowait(event)
                 return
             yield event
-            if (until_done and isinstance(event, SessionDone)) or _is_end(event):
+            if (until_done and isinstance(event, SessionDone)) or isinstance(event, Disconnected):
                 return
 
     def __aiter__(self) -> AsyncIterator[Event]:
