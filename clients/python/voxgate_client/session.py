@@ -492,9 +492,9 @@ class Session:
                 return
             except ConnectionClosed:
                 # Not sent: the receive task notices the drop and resumes (or ends the session).
-                if not self.resume_enabled:
+                if not self.resume_enabled or self._ended:
                     raise VoxgateError("connection closed", "closed") from None
-                if self._ws is ws:
+                if self._ws is ws:  # still the dead socket: wait for the receive task's verdict
                     self._connected.clear()
                 await asyncio.sleep(0)
 
