@@ -605,6 +605,7 @@ class CodecDecoder(nn.Module):
         tensors["positions"] = torch.zeros(batch_size, device=device, dtype=torch.long)
         return CodecState(tensors)
 
+    @torch.no_grad()
     def decode_chunk(self, codes: Tensor, state: CodecState) -> Tensor:
         """Decode the next t frames of each stream: codes [B, Q, t] -> wav [B, t * samples_per_frame].
 
