@@ -93,6 +93,9 @@ def create_app(
             ttl_s=settings.session_ttl_s,
             replay_log_bytes=settings.replay_log_bytes,
             redis_url=settings.redis_url,
+            replay_log_s=settings.replay_log_s,
+            key_prefix=settings.redis_key_prefix,
+            lease_s=settings.session_lease_s,
         )
     gateway = Gateway(
         settings=settings,

@@ -100,6 +100,12 @@ class SentenceSegmenter:
     def buffered_chars(self) -> int:
         return len(self._tail)
 
+    @property
+    def buffered_text(self) -> str:
+        """Text pushed but not released yet (recorded for session.resume; pushing it into a fresh
+        segmenter restores this one)."""
+        return self._tail
+
     def push(self, text: str) -> list[str]:
         """Add text; return the units that are certainly complete now, in order."""
         if not text:

@@ -13,6 +13,14 @@ Ownership of tasks (all created and ended by `StreamingSession.run`):
 Every write to the socket takes `_send_lock`, and a sentence's frames are sent only while it is not
 cancelled, checked under that lock: after `input.cancel` has taken the lock and marked a context
 cancelled, not one more byte of it goes out. Sentence indices count from 0 across the session.
+
+Resume (issue 5): everything the client has sent and everything owed to it is written to the store
+before it matters (a sentence before it can make audio, each audio frame before it goes on the socket,
+open text, utterance ends), so a connection to any replica can rebuild the session from the store
+(`_resume`): it replays the logged bytes the client lacks and re-synthesizes what was never fully
+recorded, dropping the bytes already delivered. Each connection writes with its own `owner` token; a
+resume elsewhere takes the session over and this connection's next write or lease renewal raises
+LeaseLost, which ends it.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from .protocol import (
 )
 from .segmenter import SentenceSegmenter
 from .settings import GatewaySettings
-from .store import SessionStore
+from .store import LeaseLost, MarkerRecord, ReplayOutOfRange, SessionRecord, SessionStore
 
 log = logging.getLogger("voxgate.session")
 
@@ -66,6 +74,9 @@ _CANCELLED = object()  # a sentence was cancelled; wakes a sender waiting on its
 
 class _ClientGone(Exception):
     """The socket is closed; stop quietly."""
+
+
+SERVICE_RESTART = 1012  # WebSocket close code: the server is going away; resume elsewhere
 
 
 # ------------------------------------------------------------------------------------------- state
@@ -107,6 +118,11 @@ class SentenceJob:
     config: ResolvedConfig
     released_at: float
     first_of_utterance: bool
+    # Resumed sentences: logged bytes to replay first, and how many bytes of freshly synthesized audio to
+    # drop because the client already has them or they were replayed. No synthesis if fully recorded.
+    replay: list[bytes] = field(default_factory=list)
+    skip_bytes: int = 0
+    needs_synthesis: bool = True
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
     started_sending: bool = False
@@ -125,11 +141,14 @@ class UtteranceEnd:
 
     utterance: Utterance
     by_close: bool = False  # ended by session.close, whose own session.done follows
+    number: int = 0  # the store's marker number
 
 
 @dataclass(eq=False)
 class SessionEnd:
     """session.close: after everything before it, send session.done and close."""
+
+    number: int = 0  # the store's marker number
 
 
 # ------------------------------------------------------------------------------------------ session
@@ -168,6 +187,10 @@ class StreamingSession:
         self._reader: asyncio.Task | None = None
         self._synthesis: set[asyncio.Task] = set()  # running synthesis tasks, owned here
         self._stopping = False
+        self.owner = uuid.uuid4().hex  # this connection's lease token in the store
+        self._marker_count = 0
+        self._lease: asyncio.Task | None = None
+        self._handed_over = False  # drain: closed with 1012, nothing more is sent
 
     # -------------------------------------------------------------- lifecycle
 
@@ -179,7 +202,12 @@ class StreamingSession:
             if await self._handshake():
                 self._sender = asyncio.create_task(self._send_loop(), name=f"sender-{self.session_id}")
                 self._reader = asyncio.create_task(self._read_loop(), name=f"reader-{self.session_id}")
-                done, _ = await asyncio.wait({self._reader, self._sender}, return_when=asyncio.FIRST_COMPLETED)
+                self._lease = asyncio.create_task(self._keep_lease(), name=f"lease-{self.session_id}")
+                done, _ = await asyncio.wait(
+                    {self._reader, self._sender, self._lease}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if self._lease in done:
+                    self._lease.result()  # only ends by LeaseLost (or a store failure)
                 if self._reader in done:
                     self._reader.result()  # raises the fatal error or _ClientGone, if any
                     await self._sender  # after session.close: it sends session.done and closes the socket
@@ -187,6 +215,15 @@ class StreamingSession:
                     self._sender.result()  # the sender only ends on error or after session.close
         except ProtocolError as error:
             await self._fail(error)
+        except LeaseLost:
+            log.info("session %s was resumed on another connection; this one stops", self.session_id)
+            await self._fail(
+                ProtocolError(
+                    ErrorCode.session_not_found,
+                    f"session {self.session_id} was resumed on another connection; this one no longer serves it",
+                    close=CloseCode.policy,
+                )
+            )
         except (_ClientGone, WebSocketDisconnect):
             pass
         except Exception:
@@ -198,7 +235,9 @@ class StreamingSession:
 
     async def _shutdown(self) -> None:
         self._stopping = True  # no new synthesis from here on
-        tasks = [t for t in [self._reader, self._sender, *self._synthesis] if t is not None and not t.done()]
+        tasks = [
+            t for t in [self._reader, self._sender, self._lease, *self._synthesis] if t is not None and not t.done()
+        ]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -209,7 +248,10 @@ class StreamingSession:
             if error is not None and not isinstance(error, (_ClientGone, WebSocketDisconnect)):
                 log.error("sender of session %s failed: %r", self.session_id, error)
         if self.session_id is not None:
-            await self.store.detach(self.session_id)
+            try:
+                await self.store.detach(self.session_id, owner=self.owner)
+            except Exception as exc:  # the store is unreachable: the session expires there on its own
+                log.warning("could not detach session %s: %r", self.session_id, exc)
         if self.ws.application_state == WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 await self.ws.close(CloseCode.normal)
@@ -218,6 +260,29 @@ class StreamingSession:
     def busy(self) -> bool:
         """Audio is being made or sent: the idle timeout does not run."""
         return self._current is not None or bool(self._queue)
+
+    @property
+    def between_utterances(self) -> bool:
+        """No utterance takes text and no audio is owed: a drain can hand the session over now."""
+        return not self._open and not self.busy
+
+    async def _keep_lease(self) -> None:
+        """Renew this connection's lease (and the session's expiry) while it is open; LeaseLost ends it."""
+        while True:
+            await asyncio.sleep(self.settings.session_lease_s / 3)
+            await self.store.renew(self.session_id, self.owner)
+
+    async def hand_over(self) -> None:
+        """Drain: send nothing more and close with 1012 and the session id as the reason, so that the
+        client resumes on another replica. What it has not received is in the store."""
+        async with self._send_lock:
+            if self._handed_over:
+                return
+            self._handed_over = True
+            self._stopping = True
+            if self.ws.application_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):
+                    await self.ws.close(SERVICE_RESTART, reason=self.session_id or "")
 
     # -------------------------------------------------------------- socket I/O
 
@@ -253,12 +318,16 @@ class StreamingSession:
             await self._send_text_locked(message.encode())
 
     async def _send_text_locked(self, text: str) -> None:
+        if self._handed_over:
+            raise _ClientGone()
         try:
             await self.ws.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             raise _ClientGone() from exc
 
     async def _send_bytes_locked(self, data: bytes) -> None:
+        if self._handed_over:
+            raise _ClientGone()
         try:
             await self.ws.send_bytes(data)
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
@@ -312,6 +381,7 @@ class StreamingSession:
                     await self._send_json(Pong(id=message.id))
                 elif isinstance(message, SessionResume):
                     await self._resume(message)
+                    return True
                 else:
                     raise ProtocolError(
                         ErrorCode.config_required,
@@ -324,12 +394,112 @@ class StreamingSession:
                 await self._report(error)
 
     async def _resume(self, message: SessionResume) -> None:
-        # Resuming needs the session's synthesis to outlive its socket: issue 5. Until then no session
-        # can be found, and the client may start a new one on this socket with session.config.
-        raise ProtocolError(
-            ErrorCode.session_not_found,
-            f"session {message.session_id!r} cannot be resumed here; send session.config to start a new session",
+        """Take the session over (from a dead connection, or a live one elsewhere: the newest connection
+        wins) and rebuild it from the store: the client has every byte before (sentence_index,
+        bytes_received); everything after it is replayed from the log or re-synthesized."""
+        session_id = message.session_id
+        record = await self.store.claim(session_id, self.owner)
+        if record is None:
+            raise ProtocolError(
+                ErrorCode.session_not_found,
+                f"session {session_id!r} is unknown, finished or expired; send session.config to start a new session",
+            )
+        try:
+            pieces = await self.store.replay(session_id, message.sentence_index, message.bytes_received)
+            config = self._resolve(SessionConfig.model_validate(record.config))
+        except ReplayOutOfRange as exc:
+            await self.store.detach(session_id, owner=self.owner)
+            raise ProtocolError(
+                ErrorCode.resume_out_of_range,
+                f"cannot resume session {session_id} at sentence {message.sentence_index} byte"
+                f" {message.bytes_received}: {exc}",
+            ) from None
+        except ProtocolError:
+            await self.store.detach(session_id, owner=self.owner)
+            raise
+        self.session_id = session_id
+        self.config = config
+        await self._send_json(
+            SessionStarted(
+                session_id=session_id,
+                sample_rate=config.output_rate,
+                format=config.response_format,
+                voices=[v.id for v in self.backend.voices()],
+                voice=config.voice,
+            )
         )
+        await self._rebuild(record, pieces, message.sentence_index, message.bytes_received)
+
+    async def _rebuild(self, record: SessionRecord, pieces, sentence_index: int, byte_offset: int) -> None:
+        """Queue what the client is owed, in the original send order, and reopen open utterances."""
+        assert self.config is not None
+        sentences = sorted(record.sentences.values(), key=lambda s: s.index)
+        self.next_sentence_index = len(sentences)
+        numbers = [s.utterance for s in sentences] + [m.utterance for m in record.markers.values()]
+        numbers += [u.utterance for u in record.open_utterances.values()]
+        self._utterance_count = max(numbers, default=0)
+        self._marker_count = max(record.markers, default=0)
+        self.uses_contexts = any(
+            c is not None
+            for c in [*(s.context_id for s in sentences), *(m.context_id for m in record.markers.values()),
+                      *record.open_utterances]
+        )
+        utterances: dict[int, Utterance] = {}
+
+        def utterance(number: int, context_id: str | None) -> Utterance:
+            if number not in utterances:
+                utterances[number] = Utterance(
+                    context_id, number,
+                    SentenceSegmenter(self.config.message.split_granularity, language=self.config.message.language),
+                )
+            return utterances[number]
+
+        for sentence in sentences:
+            utterance(sentence.utterance, sentence.context_id).sentences += 1
+        replay: dict[int, list[bytes]] = {}
+        for piece in pieces:
+            replay.setdefault(piece.sentence_index, []).append(piece.data)
+        # Send order: a marker recorded after N sentences goes before sentence N.
+        owed: list[tuple[tuple[int, int], SentenceJob | UtteranceEnd | SessionEnd]] = []
+        now = time.monotonic()
+        for sentence in sentences:
+            if sentence.index < sentence_index or sentence.state == "cancelled":
+                continue
+            delivered = byte_offset if sentence.index == sentence_index else 0
+            logged = replay.get(sentence.index, [])
+            job = SentenceJob(
+                index=sentence.index,
+                text=sentence.text,
+                utterance=utterance(sentence.utterance, sentence.context_id),
+                config=self.config,
+                released_at=now,
+                first_of_utterance=False,
+                replay=logged,
+                skip_bytes=delivered + sum(map(len, logged)),
+                needs_synthesis=sentence.state != "done",
+            )
+            job.bytes_sent = delivered
+            self._pending_chars += len(job.text)
+            owed.append(((sentence.index, 1), job))
+        for marker in record.markers.values():
+            if marker.sent:
+                continue
+            item = (
+                SessionEnd(number=marker.number)
+                if marker.session_end
+                else UtteranceEnd(utterance(marker.utterance, marker.context_id), by_close=marker.by_close, number=marker.number)
+            )
+            owed.append(((marker.after, 0), item))
+        if any(isinstance(item, SessionEnd) for _, item in owed):
+            self._closing = True
+        for _, item in sorted(owed, key=lambda pair: (pair[0], getattr(pair[1], "number", 0))):
+            self._queue.append(item)
+        for open_utterance in record.open_utterances.values():
+            reopened = utterance(open_utterance.utterance, open_utterance.context_id)
+            self._open[open_utterance.context_id] = reopened
+            await self._release(reopened, reopened.segmenter.push(open_utterance.text))
+        self._fill_pipeline()
+        self._queue_changed.set()
 
     def _resolve(self, message: SessionConfig) -> ResolvedConfig:
         voice = resolve_voice(self.backend, self.settings, message.voice)
@@ -373,9 +543,9 @@ class StreamingSession:
         self.config = resolved
         if first:
             self.session_id = uuid.uuid4().hex
-            await self.store.create(self.session_id, resolved.snapshot())
+            await self.store.create(self.session_id, resolved.snapshot(), owner=self.owner)
         else:
-            await self.store.update_config(self.session_id, resolved.snapshot())
+            await self.store.update_config(self.session_id, resolved.snapshot(), owner=self.owner)
         await self._send_json(
             SessionStarted(
                 session_id=self.session_id,
@@ -466,11 +636,19 @@ class StreamingSession:
             )
         utterance = self._utterance(message.context_id)
         await self._release(utterance, utterance.segmenter.push(message.text))
+        await self._record_open_text(utterance)
+
+    async def _record_open_text(self, utterance: Utterance) -> None:
+        """Accepted text not yet released as a sentence, so that a resume elsewhere still speaks it."""
+        await self.store.set_open_text(
+            self.session_id, utterance.context_id, utterance.number, utterance.segmenter.buffered_text, owner=self.owner
+        )
 
     async def _on_flush(self, context_id: str | None) -> None:
         utterance = self._open.get(context_id)
         if utterance is not None:
             await self._release(utterance, utterance.segmenter.flush())
+            await self._record_open_text(utterance)
 
     async def _on_done(self, context_id: str | None, by_close: bool = False) -> None:
         utterance = self._open.pop(context_id, None)
@@ -481,13 +659,37 @@ class StreamingSession:
             utterance = Utterance(context_id, self._utterance_count, SentenceSegmenter("none"))
         else:
             await self._release(utterance, utterance.segmenter.flush())
-        self._enqueue(UtteranceEnd(utterance, by_close=by_close))
+        self._marker_count += 1
+        marker = UtteranceEnd(utterance, by_close=by_close, number=self._marker_count)
+        await self._record_marker(marker)
+        await self.store.set_open_text(self.session_id, context_id, utterance.number, None, owner=self.owner)
+        self._enqueue(marker)
 
     async def _on_close(self) -> None:
         for context_id in list(self._open):
             await self._on_done(context_id, by_close=True)
         self._closing = True
-        self._enqueue(SessionEnd())
+        self._marker_count += 1
+        end = SessionEnd(number=self._marker_count)
+        await self._record_marker(end)
+        self._enqueue(end)
+
+    async def _record_marker(self, item: UtteranceEnd | SessionEnd, *, sent: bool = False) -> None:
+        utterance = item.utterance if isinstance(item, UtteranceEnd) else None
+        await self.store.add_marker(
+            self.session_id,
+            MarkerRecord(
+                number=item.number,
+                after=self.next_sentence_index,
+                context_id=utterance.context_id if utterance else None,
+                utterance=utterance.number if utterance else 0,
+                total_sentences=utterance.sentences if utterance else 0,
+                by_close=isinstance(item, UtteranceEnd) and item.by_close,
+                session_end=isinstance(item, SessionEnd),
+                sent=sent,
+            ),
+            owner=self.owner,
+        )
 
     async def _release(self, utterance: Utterance, sentences: list[str]) -> None:
         assert self.config is not None and self.session_id is not None
@@ -507,7 +709,9 @@ class StreamingSession:
             utterance.sentences += 1
             self._pending_chars += len(text)
             # Recorded before the sentence can produce audio, so the store always knows what a byte belongs to.
-            await self.store.add_sentence(self.session_id, job.index, text, utterance.context_id)
+            await self.store.add_sentence(
+                self.session_id, job.index, text, utterance.context_id, utterance=utterance.number, owner=self.owner
+            )
             self._enqueue(job)
 
     def _enqueue(self, item: SentenceJob | UtteranceEnd | SessionEnd) -> None:
@@ -523,6 +727,7 @@ class StreamingSession:
         open_utterance = self._open.pop(context_id, None)
         if open_utterance is not None:
             open_utterance.cancelled = True
+            await self.store.set_open_text(self.session_id, context_id, open_utterance.number, None, owner=self.owner)
         async with self._send_lock:
             # Holding the send lock: the sender is between frames, and from here on it sees the flag.
             items = [self._current, *self._queue]
@@ -532,6 +737,7 @@ class StreamingSession:
             stopped = [item for item in items if isinstance(item, SentenceJob) and item.cancelled and not item.finished]
             for job in stopped:
                 self._stop_job(job)
+            dropped_markers = [item for item in self._queue if isinstance(item, UtteranceEnd) and item.utterance.cancelled]
             self._queue = deque(
                 item for item in self._queue
                 if not (isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled)
@@ -543,7 +749,9 @@ class StreamingSession:
             first_unsent = stopped[0].index if stopped else None
             await self._send_text_locked(ContextCancelled(context_id=context_id, sentence_index=first_unsent).encode())
         for job in stopped:
-            await self.store.set_sentence_state(self.session_id, job.index, "cancelled")
+            await self.store.set_sentence_state(self.session_id, job.index, "cancelled", owner=self.owner)
+        for marker in dropped_markers:  # owed no more: a resume must not send them
+            await self.store.add_marker(self.session_id, _sent_marker(marker), owner=self.owner)
         self._fill_pipeline()
         self._queue_changed.set()
 
@@ -568,7 +776,7 @@ class StreamingSession:
         for item in [self._current, *self._queue]:
             if window == 0 or running >= self.settings.synthesis_concurrency:
                 break
-            if isinstance(item, SentenceJob) and not item.cancelled and not item.finished:
+            if isinstance(item, SentenceJob) and not item.cancelled and not item.finished and item.needs_synthesis:
                 window -= 1
                 if item.task is None:
                     item.task = asyncio.create_task(self._synthesize(item), name=f"synth-{self.session_id}-{item.index}")
@@ -637,10 +845,14 @@ class StreamingSession:
             cancelled=True if cancelled else None,
         )
 
-    async def _send_frames(self, job: SentenceJob, data: bytes, frame_bytes: int) -> bool:
-        """Send encoded audio, split into frames. False if the sentence was cancelled meanwhile."""
+    async def _send_frames(self, job: SentenceJob, data: bytes, frame_bytes: int, *, record: bool = True) -> bool:
+        """Send encoded audio, split into frames, each recorded in the store before it goes on the socket
+        (so the store holds every byte a client can have; `record` False for replayed audio). False if the
+        sentence was cancelled meanwhile."""
         for start in range(0, len(data), frame_bytes):
             frame = data[start : start + frame_bytes]
+            if record:
+                await self.store.append_audio(self.session_id, job.index, frame, owner=self.owner)
             async with self._send_lock:
                 if job.cancelled:
                     return False
@@ -649,8 +861,15 @@ class StreamingSession:
                     self.metrics.ttfa_seconds.labels("websocket").observe(time.monotonic() - job.released_at)
                 job.bytes_sent += len(frame)
             self.metrics.audio_bytes_total.labels("websocket").inc(len(frame))
-            await self.store.append_audio(self.session_id, job.index, frame)
         return True
+
+    async def _send_new_audio(self, job: SentenceJob, data: bytes, frame_bytes: int) -> bool:
+        """Send freshly encoded audio, minus the bytes a resumed sentence already delivered or replayed."""
+        if job.skip_bytes:
+            dropped = min(job.skip_bytes, len(data))
+            job.skip_bytes -= dropped
+            data = data[dropped:]
+        return not data or await self._send_frames(job, data, frame_bytes)
 
     async def _send_sentence(self, job: SentenceJob) -> None:
         config = job.config
@@ -670,10 +889,18 @@ class StreamingSession:
                 ).encode()
             )
             job.started_sending = True
-        await self.store.set_sentence_state(self.session_id, job.index, "speaking")
+        if job.replay:
+            for piece in job.replay:
+                if not await self._send_frames(job, piece, frame_bytes, record=False):
+                    return
+            if not job.needs_synthesis:
+                bps = encoder.bytes_per_sample
+                job.source_samples = job.bytes_sent // bps * config.source_rate // config.output_rate
+        if job.needs_synthesis:
+            await self.store.set_sentence_state(self.session_id, job.index, "speaking", owner=self.owner)
         whole: list[bytes] = []
         failure: BaseException | None = None
-        while True:
+        while job.needs_synthesis:
             item = await job.chunks.get()
             if item is _CANCELLED or job.cancelled:
                 return
@@ -685,15 +912,15 @@ class StreamingSession:
             job.source_samples += len(item) // 2
             encoded = encoder.encode(item)
             if config.stream_audio:
-                if encoded and not await self._send_frames(job, encoded, frame_bytes):
+                if encoded and not await self._send_new_audio(job, encoded, frame_bytes):
                     return
             else:
                 whole.append(encoded)
-        tail = encoder.flush()
+        tail = encoder.flush() if job.needs_synthesis else b""
         if config.stream_audio:
-            if tail and not await self._send_frames(job, tail, frame_bytes):
+            if tail and not await self._send_new_audio(job, tail, frame_bytes):
                 return
-        elif failure is None:
+        elif failure is None and job.needs_synthesis:
             pcm = b"".join(whole) + tail
             if config.response_format == "wav":
                 data = audio.wav_bytes(pcm, config.output_rate)
@@ -702,7 +929,7 @@ class StreamingSession:
             else:
                 file_encoder = audio.StreamEncoder(config.response_format, config.output_rate, config.output_rate)
                 data = file_encoder.encode(pcm) + file_encoder.flush()
-            if data and not await self._send_frames(job, data, max(len(data), 1)):
+            if data and not await self._send_new_audio(job, data, max(len(data), 1)):
                 return
         async with self._send_lock:
             if job.cancelled:
@@ -716,7 +943,7 @@ class StreamingSession:
             await self._send_text_locked(self._audio_done(job, error=failure is not None).encode())
         outcome = "failed" if failure is not None else "done"
         self.metrics.sentences_total.labels(outcome).inc()
-        await self.store.set_sentence_state(self.session_id, job.index, outcome)
+        await self.store.set_sentence_state(self.session_id, job.index, outcome, owner=self.owner)
 
     async def _send_utterance_end(self, marker: UtteranceEnd) -> None:
         async with self._send_lock:
@@ -729,6 +956,7 @@ class StreamingSession:
             else:
                 message = SessionDone(total_sentences=self.next_sentence_index)
             await self._send_text_locked(message.encode())
+        await self.store.add_marker(self.session_id, _sent_marker(marker), owner=self.owner)
 
     async def _send_session_end(self) -> None:
         async with self._send_lock:
@@ -736,7 +964,20 @@ class StreamingSession:
             with contextlib.suppress(Exception):
                 await self.ws.close(CloseCode.normal)
         if self.session_id is not None:
-            await self.store.delete(self.session_id)
+            await self.store.delete(self.session_id, owner=self.owner)
+
+
+def _sent_marker(marker: UtteranceEnd) -> MarkerRecord:
+    """The store's record of an utterance end that is owed no more (sent, or cancelled)."""
+    return MarkerRecord(
+        number=marker.number,
+        after=-1,
+        context_id=marker.utterance.context_id,
+        utterance=marker.utterance.number,
+        total_sentences=marker.utterance.sentences,
+        by_close=marker.by_close,
+        sent=True,
+    )
 
 
 def resolve_voice(backend: Synthesizer, settings: GatewaySettings, voice: str | None) -> str:

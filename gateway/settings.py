@@ -55,7 +55,12 @@ class GatewaySettings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for store=redis")
     session_ttl_s: float = Field(120.0, description="keep a disconnected session this long for session.resume")
     replay_log_bytes: int = Field(4 * MIB, description="recent audio kept per session for replay on resume")
-    drain_timeout_s: float = Field(30.0, description="on shutdown, time given to open sessions to finish")
+    replay_log_s: float = Field(300.0, description="oldest audio kept in the replay log, in seconds")
+    redis_key_prefix: str = Field("voxgate:", description="prefix of every Redis key (several deployments, one Redis)")
+    session_lease_s: float = Field(
+        10.0, gt=0, description="a replica's lease on a live session; renewed while it works, taken over by a resume"
+    )
+    drain_timeout_s: float = Field(30.0, description="on SIGTERM, time given to open utterances to finish")
 
     # --- access and limits (issue 7)
     api_keys: list[str] = Field(default_factory=list, description="accepted API keys; empty = no authentication")

@@ -1,12 +1,17 @@
 """Session state that outlives a connection, for `session.resume` (issue 5) and observability.
 
-A session records its config, every sentence (text, state, bytes sent) and a bounded replay log of its
-most recent audio, so that (session_id, sentence_index, byte offset) names any byte ever sent and a
-client that reconnects can be given exactly what it missed. The in-memory store lives in one process;
-a Redis store (issue 5) implements the same interface so that any replica can resume a session.
+A session records its config, every sentence (text, utterance, state, bytes sent), the end-of-utterance
+markers still owed to the client, the unreleased text of its open utterances, and a bounded replay log of
+its most recent audio, so that (session_id, sentence_index, byte offset) names any byte ever sent and a
+client that reconnects - to this process or, with the Redis store, to any replica - can be given exactly
+what it missed and the rest of its session.
 
-Sessions expire `ttl_s` after their connection detaches (or after their last activity while attached but
-silent, which the idle timeout bounds anyway).
+Ownership: one connection owns a live session at a time, named by an opaque `owner` token. `create` and
+`claim` (a resume) make the caller the owner, taking the session over from whoever held it; every write
+that passes `owner=` is fenced: a connection that lost the session gets `LeaseLost` and must stop.
+
+Sessions expire `ttl_s` after their last activity while detached (memory) or after their last write or
+lease renewal (Redis, where a killed replica cannot detach).
 """
 
 from __future__ import annotations
@@ -25,13 +30,41 @@ class ReplayOutOfRange(LookupError):
     """The requested position is no longer (or not yet) in the replay log."""
 
 
+class LeaseLost(Exception):
+    """Another connection (on this or another replica) took the session over, or it expired."""
+
+
 @dataclass
 class SentenceRecord:
     index: int
     text: str
     context_id: str | None
     state: SentenceState = "pending"
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # audio recorded for this sentence (recorded before it goes on the socket)
+    utterance: int = 0  # the session's utterance number (SynthesisRequest.utterance_key)
+
+
+@dataclass
+class MarkerRecord:
+    """An utterance end in the send order: `utterance.done` or `session.done` after `after` sentences."""
+
+    number: int  # per session, in send order
+    after: int  # sentences released before it
+    context_id: str | None
+    utterance: int
+    total_sentences: int  # the utterance's sentences (utterance.done)
+    by_close: bool = False  # ended by session.close
+    session_end: bool = False  # session.close's own session.done
+    sent: bool = False
+
+
+@dataclass
+class OpenUtterance:
+    """An utterance still taking text: its number and the text the segmenter has not released yet."""
+
+    context_id: str | None
+    utterance: int
+    text: str
 
 
 @dataclass
@@ -42,6 +75,9 @@ class SessionRecord:
     last_active: float
     attached: bool = True
     sentences: dict[int, SentenceRecord] = field(default_factory=dict)
+    markers: dict[int, MarkerRecord] = field(default_factory=dict)
+    open_utterances: dict[str | None, OpenUtterance] = field(default_factory=dict)
+    owner: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,8 +87,34 @@ class ReplayPiece:
     data: bytes
 
 
+def select_replay(
+    record: SessionRecord, log: list[ReplayPiece], sentence_index: int, byte_offset: int
+) -> list[ReplayPiece]:
+    """The logged audio from (sentence_index, byte_offset) on, or ReplayOutOfRange unless the log holds
+    every recorded byte from there (shared by the stores so that they agree on what is in range)."""
+    sentence = record.sentences.get(sentence_index)
+    if sentence is None:
+        if sentence_index == len(record.sentences) and byte_offset == 0:
+            return []  # the position right after everything
+        raise ReplayOutOfRange(f"sentence {sentence_index} was never released")
+    if byte_offset > sentence.bytes_sent:
+        raise ReplayOutOfRange(f"sentence {sentence_index} byte {byte_offset} was never sent")
+    owed = sum(s.bytes_sent for s in record.sentences.values() if s.index >= sentence_index) - byte_offset
+    pieces: list[ReplayPiece] = []
+    for piece in log:
+        if (piece.sentence_index, piece.offset + len(piece.data)) <= (sentence_index, byte_offset):
+            continue
+        if piece.sentence_index == sentence_index and piece.offset < byte_offset:
+            piece = ReplayPiece(piece.sentence_index, byte_offset, piece.data[byte_offset - piece.offset :])
+        pieces.append(piece)
+    if sum(len(p.data) for p in pieces) != owed:
+        raise ReplayOutOfRange(f"sentence {sentence_index} byte {byte_offset} is older than the replay log")
+    return pieces
+
+
 class SessionStore(abc.ABC):
-    """Where session state lives. All methods are coroutines so that a networked store fits."""
+    """Where session state lives. All methods are coroutines so that a networked store fits.
+    Writes take `owner=`: when given, a caller that no longer owns the session gets LeaseLost."""
 
     async def start(self) -> None:
         """Open connections, start expiry."""
@@ -61,45 +123,76 @@ class SessionStore(abc.ABC):
         """Close connections."""
 
     @abc.abstractmethod
-    async def create(self, session_id: str, config: dict[str, Any]) -> None: ...
+    async def create(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None: ...
 
     @abc.abstractmethod
     async def get(self, session_id: str) -> SessionRecord | None: ...
 
     @abc.abstractmethod
-    async def update_config(self, session_id: str, config: dict[str, Any]) -> None: ...
+    async def claim(self, session_id: str, owner: str) -> SessionRecord | None:
+        """Take the session over for `owner` (a resume) and return it attached; None if it is gone."""
 
     @abc.abstractmethod
-    async def add_sentence(self, session_id: str, index: int, text: str, context_id: str | None) -> None: ...
+    async def renew(self, session_id: str, owner: str) -> None:
+        """Keep the lease and the session alive while its connection is open; LeaseLost if taken over."""
 
     @abc.abstractmethod
-    async def set_sentence_state(self, session_id: str, index: int, state: SentenceState) -> None: ...
+    async def update_config(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None: ...
 
     @abc.abstractmethod
-    async def append_audio(self, session_id: str, index: int, data: bytes) -> None:
+    async def add_sentence(
+        self, session_id: str, index: int, text: str, context_id: str | None, *, utterance: int = 0,
+        owner: str | None = None,
+    ) -> None: ...
+
+    @abc.abstractmethod
+    async def set_sentence_state(
+        self, session_id: str, index: int, state: SentenceState, *, owner: str | None = None
+    ) -> None: ...
+
+    @abc.abstractmethod
+    async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
         """Record `data` as sent for sentence `index` (adds to bytes_sent and to the replay log)."""
+
+    @abc.abstractmethod
+    async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
+        """Record an utterance end in the send order (or, with marker.sent, that it went out)."""
+
+    @abc.abstractmethod
+    async def set_open_text(
+        self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, owner: str | None = None
+    ) -> None:
+        """The unreleased text of an open utterance; None when the utterance no longer takes text."""
 
     @abc.abstractmethod
     async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
         """Audio sent from (sentence_index, byte_offset) on. Raises ReplayOutOfRange if that is not kept."""
 
     @abc.abstractmethod
-    async def detach(self, session_id: str) -> None:
-        """The connection ended; the session may be resumed until it expires."""
+    async def detach(self, session_id: str, *, owner: str | None = None) -> None:
+        """The connection ended; the session may be resumed until it expires (a no-op for a non-owner)."""
 
     @abc.abstractmethod
-    async def delete(self, session_id: str) -> None: ...
+    async def delete(self, session_id: str, *, owner: str | None = None) -> None: ...
 
 
 class MemorySessionStore(SessionStore):
-    """Per-process store. Each app instance owns one; nothing is module-global."""
+    """Per-process store. Each app instance owns one; nothing is module-global. Resume works only on the
+    replica that served the session."""
 
-    def __init__(self, ttl_s: float = 120.0, replay_log_bytes: int = 4 * 1024 * 1024, sweep_interval_s: float = 5.0):
+    def __init__(
+        self,
+        ttl_s: float = 120.0,
+        replay_log_bytes: int = 4 * 1024 * 1024,
+        sweep_interval_s: float = 5.0,
+        replay_log_s: float = 300.0,
+    ):
         self.ttl_s = ttl_s
         self.replay_log_bytes = replay_log_bytes
+        self.replay_log_s = replay_log_s
         self.sweep_interval_s = sweep_interval_s
         self._sessions: dict[str, SessionRecord] = {}
-        self._logs: dict[str, deque[ReplayPiece]] = {}
+        self._logs: dict[str, deque[tuple[float, ReplayPiece]]] = {}
         self._log_sizes: dict[str, int] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -136,15 +229,20 @@ class MemorySessionStore(SessionStore):
         self._logs.pop(session_id, None)
         self._log_sizes.pop(session_id, None)
 
-    def _touch(self, session_id: str) -> SessionRecord | None:
+    def _owned(self, session_id: str, owner: str | None) -> SessionRecord | None:
+        """The record for a write, touched; LeaseLost if `owner` is given and does not hold it."""
         record = self._sessions.get(session_id)
+        if owner is not None and (record is None or record.owner != owner):
+            raise LeaseLost(session_id)
         if record is not None:
             record.last_active = time.monotonic()
         return record
 
-    async def create(self, session_id: str, config: dict[str, Any]) -> None:
+    async def create(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
         now = time.monotonic()
-        self._sessions[session_id] = SessionRecord(session_id, dict(config), created_at=now, last_active=now)
+        self._sessions[session_id] = SessionRecord(
+            session_id, dict(config), created_at=now, last_active=now, owner=owner
+        )
         self._logs[session_id] = deque()
         self._log_sizes[session_id] = 0
 
@@ -155,76 +253,108 @@ class MemorySessionStore(SessionStore):
             return None
         return record
 
-    async def update_config(self, session_id: str, config: dict[str, Any]) -> None:
-        record = self._touch(session_id)
+    async def claim(self, session_id: str, owner: str) -> SessionRecord | None:
+        record = await self.get(session_id)
+        if record is not None:
+            record.owner = owner
+            record.attached = True
+            record.last_active = time.monotonic()
+        return record
+
+    async def renew(self, session_id: str, owner: str) -> None:
+        self._owned(session_id, owner)
+
+    async def update_config(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
+        record = self._owned(session_id, owner)
         if record is not None:
             record.config = dict(config)
 
-    async def add_sentence(self, session_id: str, index: int, text: str, context_id: str | None) -> None:
-        record = self._touch(session_id)
+    async def add_sentence(
+        self, session_id: str, index: int, text: str, context_id: str | None, *, utterance: int = 0,
+        owner: str | None = None,
+    ) -> None:
+        record = self._owned(session_id, owner)
         if record is not None:
-            record.sentences[index] = SentenceRecord(index, text, context_id)
+            record.sentences[index] = SentenceRecord(index, text, context_id, utterance=utterance)
 
-    async def set_sentence_state(self, session_id: str, index: int, state: SentenceState) -> None:
-        record = self._touch(session_id)
+    async def set_sentence_state(
+        self, session_id: str, index: int, state: SentenceState, *, owner: str | None = None
+    ) -> None:
+        record = self._owned(session_id, owner)
         if record is not None and index in record.sentences:
             record.sentences[index].state = state
 
-    async def append_audio(self, session_id: str, index: int, data: bytes) -> None:
-        record = self._touch(session_id)
+    async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
+        record = self._owned(session_id, owner)
         if record is None or index not in record.sentences:
             return
         sentence = record.sentences[index]
+        now = time.monotonic()
         log = self._logs[session_id]
-        log.append(ReplayPiece(index, sentence.bytes_sent, data))
+        log.append((now, ReplayPiece(index, sentence.bytes_sent, data)))
         sentence.bytes_sent += len(data)
         self._log_sizes[session_id] += len(data)
-        while self._log_sizes[session_id] > self.replay_log_bytes and len(log) > 1:
-            self._log_sizes[session_id] -= len(log.popleft().data)
+        while len(log) > 1 and (
+            self._log_sizes[session_id] > self.replay_log_bytes or now - log[0][0] > self.replay_log_s
+        ):
+            self._log_sizes[session_id] -= len(log.popleft()[1].data)
+
+    async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
+        record = self._owned(session_id, owner)
+        if record is not None:
+            record.markers[marker.number] = MarkerRecord(**vars(marker))
+
+    async def set_open_text(
+        self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, owner: str | None = None
+    ) -> None:
+        record = self._owned(session_id, owner)
+        if record is None:
+            return
+        if text is None:
+            record.open_utterances.pop(context_id, None)
+        else:
+            record.open_utterances[context_id] = OpenUtterance(context_id, utterance, text)
 
     async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
         record = await self.get(session_id)
         if record is None:
             raise KeyError(session_id)
-        log = self._logs[session_id]
-        sentence = record.sentences.get(sentence_index)
-        if sentence is None or byte_offset > sentence.bytes_sent:
-            raise ReplayOutOfRange(f"sentence {sentence_index} byte {byte_offset} was never sent")
-        if byte_offset == sentence.bytes_sent and all(p.sentence_index <= sentence_index for p in log):
-            return []
-        oldest = log[0] if log else None
-        if oldest is None or (oldest.sentence_index, oldest.offset) > (sentence_index, byte_offset):
-            raise ReplayOutOfRange(f"sentence {sentence_index} byte {byte_offset} is older than the replay log")
-        pieces: list[ReplayPiece] = []
-        for piece in log:
-            if piece.sentence_index < sentence_index:
-                continue
-            if piece.sentence_index == sentence_index:
-                end = piece.offset + len(piece.data)
-                if end <= byte_offset:
-                    continue
-                if piece.offset < byte_offset:
-                    cut = byte_offset - piece.offset
-                    piece = ReplayPiece(piece.sentence_index, byte_offset, piece.data[cut:])
-            pieces.append(piece)
-        return pieces
+        return select_replay(record, [piece for _, piece in self._logs[session_id]], sentence_index, byte_offset)
 
-    async def detach(self, session_id: str) -> None:
-        record = self._touch(session_id)
-        if record is not None:
+    async def detach(self, session_id: str, *, owner: str | None = None) -> None:
+        record = self._sessions.get(session_id)
+        if record is not None and (owner is None or record.owner == owner):
             record.attached = False
+            record.owner = None
+            record.last_active = time.monotonic()
 
-    async def delete(self, session_id: str) -> None:
-        self._drop(session_id)
+    async def delete(self, session_id: str, *, owner: str | None = None) -> None:
+        record = self._sessions.get(session_id)
+        if record is not None and (owner is None or record.owner == owner):
+            self._drop(session_id)
 
 
-def create_store(kind: str, *, ttl_s: float, replay_log_bytes: int, redis_url: str | None = None) -> SessionStore:
+def create_store(
+    kind: str,
+    *,
+    ttl_s: float,
+    replay_log_bytes: int,
+    redis_url: str | None = None,
+    replay_log_s: float = 300.0,
+    key_prefix: str = "voxgate:",
+    lease_s: float = 10.0,
+) -> SessionStore:
     if kind == "memory":
-        return MemorySessionStore(ttl_s=ttl_s, replay_log_bytes=replay_log_bytes)
+        return MemorySessionStore(ttl_s=ttl_s, replay_log_bytes=replay_log_bytes, replay_log_s=replay_log_s)
     if kind == "redis":
-        try:
-            from .redis_store import RedisSessionStore  # issue 5
-        except ImportError as exc:
-            raise RuntimeError("store=redis is not available in this build (gateway/redis_store.py)") from exc
-        return RedisSessionStore(redis_url=redis_url, ttl_s=ttl_s, replay_log_bytes=replay_log_bytes)
+        from .redis_store import RedisSessionStore
+
+        return RedisSessionStore(
+            redis_url=redis_url or "redis://127.0.0.1:6379/0",
+            ttl_s=ttl_s,
+            replay_log_bytes=replay_log_bytes,
+            replay_log_s=replay_log_s,
+            key_prefix=key_prefix,
+            lease_s=lease_s,
+        )
     raise ValueError(f"unknown session store {kind!r}; choose memory or redis")

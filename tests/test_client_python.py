@@ -397,7 +397,6 @@ async def _take(iterator, count):
             return
 
 
-@pytest.mark.xfail(strict=True, reason="gateway resume lands with issue 5")
 async def test_resume_after_the_socket_is_closed_mid_sentence(paced_gateway):
     text = "The first sentence plays completely. The second sentence is cut in the middle of it. Then a third."
     sentences = ["The first sentence plays completely.", "The second sentence is cut in the middle of it.",
