@@ -15,6 +15,11 @@ import { Emitter } from "./emitter.js";
 
 export const STREAM_PATH = "/v1/audio/speech/stream";
 
+// Close codes after which a session is worth resuming: the connection dropped (1006), the server went
+// away or restarts (1001, 1012), failed internally (1011) or is overloaded (1013). Not 1000 (finished) or
+// the policy and size refusals (1008, 1009), which a retry would only repeat.
+const RESUMABLE_CLOSE_CODES = new Set([1001, 1006, 1011, 1012, 1013]);
+
 const SERVER_EVENTS = [
   "session.started",
   "audio.start",
@@ -160,13 +165,20 @@ function configMessage(options) {
  * `audio.done`, `utterance.done`, `context.cancelled`, `session.done`, `error`, `pong`) with the parsed
  * message; `audio` for each binary frame as
  * `{sentenceIndex, contextId, format, sampleRate, offset, bytes: Uint8Array, samples: Int16Array}`;
- * `message` for every JSON message; `close` with `{code, reason}`.
+ * `message` for every JSON message; `close` with `{code, reason}` once the session is over.
+ *
+ * With `options.autoResume`, a dropped connection is reopened with `session.resume` at the position this
+ * client reached (events `reconnecting` and `resumed`); the server replays what was missed, so the audio
+ * stream continues byte-exact and pending `speak()`/`streamText()` promises carry on. Messages sent
+ * while reconnecting are queued and sent once the session is back.
  *
  * Audio for a context that this client cancelled is not emitted (audio already in flight when the cancel
  * was sent is dropped here, as the server drops what it had not sent), but it still counts for resume.
  */
 export class VoxgateClient extends Emitter {
   #pingCounter = 0;
+  #intentionalClose = false;
+  #outbox = null; // messages waiting for a resumed connection (null while connected)
 
   constructor(url, options = {}) {
     super();
@@ -179,6 +191,8 @@ export class VoxgateClient extends Emitter {
     this.voice = null;
     this.voices = [];
     this.closed = false;
+    this.resuming = false;
+    this.resumes = 0;
     // Where the audio stream stands: the sentence being received and its bytes so far. That names the
     // next byte the client needs, which is what session.resume sends after a dropped connection.
     this.sentenceIndex = null;
@@ -219,47 +233,96 @@ export class VoxgateClient extends Emitter {
     };
   }
 
+  // Open a socket, send `firstMessage` (session.config or session.resume), wait for session.started.
+  // Rejects if the server refuses or the socket closes first; after that, the socket's end goes to
+  // #onSocketClosed.
   async open(firstMessage) {
     const WebSocketImpl = await resolveWebSocket(this.options.WebSocket);
     const target = streamUrl(this.url, this.options);
-    const socket = new WebSocketImpl(target, this.options.protocols);
+    const socketOptions = this.options.apiKey && WebSocketImpl !== globalThis.WebSocket ? { headers: { "X-API-Key": this.options.apiKey } } : undefined;
+    const socket = new WebSocketImpl(target, this.options.protocols, socketOptions);
     socket.binaryType = "arraybuffer";
     this.socket = socket;
+    let established = false;
 
     await new Promise((resolve, reject) => {
-      const timeoutMs = this.options.connectTimeoutMs ?? 10000;
-      const timer = setTimeout(() => fail(new VoxgateError(`no answer from ${target} within ${timeoutMs} ms`)), timeoutMs);
-      const cleanups = [];
-      const finish = () => {
+      let settled = false;
+      const removers = [];
+      const settle = (error) => {
+        if (settled) return;
+        settled = true;
         clearTimeout(timer);
-        cleanups.forEach((cleanup) => cleanup());
-      };
-      const fail = (error) => {
-        finish();
-        if (socket.readyState <= 1) socket.close(1000);
-        reject(error);
-      };
-      cleanups.push(
-        this.once("session.started", () => {
-          finish();
+        removers.forEach((remove) => remove());
+        if (error) {
+          if (socket.readyState <= 1) socket.close(1000);
+          reject(error);
+        } else {
+          established = true;
           resolve();
-        }),
-        this.on("error", (message) => fail(VoxgateError.fromMessage(message))),
-        this.once("close", ({ code, reason }) =>
-          fail(new VoxgateError(`connection closed before the session started (code ${code}${reason ? `: ${reason}` : ""})`)),
-        ),
+        }
+      };
+      const timeoutMs = this.options.connectTimeoutMs ?? 10000;
+      const timer = setTimeout(() => settle(new VoxgateError(`no answer from ${target} within ${timeoutMs} ms`)), timeoutMs);
+      removers.push(
+        this.on("session.started", () => settle()),
+        this.on("error", (message) => settle(VoxgateError.fromMessage(message))),
       );
-      socket.onopen = () => this.#sendJson(firstMessage);
-      socket.onerror = (event) => fail(new VoxgateError(`cannot connect to ${target}: ${event?.message || "socket error"}`));
-      socket.onmessage = (event) => this.#onFrame(event.data);
-      socket.onclose = (event) => this.#onClose(event);
+      socket.onopen = () => socket.send(JSON.stringify(firstMessage));
+      socket.onerror = (event) => settle(new VoxgateError(`cannot connect to ${target}: ${event?.message || "socket error"}`));
+      socket.onmessage = (event) => {
+        if (socket === this.socket) this.#onFrame(event.data);
+      };
+      socket.onclose = (event) => {
+        const code = event?.code ?? 1006;
+        settle(new VoxgateError(`connection closed before the session started (code ${code}${event?.reason ? `: ${event.reason}` : ""})`));
+        if (established && socket === this.socket) this.#onSocketClosed(code, event?.reason ?? "");
+        else if (!this.resuming) this.closed = true;
+      };
     });
+    this.closed = false;
     return this;
   }
 
-  #onClose(event) {
+  #onSocketClosed(code, reason) {
+    const resumable = this.options.autoResume && !this.#intentionalClose && this.sessionId && RESUMABLE_CLOSE_CODES.has(code);
+    if (resumable) {
+      this.#resumeAfterDrop(code, reason);
+      return;
+    }
     this.closed = true;
-    this.emit("close", { code: event?.code ?? 1006, reason: event?.reason ?? "" });
+    this.emit("close", { code, reason });
+  }
+
+  async #resumeAfterDrop(code, reason) {
+    this.resuming = true;
+    this.#outbox = [];
+    this.emit("reconnecting", { code, reason, ...this.resumeState() });
+    const attempts = this.options.resumeAttempts ?? 5;
+    let failure = null;
+    for (let attempt = 1; attempt <= attempts && !this.#intentionalClose; attempt++) {
+      await new Promise((resolve) => setTimeout(resolve, Math.min(2000, 100 * 2 ** (attempt - 1))));
+      const state = this.resumeState();
+      try {
+        // The server starts again with audio.start for the sentence we were in (and replays from our byte).
+        this.currentSentence = null;
+        await this.open({ type: "session.resume", ...state });
+      } catch (error) {
+        failure = error;
+        if (error.code === "session_not_found" || error.code === "resume_out_of_range") break;
+        continue;
+      }
+      this.resuming = false;
+      this.resumes += 1;
+      const queued = this.#outbox;
+      this.#outbox = null;
+      for (const message of queued) this.#sendJson(message);
+      this.emit("resumed", { attempt, ...state });
+      return;
+    }
+    this.resuming = false;
+    this.#outbox = null;
+    this.closed = true;
+    this.emit("close", { code, reason: failure ? `resume failed: ${failure.message}` : reason });
   }
 
   #onFrame(data) {
@@ -345,6 +408,10 @@ export class VoxgateClient extends Emitter {
   }
 
   #sendJson(message) {
+    if (this.#outbox !== null) {
+      this.#outbox.push(message);
+      return;
+    }
     if (!this.socket || this.socket.readyState !== 1) {
       throw new VoxgateError(`cannot send ${message.type}: the connection is not open`, { code: "internal" });
     }
@@ -387,6 +454,7 @@ export class VoxgateClient extends Emitter {
   /** Ask the server to finish everything open, answer session.done and close. */
   async close({ timeoutMs = 30000 } = {}) {
     if (this.closed) return;
+    this.#intentionalClose = true;
     const closed = new Promise((resolve) => this.once("close", resolve));
     this.#sendJson({ type: "session.close" });
     const timer = setTimeout(() => this.socket.close(1000), timeoutMs);
@@ -396,6 +464,7 @@ export class VoxgateClient extends Emitter {
 
   /** Drop the connection without a protocol goodbye (the session stays resumable on the server). */
   disconnect() {
+    this.#intentionalClose = true;
     this.socket?.close(1000);
   }
 
@@ -460,7 +529,10 @@ export class VoxgateClient extends Emitter {
       const mine = (message) => (message.context_id ?? null) === contextId;
       removers.push(
         this.on("message", (message) => {
-          if (message.type === "audio.start" && mine(message)) sentences.push(message.sentence_index);
+          if (message.type === "audio.start" && mine(message)) {
+            // A resumed sentence starts again with its audio.start: count it once.
+            if (!sentences.includes(message.sentence_index)) sentences.push(message.sentence_index);
+          }
           else if (message.type === "utterance.done" && mine(message)) finish({ cancelled: false });
           else if (message.type === "session.done" && contextId === null) finish({ cancelled: false });
           else if (message.type === "context.cancelled" && mine(message)) finish({ cancelled: true });
