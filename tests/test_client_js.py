@@ -135,3 +135,17 @@ def test_unknown_voice_is_refused_with_its_code(observed):
     assert refused is not None, "connect() accepted an unknown voice"
     assert refused["code"] == "unknown_voice" and refused["retryable"] is False
     assert "tone-mid" in refused["message"]
+
+
+def test_auto_resume_after_a_dropped_connection_is_byte_exact(backend, observed):
+    result = observed["autoResume"]
+    assert result["resumes"] == 1
+    reconnecting, resumed = result["events"]
+    assert reconnecting["type"] == "reconnecting" and reconnecting["code"] == 1006
+    assert resumed["type"] == "resumed" and resumed["sentence_index"] == result["droppedAt"]["sentence_index"]
+    # Cut in the middle of the first sentence ...
+    assert result["droppedAt"]["sentence_index"] == 0
+    assert 0 < result["droppedAt"]["bytes_received"] < len(rendered(backend, result["sentences"][0]["text"])) * 2
+    # ... and still every sentence arrived exactly once, whole and byte-identical to the backend's audio.
+    assert [s["index"] for s in result["sentences"]] == [0, 1, 2]
+    check_sentences_exact(backend, result, result["text"])

@@ -158,6 +158,34 @@ async function resumePosition() {
   return { state, receivedForSentence, frames };
 }
 
+async function autoResume() {
+  // The connection drops mid-sentence (the TCP socket is destroyed, no close frame): the client resumes
+  // the session on a new socket and the audio continues exactly where it stopped.
+  const client = await VoxgateClient.connect(baseUrl, { voice, seed: 7, autoResume: true });
+  const audio = recordAudio(client);
+  const events = [];
+  client.on("reconnecting", (event) => events.push({ type: "reconnecting", ...event }));
+  client.on("resumed", (event) => events.push({ type: "resumed", ...event }));
+  const text = "First comes a sentence that is long enough to be cut in the middle. Then a second one follows it. A third ends the test.";
+  const finished = client.speak(text);
+  let frames = 0;
+  const dropped = new Promise((resolve) => {
+    const remove = client.on("audio", () => {
+      if (++frames === 3) {
+        remove();
+        const position = client.resumeState();
+        client.socket.terminate();
+        resolve(position);
+      }
+    });
+  });
+  const droppedAt = await dropped;
+  const result = await finished;
+  const out = { text, droppedAt, events, resumes: client.resumes, ...summarize(result, audio) };
+  await client.close();
+  return out;
+}
+
 async function errors() {
   // An unknown voice is refused with its protocol code instead of a silent default.
   try {
@@ -168,7 +196,7 @@ async function errors() {
   }
 }
 
-const scenarios = { fullUtterance, streamedTokens, contexts, cancel, resumePosition, errors };
+const scenarios = { fullUtterance, streamedTokens, contexts, cancel, resumePosition, autoResume, errors };
 const output = { node: process.version, hasGlobalWebSocket: typeof globalThis.WebSocket !== "undefined" };
 output.voices = await listVoices(baseUrl);
 for (const [name, run] of Object.entries(scenarios)) {
