@@ -149,6 +149,9 @@ def test_custom_voice_codes_match_reference(cv_model, cv_reference, case):
     ours = _ours(cv_model, case, trace)
     assert sum(len(c) for c in ours) > 0
     _assert_same_codes(ours, ref["codes"], case["name"])
+    if len(ours) > 1:
+        # Coverage: one row stops (EOS) while the other goes on, so the finished-row rules are exercised.
+        assert len({len(c) for c in ours}) > 1
     # Same steps, same logits (fp32): the talker's c0 logits and every code-predictor draw.
     talker = torch.stack(trace["talker_logits"])
     predictor = torch.stack(trace["predictor_logits"])
