@@ -132,3 +132,21 @@ def test_screenshots_saved(run):
     for name in ("web-demo-played.png", "web-demo-interrupted.png"):
         path = SCREENSHOTS / name
         assert path.stat().st_size > 20_000, f"{path} is missing or blank"
+
+
+def test_mulaw_8k_is_decoded_and_resampled_in_the_browser(backend, run):
+    final = run["mulaw"]
+    utterance, player = final["utterance"], final["player"]
+    assert final["format"] == "mulaw" and final["streamRate"] == 8000 and final["bytesPerSample"] == 1
+    assert final["sessionId"] != run["afterBargeIn"]["sessionId"]  # new settings, new session
+    assert utterance["outcome"] == "played"
+    (sentence,) = utterance["sentences"]
+    # One byte per sample on the wire; the gateway resampled 24 kHz to 8 kHz (soxr, so +-1 sample).
+    assert sentence["bytes"] == sentence["totalBytes"] == sentence["samples"] == utterance["samples"]
+    assert abs(sentence["samples"] - samples_of(backend, sentence["text"]) / 3) <= 2
+    # The worklet counts across the page's life: this utterance added exactly its samples.
+    previous = run["afterBargeIn"]["player"]
+    assert player["samplesReceived"] - previous["samplesReceived"] == sentence["samples"]
+    added_frames = player["framesPlayed"] - previous["framesPlayed"]
+    assert abs(added_frames - sentence["samples"] * final["contextRate"] / 8000) <= 2
+    assert player["underruns"] == 0 and player["bufferedFrames"] == 0

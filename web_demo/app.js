@@ -145,7 +145,9 @@ async function ensureClient() {
   if (state.client && !state.client.closed && state.clientKey === key) return state.client;
   if (state.client && !state.client.closed) await state.client.close().catch(() => {});
   setStatus("busy", "connecting");
-  const client = await VoxgateClient.connect(gatewayUrl, wanted);
+  // autoResume: a dropped connection is resumed where it stopped; the audio continues without a gap
+  // beyond the reconnect time.
+  const client = await VoxgateClient.connect(gatewayUrl, { ...wanted, autoResume: true });
   state.client = client;
   state.clientKey = key;
   setStatus("live", `session ${client.sessionId.slice(0, 8)}`);
@@ -213,6 +215,14 @@ function wireClient(client) {
     if (state.utterance && message.context_id === state.utterance.contextId) state.utterance.cancelAcknowledged = true;
   });
   client.on("error", (message) => logEvent(`error ${message.code}: ${message.message}`, "error"));
+  client.on("reconnecting", ({ code, sentence_index, bytes_received }) => {
+    setStatus("busy", "reconnecting");
+    logEvent(`connection lost (${code}); resuming at sentence ${sentence_index}, byte ${bytes_received}`, "warn");
+  });
+  client.on("resumed", () => {
+    setStatus("live", `session ${client.sessionId.slice(0, 8)}`);
+    logEvent("session resumed");
+  });
   client.on("close", ({ code }) => {
     if (state.client === client) {
       setStatus(code === 1000 ? "idle" : "error", code === 1000 ? "session closed" : `closed (${code})`);

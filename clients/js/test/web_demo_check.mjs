@@ -84,6 +84,15 @@ try {
   await waitFor(() => window.voxgateDemo.snapshot().utterance?.outcome === "played");
   await page.waitForTimeout(150);
   output.afterBargeIn = await snapshot();
+
+  // 4. Telephony format: mu-law at 8 kHz (a new session), decoded and resampled in the browser.
+  await page.selectOption("#format", "mulaw");
+  await page.selectOption("#sample-rate", "8000");
+  await page.fill("#text", "Now in mu-law, at eight kilohertz.");
+  await page.click("#speak");
+  await waitFor(() => window.voxgateDemo.snapshot().utterance?.contextId === "utt-4" && window.voxgateDemo.snapshot().utterance.outcome === "played");
+  await page.waitForTimeout(150);
+  output.mulaw = await snapshot();
 } catch (error) {
   output.failure = String(error.stack || error);
   process.exitCode = 1;
