@@ -48,11 +48,13 @@ def gpu_memory_mib() -> float | None:
         return None
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> float:
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode} before it was ready")
+        if log_path is not None and "backend failed to start" in log_path.read_text(errors="replace"):
+            raise RuntimeError(f"the backend failed to start; see {log_path}")
         try:
             with urllib.request.urlopen(base + "/ready", timeout=2) as response:
                 if response.status == 200:
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"tool": "bench/engine_load.py", "command": " ".join(["python", "bench/engine_load.py", *(argv or sys.argv[1:])]),
               "gateway_command": " ".join(command), "rates": []}
     try:
-        report["startup_s"] = wait_ready(base, proc, args.ready_timeout)
+        report["startup_s"] = wait_ready(base, proc, args.ready_timeout, args.log)
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
         prompts = load_prompts(ROOT / "bench" / "data" / "arctic_en.jsonl")

@@ -8,10 +8,13 @@ that (and a warm-up request) are done.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator
 
 from .base import AudioChunk, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice
+
+log = logging.getLogger(__name__)
 
 # ISO codes the gateway may pass -> the model's language names.
 _LANGUAGE_CODES = {
@@ -81,18 +84,20 @@ class Qwen3Synthesizer(Synthesizer):
         self._ready = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def _build(self) -> None:
+    def _load_model(self) -> None:
         import torch
 
+        from .qwen3.generate import Qwen3TTS
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = Qwen3TTS.from_pretrained(self.model_path, device=device, dtype=getattr(torch, self.dtype))
+
+    def _build(self) -> None:
         from .engine.engine import Engine, EngineConfig
         from .engine.request import Stage
         from .engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
         from .engine.scheduler import SchedulerConfig
-        from .qwen3.generate import Qwen3TTS
 
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, self.dtype)
-        self.model = Qwen3TTS.from_pretrained(self.model_path, device=device, dtype=dtype)
         runner = Qwen3ModelRunner(self.model, Qwen3RunnerConfig(
             max_slots=self.max_active, max_len=self.max_len, cuda_graphs=self.cuda_graphs, sampler=self.sampler,
             greedy=self.greedy, **self.runner_options,
@@ -119,9 +124,23 @@ class Qwen3Synthesizer(Synthesizer):
                                   description="Qwen3-TTS VoiceDesign: describe the voice in the instructions")]
 
     async def start(self) -> None:
+        await asyncio.to_thread(self._load_model)
         await asyncio.to_thread(self._build)
         self.engine.start()
-        await asyncio.to_thread(self.engine.wait_ready)
+        try:
+            await asyncio.to_thread(self.engine.wait_ready)
+        except SynthesisError:
+            if not self.engine.runner.fused or "fused" in self.runner_options:
+                raise
+            # The compiled fast path failed to build on this machine: serve with the plain modules
+            # (slower, same results) rather than not at all, and say so in the log.
+            log.exception("fused fast path failed at start-up; falling back to the plain model modules")
+            await asyncio.to_thread(self.engine.stop)
+            self.engine = None
+            self.runner_options["fused"] = False
+            await asyncio.to_thread(self._build)
+            self.engine.start()
+            await asyncio.to_thread(self.engine.wait_ready)
         if self.warmup:
             # One short request through every stage (and the first-chunk path) before we say ready.
             warm = SynthesisRequest(text="Warm up.", voice=self.default_voice, seed=0, max_new_tokens=8,

@@ -47,8 +47,11 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 def make_layer_fn(n_heads: int, n_kv: int, head_dim: int, eps: float, theta: float):
     """One pre-norm decoder layer over S new positions of B rows, writing K/V into per-layer cache tensors."""
 
-    def layer(x, ln1, wqkv, q_norm, k_norm, wo, ln2, wgu, wd, k_cache, v_cache, slots, pos, attend_len: int):
+    def layer(x, ln1, wqkv, q_norm, k_norm, wo, ln2, wgu, wd, k_cache, v_cache, slots, pos, key_pos):
+        # key_pos: arange(attend_len); the attended length travels as a tensor size, never as a Python int,
+        # so the compiled graph has only tensor inputs (sizes symbolic) and one compile serves every length.
         B, S, _ = x.shape
+        attend_len = key_pos.shape[0]
         h = _rms_norm(x, ln1, eps)
         q, k, v = F.linear(h, wqkv).split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
         q = _rope(_rms_norm(q.reshape(B, S, n_heads, head_dim), q_norm, eps), pos, theta)
@@ -56,9 +59,8 @@ def make_layer_fn(n_heads: int, n_kv: int, head_dim: int, eps: float, theta: flo
         rows = slots[:, None].expand(B, S)
         k_cache[rows, :, pos] = k
         v_cache[rows, :, pos] = v.reshape(B, S, n_kv, head_dim)
-        keys = k_cache[slots, :, :attend_len]  # [B, Hkv, A, Dh]
-        values = v_cache[slots, :, :attend_len]
-        key_pos = torch.arange(attend_len, device=x.device)
+        keys = k_cache.narrow(2, 0, attend_len)[slots]  # [B, Hkv, A, Dh]
+        values = v_cache.narrow(2, 0, attend_len)[slots]
         mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, A]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         x = x + F.linear(out.transpose(1, 2).reshape(B, S, n_heads * head_dim), wo)
@@ -84,6 +86,12 @@ def _snake_beta(x, alpha, beta):
     a = torch.exp(alpha)[None, :, None]
     b = torch.exp(beta)[None, :, None]
     return x + (1.0 / (b + 1e-9)) * torch.pow(torch.sin(x * a), 2)
+
+
+def unfuse_codec_activations(codec) -> None:
+    """Undo `fuse_codec_activations` (back to the class's own forward)."""
+    for module in codec.modules():
+        module.__dict__.pop("forward", None)
 
 
 def fuse_codec_activations(codec, compile: bool) -> int:
@@ -143,37 +151,47 @@ class FusedStack:
         self.norm_weight = stack.norm.weight.detach()
         self.layer_fn = _compile(make_layer_fn(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                                cfg.rms_norm_eps, cfg.rope_theta), compile)
-        self.norm_fn = _compile(_rms_norm, compile)
+        eps = cfg.rms_norm_eps
+        self.norm_fn = _compile(lambda x, w: _rms_norm(x, w, eps), compile)
+        self.key_positions = torch.arange(max(cfg.max_position_embeddings, 1), device=self.norm_weight.device)
 
     def forward(self, x: torch.Tensor, cache: PerLayerKV, slots: torch.Tensor, pos: torch.Tensor,
                 attend_len: int, final_norm: bool = True) -> torch.Tensor:
+        key_pos = self.key_positions[:attend_len]
         for i, weights in enumerate(self.layers):
-            x = self.layer_fn(x, *weights, cache.k[i], cache.v[i], slots, pos, attend_len)
-        return self.norm_fn(x, self.norm_weight, self.eps) if final_norm else x
+            x = self.layer_fn(x, *weights, cache.k[i], cache.v[i], slots, pos, key_pos)
+        return self.norm_fn(x, self.norm_weight) if final_norm else x
 
 
-def _residual_sample(logits, seeds, counters, temperature: float, top_k: int, top_p: float):
-    scores = warp(logits.float(), temperature, top_k, top_p)
-    return torch.argmax(scores + gumbel_noise(seeds, counters, scores.shape[-1]), dim=-1)
+def residual_sampler(params, compile: bool):
+    """Code-predictor draw: temperature -> top-k -> top-p -> Gumbel-max (sampling settings are constants of
+    the compiled function, not inputs)."""
+    temperature, top_k, top_p = params.subtalker_temperature, params.subtalker_top_k, params.subtalker_top_p
+
+    def sample(logits, seeds, counters):
+        scores = warp(logits.float(), temperature, top_k, top_p)
+        return torch.argmax(scores + gumbel_noise(seeds, counters, scores.shape[-1]), dim=-1)
+
+    return _compile(sample, compile)
 
 
-def _talker_sample(logits, seen, generated, seeds, draws, suppress, eos_onehot, repetition_penalty: float,
-                   min_new_tokens: int, do_sample: bool, temperature: float, top_k: int, top_p: float):
+def talker_sampler(params, compile: bool):
     """The talker's logits pipeline (qwen3.sampling.talker_scores) on per-row state, then a stateless draw."""
-    scores = logits.float()
-    if repetition_penalty != 1.0:
-        penalised = torch.where(scores < 0, scores * repetition_penalty, scores / repetition_penalty)
-        scores = torch.where(seen, penalised, scores)
-    block = (generated < min_new_tokens)[:, None] & eos_onehot[None]
-    scores = scores.masked_fill(block, float("-inf")).masked_fill(suppress, float("-inf"))
-    if not do_sample:
-        return torch.argmax(scores, dim=-1)
-    scores = warp(scores, temperature, top_k, top_p)
-    return torch.argmax(scores + gumbel_noise(seeds, draws, scores.shape[-1]), dim=-1)
+    penalty, min_new = params.repetition_penalty, params.min_new_tokens
+    do_sample, temperature, top_k, top_p = params.do_sample, params.temperature, params.top_k, params.top_p
 
+    def sample(logits, seen, generated, seeds, draws, suppress, eos_onehot):
+        scores = logits.float()
+        if penalty != 1.0:
+            scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+        block = (generated < min_new)[:, None] & eos_onehot[None]
+        scores = scores.masked_fill(block, float("-inf")).masked_fill(suppress, float("-inf"))
+        if not do_sample:
+            return torch.argmax(scores, dim=-1)
+        scores = warp(scores, temperature, top_k, top_p)
+        return torch.argmax(scores + gumbel_noise(seeds, draws, scores.shape[-1]), dim=-1)
 
-def talker_sampler(compile: bool):
-    return _compile(_talker_sample, compile)
+    return _compile(sample, compile)
 
 
 def _frame_embeds(c0_embed, residual, tables: list[torch.Tensor]):
@@ -196,7 +214,7 @@ class FusedCodePredictor:
         self.heads = [h.weight.detach() for h in cp.lm_head]
         self.tables = [t.weight.detach() for t in cp.model.codec_embedding]
         self.params = params
-        self.sample_fn = _compile(_residual_sample, compile)
+        self.sample_fn = residual_sampler(params, compile)
         self.embed_fn = _compile(_frame_embeds, compile)
 
     def run(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
@@ -216,8 +234,7 @@ class FusedCodePredictor:
             h = self.stack.forward(x, cache, rows, pos, attend)[:, 0]
             logits = F.linear(h, self.heads[g])
             if p.subtalker_do_sample:
-                code = self.sample_fn(logits, seeds, counters + g, p.subtalker_temperature, p.subtalker_top_k,
-                                      p.subtalker_top_p)
+                code = self.sample_fn(logits, seeds, counters + g)
             else:
                 code = torch.argmax(logits.float(), dim=-1)
             codes.append(code)

@@ -166,11 +166,14 @@ class Qwen3ModelRunner(ModelRunner):
             self.cp_cache = PerLayerKV.for_stack(tcfg.code_predictor, cp_rows, G, dev, dtype)
             self.fused_talker = FusedStack(m.talker.model, self.compile)
             self.fused_cp = FusedCodePredictor(m.code_predictor, m.talker, self.params, self.compile)
-            self.talker_sample_fn = talker_sampler(self.compile)
+            self.talker_sample_fn = talker_sampler(self.params, self.compile)
             fuse_codec_activations(self.codec_module, self.compile)
             if dev.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 codec's matmuls (convs already use TF32)
         else:
+            from .fused import unfuse_codec_activations
+
+            unfuse_codec_activations(self.codec_module)  # a failed fast-path start may have patched it
             self.kv = m.new_talker_cache(S, cfg.max_len)
             self.cp_cache = m.new_predictor_cache(cp_rows)
         self.cp_rows = torch.arange(max(self.decode_buckets), device=dev)
@@ -250,9 +253,8 @@ class Qwen3ModelRunner(ModelRunner):
             return torch.cat(out)
         if self.fused:
             draws = self.draws[slots]
-            c0 = self.talker_sample_fn(
-                logits, self.presence[slots], self.generated[slots], self.seeds[slots], draws, self.suppress,
-                self.eos_onehot, p.repetition_penalty, p.min_new_tokens, p.do_sample, p.temperature, p.top_k, p.top_p)
+            c0 = self.talker_sample_fn(logits, self.presence[slots], self.generated[slots], self.seeds[slots], draws,
+                                       self.suppress, self.eos_onehot)
             if p.do_sample:
                 self.draws[slots] = draws + 1
             self.presence.index_put_((slots, c0), self._true)
