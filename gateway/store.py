@@ -323,14 +323,14 @@ class MemorySessionStore(SessionStore):
 
     async def detach(self, session_id: str, *, owner: str | None = None) -> None:
         record = self._sessions.get(session_id)
-        if record is not None and (owner is None or record.owner == owner):
+        if record is not None and (owner is None or record.owner in (None, owner)):
             record.attached = False
             record.owner = None
             record.last_active = time.monotonic()
 
     async def delete(self, session_id: str, *, owner: str | None = None) -> None:
         record = self._sessions.get(session_id)
-        if record is not None and (owner is None or record.owner == owner):
+        if record is not None and (owner is None or record.owner in (None, owner)):
             self._drop(session_id)
 
 

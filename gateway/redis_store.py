@@ -1,0 +1,310 @@
+"""The Redis session store (`voxgate serve --store redis --redis-url ...`): any replica can resume any session.
+
+Per session, under `{prefix}{<session_id>}:` (one hash tag, so a Redis Cluster keeps a session's keys in
+one slot and Lua scripts may touch them all):
+
+    meta      hash    config (JSON), created (unix s), attached (0/1)
+    lease     string  the owning connection's token, with a PX expiry of `lease_s` (renewed while it works)
+    text      hash    sentence index -> {"t": text, "c": context_id, "u": utterance number}
+    state     hash    sentence index -> pending | speaking | done | cancelled | failed
+    bytes     hash    sentence index -> audio bytes recorded
+    markers   hash    marker number -> MarkerRecord (JSON)
+    open      hash    JSON context id -> {"u": utterance number, "t": unreleased text}
+    log       stream  the replay log: entries (i: sentence, o: byte offset, d: audio)
+    logbytes  string  bytes held by the log
+
+Every write is one Lua script call (one round trip): it checks that the session exists and that the
+caller still holds the lease (a resume elsewhere overwrites the lease: the old owner's next write fails
+with LeaseLost), applies the change, trims the log to `replay_log_bytes` and `replay_log_s` (oldest
+entries first), and pushes every key's expiry `ttl_s` into the future - so a session whose replica died
+without a word still disappears `ttl_s` after its last write or lease renewal.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from .store import (
+    LeaseLost,
+    MarkerRecord,
+    OpenUtterance,
+    ReplayPiece,
+    SentenceRecord,
+    SentenceState,
+    SessionRecord,
+    SessionStore,
+    select_replay,
+)
+
+KEY_NAMES = ("meta", "lease", "text", "state", "bytes", "markers", "open", "log", "logbytes")
+KEY = {name: position for position, name in enumerate(KEY_NAMES, start=1)}  # Lua KEYS[] positions
+
+# Shared by every script: KEYS in KEY_NAMES order; ARGV[1] owner ('' = unfenced), ARGV[2] lease ms,
+# ARGV[3] ttl ms.
+_PRELUDE = """
+local function fence()
+  if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+  if ARGV[1] ~= '' then
+    local holder = redis.call('GET', KEYS[2])
+    if holder and holder ~= ARGV[1] then return false end
+    redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+  end
+  return true
+end
+local function refresh()
+  for i = 1, #KEYS do
+    if i ~= 2 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+  end
+end
+"""
+
+# ARGV[4..]: groups of (op, key position, field, value); op H = HSET, D = HDEL.
+_WRITE = _PRELUDE + """
+if not fence() then return 0 end
+local i = 4
+while i <= #ARGV do
+  local key = KEYS[tonumber(ARGV[i + 1])]
+  if ARGV[i] == 'H' then
+    redis.call('HSET', key, ARGV[i + 2], ARGV[i + 3])
+  else
+    redis.call('HDEL', key, ARGV[i + 2])
+  end
+  i = i + 4
+end
+refresh()
+return 1
+"""
+
+# ARGV[4] sentence index, ARGV[5] audio, ARGV[6] log cap in bytes, ARGV[7] log cap in ms.
+_APPEND = _PRELUDE + """
+if not fence() then return 0 end
+if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 0 then return 1 end
+local length = string.len(ARGV[5])
+local offset = redis.call('HINCRBY', KEYS[5], ARGV[4], length) - length
+redis.call('XADD', KEYS[8], '*', 'i', ARGV[4], 'o', offset, 'd', ARGV[5])
+local size = redis.call('INCRBY', KEYS[9], length)
+local now = redis.call('TIME')
+local oldest_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[7])
+while redis.call('XLEN', KEYS[8]) > 1 do
+  local head = redis.call('XRANGE', KEYS[8], '-', '+', 'COUNT', 1)[1]
+  local stamp = tonumber(string.match(head[1], '^(%d+)'))
+  if size <= tonumber(ARGV[6]) and stamp >= oldest_ms then break end
+  redis.call('XDEL', KEYS[8], head[1])
+  size = redis.call('DECRBY', KEYS[9], string.len(head[2][6]))
+end
+refresh()
+return 1
+"""
+
+_RENEW = _PRELUDE + """
+if not fence() then return 0 end
+refresh()
+return 1
+"""
+
+# A resume: the caller becomes the owner whoever held the lease.
+_CLAIM = _PRELUDE + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+redis.call('HSET', KEYS[1], 'attached', '1')
+refresh()
+return 1
+"""
+
+_DETACH = _PRELUDE + """
+local holder = redis.call('GET', KEYS[2])
+if ARGV[1] ~= '' and holder and holder ~= ARGV[1] then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'attached', '0')
+redis.call('DEL', KEYS[2])
+refresh()
+return 1
+"""
+
+_DELETE = _PRELUDE + """
+local holder = redis.call('GET', KEYS[2])
+if ARGV[1] ~= '' and holder and holder ~= ARGV[1] then return 0 end
+redis.call('DEL', unpack(KEYS))
+return 1
+"""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisSessionStore(SessionStore):
+    def __init__(
+        self,
+        redis_url: str = "redis://127.0.0.1:6379/0",
+        ttl_s: float = 120.0,
+        replay_log_bytes: int = 4 * 1024 * 1024,
+        *,
+        replay_log_s: float = 300.0,
+        key_prefix: str = "voxgate:",
+        lease_s: float = 10.0,
+    ) -> None:
+        self.redis_url = redis_url
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.replay_log_bytes = replay_log_bytes
+        self.replay_log_ms = max(1, int(replay_log_s * 1000))
+        self.key_prefix = key_prefix
+        self.lease_ms = max(1, int(lease_s * 1000))
+        self._redis: aioredis.Redis | None = None
+
+    # ------------------------------------------------------------------ connection
+
+    async def start(self) -> None:
+        self._redis = aioredis.Redis.from_url(self.redis_url, decode_responses=False)
+        try:
+            await self._redis.ping()
+        except Exception as exc:
+            await self._redis.aclose()
+            self._redis = None
+            raise RuntimeError(f"the Redis session store at {self.redis_url} does not answer: {exc}") from exc
+        self._write = self._redis.register_script(_WRITE)
+        self._append = self._redis.register_script(_APPEND)
+        self._renew = self._redis.register_script(_RENEW)
+        self._claim = self._redis.register_script(_CLAIM)
+        self._detach = self._redis.register_script(_DETACH)
+        self._delete = self._redis.register_script(_DELETE)
+
+    async def stop(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        if self._redis is None:
+            raise RuntimeError("the Redis session store is not started")
+        return self._redis
+
+    def keys(self, session_id: str) -> list[str]:
+        return [f"{self.key_prefix}{{{session_id}}}:{name}" for name in KEY_NAMES]
+
+    def _args(self, owner: str | None, *rest: Any) -> list[Any]:
+        return [owner or "", self.lease_ms, self.ttl_ms, *rest]
+
+    async def _run(self, script, session_id: str, owner: str | None, *rest: Any) -> int:
+        return int(await script(keys=self.keys(session_id), args=self._args(owner, *rest)))
+
+    async def _fenced(self, script, session_id: str, owner: str | None, *rest: Any) -> None:
+        if not await self._run(script, session_id, owner, *rest) and owner is not None:
+            raise LeaseLost(session_id)
+
+    # ------------------------------------------------------------------ sessions
+
+    async def create(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
+        keys = self.keys(session_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(*keys)
+            pipe.hset(keys[0], mapping={"config": json.dumps(config), "created": repr(time.time()), "attached": "1"})
+            pipe.pexpire(keys[0], self.ttl_ms)
+            if owner is not None:
+                pipe.set(keys[1], owner, px=self.lease_ms)
+            await pipe.execute()
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        keys = self.keys(session_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(keys[0])
+            pipe.get(keys[1])
+            for name in ("text", "state", "bytes", "markers", "open"):
+                pipe.hgetall(keys[KEY[name] - 1])
+            meta, lease, texts, states, sizes, markers, opened = await pipe.execute()
+        if not meta:
+            return None
+        record = SessionRecord(
+            session_id=session_id,
+            config=json.loads(meta[b"config"]),
+            created_at=float(meta.get(b"created", b"0")),
+            last_active=time.time(),
+            attached=meta.get(b"attached") == b"1",
+            owner=_text(lease) if lease else None,
+        )
+        for field, value in texts.items():
+            index = int(field)
+            data = json.loads(value)
+            record.sentences[index] = SentenceRecord(
+                index=index,
+                text=data["t"],
+                context_id=data["c"],
+                state=_text(states.get(field, b"pending")),  # type: ignore[arg-type]
+                bytes_sent=int(sizes.get(field, 0)),
+                utterance=data["u"],
+            )
+        record.sentences = dict(sorted(record.sentences.items()))
+        for value in markers.values():
+            marker = MarkerRecord(**json.loads(value))
+            record.markers[marker.number] = marker
+        record.markers = dict(sorted(record.markers.items()))
+        for field, value in opened.items():
+            context_id = json.loads(field)
+            data = json.loads(value)
+            record.open_utterances[context_id] = OpenUtterance(context_id, data["u"], data["t"])
+        return record
+
+    async def claim(self, session_id: str, owner: str) -> SessionRecord | None:
+        if not await self._run(self._claim, session_id, owner):
+            return None
+        return await self.get(session_id)
+
+    async def renew(self, session_id: str, owner: str) -> None:
+        await self._fenced(self._renew, session_id, owner)
+
+    async def update_config(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
+        await self._fenced(self._write, session_id, owner, "H", KEY["meta"], "config", json.dumps(config))
+
+    async def add_sentence(
+        self, session_id: str, index: int, text: str, context_id: str | None, *, utterance: int = 0,
+        owner: str | None = None,
+    ) -> None:
+        value = json.dumps({"t": text, "c": context_id, "u": utterance})
+        await self._fenced(
+            self._write, session_id, owner,
+            "H", KEY["text"], index, value,
+            "H", KEY["state"], index, "pending",
+            "H", KEY["bytes"], index, 0,
+        )
+
+    async def set_sentence_state(
+        self, session_id: str, index: int, state: SentenceState, *, owner: str | None = None
+    ) -> None:
+        await self._fenced(self._write, session_id, owner, "H", KEY["state"], index, state)
+
+    async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
+        await self._fenced(
+            self._append, session_id, owner, index, data, self.replay_log_bytes, self.replay_log_ms
+        )
+
+    async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
+        await self._fenced(self._write, session_id, owner, "H", KEY["markers"], marker.number, json.dumps(vars(marker)))
+
+    async def set_open_text(
+        self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, owner: str | None = None
+    ) -> None:
+        field = json.dumps(context_id)
+        if text is None:
+            await self._fenced(self._write, session_id, owner, "D", KEY["open"], field, "")
+        else:
+            value = json.dumps({"u": utterance, "t": text})
+            await self._fenced(self._write, session_id, owner, "H", KEY["open"], field, value)
+
+    async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
+        record = await self.get(session_id)
+        if record is None:
+            raise KeyError(session_id)
+        entries = await self.redis.xrange(self.keys(session_id)[KEY["log"] - 1])
+        log = [ReplayPiece(int(fields[b"i"]), int(fields[b"o"]), fields[b"d"]) for _, fields in entries]
+        return select_replay(record, log, sentence_index, byte_offset)
+
+    async def detach(self, session_id: str, *, owner: str | None = None) -> None:
+        await self._run(self._detach, session_id, owner)
+
+    async def delete(self, session_id: str, *, owner: str | None = None) -> None:
+        await self._run(self._delete, session_id, owner)

@@ -1,0 +1,159 @@
+"""RedisSessionStore against a real Redis: the same records, replay and bounds as the memory store,
+plus leases (a takeover fences the old owner out), expiry and the one-round-trip append."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.redis_store import RedisSessionStore
+from gateway.store import LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange, create_store
+from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_store(request, redis_prefix):  # noqa: F811
+    stores = []
+
+    async def make(**options):
+        if request.param == "memory":
+            store = MemorySessionStore(**options)
+        else:
+            store = RedisSessionStore(REDIS_URL, key_prefix=redis_prefix, **options)
+        await store.start()
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.stop()
+
+
+async def filled(store, owner=None):
+    await store.create("s1", {"voice": "v"}, owner=owner)
+    for index, text in enumerate(["Zero.", "One.", "Two."]):
+        await store.add_sentence("s1", index, text, None, utterance=1, owner=owner)
+        await store.set_sentence_state("s1", index, "speaking", owner=owner)
+        for piece in range(3):
+            await store.append_audio("s1", index, bytes([index * 10 + piece]) * 100, owner=owner)
+        await store.set_sentence_state("s1", index, "done", owner=owner)
+    return store
+
+
+async def test_records_sentences_markers_open_text(make_store):
+    store = await filled(await make_store(), owner="a")
+    await store.add_marker("s1", MarkerRecord(number=1, after=3, context_id="c", utterance=1, total_sentences=3), owner="a")
+    await store.set_open_text("s1", "c", 2, "Half a sent", owner="a")
+    await store.set_open_text("s1", None, 3, "x", owner="a")
+    await store.set_open_text("s1", None, 3, None, owner="a")
+    record = await store.get("s1")
+    assert record.config == {"voice": "v"} and record.owner == "a" and record.attached
+    assert [(s.text, s.state, s.bytes_sent, s.utterance) for s in record.sentences.values()] == [
+        ("Zero.", "done", 300, 1), ("One.", "done", 300, 1), ("Two.", "done", 300, 1)
+    ]
+    assert record.markers[1].after == 3 and record.markers[1].context_id == "c" and not record.markers[1].sent
+    assert list(record.open_utterances) == ["c"] and record.open_utterances["c"].text == "Half a sent"
+
+
+async def test_replay_exact_bytes_and_bounds(make_store):
+    store = await filled(await make_store(replay_log_bytes=450))
+    assert [(p.sentence_index, p.offset, len(p.data)) for p in await store.replay("s1", 1, 250)] == [
+        (1, 250, 50), (2, 0, 100), (2, 100, 100), (2, 200, 100)
+    ]
+    assert (await store.replay("s1", 1, 250))[0].data == bytes([12]) * 50
+    assert await store.replay("s1", 3, 0) == []  # right after everything
+    for position in [(0, 0), (1, 150), (2, 301), (4, 0), (3, 1)]:
+        with pytest.raises(ReplayOutOfRange):
+            await store.replay("s1", *position)
+
+
+async def test_replay_log_is_capped_in_time(make_store):
+    store = await make_store(replay_log_s=0.2)
+    await store.create("s1", {})
+    await store.add_sentence("s1", 0, "Zero.", None)
+    await store.append_audio("s1", 0, b"a" * 10)
+    await asyncio.sleep(0.3)
+    await store.append_audio("s1", 0, b"b" * 10)
+    assert [p.data for p in await store.replay("s1", 0, 10)] == [b"b" * 10]
+    with pytest.raises(ReplayOutOfRange):
+        await store.replay("s1", 0, 0)
+
+
+async def test_claim_takes_the_lease_over_and_fences_the_old_owner(make_store):
+    store = await filled(await make_store(), owner="old")
+    record = await store.claim("s1", "new")
+    assert record is not None and record.owner == "new" and record.attached
+    for write in (
+        store.append_audio("s1", 2, b"late", owner="old"),
+        store.set_sentence_state("s1", 2, "failed", owner="old"),
+        store.renew("s1", "old"),
+    ):
+        with pytest.raises(LeaseLost):
+            await write
+    await store.detach("s1", owner="old")  # a no-op: the old owner no longer holds it
+    assert (await store.get("s1")).attached
+    await store.append_audio("s1", 2, b"more", owner="new")
+    assert (await store.get("s1")).sentences[2].bytes_sent == 304
+    await store.detach("s1", owner="new")
+    record = await store.get("s1")
+    assert not record.attached and record.owner is None
+    assert await store.claim("gone", "x") is None
+    await store.delete("s1", owner="new")
+    assert await store.get("s1") is None
+    with pytest.raises(LeaseLost):
+        await store.renew("s1", "new")
+
+
+async def test_redis_keys_expire_after_the_ttl_and_renew_extends_it(redis_prefix):  # noqa: F811
+    store = RedisSessionStore(REDIS_URL, ttl_s=0.5, key_prefix=redis_prefix, lease_s=5)
+    await store.start()
+    try:
+        await filled(store, owner="a")
+        client = aioredis.Redis.from_url(REDIS_URL)
+        keys = [k.decode() for k in await client.keys(f"{redis_prefix}*")]
+        assert sorted(k.rsplit(":", 1)[1] for k in keys) == sorted(
+            ["meta", "lease", "text", "state", "bytes", "log", "logbytes"]
+        )
+        assert all(k.startswith(redis_prefix + "{s1}:") for k in keys)
+        for _ in range(3):
+            await asyncio.sleep(0.3)
+            await store.renew("s1", "a")
+        assert await store.get("s1") is not None  # 0.9 s in, kept alive by renewals
+        await asyncio.sleep(0.7)
+        assert await store.get("s1") is None
+        assert [k for k in await client.keys(f"{redis_prefix}*") if not k.endswith(b":lease")] == []
+        await client.aclose()
+    finally:
+        await store.stop()
+
+
+async def test_a_redis_append_is_one_round_trip(redis_prefix):  # noqa: F811
+    store = RedisSessionStore(REDIS_URL, key_prefix=redis_prefix)
+    await store.start()
+    try:
+        await store.create("s1", {}, owner="a")
+        await store.add_sentence("s1", 0, "Zero.", None, owner="a")
+        calls = []
+        connection_class = store.redis.connection_pool.connection_class
+        original = connection_class.send_packed_command
+
+        async def counting(self, command, *args, **kwargs):
+            calls.append(command)
+            return await original(self, command, *args, **kwargs)
+
+        connection_class.send_packed_command = counting
+        try:
+            await store.append_audio("s1", 0, b"x" * 4800, owner="a")
+        finally:
+            connection_class.send_packed_command = original
+        assert len(calls) == 1
+    finally:
+        await store.stop()
+
+
+async def test_unreachable_redis_fails_at_start_with_a_clear_error():
+    store = create_store("redis", ttl_s=1, replay_log_bytes=1, redis_url="redis://127.0.0.1:1/0")
+    with pytest.raises(RuntimeError, match="does not answer"):
+        await store.start()
