@@ -8,12 +8,11 @@ recorded per request) and runs tests/adapter_scripts/livekit_scenarios.py once w
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
 
-from tests.adapter_env import adapter_python, run_in_adapter_env
+from tests.adapter_env import prepare_all, run_in_adapter_env
 from tests.gateway_server import RecordingBackend, free_port, running_gateway
 from tts_backend.base import SynthesisRequest
 from tts_backend.synthetic import SyntheticSynthesizer
@@ -35,11 +34,9 @@ def samples(sentence: str) -> int:
 
 @pytest.fixture(scope="module")
 def results():
-    venv = threading.Thread(target=adapter_python, args=("livekit",))
-    venv.start()
+    prepare_all()  # both framework venvs at once, cached across runs
     backend = RecordingBackend(SyntheticSynthesizer(speed=4.0))
     with running_gateway(backend) as server:
-        venv.join()
         plan = {
             "stream": {"replies": [" ".join(REPLY_1), " ".join(REPLY_2)]},
             "synthesize": {"text": " ".join(CHUNKED)},

@@ -9,12 +9,11 @@ checks the audio that came out of each pipeline against what the backend makes f
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
 
-from tests.adapter_env import adapter_python, run_in_adapter_env
+from tests.adapter_env import prepare_all, run_in_adapter_env
 from tests.gateway_server import RecordingBackend, running_gateway
 from tts_backend.base import SynthesisRequest
 from tts_backend.synthetic import SyntheticSynthesizer
@@ -41,21 +40,27 @@ def pcm_bytes(sentence: str) -> int:
 
 @pytest.fixture(scope="module")
 def results():
-    # Build the framework venv while the gateway starts (the build is cached across runs).
-    venv = threading.Thread(target=adapter_python, args=("pipecat",))
-    venv.start()
+    prepare_all()  # both framework venvs at once, cached across runs
     backend = RecordingBackend(SyntheticSynthesizer(speed=4.0))
-    with running_gateway(backend) as server:
-        venv.join()
+    # A second gateway forgets a session the moment its socket drops, so session.resume is refused.
+    with running_gateway(backend) as server, running_gateway(
+        RecordingBackend(SyntheticSynthesizer(speed=4.0)), session_ttl_s=0.0
+    ) as forgetful:
         plan = {
             "two_turns": {"turns": [" ".join(TURN_1), " ".join(TURN_2)]},
             "interrupt": {"long_turn": " ".join(LONG_TURN), "next_turn": " ".join(AFTER_BARGE_IN)},
             "resume": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP)},
+            "fresh_session": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP),
+                              "gateway_url": ws_base(forgetful)},
             "sentence_mode_16k": {"text": " ".join(SENTENCE_MODE)},
         }
-        run = run_in_adapter_env("pipecat", SCRIPT, server.url.replace("http://", "ws://"), json.dumps(plan))
+        run = run_in_adapter_env("pipecat", SCRIPT, ws_base(server), json.dumps(plan))
         line = next(line for line in run.stdout.splitlines() if line.startswith("RESULTS "))
         yield json.loads(line[len("RESULTS "):]), backend
+
+
+def ws_base(server) -> str:
+    return server.url.replace("http://", "ws://")
 
 
 def scenario(results, name: str) -> dict:
@@ -118,23 +123,24 @@ def test_next_turn_after_barge_in_uses_the_same_socket(results):
     assert observed["errors"] == []
 
 
-def test_dropped_connection_next_turn_is_whole(results):
-    """Whatever happens to the turn that was playing, the agent keeps speaking after a network drop."""
-    observed = scenario(results, "resume")
-    assert_whole_turn(observed["next"], AFTER_DROP)
-    assert observed["turn"]["bytes"] > 0 and observed["turn"]["odd_frames"] == 0
-
-
 def test_dropped_connection_resumes_without_losing_audio(results):
     observed = scenario(results, "resume")
-    if any("session_not_found" in e for e in observed["errors"]):
-        # The gateway refused session.resume; the adapter fell back to a fresh session (checked above).
-        pytest.xfail("the gateway cannot resume sessions yet (issue 5): it answered session_not_found")
     assert observed["reconnected"], "the client must have resumed the session"
     assert observed["session_ids"][0] == observed["session_ids"][1]
     assert observed["turn_stopped"]
     assert_whole_turn(observed["turn"], RESUME_TURN)
+    assert_whole_turn(observed["next"], AFTER_DROP)
     assert observed["errors"] == []
+
+
+def test_unresumable_session_is_replaced_by_a_fresh_one(results):
+    """The gateway has forgotten the session (restart, expiry): the adapter drops it, Pipecat reconnects
+    with a new session, and the agent keeps speaking."""
+    observed = scenario(results, "fresh_session")
+    assert any("session_not_found" in e for e in observed["errors"])
+    assert observed["session_ids"][0] != observed["session_ids"][1]
+    assert observed["turn"]["bytes"] > 0 and observed["turn"]["odd_frames"] == 0
+    assert_whole_turn(observed["next"], AFTER_DROP)
 
 
 def test_sentence_aggregation_and_16k_output(results):

@@ -271,6 +271,7 @@ SCENARIOS = {
     "two_turns": scenario_two_turns,
     "interrupt": scenario_interrupt,
     "resume": scenario_resume,
+    "fresh_session": scenario_resume,  # the same drop, on a gateway that has forgotten the session
     "sentence_mode_16k": scenario_sentence_mode_16k,
 }
 
@@ -279,7 +280,8 @@ async def main(url: str, plan: dict) -> dict:
     results = {}
     for name, kwargs in plan.items():
         try:
-            results[name] = await asyncio.wait_for(SCENARIOS[name](url, **kwargs), 60)
+            target = kwargs.pop("gateway_url", url)  # a scenario may need a differently configured gateway
+            results[name] = await asyncio.wait_for(SCENARIOS[name](target, **kwargs), 60)
         except BaseException:
             results[name] = {"error": traceback.format_exc()}
     return results
