@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", dest="api_keys", action="append", help="accepted API key; repeatable")
     serve.add_argument("--store", choices=["memory", "redis"], help="session store")
     serve.add_argument("--redis-url", help="Redis URL for --store redis")
+    serve.add_argument("--redis-key-prefix", help="prefix of every Redis key (default voxgate:)")
+    serve.add_argument("--session-ttl", dest="session_ttl_s", type=float, help="seconds a disconnected session stays resumable")
+    serve.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds open utterances get on SIGTERM")
     serve.add_argument("--log-level", help="debug, info, warning, error")
 
     commands.add_parser("worker", help="run a synthesis worker (see `voxgate worker --help`)", add_help=False)
@@ -81,8 +84,11 @@ def serve(settings: GatewaySettings) -> None:
     import uvicorn
 
     from .app import create_app
+    from .drain import DrainingServer
 
-    uvicorn.run(create_app(settings), **uvicorn_options(settings))
+    app = create_app(settings)
+    config = uvicorn.Config(app, **uvicorn_options(settings))
+    DrainingServer(config, app.state.gateway, settings.drain_timeout_s).run()
 
 
 def main(argv: list[str] | None = None) -> int:

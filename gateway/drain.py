@@ -1,0 +1,74 @@
+"""Graceful drain on SIGTERM (issue 5).
+
+uvicorn's own shutdown closes every WebSocket at once (close code 1012) and only then runs the app's
+shutdown, which would cut utterances mid-sentence. `voxgate serve` therefore runs `DrainingServer`: the
+first SIGTERM starts `drain()` while uvicorn keeps serving - /ready turns false, new WebSockets are
+refused with `overloaded` (close 1013, retryable), open utterances finish - and only when every session
+is gone, or `drain_timeout_s` has passed and the rest were told to resume elsewhere (close 1012 with the
+session id as the reason; their state is in the store), does uvicorn shut down. A second SIGTERM or a
+SIGINT (Ctrl-C) exits at once, the way uvicorn always does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+log = logging.getLogger("voxgate")
+
+CLOSE_GRACE_S = 5.0  # after handing sessions over, how long their sockets may take to close
+
+
+async def drain(gateway, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Stop taking sessions, let open utterances finish for up to `timeout_s`, then hand the rest over.
+    Each session is handed over as soon as it sits between utterances, so clients move early."""
+    gateway.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    handing: dict[object, asyncio.Task] = {}
+    log.info("draining %d session(s) for up to %g s", len(gateway.sessions), timeout_s)
+    while gateway.sessions and loop.time() < deadline + CLOSE_GRACE_S:
+        expired = loop.time() >= deadline
+        for session in list(gateway.sessions):
+            if session not in handing and (expired or session.between_utterances):
+                handing[session] = asyncio.create_task(session.hand_over(), name="hand-over")
+        await asyncio.sleep(poll_s)
+    await asyncio.gather(*handing.values(), return_exceptions=True)
+    log.info("drain finished: %d session(s) handed over, %d left", len(handing), len(gateway.sessions))
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM drains the gateway before uvicorn's shutdown starts."""
+
+    def __init__(self, config: uvicorn.Config, gateway, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_timeout_s = drain_timeout_s
+        self._drain: asyncio.Task | None = None
+        self._drain_requested = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self._drain_requested and self._loop is not None and not self.should_exit:
+            # Signal handlers run on the main thread between bytecodes: schedule the drain, do not run it.
+            self._drain_requested = True
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())  # kept: the loop holds tasks weakly
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await drain(self.gateway, self.drain_timeout_s)
+        finally:
+            self.should_exit = True
