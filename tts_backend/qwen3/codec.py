@@ -418,7 +418,6 @@ class SlidingWindowAttention(_Stateful):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.window = c.sliding_window
-        self.rope_theta = c.rope_theta
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
@@ -427,23 +426,16 @@ class SlidingWindowAttention(_Stateful):
     def state_shape(self):
         return (2, self.num_kv_heads, self.window - 1, self.head_dim) if self.window > 1 else None
 
-    def forward(self, x: Tensor, positions: Tensor, state: CodecState) -> Tensor:
-        # x [B, t, hidden]; positions [B] = position of x[:, 0] in each stream
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, state: CodecState) -> Tensor:
+        # x [B, t, hidden]; rope: cos, sin [B, 1, t, hd]; mask [B, 1, t, W-1+t] (True = may attend)
         bsz, t, _ = x.shape
         hd, past_len = self.head_dim, self.window - 1
         q = self.q_proj(x).view(bsz, t, self.num_heads, hd).transpose(1, 2)  # [B, H, t, hd]
         k = self.k_proj(x).view(bsz, t, self.num_kv_heads, hd).transpose(1, 2)  # [B, Hkv, t, hd]
         v = self.v_proj(x).view(bsz, t, self.num_kv_heads, hd).transpose(1, 2)
-
-        steps = torch.arange(t, device=x.device)
-        query_pos = positions[:, None] + steps[None, :]  # [B, t]
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.int64).float() / hd))
-        angles = query_pos[:, :, None].float() * inv_freq[None, None, :]  # [B, t, hd/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, t, hd]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = rope
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-
         if past_len:
             past = state.tensors[self.state_key]  # [B, 2, Hkv, W-1, hd]
             keys = torch.cat([past[:, 0], k], dim=2)  # [B, Hkv, W-1+t, hd]
@@ -451,15 +443,11 @@ class SlidingWindowAttention(_Stateful):
             past.copy_(torch.stack([keys[:, :, -past_len:], values[:, :, -past_len:]], dim=1))
         else:
             keys, values = k, v
-        # key j sits at position positions - (W-1) + j; a query sees keys in (q - W, q] that exist (>= 0)
-        key_pos = positions[:, None] - past_len + torch.arange(past_len + t, device=x.device)[None, :]  # [B, W-1+t]
-        distance = query_pos[:, :, None] - key_pos[:, None, :]  # [B, t, W-1+t]
-        mask = (distance >= 0) & (distance < self.window) & (key_pos[:, None, :] >= 0)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=1)
             values = values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], scale=hd ** -0.5)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=hd ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, t, self.num_heads * hd))  # [B, t, hidden]
 
 
@@ -484,8 +472,8 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
         self.mlp_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
 
-    def forward(self, h: Tensor, positions: Tensor, state: CodecState) -> Tensor:
-        h = h + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(h), positions, state))
+    def forward(self, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, state: CodecState) -> Tensor:
+        h = h + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(h), rope, mask, state))
         return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
 
 
@@ -496,13 +484,28 @@ class PreTransformer(nn.Module):
         self.layers = nn.ModuleList([TransformerLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output_proj = nn.Linear(config.hidden_size, config.latent_dim)
+        self.head_dim, self.rope_theta, self.window = config.head_dim, config.rope_theta, config.sliding_window
+
+    def rope_and_mask(self, positions: Tensor, t: int, dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """RoPE tables and the sliding-window mask for t new frames of streams at `positions` [B]; shared by
+        all layers. Key j of the attention sits at position positions - (W-1) + j (history first, then the new
+        frames); query i (position positions + i) sees the keys in (q - W, q] that exist (position >= 0)."""
+        device, hd, past_len = positions.device, self.head_dim, self.window - 1
+        query_pos = positions[:, None] + torch.arange(t, device=device)[None, :]  # [B, t]
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.int64).float() / hd))
+        angles = query_pos[:, :, None].float() * inv_freq[None, None, :]  # [B, t, hd/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, t, hd]
+        key_pos = positions[:, None] - past_len + torch.arange(past_len + t, device=device)[None, :]  # [B, W-1+t]
+        distance = query_pos[:, :, None] - key_pos[:, None, :]  # [B, t, W-1+t]
+        mask = (distance >= 0) & (distance < self.window) & (key_pos[:, None, :] >= 0)
+        return (angles.cos().to(dtype), angles.sin().to(dtype)), mask[:, None]
 
     def forward(self, x: Tensor, state: CodecState) -> Tensor:
         # x [B, t, latent] -> [B, t, latent]
         h = self.input_proj(x)
-        positions = state.positions
+        rope, mask = self.rope_and_mask(state.positions, x.shape[1], h.dtype)
         for layer in self.layers:
-            h = layer(h, positions, state)
+            h = layer(h, rope, mask, state)
         return self.output_proj(self.norm(h))
 
 
