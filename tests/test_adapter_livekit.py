@@ -7,6 +7,7 @@ recorded per request) and runs tests/adapter_scripts/livekit_scenarios.py once w
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -28,8 +29,13 @@ LONG_REPLY = [f"This is sentence number {word} of a long reply that the user wil
 AFTER_BARGE_IN = ["After the interruption, the agent speaks again."]
 
 
+def pcm(sentence: str) -> bytes:
+    """The s16le audio the synthetic backend makes for one sentence at 24 kHz."""
+    return SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=VOICE)).tobytes()
+
+
 def samples(sentence: str) -> int:
-    return len(SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=VOICE)))
+    return len(pcm(sentence)) // 2
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +66,11 @@ def synthesized(backend: RecordingBackend, sentences: list[str]) -> list[str]:
 
 
 def assert_whole(audio: dict, sentences: list[str]) -> None:
+    """The audio is exactly the backend's audio for the sentences, in order (24 kHz, no resampling)."""
     assert audio["whole_samples"] and audio["sample_rates"] == [24000] and audio["channels"] == [1]
     assert audio["samples"] == sum(samples(s) for s in sentences)
     assert audio["bytes"] == 2 * audio["samples"]
+    assert audio["sha256"] == hashlib.sha256(b"".join(pcm(s) for s in sentences)).hexdigest(), "audio differs"
 
 
 def test_stream_session_fed_tokens(results):

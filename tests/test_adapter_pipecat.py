@@ -8,6 +8,7 @@ checks the audio that came out of each pipeline against what the backend makes f
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -33,9 +34,13 @@ AFTER_DROP = ["The next turn speaks on a working session."]
 SENTENCE_MODE = ["Sentence mode works too.", "Each sentence is flushed at once."]
 
 
+def pcm(sentence: str, voice: str = VOICE) -> bytes:
+    """The s16le audio the synthetic backend makes for one sentence at 24 kHz."""
+    return SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=voice)).tobytes()
+
+
 def pcm_bytes(sentence: str) -> int:
-    """Bytes of s16le the synthetic backend makes for one sentence at 24 kHz."""
-    return len(SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=VOICE))) * 2
+    return len(pcm(sentence))
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,7 @@ def results():
             "fresh_session": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP),
                               "gateway_url": ws_base(forgetful)},
             "sentence_mode_16k": {"text": " ".join(SENTENCE_MODE)},
+            "voice_change": {"turns": [" ".join(TURN_2)] * 2, "voices": ["tone-low", "tone-high"]},
         }
         run = run_in_adapter_env("pipecat", SCRIPT, ws_base(server), json.dumps(plan))
         line = next(line for line in run.stdout.splitlines() if line.startswith("RESULTS "))
@@ -69,11 +75,13 @@ def scenario(results, name: str) -> dict:
     return observed
 
 
-def assert_whole_turn(audio: dict, sentences: list[str], sample_rate: int = 24000) -> None:
+def assert_whole_turn(audio: dict, sentences: list[str], voice: str = VOICE) -> None:
+    """The turn's audio is exactly the backend's audio for its sentences, in order (24 kHz, no resampling)."""
     assert [s.strip() for s in audio["sentences"]] == sentences
     assert audio["odd_frames"] == 0, "every frame must hold whole 16-bit samples"
-    assert audio["sample_rates"] == [sample_rate] and audio["channels"] == [1]
+    assert audio["sample_rates"] == [24000] and audio["channels"] == [1]
     assert audio["bytes"] == sum(pcm_bytes(s) for s in sentences)
+    assert audio["sha256"] == hashlib.sha256(b"".join(pcm(s, voice) for s in sentences)).hexdigest()
 
 
 def test_two_llm_turns_on_one_connection(results):
@@ -141,6 +149,14 @@ def test_unresumable_session_is_replaced_by_a_fresh_one(results):
     assert observed["session_ids"][0] != observed["session_ids"][1]
     assert observed["turn"]["bytes"] > 0 and observed["turn"]["odd_frames"] == 0
     assert_whole_turn(observed["next"], AFTER_DROP)
+
+
+def test_voice_setting_changes_between_turns(results):
+    observed = scenario(results, "voice_change")
+    low, high = observed["turns"]
+    assert_whole_turn(low, TURN_2, voice="tone-low")
+    assert_whole_turn(high, TURN_2, voice="tone-high")
+    assert observed["errors"] == []
 
 
 def test_sentence_aggregation_and_16k_output(results):

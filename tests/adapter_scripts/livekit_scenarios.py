@@ -10,6 +10,7 @@ plus `synthesize()` and the error paths. Prints one JSON object: scenario -> obs
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import sys
@@ -28,6 +29,7 @@ def llm_tokens(text: str) -> list[str]:
 def describe(frames: list, events: list) -> dict:
     return {
         "bytes": sum(len(f.data.tobytes()) for f in frames),
+        "sha256": hashlib.sha256(b"".join(f.data.tobytes() for f in frames)).hexdigest(),
         "samples": sum(f.samples_per_channel for f in frames),
         "frames": len(frames),
         "whole_samples": all(len(f.data.tobytes()) == 2 * f.samples_per_channel * f.num_channels for f in frames),

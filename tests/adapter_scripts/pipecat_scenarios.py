@@ -11,6 +11,7 @@ name -> observations (or {"error": traceback}); the pytest side asserts on them.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import sys
@@ -139,6 +140,7 @@ class Harness:
         frames = [f for _, f in self.collector.frames if isinstance(f, TTSAudioRawFrame) and f.context_id == context_id]
         return {
             "bytes": sum(len(f.audio) for f in frames),
+            "sha256": hashlib.sha256(b"".join(f.audio for f in frames)).hexdigest(),
             "frames": len(frames),
             "odd_frames": sum(len(f.audio) % 2 for f in frames),
             "sample_rates": sorted({f.sample_rate for f in frames}),
@@ -256,6 +258,21 @@ async def scenario_resume(url: str, text: str, next_turn: str) -> dict:
         }
 
 
+async def scenario_voice_change(url: str, turns: list[str], voices: list[str]) -> dict:
+    """A TTSUpdateSettingsFrame between turns switches the voice for the next turn."""
+    from pipecat.frames.frames import TTSUpdateSettingsFrame
+
+    async with Harness(url) as h:
+        results = []
+        for i, (text, voice) in enumerate(zip(turns, voices)):
+            await h.worker.queue_frame(TTSUpdateSettingsFrame(delta=VoxgateTTSService.Settings(voice=voice)))
+            await h.speak_turn(text)
+            context_id = (await wait_for_contexts(h, i + 1))[i]
+            await h.wait_stopped(context_id)
+            results.append({"context_id": context_id, **h.audio_of(context_id)})
+        return {"turns": results, "errors": h.errors}
+
+
 async def scenario_sentence_mode_16k(url: str, text: str) -> dict:
     """Pipecat's own sentence aggregation and a 16 kHz pipeline (the gateway resamples)."""
     from pipecat.services.tts_service import TextAggregationMode
@@ -273,6 +290,7 @@ SCENARIOS = {
     "resume": scenario_resume,
     "fresh_session": scenario_resume,  # the same drop, on a gateway that has forgotten the session
     "sentence_mode_16k": scenario_sentence_mode_16k,
+    "voice_change": scenario_voice_change,
 }
 
 
