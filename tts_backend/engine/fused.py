@@ -70,10 +70,31 @@ def make_layer_fn(n_heads: int, n_kv: int, head_dim: int, eps: float, theta: flo
     return layer
 
 
+def _guard_same_meta() -> None:
+    """Inductor in torch 2.11 crashes in `remove_noop_ops` when a noop candidate's value is a SymInt/SymFloat
+    (size placeholders under dynamic shapes): "'SymInt' object has no attribute 'size'" (seen on the H200,
+    fixed upstream by pytorch/pytorch#181752). Apply the same guard: non-tensor values are never "same"."""
+    from torch._inductor.fx_passes import post_grad
+
+    original = post_grad.same_meta
+    if getattr(original, "voxgate_guarded", False):
+        return
+
+    def same_meta(node1, node2):
+        if not isinstance(node1.meta.get("val"), torch.Tensor) or not isinstance(node2.meta.get("val"), torch.Tensor):
+            return False
+        return original(node1, node2)
+
+    same_meta.voxgate_guarded = True
+    post_grad.same_meta = same_meta
+
+
 def _compile(fn, enabled: bool):
     if not enabled:
         return fn
     import torch._dynamo
+
+    _guard_same_meta()
 
     # One code object serves several stacks and shapes (batch 1 is specialised apart from batch > 1).
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
