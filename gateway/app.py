@@ -103,12 +103,13 @@ def create_app(
         store=store,
         metrics=GatewayMetrics(),
         authenticate=authenticate or api_key_authenticator(settings),
-        admission=Admission(settings),
+        admission=Admission(settings, backend),
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.store.start()
+        await gateway.admission.start()
         # The backend loads in the background: /health answers at once, /ready once it is warm.
         starting = asyncio.create_task(gateway.backend.start(), name="backend-start")
 
@@ -126,6 +127,7 @@ def create_app(
                 starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             await gateway.backend.stop()
+            await gateway.admission.stop()
             await gateway.store.stop()
 
     app = FastAPI(title="Voxgate", version="0.1.0", lifespan=lifespan)
@@ -160,13 +162,15 @@ def create_app(
             )
             return
         try:
-            with gateway.admission.session(principal):
+            async with gateway.admission.session(principal):
                 session = StreamingSession(
                     websocket,
                     settings=settings,
                     backend=gateway.backend,
                     store=gateway.store,
                     metrics=gateway.metrics,
+                    admission=gateway.admission,
+                    principal=principal,
                 )
                 gateway.sessions.add(session)
                 try:

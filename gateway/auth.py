@@ -1,21 +1,34 @@
-"""Who may use the gateway: the auth hook checked at WebSocket upgrade and on every HTTP route.
+"""Who may use the gateway: the auth hook checked at WebSocket upgrade and on every HTTP API route.
 
 An authenticator is any `async (connection) -> Principal` that raises `AuthError` to refuse. The default
-accepts everyone when no API keys are configured; with `api_keys` set it wants one of them as
-`Authorization: Bearer <key>`, `X-API-Key: <key>`, or (for browsers, which cannot set WebSocket headers)
-the query parameter `api_key`. With `allowed_origins` set, a browser's `Origin` must be one of them.
-Issue 7 extends this (tokens, per-key limits); the hook's shape stays.
+(`api_key_authenticator`) accepts everyone when no API keys are configured (the CLI allows that only on
+loopback, or with --insecure-no-auth); with `api_keys` set it wants a credential as
+`Authorization: Bearer <credential>`, `X-API-Key: <credential>`, or, for browsers (which cannot set
+WebSocket headers), the query parameter `api_key` (alias `token`). A credential is either an API key or a
+short-lived token minted by `POST /v1/tokens` (`TokenSigner`): an HMAC-signed expiry and key fingerprint,
+so a backend can hand a browser something that stops working on its own and never reveals the key. A
+token counts against the limits of the key that minted it. With `allowed_origins` set, a browser's
+`Origin` must be one of them.
+
+Keys are compared in constant time and never logged: a principal carries only a fingerprint of its key.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
+import json
+import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
 from .settings import GatewaySettings
+
+TOKEN_PREFIX = "vxt1."
 
 
 class AuthError(Exception):
@@ -24,22 +37,90 @@ class AuthError(Exception):
 
 @dataclass(frozen=True)
 class Principal:
-    key_id: str | None = None  # which API key (None: anonymous); limits are counted per key_id
+    key_id: str | None = None  # fingerprint of the API key (None: anonymous); limits are counted per key_id
+    via_token: bool = False  # authenticated with a minted token rather than the key itself
 
 
 Authenticator = Callable[[HTTPConnection], Awaitable[Principal]]
 
 
-def presented_key(connection: HTTPConnection) -> str | None:
+def key_fingerprint(key: str) -> str:
+    """A stable, non-reversible id for an API key: the same on every replica, safe to log and to use in
+    Redis key names."""
+    return hashlib.sha256(b"voxgate-key\0" + key.encode()).hexdigest()[:16]
+
+
+def presented_credential(connection: HTTPConnection) -> str | None:
     header = connection.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
-        return header[7:].strip()
-    return connection.headers.get("x-api-key") or connection.query_params.get("api_key")
+        return header[7:].strip() or None
+    query = connection.query_params
+    return connection.headers.get("x-api-key") or query.get("api_key") or query.get("token")
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class TokenSigner:
+    """Mints and checks `vxt1.<payload>.<signature>` tokens: payload = {"k": key fingerprint,
+    "exp": unix seconds, "n": nonce}, signature = HMAC-SHA256 over the payload.
+
+    The secret is `token_secret` when set (share it between replicas), else derived from the configured
+    API keys, so replicas with the same keys accept each other's tokens without more configuration and
+    removing a key revokes its tokens too."""
+
+    def __init__(self, secret: bytes, known_key_ids: set[str], max_ttl_s: float) -> None:
+        self._secret = secret
+        self._known = known_key_ids
+        self.max_ttl_s = max_ttl_s
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> "TokenSigner":
+        if settings.token_secret:
+            secret = hashlib.sha256(b"voxgate-token-secret\0" + settings.token_secret.encode()).digest()
+        else:
+            secret = hashlib.sha256(b"voxgate-token-keys\0" + "\0".join(sorted(settings.api_keys)).encode()).digest()
+        return cls(secret, {key_fingerprint(k) for k in settings.api_keys}, settings.max_token_ttl_s)
+
+    def _sign(self, payload: str) -> str:
+        return _b64(hmac.new(self._secret, payload.encode("ascii"), hashlib.sha256).digest())
+
+    def mint(self, key_id: str, ttl_s: float, now: float | None = None) -> tuple[str, int]:
+        """A token for `key_id` valid for `ttl_s` (capped at max_ttl_s); returns (token, expires_at)."""
+        expires_at = int((now or time.time()) + min(ttl_s, self.max_ttl_s))
+        payload = _b64(json.dumps({"k": key_id, "exp": expires_at, "n": secrets.token_hex(8)}).encode())
+        return f"{TOKEN_PREFIX}{payload}.{self._sign(payload)}", expires_at
+
+    def verify(self, token: str, now: float | None = None) -> str:
+        """The key fingerprint a valid token was minted for. Raises AuthError."""
+        try:
+            payload, signature = token[len(TOKEN_PREFIX):].split(".")
+        except ValueError:
+            raise AuthError("malformed token") from None
+        if not hmac.compare_digest(signature.encode(), self._sign(payload).encode()):
+            raise AuthError("invalid token")
+        try:
+            claims = json.loads(_unb64(payload))
+            key_id, expires_at = str(claims["k"]), float(claims["exp"])
+        except (ValueError, KeyError, TypeError):
+            raise AuthError("malformed token") from None
+        if (now or time.time()) >= expires_at:
+            raise AuthError("the token has expired; mint a new one with POST /v1/tokens")
+        if key_id not in self._known:
+            raise AuthError("the key that minted this token is no longer accepted")
+        return key_id
 
 
 def api_key_authenticator(settings: GatewaySettings) -> Authenticator:
-    keys = list(settings.api_keys)
+    """The default hook: API keys or minted tokens, plus the allowed-origins list."""
+    keys = [(k.encode(), key_fingerprint(k)) for k in settings.api_keys]
     origins = set(settings.allowed_origins)
+    signer = TokenSigner.from_settings(settings)
 
     async def authenticate(connection: HTTPConnection) -> Principal:
         origin = connection.headers.get("origin")
@@ -47,11 +128,20 @@ def api_key_authenticator(settings: GatewaySettings) -> Authenticator:
             raise AuthError(f"origin {origin!r} is not allowed")
         if not keys:
             return Principal()
-        key = presented_key(connection)
-        if key:
-            for index, known in enumerate(keys):
-                if hmac.compare_digest(key.encode(), known.encode()):
-                    return Principal(key_id=f"key{index}")
-        raise AuthError("a valid API key is required (Authorization: Bearer <key>, X-API-Key, or ?api_key=)")
+        credential = presented_credential(connection)
+        if not credential:
+            raise AuthError(
+                "a valid API key or token is required (Authorization: Bearer <key>, X-API-Key, or ?api_key=)"
+            )
+        if credential.startswith(TOKEN_PREFIX):
+            return Principal(key_id=signer.verify(credential), via_token=True)
+        presented = credential.encode()
+        match: str | None = None
+        for known, fingerprint in keys:  # every key is compared, so timing says nothing about which matched
+            if hmac.compare_digest(presented, known):
+                match = fingerprint
+        if match is None:
+            raise AuthError("invalid API key")
+        return Principal(key_id=match)
 
     return authenticate

@@ -6,10 +6,12 @@ Flags override environment variables (VOXGATE_*), which override the defaults in
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import sys
 from typing import Any
 
+from .limits import header_timeout_protocol
 from .settings import GatewaySettings
 
 WS_FRAME_MARGIN = 64 * 1024  # the transport accepts a little more than the largest message we answer
@@ -47,12 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-buffered-chars", type=int, help="unspoken characters allowed per session")
     serve.add_argument("--max-sessions", type=int, help="concurrent sessions (0 = unlimited)")
     serve.add_argument("--api-key", dest="api_keys", action="append", help="accepted API key; repeatable")
+    serve.add_argument(
+        "--insecure-no-auth", action="store_const", const=True,
+        help="serve a non-loopback --host without API keys (anyone who can reach it may use it)",
+    )
+    serve.add_argument("--allowed-origin", dest="allowed_origins", action="append",
+                       help="browser Origin allowed to open WebSockets; repeatable (default: any)")
+    serve.add_argument("--max-sessions-per-key", type=int, help="concurrent sessions per API key (0 = unlimited)")
+    serve.add_argument("--sessions-per-minute", type=int, help="new sessions per API key per minute (0 = unlimited)")
+    serve.add_argument("--chars-per-minute", type=int, help="characters per API key per minute (0 = unlimited)")
     serve.add_argument("--store", choices=["memory", "redis"], help="session store")
     serve.add_argument("--redis-url", help="Redis URL for --store redis")
     serve.add_argument("--redis-key-prefix", help="prefix of every Redis key (default voxgate:)")
     serve.add_argument("--session-ttl", dest="session_ttl_s", type=float, help="seconds a disconnected session stays resumable")
     serve.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds open utterances get on SIGTERM")
     serve.add_argument("--log-level", help="debug, info, warning, error")
+    serve.add_argument("--log-format", choices=["json", "text"], help="json (default): one object per line")
 
     commands.add_parser("worker", help="run a synthesis worker (see `voxgate worker --help`)", add_help=False)
     return parser
@@ -77,7 +89,33 @@ def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
         "log_level": settings.log_level,
         "ws_max_size": settings.max_config_bytes + WS_FRAME_MARGIN,
         "ws_per_message_deflate": False,  # audio barely compresses; deflate would only cost CPU and latency
+        "http": header_timeout_protocol(settings.header_timeout_s),
     }
+
+
+class InsecureBinding(SystemExit):
+    pass
+
+
+def check_binding(settings: GatewaySettings) -> None:
+    """Authentication is off by default only on loopback: refuse to serve another interface without
+    API keys unless --insecure-no-auth says so."""
+    if settings.api_keys or settings.insecure_no_auth or is_loopback(settings.host):
+        return
+    raise InsecureBinding(
+        f"voxgate: refusing to serve {settings.host} without authentication: anyone who can reach it could use"
+        " the speech backend. Set API keys (--api-key KEY or VOXGATE_API_KEYS='[\"KEY\"]'), or pass"
+        " --insecure-no-auth (VOXGATE_INSECURE_NO_AUTH=1) if something in front of the gateway authenticates."
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def serve(settings: GatewaySettings) -> None:
@@ -86,8 +124,11 @@ def serve(settings: GatewaySettings) -> None:
     from .app import create_app
     from .drain import DrainingServer
 
+    from .logs import log_config
+
+    check_binding(settings)
     app = create_app(settings)
-    config = uvicorn.Config(app, **uvicorn_options(settings))
+    config = uvicorn.Config(app, log_config=log_config(settings.log_level, settings.log_format), **uvicorn_options(settings))
     DrainingServer(config, app.state.gateway, settings.drain_timeout_s).run()
 
 

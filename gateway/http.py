@@ -27,7 +27,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
 
 from . import audio
-from .auth import AuthError, Principal
+from .auth import AuthError, Principal, TokenSigner
+from .limits import LimitExceeded
 from .protocol import ErrorCode, ProtocolError
 from .segmenter import SentenceSegmenter
 from .session import resolve_voice
@@ -56,19 +57,26 @@ _STATUS = {
 class ApiError(Exception):
     """An error answered as OpenAI does: {"error": {"message", "type", "code", "param"}}."""
 
-    def __init__(self, code: ErrorCode, message: str, status: int | None = None, param: str | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, status: int | None = None, param: str | None = None,
+                 retry_after: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status or _STATUS.get(code, 400)
         self.param = param
+        self.retry_after = retry_after  # seconds, for the Retry-After header of 429 and 503
+
+    @classmethod
+    def from_limit(cls, exc: LimitExceeded) -> "ApiError":
+        return cls(exc.code, exc.message, retry_after=exc.retry_after_header)
 
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 401:
             kind = "authentication_error"
         body = {"error": {"message": self.message, "type": kind, "code": self.code.value, "param": self.param}}
-        return JSONResponse(body, status_code=self.status)
+        headers = {"Retry-After": self.retry_after} if self.retry_after else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def gateway_of(request: Request) -> "Gateway":
@@ -177,7 +185,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     gateway.metrics.http_requests_total.labels("sse" if body.sse else "audio").inc()
     try:
         if not gateway.ready:
-            raise ApiError(ErrorCode.overloaded, "the speech backend is not ready; retry shortly", status=503)
+            raise ApiError(ErrorCode.overloaded, "the speech backend is not ready; retry shortly", status=503,
+                           retry_after="5")
         if not body.input.strip():
             raise ApiError(ErrorCode.invalid_message, "input must contain text", param="input")
         if len(body.input) > settings.max_http_input_chars:
@@ -204,6 +213,10 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                 f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
                 param="sample_rate",
             )
+        try:  # last: a request refused for another reason uses none of the key's allowance
+            await gateway.admission.admit_request(principal, len(body.input))
+        except LimitExceeded as exc:
+            raise ApiError.from_limit(exc) from None
     except ApiError as error:
         gateway.metrics.errors_total.labels(error.code.value).inc()
         return error.response()
@@ -317,6 +330,32 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                 yield data
 
     return StreamingResponse(rest(), media_type=audio.content_type(fmt, rate), headers=headers)
+
+
+# ----------------------------------------------------------------------------------------- tokens
+
+
+class TokenRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ttl_s: float = Field(300.0, gt=0, description="lifetime in seconds, capped at the gateway's max_token_ttl_s")
+
+
+@router.post("/v1/tokens")
+async def mint_token(request: Request, body: TokenRequest | None = None,
+                     principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    """A short-lived token for a browser: it authenticates like the API key that minted it (and counts
+    against that key's limits) until it expires. Only an API key may mint one, not another token."""
+    gateway = gateway_of(request)
+    if not gateway.settings.api_keys:
+        raise ApiError(ErrorCode.invalid_message, "this gateway has no API keys configured, so it needs no tokens",
+                       status=404)
+    if principal.key_id is None or principal.via_token:
+        raise ApiError(ErrorCode.unauthorized, "tokens are minted with an API key, not with another token")
+    body = body or TokenRequest()
+    token, expires_at = TokenSigner.from_settings(gateway.settings).mint(principal.key_id, body.ttl_s)
+    return {"token": token, "expires_at": expires_at, "expires_in": max(0, expires_at - int(time.time())),
+            "token_type": "Bearer"}
 
 
 # ----------------------------------------------------------------------------------------- catalogue

@@ -1,46 +1,390 @@
-"""Admission limits: how many sessions may be open, in total and per API key.
+"""Admission: who may start a session or send more text now, and whether the backend can take more.
 
-One `Admission` per app instance. Issue 7 adds rates (requests and characters per key) and overload
-shedding here; sessions acquire a slot for their whole life and give it back when they end.
+One `Admission` per app instance. It answers, in this order:
+- overload (`overloaded`, retryable): the backend says it is near capacity (`Synthesizer.load()`), or the
+  gateway's own measure says streams are no longer made in real time (`SynthesisMonitor`), or too many
+  streams are synthesizing at once. New sessions are refused early so that the open ones keep real time;
+- `max_sessions` open WebSocket sessions in this process (`too_many_sessions`);
+- per API key: concurrent sessions (`too_many_sessions`), new sessions per minute and characters per
+  minute (`rate_limited`, with the seconds to wait).
+
+Per-key counts live in memory, or in Redis when `store == "redis"`, so that every replica enforces one
+shared limit: rates are token buckets updated by a Lua script (one round trip, atomic, Redis's clock),
+concurrent sessions are members of a sorted set scored by an expiry that the holding replica renews, so
+a replica that dies stops counting within `SLOT_TTL_S`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from contextlib import contextmanager
-from collections.abc import Iterator
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tts_backend.base import Synthesizer
 
 from .auth import Principal
 from .protocol import CloseCode, ErrorCode, ProtocolError
 from .settings import GatewaySettings
 
+log = logging.getLogger("voxgate.limits")
+
+SLOT_TTL_S = 30.0  # a replica's claim on a concurrent-session slot in Redis, renewed every third of it
+MONITOR_WINDOW_S = 5.0  # the real-time measure looks at this much recent synthesis
+MONITOR_MIN_AUDIO_S = 1.0  # ... and judges only with at least this much audio made in the window
+
+
+class LimitExceeded(ProtocolError):
+    """A limit refused the request; `retry_after_s` is when trying again may succeed."""
+
+    def __init__(self, code: ErrorCode, message: str, *, retry_after_s: float, close: CloseCode | None = None,
+                 context_id: str | None = None) -> None:
+        super().__init__(code, message, close=close, context_id=context_id)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after_header(self) -> str:
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+# ------------------------------------------------------------------------------------ real-time monitor
+
+
+class SynthesisMonitor:
+    """The gateway's own view of whether synthesis keeps real time: for every chunk a session pulls from
+    the backend, the audio it holds and the wall time the pull took (time paused by back-pressure is not
+    a pull). Speed over the recent window = audio seconds / pull seconds; below 1 the streams underrun."""
+
+    def __init__(self, window_s: float = MONITOR_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.active_streams = 0
+        self._seconds: deque[list[float]] = deque()  # [whole second, audio s, pull s]
+
+    def stream_started(self) -> None:
+        self.active_streams += 1
+
+    def stream_ended(self) -> None:
+        self.active_streams -= 1
+
+    def produced(self, audio_s: float, pull_s: float, now: float | None = None) -> None:
+        second = math.floor(now if now is not None else time.monotonic())
+        if self._seconds and self._seconds[-1][0] == second:
+            self._seconds[-1][1] += audio_s
+            self._seconds[-1][2] += pull_s
+        else:
+            self._seconds.append([second, audio_s, pull_s])
+        self._trim(second)
+
+    def _trim(self, now: float) -> None:
+        while self._seconds and self._seconds[0][0] <= now - self.window_s:
+            self._seconds.popleft()
+
+    def realtime_speed(self, now: float | None = None) -> float | None:
+        """Audio seconds made per second of pulling, over the window; None without enough evidence."""
+        self._trim(now if now is not None else time.monotonic())
+        audio = sum(s[1] for s in self._seconds)
+        pull = sum(s[2] for s in self._seconds)
+        if audio < MONITOR_MIN_AUDIO_S or pull <= 0:
+            return None
+        return audio / pull
+
+
+# ------------------------------------------------------------------------------------ counters
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    updated: float
+
+
+class MemoryCounters:
+    """Per-key counters of one process."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, _Bucket] = {}
+        self._slots: Counter[str] = Counter()
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def take(self, name: str, capacity: float, cost: float) -> float:
+        """Take `cost` tokens from a bucket that holds `capacity` and refills `capacity` per minute.
+        Returns 0 when taken, else the seconds until it could be (nothing is taken then)."""
+        now = time.monotonic()
+        bucket = self._buckets.setdefault(name, _Bucket(capacity, now))
+        rate = capacity / 60.0
+        bucket.tokens = min(capacity, bucket.tokens + (now - bucket.updated) * rate)
+        bucket.updated = now
+        if bucket.tokens >= cost:
+            bucket.tokens -= cost
+            return 0.0
+        return (cost - bucket.tokens) / rate
+
+    async def acquire_slot(self, name: str, limit: int) -> str | None:
+        if self._slots[name] >= limit:
+            return None
+        self._slots[name] += 1
+        return name
+
+    async def release_slot(self, name: str, slot: str) -> None:
+        self._slots[name] -= 1
+        if self._slots[name] <= 0:
+            del self._slots[name]
+
+
+# Token bucket: KEYS[1] hash {tokens, ms}; ARGV capacity, cost, ttl ms. Refills capacity per 60 s.
+# Returns 0 when taken, else milliseconds to wait. Uses Redis's clock so replicas agree.
+_TAKE_LUA = """
+local capacity = tonumber(ARGV[1])
+local cost = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ms')
+local tokens = tonumber(state[1]) or capacity
+local updated = tonumber(state[2]) or now
+local rate = capacity / 60000
+tokens = math.min(capacity, tokens + math.max(0, now - updated) * rate)
+local wait = 0
+if tokens >= cost then
+  tokens = tokens - cost
+else
+  wait = math.ceil((cost - tokens) / rate)
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ms', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return wait
+"""
+
+# Concurrency slots: KEYS[1] sorted set of slot -> expiry ms; ARGV limit, slot, ttl ms. 1 taken, 0 full.
+_ACQUIRE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+_RENEW_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i, slot in ipairs(ARGV) do
+  if i > 1 then redis.call('ZADD', KEYS[i - 1], 'XX', now + tonumber(ARGV[1]), slot) end
+end
+for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+return 1
+"""
+
+
+class RedisCounters:
+    """Per-key counters shared by every replica using one Redis."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url
+        self.prefix = prefix + "limits:"
+        self._client = None
+        self._held: dict[str, str] = {}  # slot id -> zset key, renewed while held
+        self._renewer: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        import redis.asyncio as redis
+
+        self._client = redis.from_url(self.url)
+        self._take = self._client.register_script(_TAKE_LUA)
+        self._acquire = self._client.register_script(_ACQUIRE_LUA)
+        self._renew = self._client.register_script(_RENEW_LUA)
+        self._renewer = asyncio.create_task(self._renew_forever(), name="limits-renew")
+
+    async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(BaseException):
+                await self._renewer
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SLOT_TTL_S / 3)
+            if not self._held:
+                continue
+            slots = list(self._held.items())
+            try:
+                await self._renew(keys=[k for _, k in slots], args=[int(SLOT_TTL_S * 1000), *[s for s, _ in slots]])
+            except Exception as exc:  # Redis away: slots expire there on their own; keep trying
+                log.warning("could not renew session slots in Redis: %r", exc)
+
+    async def take(self, name: str, capacity: float, cost: float) -> float:
+        wait_ms = await self._take(keys=[self.prefix + name], args=[capacity, cost, 120_000])
+        return int(wait_ms) / 1000.0
+
+    async def acquire_slot(self, name: str, limit: int) -> str | None:
+        slot, key = uuid.uuid4().hex, self.prefix + name
+        if not int(await self._acquire(keys=[key], args=[limit, slot, int(SLOT_TTL_S * 1000)])):
+            return None
+        self._held[slot] = key
+        return slot
+
+    async def release_slot(self, name: str, slot: str) -> None:
+        key = self._held.pop(slot, self.prefix + name)
+        try:
+            await self._client.zrem(key, slot)
+        except Exception as exc:  # it expires on its own
+            log.warning("could not release a session slot in Redis: %r", exc)
+
+
+# ------------------------------------------------------------------------------------ admission
+
 
 class Admission:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, backend: Synthesizer | None = None) -> None:
+        self.settings = settings
+        self.backend = backend
         self.max_sessions = settings.max_sessions
         self.max_sessions_per_key = settings.max_sessions_per_key
         self.open_sessions = 0
-        self._per_key: Counter[str | None] = Counter()
+        self.monitor = SynthesisMonitor()
+        self.counters: MemoryCounters | RedisCounters = (
+            RedisCounters(settings.redis_url, settings.redis_key_prefix) if settings.store == "redis" else MemoryCounters()
+        )
 
-    @contextmanager
-    def session(self, principal: Principal) -> Iterator[None]:
-        """Hold a session slot. Raises ProtocolError(too_many_sessions) when none is free."""
+    async def start(self) -> None:
+        await self.counters.start()
+
+    async def stop(self) -> None:
+        await self.counters.stop()
+
+    @staticmethod
+    def _key(principal: Principal) -> str:
+        return principal.key_id or "anonymous"
+
+    def check_overload(self) -> None:
+        """Raises LimitExceeded(overloaded) when another session would push synthesis past real time."""
+        settings, reason = self.settings, None
+        load = self.backend.load() if self.backend is not None else 0.0
+        speed = self.monitor.realtime_speed()
+        if load >= settings.overload_backend_load:
+            reason = f"the speech backend is at {load:.0%} of its real-time capacity"
+        elif settings.overload_min_realtime and speed is not None and speed < settings.overload_min_realtime:
+            reason = f"speech is being made at {speed:.2f}x real time"
+        elif settings.max_active_synthesis and self.monitor.active_streams >= settings.max_active_synthesis:
+            reason = f"{self.monitor.active_streams} streams are being synthesized"
+        if reason is not None:
+            raise LimitExceeded(
+                ErrorCode.overloaded, f"the gateway is overloaded ({reason}); retry shortly",
+                retry_after_s=2.0, close=CloseCode.try_again_later,
+            )
+
+    async def _take_rate(self, principal: Principal, kind: str, limit: int, cost: int, context_id: str | None = None,
+                         close: CloseCode | None = None) -> None:
+        if not limit:
+            return
+        wait = await self.counters.take(f"{kind}:{self._key(principal)}", limit, cost)
+        if wait > 0:
+            what = "new sessions" if kind == "sessions" else "characters"
+            hint = (
+                f"{cost} characters exceed the whole per-minute allowance; send smaller pieces"
+                if cost > limit else f"retry in {math.ceil(wait)} s"
+            )
+            raise LimitExceeded(
+                ErrorCode.rate_limited,
+                f"this API key may use {limit} {what} per minute; {hint}",
+                retry_after_s=wait, close=close, context_id=context_id,
+            )
+
+    @contextlib.asynccontextmanager
+    async def session(self, principal: Principal) -> AsyncIterator[None]:
+        """Hold a session slot for the body. Raises LimitExceeded (overloaded, too_many_sessions,
+        rate_limited), fatal with close code 1013."""
+        self.check_overload()
         if self.max_sessions and self.open_sessions >= self.max_sessions:
-            raise ProtocolError(
+            raise LimitExceeded(
                 ErrorCode.too_many_sessions,
                 f"the gateway is serving its maximum of {self.max_sessions} sessions; try again later",
-                close=CloseCode.try_again_later,
+                retry_after_s=5.0, close=CloseCode.try_again_later,
             )
-        if self.max_sessions_per_key and self._per_key[principal.key_id] >= self.max_sessions_per_key:
-            raise ProtocolError(
-                ErrorCode.too_many_sessions,
-                f"this API key already has {self.max_sessions_per_key} open sessions",
-                close=CloseCode.try_again_later,
-            )
+        name = f"open:{self._key(principal)}"
+        slot = None
+        if self.max_sessions_per_key:
+            slot = await self.counters.acquire_slot(name, self.max_sessions_per_key)
+            if slot is None:
+                raise LimitExceeded(
+                    ErrorCode.too_many_sessions,
+                    f"this API key already has {self.max_sessions_per_key} open sessions",
+                    retry_after_s=5.0, close=CloseCode.try_again_later,
+                )
         self.open_sessions += 1
-        self._per_key[principal.key_id] += 1
         try:
+            await self._take_rate(principal, "sessions", self.settings.sessions_per_minute, 1,
+                                  close=CloseCode.try_again_later)
             yield
         finally:
             self.open_sessions -= 1
-            self._per_key[principal.key_id] -= 1
+            if slot is not None:
+                await self.counters.release_slot(name, slot)
+
+    async def admit_request(self, principal: Principal, chars: int) -> None:
+        """An HTTP speech request: one session and `chars` characters."""
+        self.check_overload()
+        await self._take_rate(principal, "sessions", self.settings.sessions_per_minute, 1)
+        await self.charge_chars(principal, chars)
+
+    async def charge_chars(self, principal: Principal, chars: int, context_id: str | None = None) -> None:
+        """Count text about to be accepted; raises LimitExceeded(rate_limited) (nothing counted) if over."""
+        await self._take_rate(principal, "chars", self.settings.chars_per_minute, chars, context_id=context_id)
+
+
+# ------------------------------------------------------------------------------------ slow handshakes
+
+
+def header_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's HTTP protocol, plus a deadline for a request's headers (the WebSocket upgrade request
+    included): a client that trickles its headers (slowloris) is disconnected after `timeout_s` instead
+    of holding a connection forever (uvicorn itself only times out idle keep-alive connections)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                log.info("closing a connection whose request headers took over %g s", timeout_s)
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol

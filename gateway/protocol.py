@@ -35,6 +35,7 @@ class ErrorCode(str, enum.Enum):
     synthesis_failed = "synthesis_failed"
     overloaded = "overloaded"
     idle_timeout = "idle_timeout"
+    slow_consumer = "slow_consumer"
     internal = "internal"
 
 
@@ -43,6 +44,7 @@ RETRYABLE = {
     ErrorCode.rate_limited,
     ErrorCode.too_many_sessions,
     ErrorCode.overloaded,
+    ErrorCode.slow_consumer,  # resume the session (session.resume) and read faster
     ErrorCode.synthesis_failed,
     ErrorCode.internal,
 }

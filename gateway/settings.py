@@ -64,6 +64,37 @@ class GatewaySettings(BaseSettings):
 
     # --- access and limits (issue 7)
     api_keys: list[str] = Field(default_factory=list, description="accepted API keys; empty = no authentication")
+    insecure_no_auth: bool = Field(
+        False, description="allow serving a non-loopback host without API keys (anyone who can connect may use it)"
+    )
+    token_secret: str | None = Field(
+        None, description="HMAC secret for POST /v1/tokens tokens; default derived from api_keys (same on every replica)"
+    )
+    max_token_ttl_s: float = Field(3600.0, gt=0, description="longest lifetime of a minted token")
     allowed_origins: list[str] = Field(default_factory=list, description="browser Origins allowed; empty = any")
     max_sessions: int = Field(0, ge=0, description="concurrent WebSocket sessions per process; 0 = unlimited")
-    max_sessions_per_key: int = Field(0, ge=0, description="concurrent sessions per API key; 0 = unlimited")
+    max_sessions_per_key: int = Field(
+        0, ge=0, description="concurrent sessions per API key, across replicas with store=redis; 0 = unlimited"
+    )
+    sessions_per_minute: int = Field(0, ge=0, description="new sessions (WebSocket or HTTP speech) per key per minute; 0 = unlimited")
+    chars_per_minute: int = Field(0, ge=0, description="text characters accepted per key per minute; 0 = unlimited")
+
+    # --- slow consumers and overload (issue 7)
+    max_queued_audio_s: float = Field(
+        5.0, gt=0, description="audio made but not yet written to a session's socket; synthesis pauses beyond it"
+    )
+    slow_consumer_timeout_s: float = Field(
+        20.0, gt=0, description="close a session whose socket accepts no audio for this long (it stays resumable)"
+    )
+    overload_backend_load: float = Field(
+        0.95, gt=0, description="refuse new sessions (overloaded) while the backend reports load() at or above this"
+    )
+    overload_min_realtime: float = Field(
+        1.0, ge=0, description="refuse new sessions while streams are made slower than this times real time; 0 = off"
+    )
+    max_active_synthesis: int = Field(0, ge=0, description="refuse new sessions while this many streams synthesize; 0 = off")
+    max_open_contexts: int = Field(256, ge=1, description="contexts of one session taking text at the same time")
+    header_timeout_s: float = Field(10.0, gt=0, description="time a client gets to send its request headers (slowloris)")
+
+    # --- logs
+    log_format: Literal["json", "text"] = Field("json", description="json: one object per line; text: plain")

@@ -1,0 +1,80 @@
+"""Structured logs: one JSON object per line, with the session id of the session that logged it.
+
+`session_id_var` is set by a session once it has an id; asyncio tasks copy the context they are created
+in, so every line a session's reader, sender and synthesis tasks log carries it. Credentials never reach
+the output: `api_key=` / `token=` query values (uvicorn logs request paths) and bearer tokens are masked
+in every message. Text content is logged only at debug level (`text_for_log`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import re
+import time
+from typing import Any
+
+session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("voxgate_session_id", default=None)
+
+_SECRETS = re.compile(r"(?i)((?:api_key|token)=)[^&\s\"']+|(bearer\s+)[^\s\"']+")
+# LogRecord attributes that are not user-supplied `extra` fields.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+
+
+def redact(text: str) -> str:
+    """Mask credentials in a log message."""
+    return _SECRETS.sub(lambda m: (m.group(1) or m.group(2)) + "[redacted]", text)
+
+
+def text_for_log(logger: logging.Logger, text: str) -> str:
+    """What a log line may say about user text: the text itself only at debug level, else its length."""
+    return repr(text) if logger.isEnabledFor(logging.DEBUG) else f"<{len(text)} characters>"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": redact(record.getMessage()),
+        }
+        session_id = getattr(record, "session_id", None) or session_id_var.get()
+        if session_id:
+            entry["session_id"] = session_id
+        for name, value in vars(record).items():
+            if name not in _STANDARD and name not in entry:
+                entry[name] = value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+        if record.exc_info:
+            entry["exception"] = redact(self.formatException(record.exc_info))
+        return json.dumps(entry, ensure_ascii=False)
+
+
+class RedactingFormatter(logging.Formatter):
+    """Plain text, credentials masked."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+def log_config(level: str, fmt: str = "json") -> dict[str, Any]:
+    """A logging.config dict for uvicorn's `log_config`: the gateway's and uvicorn's loggers, one format."""
+    formatter = (
+        {"()": "gateway.logs.JsonFormatter"}
+        if fmt == "json"
+        else {"()": "gateway.logs.RedactingFormatter", "format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
+    )
+    level = level.upper()
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"default": formatter},
+        "handlers": {"default": {"class": "logging.StreamHandler", "formatter": "default", "stream": "ext://sys.stderr"}},
+        "loggers": {
+            "voxgate": {"handlers": ["default"], "level": level, "propagate": False},
+            "uvicorn": {"handlers": ["default"], "level": level, "propagate": False},
+            "uvicorn.error": {"level": level},
+            "uvicorn.access": {"handlers": ["default"], "level": level, "propagate": False},
+        },
+    }
