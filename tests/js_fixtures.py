@@ -49,11 +49,11 @@ def require_chromium() -> Path:
     return CHROMIUM
 
 
-def run_node_json(script: Path, *args: str, timeout: float = 90.0, env: dict | None = None) -> dict:
+def run_node_json(script: Path, *args: str, timeout: float = 90.0, node_options: list[str] = ()) -> dict:
     """Run a Node script that prints one JSON object on stdout; fail the test with its stderr otherwise."""
     node = require_node()
     completed = subprocess.run(
-        [node, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=JS_CLIENT_DIR, env=env
+        [node, *node_options, str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=JS_CLIENT_DIR
     )
     if completed.returncode != 0:
         pytest.fail(f"{script.name} exited with {completed.returncode}:\n{completed.stderr[-4000:]}", pytrace=False)

@@ -149,3 +149,22 @@ def test_auto_resume_after_a_dropped_connection_is_byte_exact(backend, observed)
     # ... and still every sentence arrived exactly once, whole and byte-identical to the backend's audio.
     assert [s["index"] for s in result["sentences"]] == [0, 1, 2]
     check_sentences_exact(backend, result, result["text"])
+
+
+def test_api_key_as_query_parameter_with_the_platform_websocket(backend):
+    """A browser cannot set WebSocket headers: the key goes in ?api_key=. Node's own (experimental)
+    WebSocket stands in for the browser's, so the client takes its browser code path."""
+    require_node()
+    require_npm_packages()
+    key = "demo-key-123"
+    with running_gateway(backend=backend, api_keys=[key]) as server:
+        result = run_node_json(
+            JS_CLIENT_DIR / "test" / "auth_scenarios.mjs", server.url, key, node_options=["--experimental-websocket"]
+        )
+    assert result["platformWebSocket"] and result["usedPlatformWebSocket"]
+    assert result["url"].endswith("/v1/audio/speech/stream?api_key=<key>")
+    assert result["withoutKey"]["code"] == "unauthorized"
+    assert result["wrongKey"]["code"] == "unauthorized"
+    assert result["voicesWithoutKey"]["code"] == "unauthorized" and "401" in result["voicesWithoutKey"]["message"]
+    assert result["voices"] == ["tone-low", "tone-mid", "tone-high"]
+    assert result["spoken"] == {"sentences": 1, "bytes": 2 * len(rendered(backend, "Authorized speech."))}

@@ -579,7 +579,15 @@ function now() {
 export async function listVoices(baseUrl, { apiKey = null } = {}) {
   const url = new URL("/v1/audio/voices", baseUrl.replace(/^ws/, "http"));
   const response = await fetch(url, { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
-  if (!response.ok) throw new VoxgateError(`GET ${url} answered ${response.status}`);
+  if (!response.ok) {
+    // The gateway answers errors in the OpenAI shape: {"error": {"message", "code", ...}}.
+    const body = await response.json().catch(() => null);
+    const detail = body?.error?.message ? `: ${body.error.message}` : "";
+    throw new VoxgateError(`GET ${url} answered ${response.status}${detail}`, {
+      code: body?.error?.code || (response.status === 401 ? "unauthorized" : "internal"),
+      retryable: response.status === 429 || response.status >= 500,
+    });
+  }
   return response.json();
 }
 
