@@ -39,9 +39,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
 
 from . import audio
-from .auth import Principal
-from .limits import Admission
-from .logs import session_id_var
 from .metrics import GatewayMetrics
 from .protocol import (
     STREAMING_FORMATS,
@@ -77,10 +74,6 @@ _CANCELLED = object()  # a sentence was cancelled; wakes a sender waiting on its
 
 class _ClientGone(Exception):
     """The socket is closed; stop quietly."""
-
-
-class _SlowConsumer(Exception):
-    """The socket has accepted no data for slow_consumer_timeout_s: the client stopped reading."""
 
 
 SERVICE_RESTART = 1012  # WebSocket close code: the server is going away; resume elsewhere
@@ -136,7 +129,6 @@ class SentenceJob:
     finished: bool = False
     bytes_sent: int = 0
     source_samples: int = 0  # backend samples received, for duration_ms
-    queued_bytes: int = 0  # PCM made but not yet taken by the sender (back-pressure)
 
     @property
     def cancelled(self) -> bool:
@@ -150,6 +142,7 @@ class UtteranceEnd:
     utterance: Utterance
     by_close: bool = False  # ended by session.close, whose own session.done follows
     number: int = 0  # the store's marker number
+    after: int = 0  # sentences released before it
 
 
 @dataclass(eq=False)
@@ -157,6 +150,7 @@ class SessionEnd:
     """session.close: after everything before it, send session.done and close."""
 
     number: int = 0  # the store's marker number
+    after: int = 0  # sentences released before it
 
 
 # ------------------------------------------------------------------------------------------ session
@@ -171,16 +165,12 @@ class StreamingSession:
         backend: Synthesizer,
         store: SessionStore,
         metrics: GatewayMetrics,
-        admission: Admission | None = None,
-        principal: Principal | None = None,
     ) -> None:
         self.ws = websocket
         self.settings = settings
         self.backend = backend
         self.store = store
         self.metrics = metrics
-        self.admission = admission
-        self.principal = principal or Principal()
 
         self.session_id: str | None = None
         self.config: ResolvedConfig | None = None
@@ -203,12 +193,6 @@ class StreamingSession:
         self._marker_count = 0
         self._lease: asyncio.Task | None = None
         self._handed_over = False  # drain: closed with 1012, nothing more is sent
-        # Back-pressure: PCM made and not yet taken by the sender, in all jobs; synthesis waits beyond
-        # max_queued_audio_s, and a write the socket has not accepted since `_blocked_since` is watched.
-        self._queued_audio = 0
-        self._audio_taken = asyncio.Event()
-        self._blocked_since: float | None = None
-        self._watchdog: asyncio.Task | None = None
 
     # -------------------------------------------------------------- lifecycle
 
@@ -218,16 +202,12 @@ class StreamingSession:
         self.metrics.sessions_active.inc()
         try:
             if await self._handshake():
-                session_id_var.set(self.session_id)  # every log line of this session's tasks carries it
                 self._sender = asyncio.create_task(self._send_loop(), name=f"sender-{self.session_id}")
                 self._reader = asyncio.create_task(self._read_loop(), name=f"reader-{self.session_id}")
                 self._lease = asyncio.create_task(self._keep_lease(), name=f"lease-{self.session_id}")
-                self._watchdog = asyncio.create_task(self._watch_consumer(), name=f"watchdog-{self.session_id}")
                 done, _ = await asyncio.wait(
-                    {self._reader, self._sender, self._lease, self._watchdog}, return_when=asyncio.FIRST_COMPLETED
+                    {self._reader, self._sender, self._lease}, return_when=asyncio.FIRST_COMPLETED
                 )
-                if self._watchdog in done:
-                    self._watchdog.result()  # only ends by _SlowConsumer
                 if self._lease in done:
                     self._lease.result()  # only ends by LeaseLost (or a store failure)
                 if self._reader in done:
@@ -246,8 +226,6 @@ class StreamingSession:
                     close=CloseCode.policy,
                 )
             )
-        except _SlowConsumer:
-            await self._close_slow_consumer()
         except (_ClientGone, WebSocketDisconnect):
             pass
         except Exception:
@@ -260,8 +238,7 @@ class StreamingSession:
     async def _shutdown(self) -> None:
         self._stopping = True  # no new synthesis from here on
         tasks = [
-            t for t in [self._reader, self._sender, self._lease, self._watchdog, *self._synthesis]
-            if t is not None and not t.done()
+            t for t in [self._reader, self._sender, self._lease, *self._synthesis] if t is not None and not t.done()
         ]
         for task in tasks:
             task.cancel()
@@ -278,8 +255,8 @@ class StreamingSession:
             except Exception as exc:  # the store is unreachable: the session expires there on its own
                 log.warning("could not detach session %s: %r", self.session_id, exc)
         if self.ws.application_state == WebSocketState.CONNECTED:
-            with contextlib.suppress(Exception):  # bounded: a socket that accepts nothing cannot hold us
-                await asyncio.wait_for(self.ws.close(CloseCode.normal), self.settings.slow_consumer_timeout_s)
+            with contextlib.suppress(Exception):
+                await self.ws.close(CloseCode.normal)
 
     @property
     def busy(self) -> bool:
@@ -345,24 +322,18 @@ class StreamingSession:
     async def _send_text_locked(self, text: str) -> None:
         if self._handed_over:
             raise _ClientGone()
-        self._blocked_since = time.monotonic()
         try:
             await self.ws.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             raise _ClientGone() from exc
-        finally:
-            self._blocked_since = None
 
     async def _send_bytes_locked(self, data: bytes) -> None:
         if self._handed_over:
             raise _ClientGone()
-        self._blocked_since = time.monotonic()
         try:
             await self.ws.send_bytes(data)
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             raise _ClientGone() from exc
-        finally:
-            self._blocked_since = None
 
     async def _report(self, error: ProtocolError) -> None:
         """A non-fatal error: tell the client, keep going."""
@@ -513,12 +484,20 @@ class StreamingSession:
             self._pending_chars += len(job.text)
             owed.append(((sentence.index, 1), job))
         for marker in record.markers.values():
-            if marker.sent:
+            # Markers go out after sentence `after - 1`: one the client's position lies before is owed
+            # even if it was sent (the client cannot have it); at the position itself, only if unsent.
+            owed_still = marker.after > sentence_index or (
+                marker.after == sentence_index and byte_offset == 0 and not marker.sent
+            )
+            if not owed_still:
                 continue
             item = (
-                SessionEnd(number=marker.number)
+                SessionEnd(number=marker.number, after=marker.after)
                 if marker.session_end
-                else UtteranceEnd(utterance(marker.utterance, marker.context_id), by_close=marker.by_close, number=marker.number)
+                else UtteranceEnd(
+                    utterance(marker.utterance, marker.context_id), by_close=marker.by_close, number=marker.number,
+                    after=marker.after,
+                )
             )
             owed.append(((marker.after, 0), item))
         if any(isinstance(item, SessionEnd) for _, item in owed):
@@ -665,15 +644,6 @@ class StreamingSession:
                 f" than {limit} characters not yet spoken; wait for audio or send input.flush",
                 context_id=message.context_id,
             )
-        if message.context_id not in self._open and len(self._open) >= self.settings.max_open_contexts:
-            raise ProtocolError(
-                ErrorCode.invalid_message,
-                f"this input.text was not accepted: {len(self._open)} contexts are open, the limit is"
-                f" {self.settings.max_open_contexts}; end some with input.done or input.cancel",
-                context_id=message.context_id,
-            )
-        if self.admission is not None and message.text:
-            await self.admission.charge_chars(self.principal, len(message.text), context_id=message.context_id)
         utterance = self._utterance(message.context_id)
         await self._release(utterance, utterance.segmenter.push(message.text))
         await self._record_open_text(utterance)
@@ -714,19 +684,19 @@ class StreamingSession:
         await self._record_marker(end)
         self._enqueue(end)
 
-    async def _record_marker(self, item: UtteranceEnd | SessionEnd, *, sent: bool = False) -> None:
+    async def _record_marker(self, item: UtteranceEnd | SessionEnd) -> None:
+        item.after = self.next_sentence_index
         utterance = item.utterance if isinstance(item, UtteranceEnd) else None
         await self.store.add_marker(
             self.session_id,
             MarkerRecord(
                 number=item.number,
-                after=self.next_sentence_index,
+                after=item.after,
                 context_id=utterance.context_id if utterance else None,
                 utterance=utterance.number if utterance else 0,
                 total_sentences=utterance.sentences if utterance else 0,
                 by_close=isinstance(item, UtteranceEnd) and item.by_close,
                 session_end=isinstance(item, SessionEnd),
-                sent=sent,
             ),
             owner=self.owner,
         )
@@ -791,14 +761,13 @@ class StreamingSession:
         for job in stopped:
             await self.store.set_sentence_state(self.session_id, job.index, "cancelled", owner=self.owner)
         for marker in dropped_markers:  # owed no more: a resume must not send them
-            await self.store.add_marker(self.session_id, _sent_marker(marker), owner=self.owner)
+            await self.store.add_marker(self.session_id, _sent_marker(marker, cancelled=True), owner=self.owner)
         self._fill_pipeline()
         self._queue_changed.set()
 
     def _stop_job(self, job: SentenceJob) -> None:
         job.finished = True
         self._pending_chars -= len(job.text)
-        self._drop_queued(job)
         if job.task is not None and not job.task.done():
             job.task.cancel()
         job.chunks.put_nowait(_CANCELLED)
@@ -843,91 +812,16 @@ class StreamingSession:
             request_id=f"{self.session_id}/{job.index}",
             extra=config.message.backend_extra(),
         )
-        monitor = self.admission.monitor if self.admission is not None else None
-        bytes_per_second = 2 * self.backend.sample_rate
         try:
             async with contextlib.aclosing(self.backend.synthesize(request)) as stream:
-                if monitor is not None:
-                    monitor.stream_started()
-                try:
-                    while True:
-                        # Back-pressure: no more is pulled from the backend while the sender is behind.
-                        while not self._has_room(job):
-                            self._audio_taken.clear()
-                            await self._audio_taken.wait()
-                        pulled_at = time.monotonic()
-                        try:
-                            chunk = await anext(stream)
-                        except StopAsyncIteration:
-                            break
-                        if chunk.pcm and not job.finished:
-                            if monitor is not None:
-                                monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
-                            job.queued_bytes += len(chunk.pcm)
-                            self._queued_audio += len(chunk.pcm)
-                            job.chunks.put_nowait(chunk.pcm)
-                finally:
-                    if monitor is not None:
-                        monitor.stream_ended()
+                async for chunk in stream:
+                    if chunk.pcm:
+                        job.chunks.put_nowait(chunk.pcm)
             job.chunks.put_nowait(_END)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # reported by the sender, in order
             job.chunks.put_nowait(exc)
-
-    def _has_room(self, job: SentenceJob) -> bool:
-        """May `job` pull another chunk? The sentence being sent (the head) may hold up to the bound on its
-        own; sentences made ahead only while the whole session holds less, so look-ahead never starves
-        the head and a session's unsent audio stays within about twice the bound."""
-        bound = self.settings.max_queued_audio_s * 2 * self.backend.sample_rate
-        head = next(
-            (i for i in (self._current, *self._queue) if isinstance(i, SentenceJob) and not i.finished), None
-        )
-        return job.queued_bytes < bound if job is head else self._queued_audio < bound
-
-    def _take_audio(self, job: SentenceJob, size: int) -> None:
-        job.queued_bytes -= size
-        self._queued_audio -= size
-        self._audio_taken.set()
-
-    def _drop_queued(self, job: SentenceJob) -> None:
-        """The job's unsent chunks will never be taken (cancelled, failed or finished)."""
-        self._queued_audio -= job.queued_bytes
-        job.queued_bytes = 0
-        self._audio_taken.set()
-
-    async def _watch_consumer(self) -> None:
-        """Ends the session (by raising _SlowConsumer) once a write has waited slow_consumer_timeout_s
-        for the socket to accept it: the client stopped reading, and only its buffers are held."""
-        limit = self.settings.slow_consumer_timeout_s
-        while True:
-            await asyncio.sleep(min(1.0, limit / 4))
-            since = self._blocked_since
-            if since is not None and time.monotonic() - since >= limit:
-                raise _SlowConsumer()
-
-    async def _close_slow_consumer(self) -> None:
-        """Stop the blocked sender (releasing the send lock), tell the client why if its socket takes
-        it within a second, else drop the connection. The session stays in the store: resumable."""
-        limit = self.settings.slow_consumer_timeout_s
-        log.warning("session %s: the client read nothing for %g s; closing it (resumable)", self.session_id, limit)
-        self._stopping = True
-        for task in (self._sender, self._reader):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-        error = ProtocolError(
-            ErrorCode.slow_consumer,
-            f"the client read no audio for {limit:g} s; session {self.session_id} is closed and can be resumed"
-            " with session.resume",
-            close=CloseCode.try_again_later,
-        )
-        try:
-            await asyncio.wait_for(self._fail(error), 1.0)
-        except asyncio.TimeoutError:
-            self.metrics.errors_total.labels(error.code.value).inc()
-            _abort_transport(self.ws)
 
     # -------------------------------------------------------------- sending
 
@@ -938,13 +832,9 @@ class StreamingSession:
                 await self._queue_changed.wait()
             item = self._queue.popleft()
             self._current = item
-            self._audio_taken.set()  # a new head may pull again
             try:
                 if isinstance(item, SentenceJob):
-                    try:
-                        await self._send_sentence(item)
-                    finally:
-                        self._drop_queued(item)
+                    await self._send_sentence(item)
                 elif isinstance(item, UtteranceEnd):
                     await self._send_utterance_end(item)
                 else:
@@ -1029,7 +919,6 @@ class StreamingSession:
             if isinstance(item, BaseException):
                 failure = item
                 break
-            self._take_audio(job, len(item))
             job.source_samples += len(item) // 2
             encoded = encoder.encode(item)
             if config.stream_audio:
@@ -1088,28 +977,17 @@ class StreamingSession:
             await self.store.delete(self.session_id, owner=self.owner)
 
 
-def _sent_marker(marker: UtteranceEnd) -> MarkerRecord:
-    """The store's record of an utterance end that is owed no more (sent, or cancelled)."""
+def _sent_marker(marker: UtteranceEnd, *, cancelled: bool = False) -> MarkerRecord:
+    """The store's record of an utterance end that went out (or, cancelled, is owed no more at all)."""
     return MarkerRecord(
         number=marker.number,
-        after=-1,
+        after=-1 if cancelled else marker.after,
         context_id=marker.utterance.context_id,
         utterance=marker.utterance.number,
         total_sentences=marker.utterance.sentences,
         by_close=marker.by_close,
         sent=True,
     )
-
-
-def _abort_transport(websocket: WebSocket) -> None:
-    """Drop the TCP connection under a WebSocket whose peer reads nothing (a close frame could never be
-    written). uvicorn's protocol object is what the ASGI `send` callable is bound to."""
-    protocol = getattr(getattr(websocket, "_send", None), "__self__", None)
-    transport = getattr(protocol, "transport", None)
-    if transport is not None:
-        transport.abort()
-    else:
-        log.warning("cannot abort the connection of a slow consumer: no transport found")
 
 
 def resolve_voice(backend: Synthesizer, settings: GatewaySettings, voice: str | None) -> str:

@@ -1,0 +1,176 @@
+"""Real `voxgate serve` processes sharing a Redis, and a raw WebSocket listener that keeps its resume
+position, for the resume, failover and drain tests (and bench/failover.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import websockets
+
+from tests.gateway_server import free_port
+
+VOICE = "tone-mid"
+# 8x faster than real time in 40 ms chunks: a 50-character sentence takes ~0.4 s to stream, long enough
+# to act in the middle of it.
+PACED = ("-o", "speed=8", "-o", "chunk_ms=40")
+
+
+@dataclass
+class GatewayProcess:
+    port: int
+    process: subprocess.Popen
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as handle:
+            return handle.read()
+
+    def kill(self) -> None:
+        """SIGKILL: the replica dies without a word."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+
+def start_gateway(redis_url: str, prefix: str, *extra: str) -> GatewayProcess:
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix=f"voxgate-{port}-", suffix=".log", delete=False)
+    command = [
+        sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--backend", "synthetic",
+        "--store", "redis", "--redis-url", redis_url, "--redis-key-prefix", prefix, "--log-level", "warning",
+        *extra,
+    ]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return GatewayProcess(port, process, log.name)
+
+
+def wait_ready(*gateways: GatewayProcess, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for gateway in gateways:
+        while True:
+            if gateway.process.poll() is not None:
+                raise RuntimeError(f"gateway on port {gateway.port} exited:\n{gateway.log()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(gateway.url + "/ready", timeout=1.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway on port {gateway.port} not ready:\n{gateway.log()}")
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def gateways(redis_url: str, prefix: str, count: int, *extra: str) -> Iterator[list[GatewayProcess]]:
+    """`count` replicas (started in parallel) on one Redis key prefix; killed on exit."""
+    running = [start_gateway(redis_url, prefix, *extra) for _ in range(count)]
+    try:
+        wait_ready(*running)
+        yield running
+    finally:
+        for gateway in running:
+            if gateway.process.poll() is None:
+                gateway.kill()
+            with contextlib.suppress(OSError):
+                os.unlink(gateway.log_path)
+
+
+@dataclass
+class Listener:
+    """What a client has received, across connections: audio per sentence, in order, and messages."""
+
+    audio: dict[int, bytearray] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    open_sentence: int | None = None
+    last_done: int = -1
+    session_id: str | None = None
+    first_audio_at: float | None = None  # monotonic time of the first audio byte on the current connection
+
+    def feed(self, frame: str | bytes) -> dict[str, Any] | None:
+        if isinstance(frame, bytes):
+            assert self.open_sentence is not None, "audio outside audio.start/audio.done"
+            if self.first_audio_at is None:
+                self.first_audio_at = time.monotonic()
+            self.audio[self.open_sentence] += frame
+            return None
+        message = json.loads(frame)
+        self.messages.append(message)
+        kind = message["type"]
+        if kind == "session.started":
+            self.session_id = message["session_id"]
+        elif kind == "audio.start":
+            self.open_sentence = message["sentence_index"]
+            self.audio.setdefault(self.open_sentence, bytearray())
+        elif kind == "audio.done":
+            assert message["sentence_index"] == self.open_sentence
+            assert message["total_bytes"] == len(self.audio[self.open_sentence]), message
+            self.open_sentence = None
+            self.last_done = max(self.last_done, message["sentence_index"])
+        return message
+
+    def position(self) -> tuple[int, int]:
+        """(sentence_index, bytes_received): the first byte this client lacks."""
+        if self.open_sentence is not None:
+            return self.open_sentence, len(self.audio[self.open_sentence])
+        return self.last_done + 1, 0
+
+    def resume_message(self) -> str:
+        index, received = self.position()
+        return json.dumps(
+            {"type": "session.resume", "session_id": self.session_id, "sentence_index": index, "bytes_received": received}
+        )
+
+    def pcm(self) -> bytes:
+        return b"".join(bytes(self.audio[i]) for i in sorted(self.audio))
+
+    async def receive(self, ws, until: str | tuple[str, ...], timeout: float = 30.0) -> dict[str, Any]:
+        """Feed frames until a message of type `until` (returned)."""
+        until = (until,) if isinstance(until, str) else until
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self.feed(await asyncio.wait_for(ws.recv(), max(0.01, deadline - time.monotonic())))
+            if message is not None and message["type"] in until:
+                return message
+
+    async def receive_until_closed(self, ws, timeout: float = 30.0) -> websockets.ConnectionClosed:
+        """Feed frames until the connection closes; returns how it closed."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self.feed(await asyncio.wait_for(ws.recv(), max(0.01, deadline - time.monotonic())))
+        except websockets.ConnectionClosed as closed:
+            return closed
+
+
+def config_message(**overrides: Any) -> str:
+    return json.dumps({"type": "session.config", "voice": VOICE, "response_format": "pcm", "stream_audio": True, **overrides})
+
+
+async def uninterrupted_pcm(ws_url: str, text: str) -> bytes:
+    """The reference: the same text on one connection that nobody interrupts."""
+    listener = Listener()
+    async with websockets.connect(ws_url, max_size=None) as ws:
+        await ws.send(config_message())
+        await listener.receive(ws, "session.started")
+        await ws.send(json.dumps({"type": "input.text", "text": text}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        await listener.receive(ws, "session.done")
+    return listener.pcm()
