@@ -39,6 +39,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
 
 from . import audio
+from .auth import Principal
+from .limits import Admission
+from .logs import session_id_var
 from .metrics import GatewayMetrics
 from .protocol import (
     STREAMING_FORMATS,
@@ -74,6 +77,10 @@ _CANCELLED = object()  # a sentence was cancelled; wakes a sender waiting on its
 
 class _ClientGone(Exception):
     """The socket is closed; stop quietly."""
+
+
+class _SlowConsumer(Exception):
+    """The socket has accepted no data for slow_consumer_timeout_s: the client stopped reading."""
 
 
 SERVICE_RESTART = 1012  # WebSocket close code: the server is going away; resume elsewhere
@@ -129,6 +136,7 @@ class SentenceJob:
     finished: bool = False
     bytes_sent: int = 0
     source_samples: int = 0  # backend samples received, for duration_ms
+    queued_bytes: int = 0  # PCM made but not yet taken by the sender (back-pressure)
 
     @property
     def cancelled(self) -> bool:
@@ -165,12 +173,16 @@ class StreamingSession:
         backend: Synthesizer,
         store: SessionStore,
         metrics: GatewayMetrics,
+        admission: Admission | None = None,
+        principal: Principal | None = None,
     ) -> None:
         self.ws = websocket
         self.settings = settings
         self.backend = backend
         self.store = store
         self.metrics = metrics
+        self.admission = admission
+        self.principal = principal or Principal()
 
         self.session_id: str | None = None
         self.config: ResolvedConfig | None = None
@@ -193,6 +205,12 @@ class StreamingSession:
         self._marker_count = 0
         self._lease: asyncio.Task | None = None
         self._handed_over = False  # drain: closed with 1012, nothing more is sent
+        # Back-pressure: PCM made and not yet taken by the sender, in all jobs; synthesis waits beyond
+        # max_queued_audio_s, and a write the socket has not accepted since `_blocked_since` is watched.
+        self._queued_audio = 0
+        self._audio_taken = asyncio.Event()
+        self._blocked_since: float | None = None
+        self._watchdog: asyncio.Task | None = None
 
     # -------------------------------------------------------------- lifecycle
 
@@ -202,12 +220,16 @@ class StreamingSession:
         self.metrics.sessions_active.inc()
         try:
             if await self._handshake():
+                session_id_var.set(self.session_id)  # every log line of this session's tasks carries it
                 self._sender = asyncio.create_task(self._send_loop(), name=f"sender-{self.session_id}")
                 self._reader = asyncio.create_task(self._read_loop(), name=f"reader-{self.session_id}")
                 self._lease = asyncio.create_task(self._keep_lease(), name=f"lease-{self.session_id}")
+                self._watchdog = asyncio.create_task(self._watch_consumer(), name=f"watchdog-{self.session_id}")
                 done, _ = await asyncio.wait(
-                    {self._reader, self._sender, self._lease}, return_when=asyncio.FIRST_COMPLETED
+                    {self._reader, self._sender, self._lease, self._watchdog}, return_when=asyncio.FIRST_COMPLETED
                 )
+                if self._watchdog in done:
+                    self._watchdog.result()  # only ends by _SlowConsumer
                 if self._lease in done:
                     self._lease.result()  # only ends by LeaseLost (or a store failure)
                 if self._reader in done:
@@ -226,6 +248,8 @@ class StreamingSession:
                     close=CloseCode.policy,
                 )
             )
+        except _SlowConsumer:
+            await self._close_slow_consumer()
         except (_ClientGone, WebSocketDisconnect):
             pass
         except Exception:
@@ -238,7 +262,8 @@ class StreamingSession:
     async def _shutdown(self) -> None:
         self._stopping = True  # no new synthesis from here on
         tasks = [
-            t for t in [self._reader, self._sender, self._lease, *self._synthesis] if t is not None and not t.done()
+            t for t in [self._reader, self._sender, self._lease, self._watchdog, *self._synthesis]
+            if t is not None and not t.done()
         ]
         for task in tasks:
             task.cancel()
@@ -255,8 +280,8 @@ class StreamingSession:
             except Exception as exc:  # the store is unreachable: the session expires there on its own
                 log.warning("could not detach session %s: %r", self.session_id, exc)
         if self.ws.application_state == WebSocketState.CONNECTED:
-            with contextlib.suppress(Exception):
-                await self.ws.close(CloseCode.normal)
+            with contextlib.suppress(Exception):  # bounded: a socket that accepts nothing cannot hold us
+                await asyncio.wait_for(self.ws.close(CloseCode.normal), self.settings.slow_consumer_timeout_s)
 
     @property
     def busy(self) -> bool:
@@ -322,18 +347,24 @@ class StreamingSession:
     async def _send_text_locked(self, text: str) -> None:
         if self._handed_over:
             raise _ClientGone()
+        self._blocked_since = time.monotonic()
         try:
             await self.ws.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             raise _ClientGone() from exc
+        finally:
+            self._blocked_since = None
 
     async def _send_bytes_locked(self, data: bytes) -> None:
         if self._handed_over:
             raise _ClientGone()
+        self._blocked_since = time.monotonic()
         try:
             await self.ws.send_bytes(data)
         except (WebSocketDisconnect, RuntimeError, OSError) as exc:
             raise _ClientGone() from exc
+        finally:
+            self._blocked_since = None
 
     async def _report(self, error: ProtocolError) -> None:
         """A non-fatal error: tell the client, keep going."""
@@ -644,6 +675,15 @@ class StreamingSession:
                 f" than {limit} characters not yet spoken; wait for audio or send input.flush",
                 context_id=message.context_id,
             )
+        if message.context_id not in self._open and len(self._open) >= self.settings.max_open_contexts:
+            raise ProtocolError(
+                ErrorCode.invalid_message,
+                f"this input.text was not accepted: {len(self._open)} contexts are open, the limit is"
+                f" {self.settings.max_open_contexts}; end some with input.done or input.cancel",
+                context_id=message.context_id,
+            )
+        if self.admission is not None and message.text:
+            await self.admission.charge_chars(self.principal, len(message.text), context_id=message.context_id)
         utterance = self._utterance(message.context_id)
         await self._release(utterance, utterance.segmenter.push(message.text))
         await self._record_open_text(utterance)
@@ -768,6 +808,7 @@ class StreamingSession:
     def _stop_job(self, job: SentenceJob) -> None:
         job.finished = True
         self._pending_chars -= len(job.text)
+        self._drop_queued(job)
         if job.task is not None and not job.task.done():
             job.task.cancel()
         job.chunks.put_nowait(_CANCELLED)
@@ -812,16 +853,91 @@ class StreamingSession:
             request_id=f"{self.session_id}/{job.index}",
             extra=config.message.backend_extra(),
         )
+        monitor = self.admission.monitor if self.admission is not None else None
+        bytes_per_second = 2 * self.backend.sample_rate
         try:
             async with contextlib.aclosing(self.backend.synthesize(request)) as stream:
-                async for chunk in stream:
-                    if chunk.pcm:
-                        job.chunks.put_nowait(chunk.pcm)
+                if monitor is not None:
+                    monitor.stream_started()
+                try:
+                    while True:
+                        # Back-pressure: no more is pulled from the backend while the sender is behind.
+                        while not self._has_room(job):
+                            self._audio_taken.clear()
+                            await self._audio_taken.wait()
+                        pulled_at = time.monotonic()
+                        try:
+                            chunk = await anext(stream)
+                        except StopAsyncIteration:
+                            break
+                        if chunk.pcm and not job.finished:
+                            if monitor is not None:
+                                monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
+                            job.queued_bytes += len(chunk.pcm)
+                            self._queued_audio += len(chunk.pcm)
+                            job.chunks.put_nowait(chunk.pcm)
+                finally:
+                    if monitor is not None:
+                        monitor.stream_ended()
             job.chunks.put_nowait(_END)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # reported by the sender, in order
             job.chunks.put_nowait(exc)
+
+    def _has_room(self, job: SentenceJob) -> bool:
+        """May `job` pull another chunk? The sentence being sent (the head) may hold up to the bound on its
+        own; sentences made ahead only while the whole session holds less, so look-ahead never starves
+        the head and a session's unsent audio stays within about twice the bound."""
+        bound = self.settings.max_queued_audio_s * 2 * self.backend.sample_rate
+        head = next(
+            (i for i in (self._current, *self._queue) if isinstance(i, SentenceJob) and not i.finished), None
+        )
+        return job.queued_bytes < bound if job is head else self._queued_audio < bound
+
+    def _take_audio(self, job: SentenceJob, size: int) -> None:
+        job.queued_bytes -= size
+        self._queued_audio -= size
+        self._audio_taken.set()
+
+    def _drop_queued(self, job: SentenceJob) -> None:
+        """The job's unsent chunks will never be taken (cancelled, failed or finished)."""
+        self._queued_audio -= job.queued_bytes
+        job.queued_bytes = 0
+        self._audio_taken.set()
+
+    async def _watch_consumer(self) -> None:
+        """Ends the session (by raising _SlowConsumer) once a write has waited slow_consumer_timeout_s
+        for the socket to accept it: the client stopped reading, and only its buffers are held."""
+        limit = self.settings.slow_consumer_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            since = self._blocked_since
+            if since is not None and time.monotonic() - since >= limit:
+                raise _SlowConsumer()
+
+    async def _close_slow_consumer(self) -> None:
+        """Stop the blocked sender (releasing the send lock), tell the client why if its socket takes
+        it within a second, else drop the connection. The session stays in the store: resumable."""
+        limit = self.settings.slow_consumer_timeout_s
+        log.warning("session %s: the client read nothing for %g s; closing it (resumable)", self.session_id, limit)
+        self._stopping = True
+        for task in (self._sender, self._reader):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        error = ProtocolError(
+            ErrorCode.slow_consumer,
+            f"the client read no audio for {limit:g} s; session {self.session_id} is closed and can be resumed"
+            " with session.resume",
+            close=CloseCode.try_again_later,
+        )
+        try:
+            await asyncio.wait_for(self._fail(error), 1.0)
+        except asyncio.TimeoutError:
+            self.metrics.errors_total.labels(error.code.value).inc()
+            _abort_transport(self.ws)
 
     # -------------------------------------------------------------- sending
 
@@ -832,9 +948,13 @@ class StreamingSession:
                 await self._queue_changed.wait()
             item = self._queue.popleft()
             self._current = item
+            self._audio_taken.set()  # a new head may pull again
             try:
                 if isinstance(item, SentenceJob):
-                    await self._send_sentence(item)
+                    try:
+                        await self._send_sentence(item)
+                    finally:
+                        self._drop_queued(item)
                 elif isinstance(item, UtteranceEnd):
                     await self._send_utterance_end(item)
                 else:
@@ -919,6 +1039,7 @@ class StreamingSession:
             if isinstance(item, BaseException):
                 failure = item
                 break
+            self._take_audio(job, len(item))
             job.source_samples += len(item) // 2
             encoded = encoder.encode(item)
             if config.stream_audio:
@@ -988,6 +1109,17 @@ def _sent_marker(marker: UtteranceEnd, *, cancelled: bool = False) -> MarkerReco
         by_close=marker.by_close,
         sent=True,
     )
+
+
+def _abort_transport(websocket: WebSocket) -> None:
+    """Drop the TCP connection under a WebSocket whose peer reads nothing (a close frame could never be
+    written). uvicorn's protocol object is what the ASGI `send` callable is bound to."""
+    protocol = getattr(getattr(websocket, "_send", None), "__self__", None)
+    transport = getattr(protocol, "transport", None)
+    if transport is not None:
+        transport.abort()
+    else:
+        log.warning("cannot abort the connection of a slow consumer: no transport found")
 
 
 def resolve_voice(backend: Synthesizer, settings: GatewaySettings, voice: str | None) -> str:
