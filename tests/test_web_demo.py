@@ -38,10 +38,14 @@ def backend() -> SyntheticSynthesizer:
 
 
 @pytest.fixture(scope="module")
-def run(backend) -> dict:
+def browser_tools() -> None:
     require_node()
     require_npm_packages()
     require_chromium()
+
+
+@pytest.fixture(scope="module")
+def run(backend, browser_tools) -> dict:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with running_gateway(backend=backend) as server:
         return run_node_json(
@@ -150,3 +154,19 @@ def test_mulaw_8k_is_decoded_and_resampled_in_the_browser(backend, run):
     added_frames = player["framesPlayed"] - previous["framesPlayed"]
     assert abs(added_frames - sentence["samples"] * final["contextRate"] / 8000) <= 2
     assert player["underruns"] == 0 and player["bufferedFrames"] == 0
+
+
+def test_underruns_are_counted_when_audio_arrives_slower_than_real_time(browser_tools):
+    """The counter behind 'no underrun' can count: a synthetic backend at half real time starves the
+    worklet inside the sentence, and every sample still plays once it arrives."""
+    slow = SyntheticSynthesizer(speed=0.5, chars_per_second=30.0)
+    text = "This sentence arrives at half speed."
+    with running_gateway(backend=slow) as server:
+        result = run_node_json(JS_CLIENT_DIR / "test" / "underrun_check.mjs", server.url, VOICE, text, timeout=60)
+    final = result["snapshot"]
+    player = final["player"]
+    assert player["underruns"] >= 1 and player["underrunFrames"] > 0
+    expected = len(slow.render(SynthesisRequest(text=text, voice=VOICE)))
+    assert player["samplesReceived"] == final["utterance"]["samples"] == expected
+    assert player["framesPlayed"] == player["framesQueued"]
+    assert abs(player["framesPlayed"] - expected * final["contextRate"] / 24000) <= 2

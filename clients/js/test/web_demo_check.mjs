@@ -3,25 +3,12 @@
 // page and its AudioWorklet reported as JSON. tests/test_web_demo.py checks the numbers.
 // Usage: node web_demo_check.mjs <gateway base url> <screenshot dir> <voice> <text> <long text>
 
-import { chromium } from "playwright-core";
 
 const [baseUrl, screenshotDir, voice, text, longText] = process.argv.slice(2);
 
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-  headless: true,
-  args: [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    // Let the AudioContext start without a user gesture; headless Chromium plays into a fake output.
-    "--autoplay-policy=no-user-gesture-required",
-  ],
-});
+import { launchChromium } from "./chromium.mjs";
+
+const browser = await launchChromium();
 
 const output = { consoleErrors: [], pageErrors: [] };
 try {
