@@ -272,7 +272,6 @@ async function speak() {
     ui.hint.textContent = "Type something to speak.";
     return;
   }
-  ui.hint.textContent = "";
   if (state.utterance && !state.utterance.outcome) await interrupt();
   ui.speak.disabled = true;
   try {
