@@ -175,6 +175,11 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
                          "frames_per_s": b / frame_s})
             print(f"batch {b}: frame {frame_s * 1e3:.2f} ms (talker {talker_s * 1e3:.2f}, code predictor "
                   f"{cp_s * 1e3:.2f}), floor {floor_s * 1e3:.2f} ms, gap {frame_s / floor_s:.2f}x", flush=True)
+            if args.output:  # keep what is measured even if the run is cut short
+                args.output.parent.mkdir(parents=True, exist_ok=True)
+                args.output.with_suffix(".partial.json").write_text(json.dumps(
+                    {"fused": runner.fused, "compiled": runner.compile, "bandwidth_TBps": bandwidth / 1e12,
+                     "rows": rows}, indent=2) + "\n")
 
         # Eager frame at batch 1, for contrast with the captured one.
         slots = torch.zeros(1, dtype=torch.long, device=device)
