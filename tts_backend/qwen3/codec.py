@@ -635,7 +635,12 @@ class CodecDecoder(nn.Module):
 
     @torch.inference_mode()
     def decode(self, codes: Tensor) -> Tensor:
-        """Whole-sequence decode: codes [B, Q, T] (values in [0, codebook_size)) -> wav [B, T * 1920]."""
+        """Whole-sequence decode: codes [B, Q, T] (values in [0, codebook_size)) -> wav [B, T * 1920].
+
+        Exact for any T. The reference wrapper (qwen-tts `chunked_decode`) instead decodes more than 300 frames in
+        300-frame windows, each re-decoding 25 frames of context from a fresh start, so its samples from frame
+        300 on differ from this (design doc §4.4); padding codes (-1) must be removed by the caller, not clamped.
+        """
         if codes.dim() != 3 or codes.shape[1] != self.config.num_quantizers:
             raise ValueError(f"codes must be [B, {self.config.num_quantizers}, T], got {list(codes.shape)}")
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.config.codebook_size):
