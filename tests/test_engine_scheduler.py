@@ -257,3 +257,30 @@ async def test_engine_thread_serves_concurrent_streams_and_cancellation():
         assert victim_calls < 100
     finally:
         engine.stop()
+
+
+def _set_costs(engine, frame_stage_s: float, codec_s: float) -> None:
+    for _ in range(200):  # the scheduler's cost estimates are moving averages
+        engine.scheduler.observe(Stage.DECODE, frame_stage_s)
+        engine.scheduler.observe(Stage.CODE_PREDICT, frame_stage_s)
+        engine.scheduler.observe(Stage.CODEC, codec_s)
+
+
+@pytest.mark.parametrize("step_cost_s, expected_rule", [(0.02, "urgent_generation"), (0.001, "startup")])
+async def test_playing_stream_that_would_underrun_outranks_new_requests(step_cost_s, expected_rule):
+    engine, runner, clock = make_engine()
+    a = submit(engine, frames=200)
+    engine.step()
+    req_a = engine.scheduler.get(a.request_id)
+    run_until(engine, lambda: req_a.playing)  # 2 frames = 160 ms of audio out; the next chunk needs 4 more
+    assert req_a.pending_frames == 0
+    _set_costs(engine, step_cost_s, 0.01)
+    b = submit(engine, frames=5)
+    batch = engine.step()
+    assert batch.rule == expected_rule
+    if expected_rule == "urgent_generation":
+        # 4 frames x (20 + 20) ms + codec cannot fit in A's 160 ms unless A's generation runs now.
+        assert [r.request_id for r in batch.requests][0] == a.request_id
+        assert batch.stage in (Stage.DECODE, Stage.CODE_PREDICT)
+    else:
+        assert [r.request_id for r in batch.requests] == [b.request_id]

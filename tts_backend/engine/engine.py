@@ -260,7 +260,9 @@ class Engine:
                 self._finish(r, SynthesisError(f"synthesis failed in {batch.stage.name.lower()}: {exc}"))
             return
         finally:
-            self.stats.busy_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.scheduler.observe(batch.stage, elapsed)
+            self.stats.busy_s += elapsed
             self.stats.decisions += 1
             self.stats.batches[batch.stage.name] += 1
             self.stats.items[batch.stage.name] += len(requests)

@@ -7,10 +7,14 @@ bandwidth-bound GPU a batch of 8 costs about what a batch of 1 does.
 
 Urgency, highest first (engine.md):
 1. codec work of a playing stream about to run out of audio (now >= deadline - reserve);
-2. any work of a request that has no audio yet, by stage rank (codec, prefill, code predictor, decode),
+2. generation work of a playing stream whose next chunk cannot be ready in time unless it runs now: the
+   frames its next chunk still lacks, times the measured cost of a frame (Talker step + code predictor),
+   plus a codec call, reach past its deadline. Without this rule a burst of new requests (rule 3) starves
+   streams that are already playing and they underrun;
+3. any work of a request that has no audio yet, by stage rank (codec, prefill, code predictor, decode),
    then arrival;
-3. work of a stream within `pressing_lead_s` of its deadline, earliest deadline first;
-4. otherwise round-robin: the stage served least recently.
+4. work of a stream within `pressing_lead_s` of its deadline, earliest deadline first;
+5. otherwise round-robin: the stage served least recently.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class SchedulerConfig:
     pressing_lead_s: float = 1.0
     max_buffered_s: float = 10.0  # audio a consumer may leave unread before its stream pauses
     max_pending_frames: int = 48  # generated but not yet decoded; bounded by the runner's frame ring
+    initial_stage_cost_s: float = 0.005  # per-batch cost guess until the engine has measured each stage
 
 
 @dataclass
@@ -57,6 +62,11 @@ class Scheduler:
         self._free_slots = list(range(self.config.max_active - 1, -1, -1))
         self._served_at = {stage: -1 for stage in Stage}
         self._decisions = 0
+        self._cost = {stage: self.config.initial_stage_cost_s for stage in Stage}  # EWMA seconds per batch
+
+    def observe(self, stage: Stage, seconds: float) -> None:
+        """The engine reports how long a batch of `stage` took; rule 2 plans with these costs."""
+        self._cost[stage] = 0.8 * self._cost[stage] + 0.2 * seconds
 
     # ---- membership -------------------------------------------------------------------------------
     def add(self, request: RequestState) -> None:
@@ -128,6 +138,7 @@ class Scheduler:
             return None
         batch = (
             self._urgent_codec(items, now)
+            or self._urgent_generation(items, now)
             or self._startup(items)
             or self._pressing(items, now)
             or self._round_robin(items)
@@ -146,6 +157,22 @@ class Scheduler:
             return None
         anchor = min(urgent, key=lambda it: (it.request.deadline, it.request.arrival))
         return self._fill(anchor, items, priority=urgent, rule="urgent_codec")
+
+    def _urgent_generation(self, items: list[_Item], now: float) -> Batch | None:
+        frame_cost = self._cost[Stage.DECODE] + self._cost[Stage.CODE_PREDICT]
+        codec_cost = self._cost[Stage.CODEC] + self.config.codec_reserve_s
+        urgent = []
+        for it in items:
+            r = it.request
+            if it.stage in (Stage.CODEC, Stage.PREFILL) or not r.playing:
+                continue
+            missing = max(0, r.next_chunk_frames() - r.pending_frames)
+            if missing and now >= r.deadline - missing * frame_cost - codec_cost:
+                urgent.append(it)
+        if not urgent:
+            return None
+        anchor = min(urgent, key=lambda it: (it.request.deadline, int(it.stage), it.request.arrival))
+        return self._fill(anchor, items, priority=urgent, rule="urgent_generation")
 
     def _startup(self, items: list[_Item]) -> Batch | None:
         startup = [it for it in items if not it.request.playing]
