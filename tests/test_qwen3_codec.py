@@ -222,6 +222,12 @@ def test_decode_shape_range_and_causality(tiny_decoder):
     assert (changed[:, 20 * 1920:21 * 1920] - wav[:, 20 * 1920:21 * 1920]).abs().max() > 1e-3
 
 
+def test_whole_decode_in_bounded_pieces_equals_one_call(tiny_decoder):
+    codes = random_codes(1, 100, tiny_decoder.config, seed=8)
+    one_call = tiny_decoder.decode(codes, max_frames_per_call=100)
+    assert (tiny_decoder.decode(codes, max_frames_per_call=33) - one_call).abs().max() <= STREAM_TOLERANCE
+
+
 def test_decode_refuses_bad_codes(tiny_decoder):
     with pytest.raises(ValueError, match=r"\[0, 64\)"):
         tiny_decoder.decode(torch.full((1, 4, 3), 64))

@@ -21,9 +21,10 @@ summary of frames < P:
   * the number of frames already decoded (the RoPE position of the next frame).
 `CodecState` holds exactly these tensors, batch dimension first, preallocated at a fixed size. A fresh
 (all-zero) state is the start of a stream: zero conv history equals the reference's zero left padding and
-positions < 0 are masked out of attention. `decode(codes)` is `decode_chunk(codes, init_state(B))`, so a whole
-decode and a chunked decode run the same code, and the concatenated chunks equal the whole decode (to fp32
-rounding of different reduction orders; the tests bound it by 1e-5).
+positions < 0 are masked out of attention. `decode(codes)` is `decode_chunk` on a fresh `init_state(B)` (in
+pieces of at most 256 frames), so a whole decode and a chunked decode run the same code, and the concatenated
+chunks equal the whole decode (to fp32 rounding of different reduction orders; the tests bound it by 1e-5, and
+the whole decode matches the reference decoder within 1e-5).
 """
 
 from __future__ import annotations
@@ -634,19 +635,24 @@ class CodecDecoder(nn.Module):
         return wav.clamp(-1.0, 1.0).squeeze(1)
 
     @torch.inference_mode()
-    def decode(self, codes: Tensor) -> Tensor:
+    def decode(self, codes: Tensor, max_frames_per_call: int = 256) -> Tensor:
         """Whole-sequence decode: codes [B, Q, T] (values in [0, codebook_size)) -> wav [B, T * 1920].
 
         Exact for any T. The reference wrapper (qwen-tts `chunked_decode`) instead decodes more than 300 frames in
         300-frame windows, each re-decoding 25 frames of context from a fresh start, so its samples from frame
         300 on differ from this (design doc §4.4); padding codes (-1) must be removed by the caller, not clamped.
+        Long inputs go through decode_chunk in pieces of `max_frames_per_call` frames (same result, attention
+        memory bounded by pieces x (window + pieces) instead of T x T).
         """
         if codes.dim() != 3 or codes.shape[1] != self.config.num_quantizers:
             raise ValueError(f"codes must be [B, {self.config.num_quantizers}, T], got {list(codes.shape)}")
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.config.codebook_size):
             raise ValueError(f"codes must lie in [0, {self.config.codebook_size}), got "
                              f"[{int(codes.min())}, {int(codes.max())}]")
-        return self.decode_chunk(codes, self.init_state(codes.shape[0], device=codes.device))
+        state = self.init_state(codes.shape[0], device=codes.device)
+        pieces = [self.decode_chunk(codes[:, :, start:start + max_frames_per_call], state)
+                  for start in range(0, codes.shape[2], max_frames_per_call)]
+        return torch.cat(pieces, dim=1) if pieces else self.decode_chunk(codes, state)
 
 
 # --------------------------------------------------------------------------------------------------------------
