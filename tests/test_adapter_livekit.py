@@ -27,6 +27,8 @@ CHUNKED = ["Chunked synthesis goes over HTTP.", "It streams raw audio back."]
 LONG_REPLY = [f"This is sentence number {word} of a long reply that the user will interrupt." for word in
               ("one", "two", "three", "four", "five", "six")]
 AFTER_BARGE_IN = ["After the interruption, the agent speaks again."]
+DROPPED = ["The network drops while this reply plays.", "Resuming brings back every missing byte.",
+           "Nothing is lost or repeated."]
 
 
 def pcm(sentence: str) -> bytes:
@@ -42,16 +44,26 @@ def samples(sentence: str) -> int:
 def results():
     prepare_all()  # both framework venvs at once, cached across runs
     backend = RecordingBackend(SyntheticSynthesizer(speed=4.0))
-    with running_gateway(backend) as server:
+    # A second gateway forgets a session the moment its socket drops, so session.resume is refused.
+    with running_gateway(backend) as server, running_gateway(
+        RecordingBackend(SyntheticSynthesizer(speed=4.0)), session_ttl_s=0.0
+    ) as forgetful:
         plan = {
             "stream": {"replies": [" ".join(REPLY_1), " ".join(REPLY_2)]},
             "synthesize": {"text": " ".join(CHUNKED)},
             "cancel": {"long_reply": " ".join(LONG_REPLY), "next_reply": " ".join(AFTER_BARGE_IN)},
             "errors": {"closed_url": f"ws://127.0.0.1:{free_port()}"},
+            "resume": {"reply": " ".join(DROPPED), "next_reply": " ".join(AFTER_BARGE_IN)},
+            "fresh_session": {"reply": " ".join(DROPPED), "next_reply": " ".join(AFTER_BARGE_IN),
+                              "gateway_url": ws_base(forgetful)},
         }
-        run = run_in_adapter_env("livekit", SCRIPT, server.url.replace("http://", "ws://"), json.dumps(plan))
+        run = run_in_adapter_env("livekit", SCRIPT, ws_base(server), json.dumps(plan))
         line = next(line for line in run.stdout.splitlines() if line.startswith("RESULTS "))
         yield json.loads(line[len("RESULTS "):]), backend
+
+
+def ws_base(server) -> str:
+    return server.url.replace("http://", "ws://")
 
 
 def scenario(results, name: str) -> dict:
@@ -130,3 +142,23 @@ def test_connection_failures_are_retried(results):
         assert raised is not None and raised["type"] == "APIConnectionError" and raised["retryable"] is True
         # max_retry=2: two recoverable failures, then the final one.
         assert errors[name]["error_events"] == [True, True, False]
+
+
+def test_dropped_connection_resumes_the_reply(results):
+    observed = scenario(results, "resume")
+    assert observed["raised"] is None and observed["error_events"] == []
+    assert observed["reconnects"] == 1
+    assert_whole(observed["reply"], DROPPED)
+    assert observed["session_ids"][0] == observed["session_ids"][1]
+    assert_whole(observed["next"], AFTER_BARGE_IN)
+
+
+def test_unresumable_session_fails_the_reply_and_the_next_gets_a_fresh_session(results):
+    observed = scenario(results, "fresh_session")
+    raised = observed["raised"]
+    assert raised is not None and raised["type"] == "APIConnectionError" and raised["retryable"] is True
+    # Audio was already played, so the framework must not retry (it would repeat speech).
+    assert observed["error_events"] == [False]
+    assert 0 < observed["reply"]["samples"] < sum(samples(s) for s in DROPPED)
+    assert observed["session_ids"][0] != observed["session_ids"][1]
+    assert_whole(observed["next"], AFTER_BARGE_IN)

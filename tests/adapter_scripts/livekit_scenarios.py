@@ -138,6 +138,47 @@ async def scenario_cancel(url: str, long_reply: str, next_reply: str) -> dict:
         await tts.aclose()
 
 
+async def scenario_drop(url: str, reply: str, next_reply: str) -> dict:
+    """The socket drops after the first audio of a reply. With gateway resume the reply's audio is whole;
+    when the gateway has forgotten the session the reply fails with a connection error and the next
+    reply runs on a fresh session."""
+    tts = TTS(url=url, voice="tone-mid")
+    recoverable = watch_errors(tts)
+    try:
+        frames, events = [], []
+        first_audio = asyncio.Event()
+        raised = None
+        async with tts.stream() as stream:
+            reader = asyncio.create_task(read_stream(stream, frames, events, first_audio))
+            for token in llm_tokens(reply):
+                stream.push_text(token)
+            stream.end_input()
+            await asyncio.wait_for(first_audio.wait(), 20)
+            session = tts._shared.session
+            await session.drop_connection()
+            try:
+                await asyncio.wait_for(reader, 30)
+            except APIError as exc:
+                raised = error_info(exc)
+        first_session = session.session_id
+        next_frames, next_events = [], []
+        async with tts.stream() as stream2:
+            reader2 = asyncio.create_task(read_stream(stream2, next_frames, next_events))
+            stream2.push_text(next_reply)
+            stream2.end_input()
+            await asyncio.wait_for(reader2, 30)
+        return {
+            "reply": describe(frames, events),
+            "raised": raised,
+            "error_events": list(recoverable),
+            "reconnects": session.reconnects,
+            "next": describe(next_frames, next_events),
+            "session_ids": [first_session, tts._shared.session.session_id],
+        }
+    finally:
+        await tts.aclose()
+
+
 async def scenario_errors(url: str, closed_url: str) -> dict:
     """How failures reach the framework: which are retried and which end the request at once."""
     results = {}
@@ -191,6 +232,8 @@ SCENARIOS = {
     "synthesize": scenario_synthesize,
     "cancel": scenario_cancel,
     "errors": scenario_errors,
+    "resume": scenario_drop,
+    "fresh_session": scenario_drop,  # the same drop, on a gateway that has forgotten the session
 }
 
 
@@ -198,7 +241,8 @@ async def main(url: str, plan: dict) -> dict:
     results = {}
     for name, kwargs in plan.items():
         try:
-            results[name] = await asyncio.wait_for(SCENARIOS[name](url, **kwargs), 60)
+            target = kwargs.pop("gateway_url", url)  # a scenario may need a differently configured gateway
+            results[name] = await asyncio.wait_for(SCENARIOS[name](target, **kwargs), 60)
         except BaseException:
             results[name] = {"error": traceback.format_exc()}
     return results
