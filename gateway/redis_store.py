@@ -147,6 +147,7 @@ class RedisSessionStore(SessionStore):
         replay_log_s: float = 300.0,
         key_prefix: str = "voxgate:",
         lease_s: float = 10.0,
+        max_connections: int = 64,
     ) -> None:
         self.redis_url = redis_url
         self.ttl_ms = max(1, int(ttl_s * 1000))
@@ -154,16 +155,22 @@ class RedisSessionStore(SessionStore):
         self.replay_log_ms = max(1, int(replay_log_s * 1000))
         self.key_prefix = key_prefix
         self.lease_ms = max(1, int(lease_s * 1000))
+        self.max_connections = max_connections
         self._redis: aioredis.Redis | None = None
 
     # ------------------------------------------------------------------ connection
 
     async def start(self) -> None:
-        self._redis = aioredis.Redis.from_url(self.redis_url, decode_responses=False)
+        # Hundreds of sessions write at once: callers wait for one of a bounded set of connections (a
+        # plain pool raises "Too many connections" past its limit instead).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.redis_url, max_connections=self.max_connections, timeout=10
+        )
+        self._redis = aioredis.Redis(connection_pool=pool)
         try:
             await self._redis.ping()
         except Exception as exc:
-            await self._redis.aclose()
+            await self._redis.aclose(close_connection_pool=True)
             self._redis = None
             raise RuntimeError(f"the Redis session store at {self.redis_url} does not answer: {exc}") from exc
         self._write = self._redis.register_script(_WRITE)
@@ -175,7 +182,7 @@ class RedisSessionStore(SessionStore):
 
     async def stop(self) -> None:
         if self._redis is not None:
-            await self._redis.aclose()
+            await self._redis.aclose(close_connection_pool=True)
             self._redis = None
 
     @property
