@@ -221,11 +221,8 @@ def _frame_embeds(c0_embed, residual, tables: list[torch.Tensor]):
 
 
 class FusedCodePredictor:
-    """The 15-step residual-codebook loop with fused layers and a compiled sampler.
-
-    Positions 0 and 1 (talker hidden, C(c0)) run as two single-position steps, so every step has the same
-    shape (one compiled variant); the reference runs them as one two-position step (same result).
-    """
+    """The 15-step residual-codebook loop with fused layers and a compiled sampler: step 0 runs positions 0
+    and 1 (talker hidden, C(c0)) together, each later step one new position, as the reference does."""
 
     def __init__(self, cp, talker, params, compile: bool) -> None:
         self.cp = cp
@@ -236,6 +233,7 @@ class FusedCodePredictor:
         self.tables = [t.weight.detach() for t in cp.model.codec_embedding]
         self.params = params
         self.sample_fn = residual_sampler(params, compile)
+        self.first_positions = torch.arange(2, device=self.heads[0].device)
         self.embed_fn = _compile(_frame_embeds, compile)
 
     def run(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
@@ -245,14 +243,14 @@ class FusedCodePredictor:
         device = hidden.device
         c0_embed = self.talker.embed_codec(c0)
         attend = cache.max_len
-        self.stack.forward(self.proj(hidden)[:, None], cache, rows, torch.zeros(B, 1, dtype=torch.long, device=device),
-                           attend, final_norm=False)
-        x = self.proj(c0_embed)[:, None]
+        x = self.proj(torch.stack((hidden, c0_embed), dim=1))  # positions 0 and 1 in one pass, like the reference
+        pos = self.first_positions[None].expand(B, 2)
         codes = []
         n = len(self.heads)
         for g in range(n):
-            pos = torch.full((B, 1), g + 1, dtype=torch.long, device=device)
-            h = self.stack.forward(x, cache, rows, pos, attend)[:, 0]
+            if g:
+                pos = torch.full((B, 1), g + 1, dtype=torch.long, device=device)
+            h = self.stack.forward(x, cache, rows, pos, attend)[:, -1]
             logits = F.linear(h, self.heads[g])
             if p.subtalker_do_sample:
                 code = self.sample_fn(logits, seeds, counters + g)
