@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import math
 import time
@@ -37,6 +39,7 @@ log = logging.getLogger("voxgate.limits")
 SLOT_TTL_S = 30.0  # a replica's claim on a concurrent-session slot in Redis, renewed every third of it
 MONITOR_WINDOW_S = 5.0  # the real-time measure looks at this much recent synthesis
 MONITOR_MIN_AUDIO_S = 1.0  # ... and judges only with at least this much audio made in the window
+TRIM_INTERVAL_S = 30.0  # how often freed session memory is handed back to the OS (see Admission._trim_forever)
 
 
 class LimitExceeded(ProtocolError):
@@ -257,12 +260,30 @@ class Admission:
         self.counters: MemoryCounters | RedisCounters = (
             RedisCounters(settings.redis_url, settings.redis_key_prefix) if settings.store == "redis" else MemoryCounters()
         )
+        self._ended_since_trim = 0
+        self._trimmer: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.counters.start()
+        if _malloc_trim is not None:
+            self._trimmer = asyncio.create_task(self._trim_forever(), name="malloc-trim")
 
     async def stop(self) -> None:
+        if self._trimmer is not None:
+            self._trimmer.cancel()
+            with contextlib.suppress(BaseException):
+                await self._trimmer
         await self.counters.stop()
+
+    async def _trim_forever(self) -> None:
+        """Sessions allocate audio in many small blocks (frames, replay logs); when they end, glibc keeps
+        the freed pages in the heap, so the process would stay at its peak size after a burst. malloc_trim
+        gives the free pages back, once sessions have ended since the last time."""
+        while True:
+            await asyncio.sleep(TRIM_INTERVAL_S)
+            if self._ended_since_trim:
+                self._ended_since_trim = 0
+                await asyncio.to_thread(_malloc_trim, 0)
 
     @staticmethod
     def _key(principal: Principal) -> str:
@@ -330,6 +351,7 @@ class Admission:
             yield
         finally:
             self.open_sessions -= 1
+            self._ended_since_trim += 1
             if slot is not None:
                 await self.counters.release_slot(name, slot)
 
@@ -342,6 +364,18 @@ class Admission:
     async def charge_chars(self, principal: Principal, chars: int, context_id: str | None = None) -> None:
         """Count text about to be accepted; raises LimitExceeded(rate_limited) (nothing counted) if over."""
         await self._take_rate(principal, "chars", self.settings.chars_per_minute, chars, context_id=context_id)
+
+
+def _load_malloc_trim():
+    """glibc's malloc_trim, or None on other C libraries."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
 
 
 # ------------------------------------------------------------------------------------ slow handshakes

@@ -45,6 +45,9 @@ class SyntheticSynthesizer(Synthesizer):
         self.chunk_samples = max(1, sample_rate * chunk_ms // 1000)
         self.first_chunk_delay_s = first_chunk_delay_s
         self.speed = speed
+        # Rendered waveforms by (voice, seed, text): load tests repeat sentences, and rendering one takes
+        # milliseconds of this process's CPU, which a real backend spends on its GPU instead.
+        self._rendered: dict[tuple[str, int | None, str], np.ndarray] = {}
 
     def voices(self) -> list[Voice]:
         return [Voice(id=v, name=v, language="en", description=f"synthetic {f:.0f} Hz tone") for v, f in _VOICES.items()]
@@ -54,6 +57,9 @@ class SyntheticSynthesizer(Synthesizer):
         if request.voice not in _VOICES:
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
         text = request.text.strip()
+        key = (request.voice, request.seed, text)
+        if key in self._rendered:
+            return self._rendered[key]
         n = max(self.chunk_samples, int(len(text) / self.chars_per_second * self.sample_rate))
         digest = hashlib.sha256(f"{request.voice}|{request.seed}|{text}".encode()).digest()
         rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
@@ -65,7 +71,11 @@ class SyntheticSynthesizer(Synthesizer):
         envelope = 0.5 - 0.5 * np.cos(2 * np.pi * phase)
         pitch = base * (1.0 + 0.05 * np.sin(2 * np.pi * 3.0 * t))
         wave = np.sin(2 * np.pi * np.cumsum(pitch) / self.sample_rate) * envelope * 0.5
-        return np.round(wave * 32767).astype("<i2")
+        samples = np.round(wave * 32767).astype("<i2")
+        if len(self._rendered) >= 256:
+            self._rendered.pop(next(iter(self._rendered)))
+        self._rendered[key] = samples
+        return samples
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         samples = self.render(request)
