@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.qwen3_fixtures import tiny_custom_voice  # noqa: F401 - session fixture
-from tts_backend.base import SynthesisRequest, UnknownVoiceError
+from tts_backend.base import SynthesisError, SynthesisRequest, UnknownVoiceError
 from tts_backend.registry import create_backend
 from tts_backend.remote import RemoteSynthesizer
 
@@ -106,6 +106,13 @@ async def test_cancel_frees_the_slot_and_errors_are_clear(tiny_custom_voice):
         with pytest.raises(UnknownVoiceError):
             async for _ in backend.synthesize(SynthesisRequest(text="x", voice="nobody")):
                 pass
+        with pytest.raises(SynthesisError, match="chunk schedule"):
+            async for _ in backend.synthesize(SynthesisRequest(text="x", voice="ryan", chunk_schedule=(0,))):
+                pass
+        # A per-request schedule is honoured: 3-frame chunks, whatever the default.
+        sizes = [len(c.pcm) // 2 async for c in backend.synthesize(
+            SynthesisRequest(text=TEXT, voice="ryan", seed=5, max_new_tokens=11, chunk_schedule=(3,)))]
+        assert len(sizes) == 4 and sizes[1:3] == [3 * 1920] * 2 and sizes[3] == 1920  # 10 frames: 3 + 3 + 3 + 1
         stream = backend.synthesize(SynthesisRequest(text=TEXT * 4, voice="ryan", seed=1, max_new_tokens=200))
         await stream.__anext__()
         await stream.aclose()

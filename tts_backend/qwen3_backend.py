@@ -198,10 +198,13 @@ class Qwen3Synthesizer(Synthesizer):
             )
         except PromptError as exc:
             raise SynthesisError(str(exc)) from exc
-        stream = self.engine.submit(
-            prompt, seed=request.seed, max_frames=self._max_frames(request, len(prompt)),
-            chunk_schedule=request.chunk_schedule,
-        )
+        try:
+            stream = self.engine.submit(
+                prompt, seed=request.seed, max_frames=self._max_frames(request, len(prompt)),
+                chunk_schedule=request.chunk_schedule,
+            )
+        except ValueError as exc:  # e.g. a chunk schedule outside 1..64 frames
+            raise SynthesisError(str(exc)) from exc
         try:
             async for pcm in stream:
                 yield AudioChunk(pcm)
