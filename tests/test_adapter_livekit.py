@@ -27,13 +27,14 @@ CHUNKED = ["Chunked synthesis goes over HTTP.", "It streams raw audio back."]
 LONG_REPLY = [f"This is sentence number {word} of a long reply that the user will interrupt." for word in
               ("one", "two", "three", "four", "five", "six")]
 AFTER_BARGE_IN = ["After the interruption, the agent speaks again."]
+NEW_VOICE = ["The same words in another voice."]
 DROPPED = ["The network drops while this reply plays.", "Resuming brings back every missing byte.",
            "Nothing is lost or repeated."]
 
 
-def pcm(sentence: str) -> bytes:
+def pcm(sentence: str, voice: str = VOICE) -> bytes:
     """The s16le audio the synthetic backend makes for one sentence at 24 kHz."""
-    return SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=VOICE)).tobytes()
+    return SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=voice)).tobytes()
 
 
 def samples(sentence: str) -> int:
@@ -53,6 +54,7 @@ def results():
             "synthesize": {"text": " ".join(CHUNKED)},
             "cancel": {"long_reply": " ".join(LONG_REPLY), "next_reply": " ".join(AFTER_BARGE_IN)},
             "errors": {"closed_url": f"ws://127.0.0.1:{free_port()}"},
+            "voice_change": {"reply": " ".join(NEW_VOICE)},
             "resume": {"reply": " ".join(DROPPED), "next_reply": " ".join(AFTER_BARGE_IN)},
             "fresh_session": {"reply": " ".join(DROPPED), "next_reply": " ".join(AFTER_BARGE_IN),
                               "gateway_url": ws_base(forgetful)},
@@ -77,12 +79,12 @@ def synthesized(backend: RecordingBackend, sentences: list[str]) -> list[str]:
     return [r.text.strip() for r in backend.records if r.text.strip() in sentences]
 
 
-def assert_whole(audio: dict, sentences: list[str]) -> None:
+def assert_whole(audio: dict, sentences: list[str], voice: str = VOICE) -> None:
     """The audio is exactly the backend's audio for the sentences, in order (24 kHz, no resampling)."""
     assert audio["whole_samples"] and audio["sample_rates"] == [24000] and audio["channels"] == [1]
     assert audio["samples"] == sum(samples(s) for s in sentences)
     assert audio["bytes"] == 2 * audio["samples"]
-    assert audio["sha256"] == hashlib.sha256(b"".join(pcm(s) for s in sentences)).hexdigest(), "audio differs"
+    assert audio["sha256"] == hashlib.sha256(b"".join(pcm(s, voice) for s in sentences)).hexdigest(), "audio differs"
 
 
 def test_stream_session_fed_tokens(results):
@@ -162,3 +164,9 @@ def test_unresumable_session_fails_the_reply_and_the_next_gets_a_fresh_session(r
     assert 0 < observed["reply"]["samples"] < sum(samples(s) for s in DROPPED)
     assert observed["session_ids"][0] != observed["session_ids"][1]
     assert_whole(observed["next"], AFTER_BARGE_IN)
+
+
+def test_update_options_changes_the_voice_of_the_next_reply(results):
+    low, high = scenario(results, "voice_change")["replies"]
+    assert_whole(low, NEW_VOICE, voice="tone-low")
+    assert_whole(high, NEW_VOICE, voice="tone-high")

@@ -88,6 +88,26 @@ async def scenario_stream(url: str, replies: list[str]) -> dict:
     return {"replies": out, "session_ids": session_ids, "ttfb_s": metrics}
 
 
+async def scenario_voice_change(url: str, reply: str) -> dict:
+    """update_options() between replies: the next reply is spoken with the new voice."""
+    tts = TTS(url=url, voice="tone-low")
+    out = []
+    try:
+        for voice in (None, "tone-high"):
+            if voice:
+                tts.update_options(voice=voice)
+            frames, events = [], []
+            async with tts.stream() as stream:
+                reader = asyncio.create_task(read_stream(stream, frames, events))
+                stream.push_text(reply)
+                stream.end_input()
+                await asyncio.wait_for(reader, 30)
+            out.append(describe(frames, events))
+    finally:
+        await tts.aclose()
+    return {"replies": out}
+
+
 async def scenario_synthesize(url: str, text: str) -> dict:
     """The chunked path: POST /v1/audio/speech."""
     tts = TTS(url=url, voice="tone-mid")
@@ -232,6 +252,7 @@ SCENARIOS = {
     "synthesize": scenario_synthesize,
     "cancel": scenario_cancel,
     "errors": scenario_errors,
+    "voice_change": scenario_voice_change,
     "resume": scenario_drop,
     "fresh_session": scenario_drop,  # the same drop, on a gateway that has forgotten the session
 }

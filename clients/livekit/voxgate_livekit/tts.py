@@ -199,6 +199,7 @@ class TTS(tts.TTS):
         self._shared: _SharedSession | None = None
         self._connect_lock = asyncio.Lock()
         self._streams: set[SynthesizeStream] = set()
+        self._background: set[asyncio.Task] = set()  # prewarm, retiring sessions, cancels: kept until done
 
     @property
     def model(self) -> str:
@@ -247,12 +248,14 @@ class TTS(tts.TTS):
                 shared = await self._acquire(DEFAULT_API_CONNECT_OPTIONS.timeout)
                 self._release(shared)
 
-        asyncio.create_task(_open(), name="voxgate-prewarm")
+        self._spawn(_open(), "voxgate-prewarm")
 
     async def aclose(self) -> None:
         for stream in list(self._streams):
             await stream.aclose()
         self._streams.clear()
+        if self._background:  # cancels in flight reach the gateway before the session closes
+            await asyncio.wait(list(self._background), timeout=5.0)
         shared, self._shared = self._shared, None
         if shared is not None:
             await shared.close()
@@ -284,17 +287,22 @@ class TTS(tts.TTS):
             shared.users += 1
             return shared
 
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _release(self, shared: _SharedSession) -> None:
         shared.users -= 1
         if shared.retired and shared.users == 0:
-            asyncio.create_task(shared.close(), name="voxgate-retire-session")
+            self._spawn(shared.close(), "voxgate-retire-session")
 
     def _retire(self, shared: _SharedSession) -> None:
         shared.retired = True
         if self._shared is shared:
             self._shared = None
         if shared.users == 0:
-            asyncio.create_task(shared.close(), name="voxgate-retire-session")
+            self._spawn(shared.close(), "voxgate-retire-session")
 
     def _ensure_http_session(self) -> aiohttp.ClientSession:
         if self._http_session is None:
@@ -425,7 +433,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                     session.forget_context(context.context_id)
             if unfinished:
                 # Interrupted (aclose) or failed mid-reply: the gateway stops these contexts now.
-                asyncio.create_task(_cancel_contexts(session, unfinished), name="voxgate-cancel")
+                self._tts._spawn(_cancel_contexts(session, unfinished), "voxgate-cancel")
             self._tts._release(shared)
 
     async def aclose(self) -> None:
