@@ -10,14 +10,18 @@ one slot and Lua scripts may touch them all):
     bytes     hash    sentence index -> audio bytes recorded
     markers   hash    marker number -> MarkerRecord (JSON)
     open      hash    JSON context id -> {"u": utterance number, "t": unreleased text}
-    log       stream  the replay log: entries (i: sentence, o: byte offset, d: audio)
-    logbytes  string  bytes held by the log
+    log       stream  the replay log: entries (i: sentence, o: byte offset in it, t: unix ms, d: audio), with
+                      ids `<position>-1`, position = bytes appended to the log before the entry
+    logend    string  bytes ever appended to the log (the next entry's position)
 
 Every write is one Lua script call (one round trip): it checks that the session exists and that the
 caller still holds the lease (a resume elsewhere overwrites the lease: the old owner's next write fails
-with LeaseLost), applies the change, trims the log to `replay_log_bytes` and `replay_log_s` (oldest
-entries first), and pushes every key's expiry `ttl_s` into the future - so a session whose replica died
-without a word still disappears `ttl_s` after its last write or lease renewal.
+with LeaseLost) and applies the change. The audio append, the hot path, stays small: since entry ids
+are byte positions, keeping the last `replay_log_bytes` is one XTRIM MINID without reading any entry, and
+it refreshes only the expiry of the keys it writes. The lease
+renewal (every `lease_s / 3` while a connection is open) pushes every key's expiry `ttl_s` into the
+future and trims the log to `replay_log_s`, so a session whose replica died without a word disappears
+`ttl_s` after its last write or renewal.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from .store import (
     select_replay,
 )
 
-KEY_NAMES = ("meta", "lease", "text", "state", "bytes", "markers", "open", "log", "logbytes")
+KEY_NAMES = ("meta", "lease", "text", "state", "bytes", "markers", "open", "log", "logend")
 KEY = {name: position for position, name in enumerate(KEY_NAMES, start=1)}  # Lua KEYS[] positions
 
 # Shared by every script: KEYS in KEY_NAMES order; ARGV[1] owner ('' = unfenced), ARGV[2] lease ms,
@@ -50,8 +54,11 @@ local function fence()
   if redis.call('EXISTS', KEYS[1]) == 0 then return false end
   if ARGV[1] ~= '' then
     local holder = redis.call('GET', KEYS[2])
-    if holder and holder ~= ARGV[1] then return false end
-    redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+    if not holder then
+      redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])  -- lapsed (a stalled owner): take it back
+    elseif holder ~= ARGV[1] then
+      return false
+    end
   end
   return true
 end
@@ -59,6 +66,10 @@ local function refresh()
   for i = 1, #KEYS do
     if i ~= 2 then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
   end
+end
+local function now_ms()
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
 """
 
@@ -79,29 +90,33 @@ refresh()
 return 1
 """
 
-# ARGV[4] sentence index, ARGV[5] audio, ARGV[6] log cap in bytes, ARGV[7] log cap in ms.
+# ARGV[4] sentence index, ARGV[5] audio, ARGV[6] log cap in bytes.
 _APPEND = _PRELUDE + """
 if not fence() then return 0 end
 if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 0 then return 1 end
 local length = string.len(ARGV[5])
 local offset = redis.call('HINCRBY', KEYS[5], ARGV[4], length) - length
-redis.call('XADD', KEYS[8], '*', 'i', ARGV[4], 'o', offset, 'd', ARGV[5])
-local size = redis.call('INCRBY', KEYS[9], length)
-local now = redis.call('TIME')
-local oldest_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[7])
-while redis.call('XLEN', KEYS[8]) > 1 do
-  local head = redis.call('XRANGE', KEYS[8], '-', '+', 'COUNT', 1)[1]
-  local stamp = tonumber(string.match(head[1], '^(%d+)'))
-  if size <= tonumber(ARGV[6]) and stamp >= oldest_ms then break end
-  redis.call('XDEL', KEYS[8], head[1])
-  size = redis.call('DECRBY', KEYS[9], string.len(head[2][6]))
-end
-refresh()
+local finish = redis.call('INCRBY', KEYS[9], length)
+local start = finish - length
+redis.call('XADD', KEYS[8], string.format('%d-1', start), 'i', ARGV[4], 'o', offset, 't', now_ms(), 'd', ARGV[5])
+local keep_from = math.min(finish - tonumber(ARGV[6]), start)  -- never the entry just added
+if keep_from > 0 then redis.call('XTRIM', KEYS[8], 'MINID', string.format('%d-1', keep_from)) end
+redis.call('PEXPIRE', KEYS[5], ARGV[3])
+redis.call('PEXPIRE', KEYS[8], ARGV[3])
+redis.call('PEXPIRE', KEYS[9], ARGV[3])
 return 1
 """
 
+# ARGV[4] log cap in ms (the append caps bytes).
 _RENEW = _PRELUDE + """
 if not fence() then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+local oldest_ms = now_ms() - tonumber(ARGV[4])
+while redis.call('XLEN', KEYS[8]) > 1 do
+  local head = redis.call('XRANGE', KEYS[8], '-', '+', 'COUNT', 1)[1]
+  if tonumber(head[2][6]) >= oldest_ms then break end
+  redis.call('XDEL', KEYS[8], head[1])
+end
 refresh()
 return 1
 """
@@ -262,7 +277,7 @@ class RedisSessionStore(SessionStore):
         return await self.get(session_id)
 
     async def renew(self, session_id: str, owner: str) -> None:
-        await self._fenced(self._renew, session_id, owner)
+        await self._fenced(self._renew, session_id, owner, self.replay_log_ms)
 
     async def update_config(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
         await self._fenced(self._write, session_id, owner, "H", KEY["meta"], "config", json.dumps(config))
@@ -285,9 +300,7 @@ class RedisSessionStore(SessionStore):
         await self._fenced(self._write, session_id, owner, "H", KEY["state"], index, state)
 
     async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
-        await self._fenced(
-            self._append, session_id, owner, index, data, self.replay_log_bytes, self.replay_log_ms
-        )
+        await self._fenced(self._append, session_id, owner, index, data, self.replay_log_bytes)
 
     async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
         await self._fenced(self._write, session_id, owner, "H", KEY["markers"], marker.number, json.dumps(vars(marker)))

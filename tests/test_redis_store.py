@@ -70,12 +70,14 @@ async def test_replay_exact_bytes_and_bounds(make_store):
 
 
 async def test_replay_log_is_capped_in_time(make_store):
+    """Old audio leaves the log (memory: on the next append; Redis: on the next lease renewal)."""
     store = await make_store(replay_log_s=0.2)
-    await store.create("s1", {})
-    await store.add_sentence("s1", 0, "Zero.", None)
-    await store.append_audio("s1", 0, b"a" * 10)
+    await store.create("s1", {}, owner="a")
+    await store.add_sentence("s1", 0, "Zero.", None, owner="a")
+    await store.append_audio("s1", 0, b"a" * 10, owner="a")
     await asyncio.sleep(0.3)
-    await store.append_audio("s1", 0, b"b" * 10)
+    await store.append_audio("s1", 0, b"b" * 10, owner="a")
+    await store.renew("s1", "a")
     assert [p.data for p in await store.replay("s1", 0, 10)] == [b"b" * 10]
     with pytest.raises(ReplayOutOfRange):
         await store.replay("s1", 0, 0)
@@ -114,7 +116,7 @@ async def test_redis_keys_expire_after_the_ttl_and_renew_extends_it(redis_prefix
         client = aioredis.Redis.from_url(REDIS_URL)
         keys = [k.decode() for k in await client.keys(f"{redis_prefix}*")]
         assert sorted(k.rsplit(":", 1)[1] for k in keys) == sorted(
-            ["meta", "lease", "text", "state", "bytes", "log", "logbytes"]
+            ["meta", "lease", "text", "state", "bytes", "log", "logend"]
         )
         assert all(k.startswith(redis_prefix + "{s1}:") for k in keys)
         for _ in range(3):
