@@ -172,3 +172,30 @@ async def test_fused_fast_path_equals_the_model_modules(tiny_custom_voice):
     for plain, fast in zip(results[False], results[True]):
         assert len(plain) == len(fast) > 0
         assert np.abs(plain.astype(np.int32) - fast).max() <= 1
+
+
+def test_a_stage_whose_fast_path_fails_to_capture_falls_back_alone(tiny_custom_voice):
+    """If compiling the prefill (or the codec activations) fails at capture time, only that stage goes back to
+    the model's own modules; the Talker decode and code-predictor fast path stay."""
+    from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
+    from tts_backend.qwen3.generate import Qwen3TTS
+
+    model = Qwen3TTS.from_pretrained(str(tiny_custom_voice), device="cpu")
+    runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=128, sampler="stateless", fused=True,
+                                                       prefill_len_buckets=(16,), codec_frames=(2,)))
+    captured = []
+
+    def capture(key, fn, example_inputs, warmup=2):
+        if key[0] == "prefill" and runner.fused_prefill:
+            raise RuntimeError("simulated compiler failure")
+        with torch.inference_mode():
+            fn(*example_inputs)  # run the step once, as a capture's warm-up would
+        captured.append(key)
+
+    with torch.inference_mode():
+        runner._allocate()
+    runner.graphs.capture = capture
+    runner._capture_all()
+    assert runner.fused and not runner.fused_prefill
+    kinds = {k[0] for k in captured}
+    assert kinds == {"decode", "cp", "codec", "prefill"}

@@ -68,6 +68,11 @@ class GraphSet:
         self._steps[key] = CapturedStep(graph, static_inputs)
         self.capture_seconds += time.perf_counter() - started
 
+    def discard(self, kind: str) -> None:
+        """Forget the captured steps whose key starts with `kind` (to capture them again another way)."""
+        for key in [k for k in self._steps if isinstance(k, tuple) and k and k[0] == kind]:
+            del self._steps[key]
+
     def run(self, key: Hashable, fn: Callable[..., None], inputs: Sequence[torch.Tensor]) -> None:
         step = self._steps.get(key)
         if step is None:

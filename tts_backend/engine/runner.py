@@ -119,6 +119,7 @@ class Qwen3ModelRunner(ModelRunner):
         if fused and sampler != "stateless":
             raise ValueError("the fused path samples statelessly; use sampler='stateless'")
         self.fused = bool(fused)
+        self.fused_prefill = self.fused
         self.compile = bool(cfg.compile and self.fused and self.device.type == "cuda")
         params = model.sampling_params()
         self.params: SamplingParams = params.greedy() if cfg.greedy else params
@@ -126,6 +127,7 @@ class Qwen3ModelRunner(ModelRunner):
         self.decode_buckets = self._buckets(cfg.decode_buckets, cfg.max_slots)
         self.attend_buckets = tuple(a for a in cfg.attend_buckets if a < cfg.max_len) + (cfg.max_len,)
         self.codec_buckets = tuple(sorted(b for b in cfg.codec_batch_buckets if b <= cfg.max_slots)) or (1,)
+        self.prefill_buckets = tuple(sorted(b for b in cfg.prefill_batch_buckets if b <= cfg.max_slots)) or (1,)
         self._allocated = False
 
     @staticmethod
@@ -211,6 +213,9 @@ class Qwen3ModelRunner(ModelRunner):
         self._allocated = True
 
     def _capture_all(self) -> None:
+        """Capture every steady-state shape. The Talker decode and code-predictor graphs must capture; if the
+        fast path fails for the codec or the prefill alone, that stage falls back to the model's own modules
+        (logged) so one compiler problem does not cost the whole fast path."""
         dev, sc = self.device, self.scratch
         started = time.perf_counter()
         for b in sorted(self.decode_buckets, reverse=True):
@@ -218,12 +223,40 @@ class Qwen3ModelRunner(ModelRunner):
             for a in self.attend_buckets:
                 self.graphs.capture(("decode", b, a), lambda s, a=a: self._decode_fn(s, a), [slots])
             self.graphs.capture(("cp", b), self._cp_fn, [slots])
+        try:
+            self._capture_codec()
+        except Exception:
+            if not self.fused:
+                raise
+            from .fused import unfuse_codec_activations
+
+            log.exception("codec capture failed with compiled activations; capturing the plain codec")
+            unfuse_codec_activations(self.codec_module)
+            self.graphs.discard("codec")
+            self._capture_codec()
+        try:
+            self._capture_prefill()
+        except Exception:
+            if not self.fused_prefill:
+                raise
+            log.exception("prefill capture failed on the fast path; capturing the model's own prefill")
+            self.fused_prefill = False
+            self.graphs.discard("prefill")
+            self._capture_prefill()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
+
+    def _capture_codec(self) -> None:
         for b in sorted(self.codec_buckets, reverse=True):
-            slots = torch.full((b,), sc, device=dev, dtype=torch.long)
+            slots = torch.full((b,), self.scratch, device=self.device, dtype=torch.long)
             for f in self.config.codec_frames:
                 self.graphs.capture(("codec", f, b), lambda s, f=f, b=b: self._codec_fn(s, f, self.codec_static[b]),
                                     [slots])
-        for b in self.config.prefill_batch_buckets:
+
+    def _capture_prefill(self) -> None:
+        dev, sc = self.device, self.scratch
+        for b in self.prefill_buckets:
             for n in self.config.prefill_len_buckets:
                 if n > self.config.max_len:
                     continue
@@ -232,8 +265,6 @@ class Qwen3ModelRunner(ModelRunner):
                            torch.full((b, n), -1, device=dev, dtype=torch.long),
                            torch.ones(b, device=dev, dtype=torch.long)]
                 self.graphs.capture(("prefill", b, n), self._prefill_fn, example)
-        torch.cuda.synchronize(dev)
-        log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
 
     # ---- sampling -----------------------------------------------------------------------------------
     def _sample_c0(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -313,7 +344,7 @@ class Qwen3ModelRunner(ModelRunner):
         has_codec = codec_ids >= 0
         emb = torch.where(has_codec[..., None], emb + talker.embed_codec(codec_ids.clamp(min=0)), emb)
         pos = torch.arange(S, device=self.device)[None].expand(B, S)
-        if self.fused:
+        if self.fused_prefill:
             hidden = self.fused_talker.forward(emb, self.kv, slots, pos, S)
         else:
             hidden = talker(emb, self.kv, slots, pos, attend_len=S)
@@ -413,7 +444,7 @@ class Qwen3ModelRunner(ModelRunner):
                 self.generators[r.slot] = torch.Generator(device=self.device).manual_seed(seed)
                 self.history[r.slot] = []
         longest = max(len(r.prompt) for r in requests)
-        b = self._graph_bucket(len(requests), self.config.prefill_batch_buckets)
+        b = self._graph_bucket(len(requests), self.prefill_buckets)
         n = self._graph_bucket(longest, self.config.prefill_len_buckets)
         captured = b is not None and n is not None and ("prefill", b, n) in self.graphs
         if captured or self.fused:
