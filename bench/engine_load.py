@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.option:
         options += ["-o", item]
     command = [sys.executable, "-m", "gateway.cli", "serve", "--backend", "qwen3", "--model", args.model,
-               "--device", args.device, "--port", str(port), "--log-level", "warning", *options]
+               "--device", args.device, "--port", str(port), "--log-level", "info", *options]
     if args.log:
         args.log.parent.mkdir(parents=True, exist_ok=True)
     log = open(args.log, "w") if args.log else subprocess.DEVNULL

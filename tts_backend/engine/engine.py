@@ -251,8 +251,9 @@ class Engine:
                 pieces = runner.codec(requests, batch.frames)
                 for r, pcm in zip(requests, pieces):
                     r.frames_decoded += batch.frames
-                    r.chunks_decoded += 1
                     self._emit(r, pcm)
+                    if r.playing:  # a chunk that was all leading silence does not use up a small first size
+                        r.chunks_decoded += 1
         except Exception as exc:  # a failed batch fails its requests, not the engine
             log.exception("%s batch failed", batch.stage.name)
             for r in requests:

@@ -79,7 +79,7 @@ class RequestState:
     cancelled: bool = False
     frames_generated: int = 0  # complete frames (all 16 codebooks)
     frames_decoded: int = 0  # frames the codec has turned into PCM
-    chunks_decoded: int = 0  # codec calls made, for the chunk schedule
+    chunks_decoded: int = 0  # codec calls that shipped audio, for the chunk schedule
     playback_start: float | None = None  # when the first audio left the engine
     first_audio_at: float | None = None
     done: bool = False
