@@ -38,9 +38,18 @@ def require_node() -> str:
 
 
 def require_npm_packages() -> None:
-    for package in ("ws", "playwright-core"):
-        if not (JS_CLIENT_DIR / "node_modules" / package / "package.json").exists():
-            missing(f"npm package {package} in clients/js", "cd clients/js && npm ci")
+    """Install clients/js's locked npm packages on first use, so `python -m pytest` alone runs these tests."""
+    packages = ("ws", "playwright-core")
+
+    def absent() -> list[str]:
+        return [p for p in packages if not (JS_CLIENT_DIR / "node_modules" / p / "package.json").exists()]
+
+    if absent() and shutil.which("npm"):
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund"], cwd=JS_CLIENT_DIR, capture_output=True, timeout=300
+        )
+    for package in absent():
+        missing(f"npm package {package} in clients/js", "cd clients/js && npm ci")
 
 
 def require_chromium() -> Path:
