@@ -26,11 +26,13 @@ future and trims the log to `replay_log_s`, so a session whose replica died with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from .store import (
     LeaseLost,
@@ -152,6 +154,58 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class _AppendBatcher:
+    """Group commit for the hot path: the audio appends of every session that arrive while the previous
+    batch is in flight go to Redis together, as one pipeline (one write, one read), so the per-call cost
+    of the client is paid once per batch. Each caller still waits for its own result: a frame is recorded
+    before it is sent."""
+
+    def __init__(self, store: "RedisSessionStore") -> None:
+        self.store = store
+        self.pending: list[tuple[list[str], list[Any], asyncio.Future]] = []
+        self.task: asyncio.Task | None = None
+
+    async def append(self, keys: list[str], args: list[Any]) -> int:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((keys, args, future))
+        if self.task is None:
+            self.task = asyncio.create_task(self._flush(), name="redis-append-batcher")
+        return await future
+
+    async def _flush(self) -> None:
+        try:
+            while self.pending:
+                batch, self.pending = self.pending, []
+                await self._send(batch)
+        finally:
+            self.task = None
+
+    async def _send(self, batch) -> None:
+        script = self.store._append
+        pipe = self.store.redis.pipeline(transaction=False)
+        for keys, args, _ in batch:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except Exception as exc:  # the connection failed: every caller hears it
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (keys, args, future), result in zip(batch, results):
+            if isinstance(result, NoScriptError):  # Redis restarted and lost its scripts: load and retry
+                try:
+                    result = await script(keys=keys, args=args)
+                except Exception as exc:
+                    result = exc
+            if future.done():
+                continue  # the caller was cancelled
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
 class RedisSessionStore(SessionStore):
     def __init__(
         self,
@@ -194,8 +248,13 @@ class RedisSessionStore(SessionStore):
         self._claim = self._redis.register_script(_CLAIM)
         self._detach = self._redis.register_script(_DETACH)
         self._delete = self._redis.register_script(_DELETE)
+        await self._redis.script_load(_APPEND)  # the batcher calls it by hash
+        self._batcher = _AppendBatcher(self)
 
     async def stop(self) -> None:
+        batcher = getattr(self, "_batcher", None)
+        if batcher is not None and batcher.task is not None:
+            await asyncio.gather(batcher.task, return_exceptions=True)
         if self._redis is not None:
             await self._redis.aclose(close_connection_pool=True)
             self._redis = None
@@ -300,7 +359,9 @@ class RedisSessionStore(SessionStore):
         await self._fenced(self._write, session_id, owner, "H", KEY["state"], index, state)
 
     async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
-        await self._fenced(self._append, session_id, owner, index, data, self.replay_log_bytes)
+        args = self._args(owner, index, data, self.replay_log_bytes)
+        if not await self._batcher.append(self.keys(session_id), args) and owner is not None:
+            raise LeaseLost(session_id)
 
     async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
         await self._fenced(self._write, session_id, owner, "H", KEY["markers"], marker.number, json.dumps(vars(marker)))
