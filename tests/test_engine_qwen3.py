@@ -106,6 +106,9 @@ async def test_cancel_frees_the_slot_and_errors_are_clear(tiny_custom_voice):
         with pytest.raises(UnknownVoiceError):
             async for _ in backend.synthesize(SynthesisRequest(text="x", voice="nobody")):
                 pass
+        with pytest.raises(SynthesisError, match="text too long"):
+            async for _ in backend.synthesize(SynthesisRequest(text="word " * 400, voice="ryan")):
+                pass
         with pytest.raises(SynthesisError, match="chunk schedule"):
             async for _ in backend.synthesize(SynthesisRequest(text="x", voice="ryan", chunk_schedule=(0,))):
                 pass

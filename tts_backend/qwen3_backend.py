@@ -198,6 +198,14 @@ class Qwen3Synthesizer(Synthesizer):
             )
         except PromptError as exc:
             raise SynthesisError(str(exc)) from exc
+        # Refuse here what the runner cannot hold, so one oversized request never fails a batch of others.
+        if len(prompt) + 2 > self.max_len:
+            raise SynthesisError(f"text too long: its prompt needs {len(prompt)} positions; this server holds "
+                                 f"{self.max_len} per request (max_len)")
+        trailing_capacity = self.engine.runner.config.trailing_capacity
+        if len(prompt.trailing) > trailing_capacity:
+            raise SynthesisError(f"text too long for streaming-text mode: {len(prompt.trailing)} tokens, at most "
+                                 f"{trailing_capacity}")
         try:
             stream = self.engine.submit(
                 prompt, seed=request.seed, max_frames=self._max_frames(request, len(prompt)),
