@@ -181,6 +181,27 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
                     {"fused": runner.fused, "compiled": runner.compile, "bandwidth_TBps": bandwidth / 1e12,
                      "rows": rows}, indent=2) + "\n")
 
+        # The compiled fast path against the model's own modules on the same inputs and caches.
+        check = {}
+        if runner.fused:
+            gen = torch.Generator(device=device).manual_seed(0)
+            slots = torch.arange(8, device=device)
+            pos = torch.full((8, 1), args.context, device=device, dtype=torch.long)
+            x = torch.randn(8, 1, model.talker.cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16)
+            fast = runner.fused_talker.forward(x, runner.kv, slots, pos, attend).float()
+            plain = model.talker(x, runner.kv, slots, pos, attend).float()
+            check["talker_hidden"] = ((fast - plain).norm() / plain.norm()).item()
+            cp = model.code_predictor
+            rows = torch.arange(8, device=device)
+            x2 = torch.randn(8, 2, model.talker.cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16)
+            pos2 = torch.arange(2, device=device)[None].expand(8, 2)
+            fast = runner.fused_cp.stack.forward(cp.small_to_mtp_projection(x2), runner.cp_cache, rows, pos2,
+                                                 runner.cp_cache.max_len).float()
+            plain = cp.model.run_layers(cp.small_to_mtp_projection(x2), runner.cp_cache, rows, pos2,
+                                        attend_len=runner.cp_cache.max_len).float()
+            check["code_predictor_hidden"] = ((fast - plain).norm() / plain.norm()).item()
+            print(f"fast path vs modules, relative error: {check}", flush=True)
+
         # Eager frame at batch 1, for contrast with the captured one.
         slots = torch.zeros(1, dtype=torch.long, device=device)
         runner.pos[:1] = args.context
@@ -216,6 +237,7 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
         "fused": runner.fused,
         "compiled": runner.compile,
         "capture_and_compile_s": runner.graphs.capture_seconds,
+        "fused_vs_modules_relative_error": check,
     }
 
 
