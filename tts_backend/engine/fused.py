@@ -157,7 +157,6 @@ class FusedStack:
 
     def __init__(self, stack, compile: bool) -> None:
         cfg = stack.cfg
-        self.eps = cfg.rms_norm_eps
         self.layers = []
         with torch.no_grad():
             for layer in stack.layers:

@@ -71,7 +71,7 @@ class Qwen3RunnerConfig:
     cuda_graphs: bool = True
     # Fused fast path (engine/fused.py): concatenated weights, one function per layer, compiled with
     # TorchInductor on CUDA. "auto": on with the stateless sampler on CUDA; the plain modules otherwise.
-    fused: str = "auto"
+    fused: str | bool = "auto"
     compile: bool = True
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
     attend_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
@@ -135,10 +135,6 @@ class Qwen3ModelRunner(ModelRunner):
         kept = tuple(b for b in sorted(buckets) if b < limit)
         return kept + (limit,)
 
-    @property
-    def max_batch(self) -> int:
-        return self.max_slots
-
     # ---- set-up -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prepare(self) -> None:
@@ -155,7 +151,6 @@ class Qwen3ModelRunner(ModelRunner):
         self.scratch = cfg.max_slots
         D = tcfg.hidden_size
         G = m.num_code_groups
-        self.G = G
         self.vocab = tcfg.vocab_size
         self.eos_id = tcfg.codec_eos_token_id
         self.codebook_size = tcfg.codebook_size
