@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from .limits import header_timeout_protocol
+from .limits import abortable_ws_protocol, header_timeout_protocol
 from .settings import GatewaySettings
 
 WS_FRAME_MARGIN = 64 * 1024  # the transport accepts a little more than the largest message we answer
@@ -89,7 +89,8 @@ def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
         "log_level": settings.log_level,
         "ws_max_size": settings.max_config_bytes + WS_FRAME_MARGIN,
         "ws_per_message_deflate": False,  # audio barely compresses; deflate would only cost CPU and latency
-        "http": header_timeout_protocol(settings.header_timeout_s),
+        "http": header_timeout_protocol(settings.header_timeout_s, settings.send_buffer_bytes),
+        "ws": abortable_ws_protocol(),
     }
 
 

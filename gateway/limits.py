@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import socket
 import time
 import uuid
 from collections import Counter, deque
@@ -381,10 +382,13 @@ _malloc_trim = _load_malloc_trim()
 # ------------------------------------------------------------------------------------ slow handshakes
 
 
-def header_timeout_protocol(timeout_s: float) -> type:
+def header_timeout_protocol(timeout_s: float, send_buffer_bytes: int = 0) -> type:
     """uvicorn's HTTP protocol, plus a deadline for a request's headers (the WebSocket upgrade request
     included): a client that trickles its headers (slowloris) is disconnected after `timeout_s` instead
-    of holding a connection forever (uvicorn itself only times out idle keep-alive connections)."""
+    of holding a connection forever (uvicorn itself only times out idle keep-alive connections).
+
+    `send_buffer_bytes` fixes the kernel's send buffer of each connection: left to autotuning it grows to
+    megabytes (tcp_wmem), all of it audio a client that stopped reading makes the server hold."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
@@ -407,6 +411,10 @@ def header_timeout_protocol(timeout_s: float) -> type:
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if send_buffer_bytes and sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
             self._arm()
 
         def on_message_begin(self) -> None:
@@ -422,3 +430,19 @@ def header_timeout_protocol(timeout_s: float) -> type:
             super().connection_lost(exc)
 
     return HeaderTimeoutProtocol
+
+
+def abortable_ws_protocol() -> type:
+    """uvicorn's WebSocket protocol, exposing `scope["voxgate.abort"]`: drops the TCP connection. A client
+    that reads nothing cannot be sent a close frame (the send waits for buffer space that never comes),
+    so the slow-consumer deadline ends it this way."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    class AbortableWebSocketProtocol(WebSocketsSansIOProtocol):
+        def handle_connect(self, event) -> None:  # type: ignore[override]
+            super().handle_connect(event)
+            scope = getattr(self, "scope", None)
+            if scope is not None:  # the app's task has not started yet: it sees this
+                scope["voxgate.abort"] = self.transport.abort
+
+    return AbortableWebSocketProtocol

@@ -935,8 +935,7 @@ class StreamingSession:
         )
         try:
             await asyncio.wait_for(self._fail(error), 1.0)
-        except asyncio.TimeoutError:
-            self.metrics.errors_total.labels(error.code.value).inc()
+        except asyncio.TimeoutError:  # counted by _fail already
             _abort_transport(self.ws)
 
     # -------------------------------------------------------------- sending
@@ -1113,13 +1112,12 @@ def _sent_marker(marker: UtteranceEnd, *, cancelled: bool = False) -> MarkerReco
 
 def _abort_transport(websocket: WebSocket) -> None:
     """Drop the TCP connection under a WebSocket whose peer reads nothing (a close frame could never be
-    written). uvicorn's protocol object is what the ASGI `send` callable is bound to."""
-    protocol = getattr(getattr(websocket, "_send", None), "__self__", None)
-    transport = getattr(protocol, "transport", None)
-    if transport is not None:
-        transport.abort()
+    written); the server's WebSocket protocol puts the means in the scope (gateway.limits)."""
+    abort = websocket.scope.get("voxgate.abort")
+    if abort is not None:
+        abort()
     else:
-        log.warning("cannot abort the connection of a slow consumer: no transport found")
+        log.warning("cannot abort the connection of a slow consumer: the server offers no way")
 
 
 def resolve_voice(backend: Synthesizer, settings: GatewaySettings, voice: str | None) -> str:

@@ -95,6 +95,9 @@ class GatewaySettings(BaseSettings):
     max_active_synthesis: int = Field(0, ge=0, description="refuse new sessions while this many streams synthesize; 0 = off")
     max_open_contexts: int = Field(256, ge=1, description="contexts of one session taking text at the same time")
     header_timeout_s: float = Field(10.0, gt=0, description="time a client gets to send its request headers (slowloris)")
+    send_buffer_bytes: int = Field(
+        256 * KIB, ge=0, description="kernel send buffer per connection (bounds what a non-reading client holds); 0 = OS default"
+    )
 
     # --- logs
     log_format: Literal["json", "text"] = Field("json", description="json: one object per line; text: plain")

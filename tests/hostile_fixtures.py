@@ -73,7 +73,9 @@ class RawClient:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+        # The stream reader stops reading the socket at twice its limit: with a small rcvbuf, keep it small
+        # too, so that not reading really leaves the data with the server.
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096 if rcvbuf is not None else 1 << 20)
         client = cls(reader, writer)
         await client.handshake(port, path, headers or {})
         return client
