@@ -154,20 +154,20 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class _AppendBatcher:
-    """Group commit for the hot path: the audio appends of every session that arrive while the previous
-    batch is in flight go to Redis together, as one pipeline (one write, one read), so the per-call cost
-    of the client is paid once per batch. Each caller still waits for its own result: a frame is recorded
-    before it is sent."""
+class _Batcher:
+    """Group commit: the script calls (audio appends, sentence and text records) of every session that
+    arrive while the previous batch is in flight go to Redis together, as one pipeline (one write, one
+    read), so the client's per-call cost is paid once per batch. Each caller still waits for its own
+    result: a frame is recorded before it is sent."""
 
     def __init__(self, store: "RedisSessionStore") -> None:
         self.store = store
-        self.pending: list[tuple[list[str], list[Any], asyncio.Future]] = []
+        self.pending: list[tuple[Any, list[str], list[Any], asyncio.Future]] = []
         self.task: asyncio.Task | None = None
 
-    async def append(self, keys: list[str], args: list[Any]) -> int:
+    async def call(self, script, keys: list[str], args: list[Any]) -> int:
         future = asyncio.get_running_loop().create_future()
-        self.pending.append((keys, args, future))
+        self.pending.append((script, keys, args, future))
         if self.task is None:
             self.task = asyncio.create_task(self._flush(), name="redis-append-batcher")
         return await future
@@ -181,18 +181,17 @@ class _AppendBatcher:
             self.task = None
 
     async def _send(self, batch) -> None:
-        script = self.store._append
         pipe = self.store.redis.pipeline(transaction=False)
-        for keys, args, _ in batch:
+        for script, keys, args, _ in batch:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
         try:
             results = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the connection failed: every caller hears it
-            for _, _, future in batch:
+            for *_, future in batch:
                 if not future.done():
                     future.set_exception(exc)
             return
-        for (keys, args, future), result in zip(batch, results):
+        for (script, keys, args, future), result in zip(batch, results):
             if isinstance(result, NoScriptError):  # Redis restarted and lost its scripts: load and retry
                 try:
                     result = await script(keys=keys, args=args)
@@ -248,8 +247,9 @@ class RedisSessionStore(SessionStore):
         self._claim = self._redis.register_script(_CLAIM)
         self._detach = self._redis.register_script(_DETACH)
         self._delete = self._redis.register_script(_DELETE)
-        await self._redis.script_load(_APPEND)  # the batcher calls it by hash
-        self._batcher = _AppendBatcher(self)
+        for script in (self._write, self._append, self._renew):  # the batcher calls them by hash
+            await self._redis.script_load(script.script)
+        self._batcher = _Batcher(self)
 
     async def stop(self) -> None:
         batcher = getattr(self, "_batcher", None)
@@ -275,7 +275,8 @@ class RedisSessionStore(SessionStore):
         return int(await script(keys=self.keys(session_id), args=self._args(owner, *rest)))
 
     async def _fenced(self, script, session_id: str, owner: str | None, *rest: Any) -> None:
-        if not await self._run(script, session_id, owner, *rest) and owner is not None:
+        """A write (or renewal) through the batcher; LeaseLost if `owner` no longer holds the session."""
+        if not await self._batcher.call(script, self.keys(session_id), self._args(owner, *rest)) and owner is not None:
             raise LeaseLost(session_id)
 
     # ------------------------------------------------------------------ sessions
@@ -359,9 +360,7 @@ class RedisSessionStore(SessionStore):
         await self._fenced(self._write, session_id, owner, "H", KEY["state"], index, state)
 
     async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
-        args = self._args(owner, index, data, self.replay_log_bytes)
-        if not await self._batcher.append(self.keys(session_id), args) and owner is not None:
-            raise LeaseLost(session_id)
+        await self._fenced(self._append, session_id, owner, index, data, self.replay_log_bytes)
 
     async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
         await self._fenced(self._write, session_id, owner, "H", KEY["markers"], marker.number, json.dumps(vars(marker)))
