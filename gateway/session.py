@@ -221,6 +221,8 @@ class StreamingSession:
         try:
             if await self._handshake():
                 session_id_var.set(self.session_id)  # every log line of this session's tasks carries it
+                log.info("session started", extra={"key_id": self.principal.key_id, "voice": self.config.voice,
+                                                   "format": self.config.response_format})
                 self._sender = asyncio.create_task(self._send_loop(), name=f"sender-{self.session_id}")
                 self._reader = asyncio.create_task(self._read_loop(), name=f"reader-{self.session_id}")
                 self._lease = asyncio.create_task(self._keep_lease(), name=f"lease-{self.session_id}")
@@ -258,6 +260,8 @@ class StreamingSession:
         finally:
             await self._shutdown()
             self.metrics.sessions_active.dec()
+            if self.session_id is not None:
+                log.info("session ended", extra={"sentences": self.next_sentence_index})
 
     async def _shutdown(self) -> None:
         self._stopping = True  # no new synthesis from here on
