@@ -162,3 +162,29 @@ async def test_resume_errors_unknown_finished_and_out_of_range(redis_prefix):  #
         async with websockets.connect(a.ws_url, max_size=None) as ws:  # session.close finished it
             await ws.send(listener.resume_message())
             assert json.loads(await ws.recv())["code"] == "session_not_found"
+
+
+async def test_python_client_fails_over_to_the_next_replica_on_its_own(redis_prefix):  # noqa: F811
+    """voxgate_client with both replicas' URLs: A dies mid-sentence, the client resumes on B unaided."""
+    import voxgate_client as vg
+
+    with gateways(REDIS_URL, redis_prefix, 2, *PACED) as (a, b):
+        reference = await uninterrupted_pcm(b.ws_url, TEXT)
+        pcm = bytearray()
+        reconnected = None
+        async with vg.connect([a.ws_url, b.ws_url], vg.SessionConfig(voice="tone-mid"), backoff_initial_s=0.01) as session:
+            await session.send_text(TEXT)
+            await session.done()
+            async for event in session.events():
+                if isinstance(event, vg.AudioChunk):
+                    pcm += event.data
+                    if a.process.poll() is None and event.sentence_index == 1 and event.offset >= 4 * 1920:
+                        a.kill()
+                elif isinstance(event, vg.Reconnected):
+                    reconnected = event
+                elif isinstance(event, vg.Error):
+                    pytest.fail(f"error after failover: {event}")
+                elif isinstance(event, vg.SessionDone):
+                    break
+    assert reconnected is not None and reconnected.url == b.ws_url and reconnected.sentence_index == 1
+    assert bytes(pcm) == reference
