@@ -74,6 +74,8 @@ def running_gateway(
 ) -> Iterator[RunningGateway]:
     """Start a gateway (settings = defaults + overrides; `backend` a name or a Synthesizer instance;
     `store` a SessionStore and `authenticate` an auth hook, both passed to create_app)."""
+    if isinstance(store, str):  # the settings' store kind ("memory", "redis"), not an instance
+        settings_overrides["store"], store = store, None
     port = free_port()
     instance = backend if isinstance(backend, Synthesizer) else None
     name = backend.name if instance is not None else backend
