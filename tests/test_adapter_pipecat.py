@@ -31,6 +31,8 @@ AFTER_BARGE_IN = ["After the interruption, speech goes on at once."]
 RESUME_TURN = ["The connection drops while this turn plays.", "Resuming brings back every missing byte.",
                "Nothing is lost or repeated."]
 AFTER_DROP = ["The next turn speaks on a working session."]
+CANCELLED_TURN = [f"Sentence {word} of a reply that ends when the whole pipeline is cancelled." for word in
+                  ("one", "two", "three", "four", "five", "six")]
 SENTENCE_MODE = ["Sentence mode works too.", "Each sentence is flushed at once."]
 
 
@@ -58,6 +60,7 @@ def results():
             "fresh_session": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP),
                               "gateway_url": ws_base(forgetful)},
             "sentence_mode_16k": {"text": " ".join(SENTENCE_MODE)},
+            "pipeline_cancel": {"long_turn": " ".join(CANCELLED_TURN)},
             "voice_change": {"turns": [" ".join(TURN_2)] * 2, "voices": ["tone-low", "tone-high"]},
         }
         run = run_in_adapter_env("pipecat", SCRIPT, ws_base(server), json.dumps(plan))
@@ -166,3 +169,14 @@ def test_sentence_aggregation_and_16k_output(results):
     expected = sum(pcm_bytes(s) for s in SENTENCE_MODE) * 16000 // 24000
     # The gateway resamples each sentence; its length may differ by a few samples at the edges.
     assert abs(turn["bytes"] - expected) <= 2 * 64 * len(SENTENCE_MODE)
+
+
+def test_cancelled_pipeline_stops_the_gateway(results):
+    observed = scenario(results, "pipeline_cancel")
+    _, backend = results
+    assert observed["finished_after_s"] < 3
+    records = [r for r in backend.records if r.text.strip() in CANCELLED_TURN]
+    assert records and len(records) < len(CANCELLED_TURN)
+    for record in records:
+        late = [t for t in record.chunk_times if t > observed["cancelled_at"] + 0.5]
+        assert not late, f"{record.text!r}: synthesis went on after the pipeline was cancelled"

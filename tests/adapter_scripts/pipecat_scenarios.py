@@ -222,6 +222,18 @@ async def scenario_interrupt(url: str, long_turn: str, next_turn: str) -> dict:
         }
 
 
+async def scenario_pipeline_cancel(url: str, long_turn: str) -> dict:
+    """The whole pipeline is cancelled (CancelFrame) mid-turn: it ends at once and the gateway stops."""
+    h = Harness(url)
+    await h.__aenter__()
+    await h.speak_turn(long_turn)
+    await asyncio.wait_for(h.collector.first_audio.wait(), 20)
+    cancelled_at = time.monotonic()
+    await h.worker.cancel()
+    await asyncio.wait_for(h.run_task, 20)
+    return {"cancelled_at": cancelled_at, "finished_after_s": time.monotonic() - cancelled_at, "errors": h.errors}
+
+
 async def scenario_resume(url: str, text: str, next_turn: str) -> dict:
     """The socket drops in the middle of a turn. With gateway resume the session continues and the turn's
     audio is whole; without it Pipecat's reconnect opens a fresh session. Either way the next turn works."""
@@ -291,6 +303,7 @@ SCENARIOS = {
     "fresh_session": scenario_resume,  # the same drop, on a gateway that has forgotten the session
     "sentence_mode_16k": scenario_sentence_mode_16k,
     "voice_change": scenario_voice_change,
+    "pipeline_cancel": scenario_pipeline_cancel,
 }
 
 

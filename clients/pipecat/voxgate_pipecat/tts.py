@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loguru import logger
-from pipecat.frames.frames import ErrorFrame, Frame, TTSAudioRawFrame, TTSStoppedFrame
+from pipecat.frames.frames import CancelFrame, ErrorFrame, Frame, TTSAudioRawFrame, TTSStoppedFrame
 from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, WebsocketTTSService
@@ -218,6 +218,19 @@ class VoxgateTTSService(WebsocketTTSService):
             await self.push_error(error_msg=f"Voxgate connection failed: {e}", exception=e)
             await self._call_event_handler("on_connection_error", str(e))
 
+    async def cancel(self, frame: CancelFrame):
+        """A cancelled pipeline wants no more audio: the gateway stops every open context at once, so the
+        session.close that follows has nothing left to finish (a bare socket drop would instead leave the
+        session running on the gateway, waiting to be resumed)."""
+        session = self._session
+        if session is not None and not session.closed:
+            for context_id in self.get_audio_contexts():
+                try:
+                    await session.cancel(context_id=context_id)
+                except voxgate_client.VoxgateError:
+                    break
+        await super().cancel(frame)
+
     async def _disconnect_websocket(self):
         session, self._session = self._session, None
         self._cancelling.clear()
@@ -225,6 +238,8 @@ class VoxgateTTSService(WebsocketTTSService):
             await self.stop_all_metrics()
             if session is not None:
                 logger.debug(f"{self}: disconnecting from Voxgate")
+                # The gateway finishes what is open first: nothing after stop() (playback drained) or
+                # cancel() (contexts cancelled).
                 await session.close(timeout_s=2.0)
         except Exception as e:
             logger.warning(f"{self}: error closing the Voxgate session: {e}")
