@@ -48,11 +48,19 @@ class Batch:
     rule: str = ""  # which urgency rule chose it (for tests and tracing)
 
 
-@dataclass
 class _Item:
-    request: RequestState
-    stage: Stage
-    frames: int = 0
+    """One ready piece of work, with what the rules compare computed once per decision."""
+
+    __slots__ = ("request", "stage", "frames", "deadline", "arrival", "order")
+
+    def __init__(self, request: RequestState, stage: Stage, deadline: float | None, frames: int = 0) -> None:
+        self.request = request
+        self.stage = stage
+        self.frames = frames
+        self.deadline = deadline  # None while the request has no audio out yet
+        self.arrival = request.arrival
+        # Fill order: requests with no audio yet first (by arrival), then earliest deadline.
+        self.order = (deadline is not None, deadline or 0.0, self.arrival)
 
 
 class Scheduler:
@@ -111,21 +119,23 @@ class Scheduler:
 
     def _ready_items(self) -> list[_Item]:
         items: list[_Item] = []
+        max_pending = self.config.max_pending_frames
         for request in self._requests.values():
             if request.cancelled or request.done or request.slot is None or self._paused(request):
                 continue
+            deadline = request.deadline
             phase = request.phase
-            if request.pending_frames >= self.config.max_pending_frames:
+            if request.pending_frames >= max_pending:
                 pass  # generation waits for the codec to catch up
             elif phase is Phase.NEED_PREFILL:
-                items.append(_Item(request, Stage.PREFILL))
+                items.append(_Item(request, Stage.PREFILL, deadline))
             elif phase is Phase.NEED_CODE_PREDICT:
-                items.append(_Item(request, Stage.CODE_PREDICT))
+                items.append(_Item(request, Stage.CODE_PREDICT, deadline))
             elif phase is Phase.NEED_DECODE:
-                items.append(_Item(request, Stage.DECODE))
+                items.append(_Item(request, Stage.DECODE, deadline))
             frames = request.codec_ready_frames()
             if frames:
-                items.append(_Item(request, Stage.CODEC, frames))
+                items.append(_Item(request, Stage.CODEC, deadline, frames))
         return items
 
     def has_work(self) -> bool:
@@ -148,76 +158,70 @@ class Scheduler:
         return batch
 
     def _urgent_codec(self, items: list[_Item], now: float) -> Batch | None:
-        reserve = self.config.codec_reserve_s
-        urgent = [
-            it for it in items
-            if it.stage is Stage.CODEC and it.request.playing and now >= it.request.deadline - reserve
-        ]
+        limit = now + self.config.codec_reserve_s
+        urgent = [it for it in items if it.stage is Stage.CODEC and it.deadline is not None and it.deadline <= limit]
         if not urgent:
             return None
-        anchor = min(urgent, key=lambda it: (it.request.deadline, it.request.arrival))
-        return self._fill(anchor, items, priority=urgent, rule="urgent_codec")
+        anchor = min(urgent, key=lambda it: (it.deadline, it.arrival))
+        return self._fill(anchor, items, urgent, "urgent_codec")
 
     def _urgent_generation(self, items: list[_Item], now: float) -> Batch | None:
         frame_cost = self._cost[Stage.DECODE] + self._cost[Stage.CODE_PREDICT]
         codec_cost = self._cost[Stage.CODEC] + self.config.codec_reserve_s
         urgent = []
         for it in items:
-            r = it.request
-            if it.stage in (Stage.CODEC, Stage.PREFILL) or not r.playing:
+            if it.deadline is None or it.stage is Stage.CODEC or it.stage is Stage.PREFILL:
                 continue
-            missing = max(0, r.next_chunk_frames() - r.pending_frames)
-            if missing and now >= r.deadline - missing * frame_cost - codec_cost:
+            r = it.request
+            missing = r.next_chunk_frames() - r.pending_frames
+            if missing > 0 and now >= it.deadline - missing * frame_cost - codec_cost:
                 urgent.append(it)
         if not urgent:
             return None
-        anchor = min(urgent, key=lambda it: (it.request.deadline, int(it.stage), it.request.arrival))
-        return self._fill(anchor, items, priority=urgent, rule="urgent_generation")
+        anchor = min(urgent, key=lambda it: (it.deadline, int(it.stage), it.arrival))
+        return self._fill(anchor, items, urgent, "urgent_generation")
 
     def _startup(self, items: list[_Item]) -> Batch | None:
-        startup = [it for it in items if not it.request.playing]
+        startup = [it for it in items if it.deadline is None]
         if not startup:
             return None
-        anchor = min(startup, key=lambda it: (int(it.stage), it.request.arrival))
-        return self._fill(anchor, items, priority=startup, rule="startup")
+        anchor = min(startup, key=lambda it: (int(it.stage), it.arrival))
+        return self._fill(anchor, items, startup, "startup")
 
     def _pressing(self, items: list[_Item], now: float) -> Batch | None:
-        lead = self.config.pressing_lead_s
-        pressing = [it for it in items if it.request.playing and now >= it.request.deadline - lead]
+        limit = now + self.config.pressing_lead_s
+        pressing = [it for it in items if it.deadline is not None and it.deadline <= limit]
         if not pressing:
             return None
-        anchor = min(pressing, key=lambda it: (it.request.deadline, int(it.stage), it.request.arrival))
-        return self._fill(anchor, items, priority=pressing, rule="pressing")
+        anchor = min(pressing, key=lambda it: (it.deadline, int(it.stage), it.arrival))
+        return self._fill(anchor, items, pressing, "pressing")
 
     def _round_robin(self, items: list[_Item]) -> Batch:
-        stages = {it.stage for it in items}
-        stage = min(
-            stages, key=lambda s: (self._served_at[s], _ROUND_ROBIN_ORDER.index(s))
-        )
-        candidates = [it for it in items if it.stage is stage]
-        anchor = min(candidates, key=lambda it: (it.request.deadline or 0.0, it.request.arrival))
-        return self._fill(anchor, items, priority=[], rule="round_robin")
+        stage = min({it.stage for it in items}, key=lambda s: (self._served_at[s], _ROUND_ROBIN_ORDER.index(s)))
+        anchor = min((it for it in items if it.stage is stage), key=lambda it: (it.deadline or 0.0, it.arrival))
+        return self._fill(anchor, items, [], "round_robin")
 
     def _fill(self, anchor: _Item, items: list[_Item], priority: list[_Item], rule: str) -> Batch:
-        """The anchor, then compatible priority items (in their urgency order), then the rest by deadline
-        and arrival, up to the stage's batch cap. Codec items are compatible when they decode the same
-        number of frames (one captured shape per frame count)."""
+        """The anchor, then compatible priority items (in fill order), then the other compatible items, up
+        to the stage's batch cap. Codec items are compatible when they decode the same number of frames
+        (one captured shape per frame count)."""
+        stage, frames = anchor.stage, anchor.frames
 
         def compatible(it: _Item) -> bool:
-            return it.stage is anchor.stage and (it.stage is not Stage.CODEC or it.frames == anchor.frames)
+            return it.stage is stage and (stage is not Stage.CODEC or it.frames == frames) and it is not anchor
 
-        def order(it: _Item):
-            deadline = it.request.deadline
-            return (deadline is not None, deadline or 0.0, it.request.arrival)
-
-        cap = self.config.max_batch[anchor.stage]
+        cap = self.config.max_batch[stage]
         chosen = [anchor.request]
-        seen = {anchor.request.request_id}
-        for group in (sorted(priority, key=order), sorted(items, key=order)):
-            for it in group:
-                if len(chosen) >= cap:
-                    break
-                if compatible(it) and it.request.request_id not in seen:
-                    seen.add(it.request.request_id)
-                    chosen.append(it.request)
-        return Batch(anchor.stage, chosen, frames=anchor.frames, rule=rule)
+        urgent = [it for it in priority if compatible(it)]
+        if len(urgent) + 1 < cap:
+            marked = {id(it) for it in urgent}
+            rest = [it for it in items if compatible(it) and id(it) not in marked]
+            rest.sort(key=lambda it: it.order)
+        else:
+            rest = []
+        urgent.sort(key=lambda it: it.order)
+        for it in urgent + rest:
+            if len(chosen) >= cap:
+                break
+            chosen.append(it.request)
+        return Batch(stage, chosen, frames=frames, rule=rule)
