@@ -166,6 +166,8 @@ class Scheduler:
         return self._fill(anchor, items, urgent, "urgent_codec")
 
     def _urgent_generation(self, items: list[_Item], now: float) -> Batch | None:
+        # Only the decode and codec stages wait for the device (they read results back), so a code-predictor
+        # batch's device time shows up in the next decode's cost: use the sum as the cost of one frame.
         frame_cost = self._cost[Stage.DECODE] + self._cost[Stage.CODE_PREDICT]
         codec_cost = self._cost[Stage.CODEC] + self.config.codec_reserve_s
         urgent = []
