@@ -42,9 +42,6 @@ logger = logging.getLogger("voxgate_livekit")
 # but not the flag, so it is derived from the code there.
 RETRYABLE_CODES = frozenset({"rate_limited", "too_many_sessions", "overloaded", "synthesis_failed", "internal"})
 
-# Errors after which a session is gone for good, though its socket may still be open.
-SESSION_LOST_CODES = frozenset({"session_not_found", "resume_out_of_range"})
-
 # An HTTP status for each protocol error code, so that LiveKit's status rule (4xx other than 408/429/499
 # is never retried) agrees with the protocol's `retryable`; the gateway's HTTP routes use the same ones.
 STATUS_FOR_CODE = {
@@ -122,12 +119,6 @@ class _SharedSession:
         async for event in self.session.events(until_done=False):
             if isinstance(event, vg.Error):
                 logger.warning("voxgate session error %s: %s", event.code, event.message)
-                if event.code in SESSION_LOST_CODES:
-                    # The gateway could not resume this session: end it, so its streams fail with a
-                    # connection error (retried by the framework if no audio went out yet) and the next
-                    # stream opens a fresh session.
-                    self.retired = True
-                    await self.session.abort()
             elif isinstance(event, vg.Reconnected):
                 logger.info("voxgate session %s resumed after %d attempt(s)", event.session_id, event.attempts)
 

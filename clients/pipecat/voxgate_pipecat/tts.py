@@ -49,9 +49,6 @@ _LANGUAGE_NAMES = {
     "ru": "Russian",
 }
 
-# Errors after which the session is gone for good, though the socket may still be open.
-_SESSION_LOST_CODES = frozenset({"session_not_found", "resume_out_of_range"})
-
 # Settings that live in Voxgate's session.config, so changing one means a new session.config.
 _SESSION_FIELDS = ("voice", "model", "language", "instructions", "seed")
 
@@ -292,12 +289,6 @@ class VoxgateTTSService(WebsocketTTSService):
 
     async def _handle_gateway_error(self, error: vg.Error):
         message = f"Voxgate error {error.code}: {error.message}"
-        if error.code in _SESSION_LOST_CODES and self._session is not None:
-            # The gateway could not resume this session (e.g. it restarted): end it, so the receive loop
-            # returns and Pipecat's reconnect opens a fresh session, closing the lost session's contexts.
-            await self.push_error(error_msg=message)
-            await self._session.abort()
-            return
         context_id = error.context_id
         if context_id is not None and self.audio_context_available(context_id) and error.sentence_index is None:
             # The context's text was refused (not one sentence failing): it will get no utterance.done.
