@@ -414,8 +414,10 @@ class SynthesizeStream(tts.SynthesizeStream):
         ]
         try:
             await _gather_first_error(tasks)
-        except voxgate_client.VoxgateError as e:
-            raise (api_error(e.message, e.code, e.retryable) if e.code != "closed" else APIConnectionError(str(e))) from None
+        except voxgate_client.VoxgateError as e:  # a send on a session that ended meanwhile, or a refusal
+            if e.code == "closed":
+                raise APIConnectionError(str(e)) from None
+            raise api_error(e.message, e.code, e.retryable) from None
         finally:
             await utils.aio.gracefully_cancel(*tasks)
             unfinished = [c for c in opened if not c.finished]
