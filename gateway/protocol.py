@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -211,12 +212,29 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def parse_client_message(raw: str) -> Any:
     """Parse one text frame. Raises ProtocolError (invalid_json, invalid_message, unknown_type)."""
     try:
         data = json.loads(raw)
     except ValueError as exc:
         raise ProtocolError(ErrorCode.invalid_json, f"message is not valid JSON: {exc}") from None
+    # JSON escapes can smuggle unpaired UTF-16 surrogates into strings: not text, and unencodable in any
+    # reply that would echo them (sentence_text, context_id), so refused here.
+    if "\\u" in raw and _has_lone_surrogate(data):
+        raise ProtocolError(ErrorCode.invalid_message, "message contains an unpaired surrogate escape (\\ud800-\\udfff)")
     if not isinstance(data, dict):
         raise ProtocolError(ErrorCode.invalid_message, "message must be a JSON object")
     kind = data.get("type")
