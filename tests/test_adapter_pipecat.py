@@ -31,6 +31,7 @@ AFTER_BARGE_IN = ["After the interruption, speech goes on at once."]
 RESUME_TURN = ["The connection drops while this turn plays.", "Resuming brings back every missing byte.",
                "Nothing is lost or repeated."]
 AFTER_DROP = ["The next turn speaks on a working session."]
+GREETING = ["Hi, I am your assistant.", "How can I help?"]
 CANCELLED_TURN = [f"Sentence {word} of a reply that ends when the whole pipeline is cancelled." for word in
                   ("one", "two", "three", "four", "five", "six")]
 SENTENCE_MODE = ["Sentence mode works too.", "Each sentence is flushed at once."]
@@ -60,6 +61,7 @@ def results():
             "fresh_session": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP),
                               "gateway_url": ws_base(forgetful)},
             "sentence_mode_16k": {"text": " ".join(SENTENCE_MODE)},
+            "speak_frame": {"text": " ".join(GREETING)},
             "pipeline_cancel": {"long_turn": " ".join(CANCELLED_TURN)},
             "voice_change": {"turns": [" ".join(TURN_2)] * 2, "voices": ["tone-low", "tone-high"]},
         }
@@ -152,6 +154,12 @@ def test_unresumable_session_is_replaced_by_a_fresh_one(results):
     assert observed["session_ids"][0] != observed["session_ids"][1]
     assert observed["turn"]["bytes"] > 0 and observed["turn"]["odd_frames"] == 0
     assert_whole_turn(observed["next"], AFTER_DROP)
+
+
+def test_speak_frame_is_an_utterance_of_its_own(results):
+    observed = scenario(results, "speak_frame")
+    assert_whole_turn(observed["utterance"], GREETING)
+    assert observed["errors"] == []
 
 
 def test_voice_setting_changes_between_turns(results):

@@ -270,6 +270,17 @@ async def scenario_resume(url: str, text: str, next_turn: str) -> dict:
         }
 
 
+async def scenario_speak_frame(url: str, text: str) -> dict:
+    """A TTSSpeakFrame (a greeting, say) is an utterance of its own, outside any LLM turn."""
+    from pipecat.frames.frames import TTSSpeakFrame
+
+    async with Harness(url) as h:
+        await h.worker.queue_frame(TTSSpeakFrame(text))
+        context_id = (await wait_for_contexts(h, 1))[0]
+        await h.wait_stopped(context_id)
+        return {"utterance": {"context_id": context_id, **h.audio_of(context_id)}, "errors": h.errors}
+
+
 async def scenario_voice_change(url: str, turns: list[str], voices: list[str]) -> dict:
     """A TTSUpdateSettingsFrame between turns switches the voice for the next turn."""
     from pipecat.frames.frames import TTSUpdateSettingsFrame
@@ -304,6 +315,7 @@ SCENARIOS = {
     "sentence_mode_16k": scenario_sentence_mode_16k,
     "voice_change": scenario_voice_change,
     "pipeline_cancel": scenario_pipeline_cancel,
+    "speak_frame": scenario_speak_frame,
 }
 
 
