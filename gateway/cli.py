@@ -123,13 +123,19 @@ def serve(settings: GatewaySettings) -> None:
     import uvicorn
 
     from .app import create_app
-    from .drain import DrainingServer
+    from .drain import CLOSE_GRACE_S, DrainingServer
 
     from .logs import log_config
 
     check_binding(settings)
     app = create_app(settings)
-    config = uvicorn.Config(app, log_config=log_config(settings.log_level, settings.log_format), **uvicorn_options(settings))
+    # timeout_graceful_shutdown: after the drain, uvicorn waits for leftover connections this long at most.
+    config = uvicorn.Config(
+        app,
+        log_config=log_config(settings.log_level, settings.log_format),
+        timeout_graceful_shutdown=CLOSE_GRACE_S,
+        **uvicorn_options(settings),
+    )
     DrainingServer(config, app.state.gateway, settings.drain_timeout_s).run()
 
 

@@ -37,7 +37,8 @@ async def drain(gateway, timeout_s: float, poll_s: float = 0.05) -> None:
             if session not in handing and (expired or session.between_utterances):
                 handing[session] = asyncio.create_task(session.hand_over(), name="hand-over")
         await asyncio.sleep(poll_s)
-    await asyncio.gather(*handing.values(), return_exceptions=True)
+    if handing:  # a hand-over stuck on a socket that accepts nothing must not hold the exit
+        await asyncio.wait(handing.values(), timeout=CLOSE_GRACE_S)
     log.info("drain finished: %d session(s) handed over, %d left", len(handing), len(gateway.sessions))
 
 
