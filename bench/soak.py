@@ -113,8 +113,8 @@ async def run_session(index: int, url: str, deadline: float, think: tuple[float,
                 break
 
 
-async def client_process_main(first: int, count: int, url: str, start_at: float, ramp_s: float, deadline: float,
-                              think: tuple[float, float], first_chunk_delay: float) -> dict[str, Any]:
+async def client_process_main(first: int, count: int, total: int, url: str, start_at: float, ramp_s: float,
+                              deadline: float, think: tuple[float, float], first_chunk_delay: float) -> dict[str, Any]:
     turns: list[dict[str, Any]] = []
     failures: list[str] = []
     lag = LoopLagProbe(0.1)
@@ -123,7 +123,7 @@ async def client_process_main(first: int, count: int, url: str, start_at: float,
 
     async def one(i: int) -> None:
         nonlocal opened
-        await asyncio.sleep(max(0.0, start_at + ramp_s * i / max(1, args_total_sessions[0]) - time.time()))
+        await asyncio.sleep(max(0.0, start_at + ramp_s * i / max(1, total) - time.time()))  # sessions open evenly
         rng = random.Random(i)
         try:
             opened += 1
@@ -136,9 +136,6 @@ async def client_process_main(first: int, count: int, url: str, start_at: float,
     return {"turns": turns, "failures": failures, "client_loop_lag_s": distribution(lag.lags), "opened": opened}
 
 
-args_total_sessions = [1]
-
-
 def _client_process(first: int, count: int, total: int, url: str, start_at: float, ramp_s: float, deadline: float,
                     think: tuple[float, float], first_chunk_delay: float, out: str) -> None:
     try:
@@ -146,8 +143,8 @@ def _client_process(first: int, count: int, total: int, url: str, start_at: floa
         uvloop.install()
     except ImportError:
         pass
-    args_total_sessions[0] = total
-    result = asyncio.run(client_process_main(first, count, url, start_at, ramp_s, deadline, think, first_chunk_delay))
+    result = asyncio.run(client_process_main(first, count, total, url, start_at, ramp_s, deadline, think,
+                                             first_chunk_delay))
     Path(out).write_text(json.dumps(result))
 
 
