@@ -12,6 +12,7 @@ SIGINT (Ctrl-C) exits at once, the way uvicorn always does.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import signal
 from types import FrameType
@@ -61,7 +62,9 @@ class DrainingServer(uvicorn.Server):
         if sig == signal.SIGTERM and not self._drain_requested and self._loop is not None and not self.should_exit:
             # Signal handlers run on the main thread between bytecodes: schedule the drain, do not run it.
             self._drain_requested = True
-            self._loop.call_soon_threadsafe(self._start_drain)
+            # A fresh context: the drain must not inherit whatever context variables (a session id in the
+            # logs) happen to be set where the signal interrupted.
+            self._loop.call_soon_threadsafe(self._start_drain, context=contextvars.Context())
             return
         super().handle_exit(sig, frame)
 
