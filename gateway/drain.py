@@ -12,7 +12,6 @@ SIGINT (Ctrl-C) exits at once, the way uvicorn always does.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import signal
 from types import FrameType
@@ -44,34 +43,36 @@ async def drain(gateway, timeout_s: float, poll_s: float = 0.05) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM drains the gateway before uvicorn's shutdown starts."""
+    """uvicorn, but the first SIGTERM drains the gateway before uvicorn's shutdown starts.
+
+    The signal handler only sets a flag, which a task started with the server polls - the way uvicorn
+    itself polls `should_exit` - so nothing is scheduled from inside a signal handler."""
+
+    POLL_S = 0.05
 
     def __init__(self, config: uvicorn.Config, gateway, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
-        self._drain: asyncio.Task | None = None
         self._drain_requested = False
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watcher = asyncio.create_task(self._drain_when_asked(), name="drain-on-sigterm")
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self._drain_requested and self._loop is not None and not self.should_exit:
-            # Signal handlers run on the main thread between bytecodes: schedule the drain, do not run it.
+        if sig == signal.SIGTERM and not self._drain_requested and not self.should_exit:
             self._drain_requested = True
-            # A fresh context: the drain must not inherit whatever context variables (a session id in the
-            # logs) happen to be set where the signal interrupted.
-            self._loop.call_soon_threadsafe(self._start_drain, context=contextvars.Context())
             return
         super().handle_exit(sig, frame)
 
-    def _start_drain(self) -> None:
-        self._drain = asyncio.ensure_future(self._drain_then_exit())  # kept: the loop holds tasks weakly
-
-    async def _drain_then_exit(self) -> None:
+    async def _drain_when_asked(self) -> None:
+        while not self._drain_requested:
+            await asyncio.sleep(self.POLL_S)
         try:
             await drain(self.gateway, self.drain_timeout_s)
         finally:
