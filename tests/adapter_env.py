@@ -13,7 +13,6 @@ in another folder (CI clones afresh) only re-points the two editable installs, w
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -22,6 +21,8 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.venv_cache import cached_venv, pip_install, run_script, venv_python
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,25 +47,14 @@ def venv_dir(name: str) -> Path:
     return Path(root) / name if root else Path.home() / ".cache" / "voxgate" / f"adapter-{name}"
 
 
-def _python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def _pins_key(framework: Framework) -> str:
     return hashlib.sha256(json.dumps([_RECIPE, sys.version_info[:2], framework.requirements]).encode()).hexdigest()
-
-
-def _pip(venv: Path, *args: str) -> None:
-    cmd = [str(_python(venv)), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
 
 
 def _install_checkout(venv: Path, framework: Framework) -> None:
     """Editable installs of the client library and the adapter from this checkout (deps come with the
     framework or were installed by the full build; --no-build-isolation reuses the venv's setuptools)."""
-    _pip(
+    pip_install(
         venv, "--no-deps", "--no-build-isolation",
         "-e", str(REPO_ROOT / "clients" / "python"),
         "-e", str(REPO_ROOT / "clients" / framework.name),
@@ -73,9 +63,9 @@ def _install_checkout(venv: Path, framework: Framework) -> None:
 
 def _build(venv: Path, framework: Framework) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    _pip(venv, "setuptools>=68", "wheel")
+    pip_install(venv, "setuptools>=68", "wheel")
     # One resolve: the pinned framework and the two checkouts with their own dependencies.
-    _pip(
+    pip_install(
         venv, "--no-build-isolation",
         "-e", str(REPO_ROOT / "clients" / "python"),
         "-e", str(REPO_ROOT / "clients" / framework.name),
@@ -107,40 +97,22 @@ def adapter_python(name: str) -> Path:
     """The python of framework `name`'s venv, built or re-pointed on first use (safe across processes)."""
     framework = FRAMEWORKS[name]
     venv = venv_dir(name)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    marker = venv / ".voxgate-adapter-ready"
-    wanted = {"pins": _pins_key(framework), "checkout": str(REPO_ROOT)}
-    with open(venv.parent / (venv.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            ready = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            ready = {}
-        if ready != wanted:
-            marker.unlink(missing_ok=True)
-            if ready.get("pins") != wanted["pins"]:
-                _build(venv, framework)
-            else:
-                _install_checkout(venv, framework)
-            subprocess.run([str(_python(venv)), "-c", framework.probe], check=True, capture_output=True)
-            marker.write_text(json.dumps(wanted))
-    return _python(venv)
+    pins = _pins_key(framework)
+
+    def build(previous: dict) -> None:
+        if previous.get("pins") == pins:
+            _install_checkout(venv, framework)  # the same venv, used from another checkout
+        else:
+            _build(venv, framework)
+        subprocess.run([str(venv_python(venv)), "-c", framework.probe], check=True, capture_output=True)
+
+    return cached_venv(venv, {"pins": pins, "checkout": str(REPO_ROOT)}, build)
 
 
 def run_in_adapter_env(name: str, script: str | os.PathLike, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """Run a script with the framework's python; raises with its output when it fails."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONUNBUFFERED"] = "1"
-    result = subprocess.run(
-        [str(adapter_python(name)), str(script), *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO_ROOT),
-    )
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"{name} script {script} failed ({result.returncode}):\n"
-            f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-8000:]}"
-        )
-    return result
+    return run_script(adapter_python(name), script, *args, timeout=timeout, env={"PYTHONUNBUFFERED": "1"},
+                      cwd=REPO_ROOT)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ The venv lives in $VOXGATE_REF_VENV or ~/.cache/voxgate/qwen-tts-0.1.1; creating
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+from tests.venv_cache import cached_venv, pip_install, run_script, venv_python
 
 REFERENCE_REQUIREMENTS = [
     "transformers==4.57.3",
@@ -26,7 +27,9 @@ REFERENCE_REQUIREMENTS = [
     "einops",
     "librosa",
 ]
-_READY_MARK = ".voxgate-ready-1"
+REFERENCE_PACKAGE = "qwen-tts==0.1.1"  # installed without its dependencies (it would replace torch)
+# Bump when the build recipe changes, so cached venvs of an older recipe are rebuilt.
+_RECIPE = 1
 
 
 def reference_venv_dir() -> Path:
@@ -34,17 +37,12 @@ def reference_venv_dir() -> Path:
     return Path(os.environ.get("VOXGATE_REF_VENV", default))
 
 
-def _venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def _build(venv: Path) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
-    pip = [str(_venv_python(venv)), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, *REFERENCE_REQUIREMENTS], check=True)
-    subprocess.run([*pip, "--no-deps", "qwen-tts==0.1.1"], check=True)
+    pip_install(venv, *REFERENCE_REQUIREMENTS)
+    pip_install(venv, "--no-deps", REFERENCE_PACKAGE)
     purelib = subprocess.run(
-        [str(_venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [str(venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
     stub = Path(purelib) / "torchaudio"
@@ -52,33 +50,20 @@ def _build(venv: Path) -> None:
     note = '"""Stub: qwen_tts imports torchaudio for its 25 Hz tokenizer only; the 12 Hz path never calls it."""\n'
     for name in ("__init__.py", "compliance/__init__.py", "compliance/kaldi.py"):
         (stub / name).write_text(note)
-    subprocess.run([str(_venv_python(venv)), "-c", "import qwen_tts"], check=True, capture_output=True)
-    (venv / _READY_MARK).write_text("ok\n")
+    subprocess.run([str(venv_python(venv)), "-c", "import qwen_tts"], check=True, capture_output=True)
 
 
 def reference_python() -> Path:
     """Path of the reference venv's python, building the venv on first use (safe across processes)."""
     venv = reference_venv_dir()
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / (venv.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / _READY_MARK).exists():
-            _build(venv)
-    return _venv_python(venv)
+    recipe = {"recipe": _RECIPE, "python": sys.version_info[:2],
+              "requirements": [*REFERENCE_REQUIREMENTS, REFERENCE_PACKAGE]}
+    return cached_venv(venv, recipe, lambda previous: _build(venv))
 
 
 def run_reference(script: str | os.PathLike, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a script with the reference python; raises with its stderr when it fails."""
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    env["PYTHONWARNINGS"] = "ignore"
-    result = subprocess.run(
-        [str(reference_python()), str(script), *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"reference script {script} failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return result
+    """Run a script with the reference python; raises with its output when it fails."""
+    return run_script(reference_python(), script, *args, timeout=timeout, env={"PYTHONWARNINGS": "ignore"})
 
 
 if __name__ == "__main__":
