@@ -1,29 +1,22 @@
 """LiveKit Agents scenarios against a live gateway; run in the livekit venv (tests/adapter_env.py).
 
-    python livekit_scenarios.py WS_URL SCENARIOS_JSON
+    python livekit_scenarios.py WS_URL SCENARIOS_JSON   (see scenario_runner.py)
 
 Drives voxgate_livekit.TTS the way livekit-agents' voice pipeline does (`tts_node`: one `stream()` per
 reply, `push_text` per LLM token, `end_input()`, frames read until the end; interruption = `aclose()`),
-plus `synthesize()` and the error paths. Prints one JSON object: scenario -> observations.
+plus `synthesize()` and the error paths.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import re
-import sys
 import time
-import traceback
 
 from livekit.agents import APIConnectOptions, APIError
+from scenario_runner import llm_tokens, main
 
 from voxgate_livekit import TTS
-
-
-def llm_tokens(text: str) -> list[str]:
-    return re.findall(r"\s*[^\s.,!?;:]+|[.,!?;:]", text)
 
 
 def describe(frames: list, events: list) -> dict:
@@ -64,6 +57,37 @@ async def read_stream(stream, frames: list, events: list, first_audio: asyncio.E
             first_audio.set()
 
 
+async def speak(tts: TTS, tokens: list[str], token_delay_s: float = 0.0) -> dict:
+    """One reply as the agent speaks it: a stream pushed `tokens`, then ended, and read to its end."""
+    frames, events = [], []
+    async with tts.stream() as stream:
+        reader = asyncio.create_task(read_stream(stream, frames, events))
+        for token in tokens:
+            stream.push_text(token)
+            if token_delay_s:
+                await asyncio.sleep(token_delay_s)
+        stream.end_input()
+        await asyncio.wait_for(reader, 30)
+    return describe(frames, events)
+
+
+async def refusal(tts: TTS, request: str, conn_options: APIConnectOptions) -> dict:
+    """A `stream()` or `synthesize()` request that cannot succeed: what it raised and the error events seen."""
+    recoverable = watch_errors(tts)
+    try:
+        if request == "stream":
+            async with tts.stream(conn_options=conn_options) as stream:
+                stream.push_text("Hello there.")
+                stream.end_input()
+                async for _ in stream:
+                    pass
+        else:
+            await tts.synthesize("Hello there.", conn_options=conn_options).collect()
+        return {"raised": None}
+    except APIError as exc:
+        return {"raised": error_info(exc), "error_events": list(recoverable)}
+
+
 async def scenario_stream(url: str, replies: list[str]) -> dict:
     """Replies spoken one stream each, as the agent does, on the TTS's one shared session."""
     tts = TTS(url=url, voice="tone-mid")
@@ -73,16 +97,8 @@ async def scenario_stream(url: str, replies: list[str]) -> dict:
     session_ids = []
     try:
         for text in replies:
-            frames, events = [], []
-            async with tts.stream() as stream:
-                reader = asyncio.create_task(read_stream(stream, frames, events))
-                for token in llm_tokens(text):
-                    stream.push_text(token)
-                    await asyncio.sleep(0.002)
-                stream.end_input()
-                await asyncio.wait_for(reader, 30)
+            out.append(await speak(tts, llm_tokens(text), token_delay_s=0.002))
             session_ids.append(tts._shared.session.session_id)
-            out.append(describe(frames, events))
     finally:
         await tts.aclose()
     return {"replies": out, "session_ids": session_ids, "ttfb_s": metrics}
@@ -96,13 +112,7 @@ async def scenario_voice_change(url: str, reply: str) -> dict:
         for voice in (None, "tone-high"):
             if voice:
                 tts.update_options(voice=voice)
-            frames, events = [], []
-            async with tts.stream() as stream:
-                reader = asyncio.create_task(read_stream(stream, frames, events))
-                stream.push_text(reply)
-                stream.end_input()
-                await asyncio.wait_for(reader, 30)
-            out.append(describe(frames, events))
+            out.append(await speak(tts, [reply]))
     finally:
         await tts.aclose()
     return {"replies": out}
@@ -139,18 +149,12 @@ async def scenario_cancel(url: str, long_reply: str, next_reply: str) -> dict:
         await asyncio.sleep(0.5)  # let input.cancel / context.cancelled pass
         cancelled_contexts = [cid for cid, ctx in session._contexts.items()]  # forgotten once confirmed
         interrupted = describe(frames, events)
-
-        next_frames, next_events = [], []
-        async with tts.stream() as stream2:
-            reader2 = asyncio.create_task(read_stream(stream2, next_frames, next_events))
-            stream2.push_text(next_reply)
-            stream2.end_input()
-            await asyncio.wait_for(reader2, 30)
+        next_audio = await speak(tts, [next_reply])
         return {
             "interrupted": interrupted,
             "closed_at": closed_at,
             "contexts_left": cancelled_contexts,
-            "next": describe(next_frames, next_events),
+            "next": next_audio,
             "same_session": tts._shared.session is session,
             "reconnects": session.reconnects,
         }
@@ -181,18 +185,13 @@ async def scenario_drop(url: str, reply: str, next_reply: str) -> dict:
             except APIError as exc:
                 raised = error_info(exc)
         first_session = session.session_id
-        next_frames, next_events = [], []
-        async with tts.stream() as stream2:
-            reader2 = asyncio.create_task(read_stream(stream2, next_frames, next_events))
-            stream2.push_text(next_reply)
-            stream2.end_input()
-            await asyncio.wait_for(reader2, 30)
+        next_audio = await speak(tts, [next_reply])
         return {
             "reply": describe(frames, events),
             "raised": raised,
             "error_events": list(recoverable),
             "reconnects": session.reconnects,
-            "next": describe(next_frames, next_events),
+            "next": next_audio,
             "session_ids": [first_session, tts._shared.session.session_id],
         }
     finally:
@@ -204,46 +203,13 @@ async def scenario_errors(url: str, closed_url: str) -> dict:
     results = {}
     fast = APIConnectOptions(max_retry=2, retry_interval=0.05, timeout=5)
 
-    # A voice the gateway does not have: refused in the handshake (unknown_voice), never retried.
-    tts = TTS(url=url, voice="no-such-voice")
-    recoverable = watch_errors(tts)
-    try:
-        async with tts.stream(conn_options=fast) as stream:
-            stream.push_text("Hello there.")
-            stream.end_input()
-            async for _ in stream:
-                pass
-        results["stream_unknown_voice"] = {"raised": None}
-    except APIError as exc:
-        results["stream_unknown_voice"] = {"raised": error_info(exc), "error_events": list(recoverable)}
-    # The same through HTTP: a 400 answer.
-    recoverable = watch_errors(tts)
-    try:
-        await tts.synthesize("Hello there.", conn_options=fast).collect()
-        results["synthesize_unknown_voice"] = {"raised": None}
-    except APIError as exc:
-        results["synthesize_unknown_voice"] = {"raised": error_info(exc), "error_events": list(recoverable)}
-    await tts.aclose()
-
-    # Nothing listening: a connection error, retried max_retry times before giving up.
-    tts = TTS(url=closed_url, voice="tone-mid")
-    recoverable = watch_errors(tts)
-    try:
-        async with tts.stream(conn_options=fast) as stream:
-            stream.push_text("Hello there.")
-            stream.end_input()
-            async for _ in stream:
-                pass
-        results["stream_no_gateway"] = {"raised": None}
-    except APIError as exc:
-        results["stream_no_gateway"] = {"raised": error_info(exc), "error_events": list(recoverable)}
-    recoverable = watch_errors(tts)
-    try:
-        await tts.synthesize("Hello there.", conn_options=fast).collect()
-        results["synthesize_no_gateway"] = {"raised": None}
-    except APIError as exc:
-        results["synthesize_no_gateway"] = {"raised": error_info(exc), "error_events": list(recoverable)}
-    await tts.aclose()
+    # A voice the gateway does not have: refused in the handshake (unknown_voice) or with a 400 answer over
+    # HTTP, never retried. Nothing listening: a connection error, retried max_retry times before giving up.
+    for case, gateway_url, voice in (("unknown_voice", url, "no-such-voice"), ("no_gateway", closed_url, "tone-mid")):
+        tts = TTS(url=gateway_url, voice=voice)
+        for request in ("stream", "synthesize"):
+            results[f"{request}_{case}"] = await refusal(tts, request, fast)
+        await tts.aclose()
     return results
 
 
@@ -258,16 +224,5 @@ SCENARIOS = {
 }
 
 
-async def main(url: str, plan: dict) -> dict:
-    results = {}
-    for name, kwargs in plan.items():
-        try:
-            target = kwargs.pop("gateway_url", url)  # a scenario may need a differently configured gateway
-            results[name] = await asyncio.wait_for(SCENARIOS[name](target, **kwargs), 60)
-        except BaseException:
-            results[name] = {"error": traceback.format_exc()}
-    return results
-
-
 if __name__ == "__main__":
-    print("RESULTS " + json.dumps(asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))))
+    main(SCENARIOS)

@@ -1,22 +1,17 @@
 """Pipecat scenarios against a live gateway; run in the pipecat venv (tests/adapter_env.py).
 
-    python pipecat_scenarios.py WS_URL SCENARIOS_JSON
+    python pipecat_scenarios.py WS_URL SCENARIOS_JSON   (see scenario_runner.py)
 
 Each scenario builds a real Pipecat pipeline (PipelineWorker + WorkerRunner): the frames an LLM service
 would emit (LLMFullResponseStartFrame, LLMTextFrame tokens, LLMFullResponseEndFrame) go into
-VoxgateTTSService, and a collector at the end records what comes out. Prints one JSON object: scenario
-name -> observations (or {"error": traceback}); the pytest side asserts on them.
+VoxgateTTSService, and a collector at the end records what comes out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
-import re
-import sys
 import time
-import traceback
 
 from pipecat.frames.frames import (
     EndFrame,
@@ -36,14 +31,10 @@ from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
+from scenario_runner import llm_tokens, main
 
 from voxgate_client import events as vg
 from voxgate_pipecat import VoxgateTTSService
-
-
-def llm_tokens(text: str) -> list[str]:
-    """Split text the way an LLM streams it: words with their leading space, punctuation on its own."""
-    return re.findall(r"\s*[^\s.,!?;:]+|[.,!?;:]", text)
 
 
 class RecordingTTS(VoxgateTTSService):
@@ -133,6 +124,20 @@ class Harness:
     def contexts(self) -> list[str]:
         return [f.context_id for _, f in self.collector.frames if isinstance(f, TTSStartedFrame)]
 
+    async def wait_for_contexts(self, n: int, timeout: float = 20) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while len(self.contexts()) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"expected {n} audio contexts, saw {self.contexts()}")
+            await asyncio.sleep(0.01)
+        return self.contexts()
+
+    async def spoken_turn(self, index: int) -> dict:
+        """The audio of the `index`-th audio context (from 0), once it has stopped."""
+        context_id = (await self.wait_for_contexts(index + 1))[index]
+        await self.wait_stopped(context_id)
+        return {"context_id": context_id, **self.audio_of(context_id)}
+
     async def wait_stopped(self, context_id: str, timeout: float = 30) -> None:
         await asyncio.wait_for(self.collector.stopped_event(context_id).wait(), timeout)
 
@@ -156,15 +161,6 @@ class Harness:
         return values
 
 
-async def wait_for_contexts(h: Harness, n: int, timeout: float = 20) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while len(h.contexts()) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"expected {n} audio contexts, saw {h.contexts()}")
-        await asyncio.sleep(0.01)
-    return h.contexts()
-
-
 async def scenario_two_turns(url: str, turns: list[str]) -> dict:
     """Two LLM turns, one after the other, on one connection."""
     async with Harness(url) as h:
@@ -172,9 +168,7 @@ async def scenario_two_turns(url: str, turns: list[str]) -> dict:
         results = []
         for i, text in enumerate(turns):
             await h.speak_turn(text)
-            context_id = (await wait_for_contexts(h, i + 1))[i]
-            await h.wait_stopped(context_id)
-            results.append({"context_id": context_id, **h.audio_of(context_id)})
+            results.append(await h.spoken_turn(i))
         return {
             "turns": results,
             "session_ids": [session_id, h.tts.session.session_id],
@@ -207,8 +201,7 @@ async def scenario_interrupt(url: str, long_turn: str, next_turn: str) -> dict:
         after = [f for t, f in audio_frames if t > interrupted_at]
 
         await h.speak_turn(next_turn)
-        next_id = (await wait_for_contexts(h, 2))[1]
-        await h.wait_stopped(next_id)
+        next_audio = await h.spoken_turn(1)
         return {
             "interrupted": {"context_id": context_id, **h.audio_of(context_id)},
             "frames_after_interrupt": len(after),
@@ -216,7 +209,7 @@ async def scenario_interrupt(url: str, long_turn: str, next_turn: str) -> dict:
             "cancel_sent_at": h.tts.cancel_sent_at.get(context_id),
             "cancelled": [{"context_id": c, "late_bytes": b, "at": t} for c, b, t in cancelled],
             "stopped_frame_for_interrupted": h.collector.stopped_event(context_id).is_set(),
-            "next": {"context_id": next_id, **h.audio_of(next_id)},
+            "next": next_audio,
             "reconnects": h.tts.session.reconnects,
             "errors": h.errors,
         }
@@ -258,12 +251,11 @@ async def scenario_resume(url: str, text: str, next_turn: str) -> dict:
                 break
             await asyncio.sleep(0.01)
         await h.speak_turn(next_turn)
-        next_id = (await wait_for_contexts(h, 2))[1]
-        await h.wait_stopped(next_id)
+        next_audio = await h.spoken_turn(1)
         return {
             "turn": {"context_id": context_id, **h.audio_of(context_id)},
             "turn_stopped": h.collector.stopped_event(context_id).is_set(),
-            "next": {"context_id": next_id, **h.audio_of(next_id)},
+            "next": next_audio,
             "reconnected": reconnected,
             "session_ids": [session_id, h.tts.session.session_id],
             "errors": h.errors,
@@ -276,9 +268,7 @@ async def scenario_speak_frame(url: str, text: str) -> dict:
 
     async with Harness(url) as h:
         await h.worker.queue_frame(TTSSpeakFrame(text))
-        context_id = (await wait_for_contexts(h, 1))[0]
-        await h.wait_stopped(context_id)
-        return {"utterance": {"context_id": context_id, **h.audio_of(context_id)}, "errors": h.errors}
+        return {"utterance": await h.spoken_turn(0), "errors": h.errors}
 
 
 async def scenario_voice_change(url: str, turns: list[str], voices: list[str]) -> dict:
@@ -290,9 +280,7 @@ async def scenario_voice_change(url: str, turns: list[str], voices: list[str]) -
         for i, (text, voice) in enumerate(zip(turns, voices)):
             await h.worker.queue_frame(TTSUpdateSettingsFrame(delta=VoxgateTTSService.Settings(voice=voice)))
             await h.speak_turn(text)
-            context_id = (await wait_for_contexts(h, i + 1))[i]
-            await h.wait_stopped(context_id)
-            results.append({"context_id": context_id, **h.audio_of(context_id)})
+            results.append(await h.spoken_turn(i))
         return {"turns": results, "errors": h.errors}
 
 
@@ -302,9 +290,7 @@ async def scenario_sentence_mode_16k(url: str, text: str) -> dict:
 
     async with Harness(url, sample_rate=16000, text_aggregation_mode=TextAggregationMode.SENTENCE) as h:
         await h.speak_turn(text)
-        context_id = (await wait_for_contexts(h, 1))[0]
-        await h.wait_stopped(context_id)
-        return {"turn": {"context_id": context_id, **h.audio_of(context_id)}, "errors": h.errors}
+        return {"turn": await h.spoken_turn(0), "errors": h.errors}
 
 
 SCENARIOS = {
@@ -319,16 +305,5 @@ SCENARIOS = {
 }
 
 
-async def main(url: str, plan: dict) -> dict:
-    results = {}
-    for name, kwargs in plan.items():
-        try:
-            target = kwargs.pop("gateway_url", url)  # a scenario may need a differently configured gateway
-            results[name] = await asyncio.wait_for(SCENARIOS[name](target, **kwargs), 60)
-        except BaseException:
-            results[name] = {"error": traceback.format_exc()}
-    return results
-
-
 if __name__ == "__main__":
-    print("RESULTS " + json.dumps(asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))))
+    main(SCENARIOS)
