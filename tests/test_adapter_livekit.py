@@ -1,25 +1,18 @@
 """The LiveKit Agents plugin (clients/livekit) driven as the framework drives it, against a real gateway.
 
 livekit-agents 1.8.9 runs in its own cached venv (tests/adapter_env.py); this process serves a gateway on
-loopback with the synthetic backend (deterministic tones, named as such, paced at 4x real time and
-recorded per request) and runs tests/adapter_scripts/livekit_scenarios.py once with every scenario.
+loopback with the synthetic backend and runs tests/adapter_scripts/livekit_scenarios.py once with every
+scenario (tests/adapter_fixtures.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-from pathlib import Path
 
 import pytest
 
-from tests.adapter_env import prepare_all, run_in_adapter_env
-from tests.gateway_server import RecordingBackend, free_port, running_gateway
-from tts_backend.base import SynthesisRequest
-from tts_backend.synthetic import SyntheticSynthesizer
-
-SCRIPT = Path(__file__).parent / "adapter_scripts" / "livekit_scenarios.py"
-VOICE = "tone-mid"
+from tests.adapter_fixtures import VOICE, scenario, scenario_results, synthetic_pcm
+from tests.gateway_server import RecordingBackend, free_port
 
 REPLY_1 = ["Hello there.", "This is the first reply of the agent.", "It has three sentences in all."]
 REPLY_2 = ["A second reply follows on the same socket."]
@@ -32,46 +25,27 @@ DROPPED = ["The network drops while this reply plays.", "Resuming brings back ev
            "Nothing is lost or repeated."]
 
 
-def pcm(sentence: str, voice: str = VOICE) -> bytes:
-    """The s16le audio the synthetic backend makes for one sentence at 24 kHz."""
-    return SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=voice)).tobytes()
-
-
 def samples(sentence: str) -> int:
-    return len(pcm(sentence)) // 2
+    return len(synthetic_pcm(sentence)) // 2
+
+
+def plan(forgetful_url: str) -> dict:
+    return {
+        "stream": {"replies": [" ".join(REPLY_1), " ".join(REPLY_2)]},
+        "synthesize": {"text": " ".join(CHUNKED)},
+        "cancel": {"long_reply": " ".join(LONG_REPLY), "next_reply": " ".join(AFTER_BARGE_IN)},
+        "errors": {"closed_url": f"ws://127.0.0.1:{free_port()}"},
+        "voice_change": {"reply": " ".join(NEW_VOICE)},
+        "resume": {"reply": " ".join(DROPPED), "next_reply": " ".join(AFTER_BARGE_IN)},
+        "fresh_session": {"reply": " ".join(DROPPED), "next_reply": " ".join(AFTER_BARGE_IN),
+                          "gateway_url": forgetful_url},
+    }
 
 
 @pytest.fixture(scope="module")
 def results():
-    prepare_all()  # both framework venvs at once, cached across runs
-    backend = RecordingBackend(SyntheticSynthesizer(speed=4.0))
-    # A second gateway forgets a session the moment its socket drops, so session.resume is refused.
-    with running_gateway(backend) as server, running_gateway(
-        RecordingBackend(SyntheticSynthesizer(speed=4.0)), session_ttl_s=0.0
-    ) as forgetful:
-        plan = {
-            "stream": {"replies": [" ".join(REPLY_1), " ".join(REPLY_2)]},
-            "synthesize": {"text": " ".join(CHUNKED)},
-            "cancel": {"long_reply": " ".join(LONG_REPLY), "next_reply": " ".join(AFTER_BARGE_IN)},
-            "errors": {"closed_url": f"ws://127.0.0.1:{free_port()}"},
-            "voice_change": {"reply": " ".join(NEW_VOICE)},
-            "resume": {"reply": " ".join(DROPPED), "next_reply": " ".join(AFTER_BARGE_IN)},
-            "fresh_session": {"reply": " ".join(DROPPED), "next_reply": " ".join(AFTER_BARGE_IN),
-                              "gateway_url": ws_base(forgetful)},
-        }
-        run = run_in_adapter_env("livekit", SCRIPT, ws_base(server), json.dumps(plan))
-        line = next(line for line in run.stdout.splitlines() if line.startswith("RESULTS "))
-        yield json.loads(line[len("RESULTS "):]), backend
-
-
-def ws_base(server) -> str:
-    return server.url.replace("http://", "ws://")
-
-
-def scenario(results, name: str) -> dict:
-    observed = results[0][name]
-    assert "error" not in observed, observed["error"]
-    return observed
+    with scenario_results("livekit", plan) as observed:
+        yield observed
 
 
 def synthesized(backend: RecordingBackend, sentences: list[str]) -> list[str]:
@@ -84,7 +58,8 @@ def assert_whole(audio: dict, sentences: list[str], voice: str = VOICE) -> None:
     assert audio["whole_samples"] and audio["sample_rates"] == [24000] and audio["channels"] == [1]
     assert audio["samples"] == sum(samples(s) for s in sentences)
     assert audio["bytes"] == 2 * audio["samples"]
-    assert audio["sha256"] == hashlib.sha256(b"".join(pcm(s, voice) for s in sentences)).hexdigest(), "audio differs"
+    expected = b"".join(synthetic_pcm(s, voice) for s in sentences)
+    assert audio["sha256"] == hashlib.sha256(expected).hexdigest(), "audio differs"
 
 
 def test_stream_session_fed_tokens(results):

@@ -1,26 +1,18 @@
 """The Pipecat adapter (clients/pipecat) in real Pipecat pipelines against a real gateway (issue 8).
 
 pipecat-ai 1.14.0 runs in its own cached venv (tests/adapter_env.py); this process serves a gateway on
-loopback with the synthetic backend (deterministic tones, named as such, paced at 4x real time and
-recorded per request), runs tests/adapter_scripts/pipecat_scenarios.py once with every scenario, and
-checks the audio that came out of each pipeline against what the backend makes for the same sentences.
+loopback with the synthetic backend, runs tests/adapter_scripts/pipecat_scenarios.py once with every
+scenario (tests/adapter_fixtures.py), and checks the audio that came out of each pipeline against what the
+backend makes for the same sentences.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-from pathlib import Path
 
 import pytest
 
-from tests.adapter_env import prepare_all, run_in_adapter_env
-from tests.gateway_server import RecordingBackend, running_gateway
-from tts_backend.base import SynthesisRequest
-from tts_backend.synthetic import SyntheticSynthesizer
-
-SCRIPT = Path(__file__).parent / "adapter_scripts" / "pipecat_scenarios.py"
-VOICE = "tone-mid"
+from tests.adapter_fixtures import VOICE, scenario, scenario_results, synthetic_pcm
 CHUNK_BYTES = 24000 * 80 // 1000 * 2  # one synthetic-backend chunk: 80 ms of s16le at 24 kHz
 
 TURN_1 = ["Hello there.", "This is the first turn of the test.", "It has three sentences in all."]
@@ -37,47 +29,28 @@ CANCELLED_TURN = [f"Sentence {word} of a reply that ends when the whole pipeline
 SENTENCE_MODE = ["Sentence mode works too.", "Each sentence is flushed at once."]
 
 
-def pcm(sentence: str, voice: str = VOICE) -> bytes:
-    """The s16le audio the synthetic backend makes for one sentence at 24 kHz."""
-    return SyntheticSynthesizer().render(SynthesisRequest(text=sentence, voice=voice)).tobytes()
-
-
 def pcm_bytes(sentence: str) -> int:
-    return len(pcm(sentence))
+    return len(synthetic_pcm(sentence))
+
+
+def plan(forgetful_url: str) -> dict:
+    return {
+        "two_turns": {"turns": [" ".join(TURN_1), " ".join(TURN_2)]},
+        "interrupt": {"long_turn": " ".join(LONG_TURN), "next_turn": " ".join(AFTER_BARGE_IN)},
+        "resume": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP)},
+        "fresh_session": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP),
+                          "gateway_url": forgetful_url},
+        "sentence_mode_16k": {"text": " ".join(SENTENCE_MODE)},
+        "speak_frame": {"text": " ".join(GREETING)},
+        "pipeline_cancel": {"long_turn": " ".join(CANCELLED_TURN)},
+        "voice_change": {"turns": [" ".join(TURN_2)] * 2, "voices": ["tone-low", "tone-high"]},
+    }
 
 
 @pytest.fixture(scope="module")
 def results():
-    prepare_all()  # both framework venvs at once, cached across runs
-    backend = RecordingBackend(SyntheticSynthesizer(speed=4.0))
-    # A second gateway forgets a session the moment its socket drops, so session.resume is refused.
-    with running_gateway(backend) as server, running_gateway(
-        RecordingBackend(SyntheticSynthesizer(speed=4.0)), session_ttl_s=0.0
-    ) as forgetful:
-        plan = {
-            "two_turns": {"turns": [" ".join(TURN_1), " ".join(TURN_2)]},
-            "interrupt": {"long_turn": " ".join(LONG_TURN), "next_turn": " ".join(AFTER_BARGE_IN)},
-            "resume": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP)},
-            "fresh_session": {"text": " ".join(RESUME_TURN), "next_turn": " ".join(AFTER_DROP),
-                              "gateway_url": ws_base(forgetful)},
-            "sentence_mode_16k": {"text": " ".join(SENTENCE_MODE)},
-            "speak_frame": {"text": " ".join(GREETING)},
-            "pipeline_cancel": {"long_turn": " ".join(CANCELLED_TURN)},
-            "voice_change": {"turns": [" ".join(TURN_2)] * 2, "voices": ["tone-low", "tone-high"]},
-        }
-        run = run_in_adapter_env("pipecat", SCRIPT, ws_base(server), json.dumps(plan))
-        line = next(line for line in run.stdout.splitlines() if line.startswith("RESULTS "))
-        yield json.loads(line[len("RESULTS "):]), backend
-
-
-def ws_base(server) -> str:
-    return server.url.replace("http://", "ws://")
-
-
-def scenario(results, name: str) -> dict:
-    observed = results[0][name]
-    assert "error" not in observed, observed["error"]
-    return observed
+    with scenario_results("pipecat", plan) as observed:
+        yield observed
 
 
 def assert_whole_turn(audio: dict, sentences: list[str], voice: str = VOICE) -> None:
@@ -86,7 +59,7 @@ def assert_whole_turn(audio: dict, sentences: list[str], voice: str = VOICE) -> 
     assert audio["odd_frames"] == 0, "every frame must hold whole 16-bit samples"
     assert audio["sample_rates"] == [24000] and audio["channels"] == [1]
     assert audio["bytes"] == sum(pcm_bytes(s) for s in sentences)
-    assert audio["sha256"] == hashlib.sha256(b"".join(pcm(s, voice) for s in sentences)).hexdigest()
+    assert audio["sha256"] == hashlib.sha256(b"".join(synthetic_pcm(s, voice) for s in sentences)).hexdigest()
 
 
 def test_two_llm_turns_on_one_connection(results):
