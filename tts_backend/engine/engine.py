@@ -285,7 +285,6 @@ class Engine:
         now = self.clock()
         if request.playback_start is None:
             request.playback_start = now
-            request.first_audio_at = now
         request.output.emitted_samples += len(data) // 2
         stream = self._streams.get(request.request_id)
         if stream is not None:

@@ -81,7 +81,6 @@ class RequestState:
     frames_decoded: int = 0  # frames the codec has turned into PCM
     chunks_decoded: int = 0  # codec calls that shipped audio, for the chunk schedule
     playback_start: float | None = None  # when the first audio left the engine
-    first_audio_at: float | None = None
     done: bool = False
 
     @property
@@ -111,7 +110,3 @@ class RequestState:
         if pending >= want:
             return want
         return pending if self.phase is Phase.FINISHED else 0
-
-    @property
-    def generating(self) -> bool:
-        return self.phase in (Phase.NEED_PREFILL, Phase.NEED_CODE_PREDICT, Phase.NEED_DECODE)

@@ -138,9 +138,6 @@ class Scheduler:
                 items.append(_Item(request, Stage.CODEC, deadline, frames))
         return items
 
-    def has_work(self) -> bool:
-        return bool(self._ready_items())
-
     # ---- the decision -----------------------------------------------------------------------------
     def decide(self, now: float) -> Batch | None:
         items = self._ready_items()
