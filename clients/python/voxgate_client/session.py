@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
@@ -63,6 +63,18 @@ class _End:
 _END = _End()
 
 
+async def _read_events(queue: asyncio.Queue[Event | _End], is_last: Callable[[Event], bool]) -> AsyncIterator[Event]:
+    """Events from `queue` up to and including the first `is_last` one, or until the queue's end."""
+    while True:
+        event = await queue.get()
+        if isinstance(event, _End):
+            queue.put_nowait(event)  # later readers end too
+            return
+        yield event
+        if is_last(event):
+            return
+
+
 class Context:
     """One utterance stream on a shared session, keyed by `context_id` (protocol extension).
 
@@ -97,16 +109,11 @@ class Context:
         """Barge-in: stop this context's audio. Audio already queued here but not yet read is dropped."""
         await self.session.cancel(context_id=self.context_id)
 
-    async def events(self) -> AsyncIterator[Event]:
+    def events(self) -> AsyncIterator[Event]:
         """This context's events, ending after utterance.done, context.cancelled or a lost connection."""
-        while True:
-            event = await self._queue.get()
-            if isinstance(event, _End):
-                self._queue.put_nowait(event)  # later readers end too
-                return
-            yield event
-            if isinstance(event, (UtteranceDone, ContextCancelled)) or isinstance(event, Disconnected):
-                return
+        return _read_events(
+            self._queue, lambda event: isinstance(event, (UtteranceDone, ContextCancelled, Disconnected))
+        )
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self.events()
@@ -594,17 +601,13 @@ class Session:
         """Stop routing `context_id` to its Context (after it finished); later events go to the session."""
         self._contexts.pop(context_id, None)
 
-    async def events(self, *, until_done: bool = True) -> AsyncIterator[Event]:
+    def events(self, *, until_done: bool = True) -> AsyncIterator[Event]:
         """Events not claimed by a Context, in arrival order. Ends after session.done (if `until_done`) or
         when the connection is gone for good (a final `Disconnected` event)."""
-        while True:
-            event = await self._queue.get()
-            if isinstance(event, _End):
-                self._queue.put_nowait(event)
-                return
-            yield event
-            if (until_done and isinstance(event, SessionDone)) or isinstance(event, Disconnected):
-                return
+        return _read_events(
+            self._queue,
+            lambda event: (until_done and isinstance(event, SessionDone)) or isinstance(event, Disconnected),
+        )
 
     def __aiter__(self) -> AsyncIterator[Event]:
         """`async for event in session` is `session.events()`."""
