@@ -894,9 +894,11 @@ class StreamingSession:
         own; sentences made ahead only while the whole session holds less, so look-ahead never starves
         the head and a session's unsent audio stays within about twice the bound."""
         bound = self.settings.max_queued_audio_s * 2 * self.backend.sample_rate
-        head = next(
-            (i for i in (self._current, *self._queue) if isinstance(i, SentenceJob) and not i.finished), None
-        )
+        current = self._current
+        if isinstance(current, SentenceJob) and not current.finished:
+            head = current
+        else:  # between items: the first sentence still to be sent
+            head = next((i for i in self._queue if isinstance(i, SentenceJob) and not i.finished), None)
         return job.queued_bytes < bound if job is head else self._queued_audio < bound
 
     def _take_audio(self, job: SentenceJob, size: int) -> None:
