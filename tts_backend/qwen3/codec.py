@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .talker import MLP, RMSNorm, rotary_cos_sin, rotate_half
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -380,19 +382,6 @@ class DecoderBlock(nn.Module):
         return x
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 class LayerScale(nn.Module):
     def __init__(self, dim: int, initial: float):
         super().__init__()
@@ -400,11 +389,6 @@ class LayerScale(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.scale * x
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class SlidingWindowAttention(_Stateful):
@@ -435,8 +419,8 @@ class SlidingWindowAttention(_Stateful):
         k = self.k_proj(x).view(bsz, t, self.num_kv_heads, hd).transpose(1, 2)  # [B, Hkv, t, hd]
         v = self.v_proj(x).view(bsz, t, self.num_kv_heads, hd).transpose(1, 2)
         cos, sin = rope
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         if past_len:
             past = state.tensors[self.state_key]  # [B, 2, Hkv, W-1, hd]
             keys = torch.cat([past[:, 0], k], dim=2)  # [B, Hkv, W-1+t, hd]
@@ -452,22 +436,11 @@ class SlidingWindowAttention(_Stateful):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, t, self.num_heads * hd))  # [B, t, hidden]
 
 
-class MLP(nn.Module):
-    def __init__(self, config: CodecDecoderConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TransformerLayer(nn.Module):
     def __init__(self, config: CodecDecoderConfig):
         super().__init__()
         self.self_attn = SlidingWindowAttention(config)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
@@ -493,13 +466,11 @@ class PreTransformer(nn.Module):
         frames); query i (position positions + i) sees the keys in (q - W, q] that exist (position >= 0)."""
         device, hd, past_len = positions.device, self.head_dim, self.window - 1
         query_pos = positions[:, None] + torch.arange(t, device=device)[None, :]  # [B, t]
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.int64).float() / hd))
-        angles = query_pos[:, :, None].float() * inv_freq[None, None, :]  # [B, t, hd/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, t, hd]
+        rope = rotary_cos_sin(query_pos, hd, self.rope_theta, dtype)  # cos, sin [B, 1, t, hd]
         key_pos = positions[:, None] - past_len + torch.arange(past_len + t, device=device)[None, :]  # [B, W-1+t]
         distance = query_pos[:, :, None] - key_pos[:, None, :]  # [B, t, W-1+t]
         mask = (distance >= 0) & (distance < self.window) & (key_pos[:, None, :] >= 0)
-        return (angles.cos().to(dtype), angles.sin().to(dtype)), mask[:, None]
+        return rope, mask[:, None]
 
     def forward(self, x: Tensor, state: CodecState) -> Tensor:
         # x [B, t, latent] -> [B, t, latent]

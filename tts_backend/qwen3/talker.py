@@ -1,7 +1,7 @@
 """The Qwen3-TTS talker: a Qwen3-style decoder that predicts codebook 0 of each 80 ms frame.
 
 Also home of the pieces the code predictor shares with it (RMSNorm, rotary embedding, the attention block with a
-static KV cache, SwiGLU MLP, decoder layer). Module and parameter names mirror the checkpoint
+static KV cache, SwiGLU MLP, decoder layer); the codec decoder's transformer reuses RMSNorm, RoPE and the MLP. Module and parameter names mirror the checkpoint
 (`talker.model.layers.{i}.self_attn.q_proj.weight` is `Talker.model.layers[i].self_attn.q_proj.weight`), so the
 loader maps names by stripping a prefix.
 
@@ -43,7 +43,7 @@ def rotary_cos_sin(
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -103,8 +103,8 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)  # [B,H,S,Dh]
         k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B,Hkv,S,Dh]
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
 
         k_layer = cache.k[self.layer_idx]  # [slots, Hkv, L, Dh]
         v_layer = cache.v[self.layer_idx]
@@ -120,11 +120,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderStackConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -136,7 +136,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, cache, slots, input_pos, mask, attend_len) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, input_pos, mask, attend_len)
