@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.qwen3_fixtures import single_torch_thread  # noqa: F401 - autouse fixture
 from tts_backend.qwen3.codec import (
     CodecDecoder,
     CodecDecoderConfig,
@@ -27,16 +28,6 @@ from tts_backend.qwen3.testing.codec_checkpoint import (
 )
 
 STREAM_TOLERANCE = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tiny decoder's ops are far too small to gain from threads, and on a busy 2-core machine OpenMP
-    spin-waiting made this module 10x slower; restored afterwards for the other test modules."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.qwen3_fixtures import single_torch_thread  # noqa: F401 - autouse fixture
 from tests.reference_env import run_reference
 from tts_backend.qwen3.loader import load_codec_decoder
 from tts_backend.qwen3.testing.codec_checkpoint import (
@@ -34,14 +35,6 @@ SCRIPT = Path(__file__).parent / "reference_scripts" / "codec_ref_decode.py"
 LAYOUT_SCRIPT = Path(__file__).parent / "reference_scripts" / "codec_ref_layout.py"
 TOLERANCE = 1e-5
 FRAME = 1920
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def random_codes(q: int, frames: int, codebook_size: int, seed: int) -> torch.Tensor:
