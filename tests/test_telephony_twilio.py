@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import statistics
 from array import array
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -195,11 +197,17 @@ class FakeTwilio:
         return base64.b64decode(received.message["media"]["payload"], validate=True)
 
 
-async def start_bridge(gateway_url: str, serve_options=None, **options) -> tuple[vt.TwilioBridge, object, str]:
+@contextlib.asynccontextmanager
+async def serving_bridge(gateway_url: str, serve_options=None, **options) -> AsyncIterator[tuple[vt.TwilioBridge, str]]:
+    """A TwilioBridge serving on a free loopback port, and its WebSocket URL; stopped on exit."""
     bridge = vt.TwilioBridge(gateway_url, config=vg.SessionConfig(voice=VOICE), **options)
     port = free_port()
     server = await bridge.serve("127.0.0.1", port, **(serve_options or {}))
-    return bridge, server, f"ws://127.0.0.1:{port}/twilio"
+    try:
+        yield bridge, f"ws://127.0.0.1:{port}/twilio"
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def gateway_mulaw(gateway_url: str, context_text: str) -> list[bytes]:
@@ -216,8 +224,7 @@ async def gateway_mulaw(gateway_url: str, context_text: str) -> list[bytes]:
 
 async def test_say_sends_paced_20ms_frames_and_marks(gateway):
     text = "Hello there. How are you today?"
-    bridge, server, url = await start_bridge(gateway.url, lead_ms=40)
-    try:
+    async with serving_bridge(gateway.url, lead_ms=40) as (bridge, url):
         async with FakeTwilio(url) as twilio:
             call = await bridge.wait_for_call(twilio.call_sid, timeout_s=5)
             assert (call.stream_sid, call.custom_parameters) == (twilio.stream_sid, {"caller": "+15550100"})
@@ -258,15 +265,11 @@ async def test_say_sends_paced_20ms_frames_and_marks(gateway):
         assert 0.017 <= statistics.median(steady) <= 0.023
         expected_span = (len(times) - 1 - lead_frames) * 0.020
         assert expected_span - 0.005 <= times[-1] - t0 <= expected_span * 1.15 + 0.03
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def test_interrupt_sends_clear_and_input_cancel(paced_gateway):
     text = "This is a rather long answer that the caller will not wait for. It goes on. And on and on."
-    bridge, server, url = await start_bridge(paced_gateway.url, lead_ms=40)
-    try:
+    async with serving_bridge(paced_gateway.url, lead_ms=40) as (bridge, url):
         async with FakeTwilio(url) as twilio:
             call = await bridge.wait_for_call(timeout_s=5)
             speech = await call.say(text)
@@ -292,9 +295,6 @@ async def test_interrupt_sends_clear_and_input_cancel(paced_gateway):
             assert call.marks_received[-1] == reply.marks_played[-1] == f"{reply.context_id}:{reply.marks_queued[0][-1]}"
             assert len(reply.marks_queued) == 1
         assert twilio.problems == []
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 def loud_tone_mulaw(frames: int) -> bytes:
@@ -307,13 +307,12 @@ async def test_caller_speech_barges_in_and_callbacks_fire(paced_gateway):
     digits: list[str] = []
     assert vt.frame_dbfs(bytes([0xFF]) * 160) == float("-inf")
     assert vt.frame_dbfs(loud_tone_mulaw(1)) > -10
-    bridge, server, url = await start_bridge(
+    async with serving_bridge(
         paced_gateway.url,
         barge_in_factory=lambda: vt.EnergyBargeIn(threshold_dbfs=-30, min_speech_ms=60),
         on_inbound_audio=lambda call, data: inbound.append(len(data)),
         on_dtmf=lambda call, digit: digits.append(digit),
-    )
-    try:
+    ) as (bridge, url):
         async with FakeTwilio(url) as twilio:
             call = await bridge.wait_for_call(timeout_s=5)
             await asyncio.sleep(0.1)
@@ -334,9 +333,6 @@ async def test_caller_speech_barges_in_and_callbacks_fire(paced_gateway):
         assert digits == ["7"]
         assert inbound and set(inbound) == {160}
         assert twilio.problems == []
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def test_streamed_tokens_start_playing_before_the_text_ends(gateway):
@@ -347,8 +343,7 @@ async def test_streamed_tokens_start_playing_before_the_text_ends(gateway):
             yield word + " "
             await asyncio.sleep(0.03)
 
-    bridge, server, url = await start_bridge(gateway.url)
-    try:
+    async with serving_bridge(gateway.url) as (bridge, url):
         async with FakeTwilio(url) as twilio:
             call = await bridge.wait_for_call(timeout_s=5)
             speech = await call.stream(llm())
@@ -369,15 +364,11 @@ async def test_streamed_tokens_start_playing_before_the_text_ends(gateway):
             assert broken.sentences == ["Partial answer.", "And then"]
             assert isinstance(broken.feeder.exception(), ConnectionError)
         assert twilio.problems == []
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def test_stop_ends_the_call_and_twiml_endpoint(gateway):
-    bridge, server, url = await start_bridge(gateway.url)
-    http_base = url.replace("ws://", "http://").rsplit("/", 1)[0]
-    try:
+    async with serving_bridge(gateway.url) as (bridge, url):
+        http_base = url.replace("ws://", "http://").rsplit("/", 1)[0]
         async with httpx.AsyncClient() as http:
             twiml = await http.get(f"{http_base}/twiml")
             assert twiml.status_code == 200 and twiml.headers["content-type"] == "text/xml"
@@ -393,9 +384,6 @@ async def test_stop_ends_the_call_and_twiml_endpoint(gateway):
         assert bridge.calls == {} and call.ended.is_set() and session.closed
         with pytest.raises(RuntimeError):
             await call.say("Too late.")
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 def test_parses_twilio_messages_as_documented():
@@ -448,9 +436,8 @@ async def test_with_an_auth_token_only_signed_requests_are_served(gateway):
     from websockets.exceptions import InvalidStatus
 
     token, public = "twilio-auth-token", "wss://bridge.example"
-    bridge, server, url = await start_bridge(gateway.url, {"public_url": public, "auth_token": token})
-    http_base = url.replace("ws://", "http://").rsplit("/", 1)[0]
-    try:
+    async with serving_bridge(gateway.url, {"public_url": public, "auth_token": token}) as (bridge, url):
+        http_base = url.replace("ws://", "http://").rsplit("/", 1)[0]
         async with httpx.AsyncClient() as http:
             assert (await http.get(f"{http_base}/twiml")).status_code == 403
             signed = {"X-Twilio-Signature": vt.twilio_signature(token, "https://bridge.example/twiml?From=%2B1555")}
@@ -465,6 +452,3 @@ async def test_with_an_auth_token_only_signed_requests_are_served(gateway):
         async with FakeTwilio(url, headers={"X-Twilio-Signature": vt.twilio_signature(token, public + "/twilio")}) as t:
             call = await bridge.wait_for_call(t.call_sid, timeout_s=5)
             assert await (await call.say("Signed.")).played(timeout_s=5)
-    finally:
-        server.close()
-        await server.wait_closed()
