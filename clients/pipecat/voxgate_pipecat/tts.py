@@ -354,7 +354,7 @@ class VoxgateTTSService(WebsocketTTSService):
             )
             if self.audio_context_available(self._turn_context_id):
                 await self.flush_audio(context_id=self._turn_context_id)
-            self._turn_context_id = None
+            self._turn_context_id = None  # else create_context_id() hands back the same id (reuse within a turn)
             self._turn_context_id = self.create_context_id()
         self._config_dirty = True
         if self._session is not None and not self._session.closed:
