@@ -311,7 +311,7 @@ class Admission:
                          close: CloseCode | None = None) -> None:
         if not limit:
             return
-        wait = await self.counters.take(f"{kind}:{self._key(principal)}", limit, cost)
+        wait = await self._counted(self.counters.take(f"{kind}:{self._key(principal)}", limit, cost), close)
         if wait > 0:
             what = "new sessions" if kind == "sessions" else "characters"
             hint = (
@@ -323,6 +323,19 @@ class Admission:
                 f"this API key may use {limit} {what} per minute; {hint}",
                 retry_after_s=wait, close=close, context_id=context_id,
             )
+
+    @staticmethod
+    async def _counted(call, close: CloseCode | None):
+        """A counter operation; an unreachable Redis refuses the request (retryable) rather than letting
+        it through unlimited or failing with a traceback."""
+        try:
+            return await call
+        except Exception as exc:
+            log.error("limit counters unavailable: %r", exc)
+            raise LimitExceeded(
+                ErrorCode.internal, "usage limits cannot be checked right now (counter store unreachable); retry shortly",
+                retry_after_s=5.0, close=close,
+            ) from None
 
     @contextlib.asynccontextmanager
     async def session(self, principal: Principal) -> AsyncIterator[None]:
@@ -338,7 +351,8 @@ class Admission:
         name = f"open:{self._key(principal)}"
         slot = None
         if self.max_sessions_per_key:
-            slot = await self.counters.acquire_slot(name, self.max_sessions_per_key)
+            slot = await self._counted(self.counters.acquire_slot(name, self.max_sessions_per_key),
+                                       CloseCode.try_again_later)
             if slot is None:
                 raise LimitExceeded(
                     ErrorCode.too_many_sessions,

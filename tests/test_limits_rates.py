@@ -156,3 +156,26 @@ async def test_limits_are_shared_by_replicas_through_redis(redis_prefix):  # noq
         await asyncio.sleep(0.2)
         refused, error, _ = await open_session(one.ws_url, KEY_A)
         assert refused is None and error["code"] == "rate_limited"
+
+
+def test_unreachable_counter_store_refuses_instead_of_letting_through():
+    class Unreachable:
+        async def take(self, *args):
+            raise ConnectionError("redis is down")
+
+        async def acquire_slot(self, *args):
+            raise ConnectionError("redis is down")
+
+    async def scenario():
+        admission = Admission(GatewaySettings(chars_per_minute=100, max_sessions_per_key=1))
+        admission.counters = Unreachable()
+        with pytest.raises(LimitExceeded) as chars:
+            await admission.charge_chars(Principal(key_id="k"), 5)
+        assert chars.value.code.value == "internal" and chars.value.retry_after_s > 0
+        with pytest.raises(LimitExceeded) as session:
+            async with admission.session(Principal(key_id="k")):
+                pass
+        assert session.value.code.value == "internal" and session.value.close == 1013
+        assert admission.open_sessions == 0
+
+    asyncio.run(scenario())
