@@ -13,7 +13,8 @@ Per turn: gateway-added latency = (first audio byte received - turn text sent) -
 chunk delay, i.e. everything the gateway, the loopback network and the client loop add; playback
 underruns and stall time. Over time: the gateway's CPU (from /proc/PID/stat) and resident memory
 (VmRSS), sessions open, and the machine's load average. After the sessions end, memory is sampled for
---settle seconds more to show whether it returns to the baseline taken before the sessions started.
+--settle seconds more to show whether it returns to the baseline taken before the sessions started;
+with --bursts N the whole thing repeats N times, so that memory after each burst shows any growth.
 
     python bench/soak.py --sessions 500 --duration 600 --output bench/results/soak.json --plot bench/results/soak.png
 """
@@ -233,30 +234,34 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(2)
         baseline_rss = sampler.rss_mb()
         sampling = asyncio.create_task(sampler.run(sessions_open))
-        start_at = time.time() + 1
-        deadline = start_at + args.duration
         per = -(-args.sessions // args.client_processes)
         ctx = multiprocessing.get_context("spawn")
-        processes, outputs = [], []
-        for n in range(args.client_processes):
-            first, count = n * per, min(per, args.sessions - n * per)
-            out = f"/tmp/voxgate-soak-{os.getpid()}-{n}.json"
-            outputs.append(out)
-            process = ctx.Process(target=_client_process, args=(
-                first, count, args.sessions, url.replace("http", "ws") + "/v1/audio/speech/stream", start_at,
-                args.ramp, deadline, (args.think_min, args.think_max), args.first_chunk_delay, out))
-            process.start()
-            processes.append(process)
-        while any(p.is_alive() for p in processes):
-            await asyncio.sleep(1)
-        ended_at = time.time()
-        await asyncio.sleep(args.settle)
+        results, bursts = [], []
+        for burst in range(args.bursts):
+            start_at = time.time() + 1
+            deadline = start_at + args.duration
+            processes, outputs = [], []
+            for n in range(args.client_processes):
+                first, count = n * per, min(per, args.sessions - n * per)
+                out = f"/tmp/voxgate-soak-{os.getpid()}-{burst}-{n}.json"
+                outputs.append(out)
+                process = ctx.Process(target=_client_process, args=(
+                    first, count, args.sessions, url.replace("http", "ws") + "/v1/audio/speech/stream", start_at,
+                    args.ramp, deadline, (args.think_min, args.think_max), args.first_chunk_delay, out))
+                process.start()
+                processes.append(process)
+            while any(p.is_alive() for p in processes):
+                await asyncio.sleep(1)
+            ended_at = time.time()
+            await asyncio.sleep(args.settle)  # sessions are over: memory should come back
+            results += [json.loads(Path(o).read_text()) for o in outputs]
+            for o in outputs:
+                Path(o).unlink(missing_ok=True)
+            bursts.append({"start": start_at, "ramp_end": start_at + args.ramp, "deadline": deadline,
+                           "ended": ended_at, "rss_mb_after": sampler.rss_mb(), "sessions_open_after": sessions_open()})
         sampling.cancel()
-        final_rss = sampler.rss_mb()
-        final_sessions = sessions_open()
-        results = [json.loads(Path(o).read_text()) for o in outputs]
-        for o in outputs:
-            Path(o).unlink(missing_ok=True)
+        final_rss = bursts[-1]["rss_mb_after"]
+        final_sessions = bursts[-1]["sessions_open_after"]
     finally:
         gateway.terminate()
         try:
@@ -266,7 +271,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
 
     turns = [t for r in results for t in r["turns"]]
     failures = [f for r in results for f in r["failures"]]
-    steady = [s for s in sampler.samples if start_at + args.ramp + 10 <= s["t"] <= deadline]
+    steady = [s for s in sampler.samples if any(b["ramp_end"] + 10 <= s["t"] <= b["deadline"] for b in bursts)]
     added = [t["gateway_added_s"] for t in turns if t["gateway_added_s"] is not None]
     peak_sessions = max((s["sessions"] or 0 for s in sampler.samples), default=0)
     return {
@@ -299,11 +304,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "after_sessions_end": final_rss,
             "settle_s": args.settle,
             "returned_to_baseline_within_mb": final_rss - baseline_rss,
+            "after_each_burst": [b["rss_mb_after"] for b in bursts],
         },
         "sessions_open_after_end": final_sessions,
         "load_average_1m": distribution([s["load_1m"] for s in sampler.samples]),
         "client_loop_lag_s": [r["client_loop_lag_s"] for r in results],
-        "timeline": {"start": start_at, "ramp_end": start_at + args.ramp, "deadline": deadline, "ended": ended_at},
+        "timeline": {"start": bursts[0]["start"], "bursts": bursts},
         "samples": sampler.samples,
         "turn_records": [{k: t[k] for k in ("t", "gateway_added_s", "underruns")} for t in turns],
     }
@@ -345,7 +351,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[3].set_xlabel("minutes")
     axes[3].legend(loc="upper right", fontsize=8)
     for ax in axes:
-        ax.axvline((result["timeline"]["deadline"] - t0) / 60, color="black", lw=0.6)
+        for burst in result["timeline"]["bursts"]:
+            ax.axvline((burst["deadline"] - t0) / 60, color="black", lw=0.6)
         ax.grid(alpha=0.3)
     lat = result["gateway_added_latency_s"]
     fig.suptitle(
@@ -370,6 +377,8 @@ def main() -> None:
     parser.add_argument("--chunk-ms", type=int, default=160,
                         help="synthetic backend: audio per chunk (160 ms = Qwen3-TTS's first chunk of 2 codec frames)")
     parser.add_argument("--client-processes", type=int, default=2)
+    parser.add_argument("--bursts", type=int, default=1,
+                        help="run the sessions this many times, --settle apart (memory must not grow from one to the next)")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
