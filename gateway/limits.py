@@ -262,6 +262,7 @@ class Admission:
             RedisCounters(settings.redis_url, settings.redis_key_prefix) if settings.store == "redis" else MemoryCounters()
         )
         self._ended_since_trim = 0
+        self._peak_since_trim = 0
         self._trimmer: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -279,11 +280,12 @@ class Admission:
     async def _trim_forever(self) -> None:
         """Sessions allocate audio in many small blocks (frames, replay logs); when they end, glibc keeps
         the freed pages in the heap, so the process would stay at its peak size after a burst. malloc_trim
-        gives the free pages back, once sessions have ended since the last time."""
+        gives the free pages back once the sessions open have fallen to half their peak since the last trim
+        (a trim walks the heap holding its lock: not while a steady load churns through sessions)."""
         while True:
             await asyncio.sleep(TRIM_INTERVAL_S)
-            if self._ended_since_trim:
-                self._ended_since_trim = 0
+            if self._ended_since_trim and self.open_sessions <= self._peak_since_trim // 2:
+                self._ended_since_trim, self._peak_since_trim = 0, self.open_sessions
                 await asyncio.to_thread(_malloc_trim, 0)
 
     @staticmethod
@@ -360,6 +362,7 @@ class Admission:
                     retry_after_s=5.0, close=CloseCode.try_again_later,
                 )
         self.open_sessions += 1
+        self._peak_since_trim = max(self._peak_since_trim, self.open_sessions)
         try:
             await self._take_rate(principal, "sessions", self.settings.sessions_per_minute, 1,
                                   close=CloseCode.try_again_later)
