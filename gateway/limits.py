@@ -28,6 +28,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from tts_backend.base import Synthesizer
 
@@ -101,6 +102,23 @@ class SynthesisMonitor:
 # ------------------------------------------------------------------------------------ counters
 
 
+class Counters(Protocol):
+    """Per-key counters: token buckets for rates, slots for concurrent sessions."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def take(self, name: str, capacity: float, cost: float) -> float:
+        """Take `cost` tokens from a bucket that holds `capacity` and refills `capacity` per minute.
+        Returns 0 when taken, else the seconds until it could be (nothing is taken then)."""
+
+    async def acquire_slot(self, name: str, limit: int) -> str | None:
+        """One of `limit` slots under `name`, as an id for release_slot; None when all are held."""
+
+    async def release_slot(self, slot: str) -> None: ...
+
+
 @dataclass
 class _Bucket:
     tokens: float
@@ -119,8 +137,6 @@ class MemoryCounters:
     async def stop(self) -> None: ...
 
     async def take(self, name: str, capacity: float, cost: float) -> float:
-        """Take `cost` tokens from a bucket that holds `capacity` and refills `capacity` per minute.
-        Returns 0 when taken, else the seconds until it could be (nothing is taken then)."""
         now = time.monotonic()
         bucket = self._buckets.setdefault(name, _Bucket(capacity, now))
         rate = capacity / 60.0
@@ -135,12 +151,12 @@ class MemoryCounters:
         if self._slots[name] >= limit:
             return None
         self._slots[name] += 1
-        return name
+        return name  # one process: a slot is only a count under its name
 
-    async def release_slot(self, name: str, slot: str) -> None:
-        self._slots[name] -= 1
-        if self._slots[name] <= 0:
-            del self._slots[name]
+    async def release_slot(self, slot: str) -> None:
+        self._slots[slot] -= 1
+        if self._slots[slot] <= 0:
+            del self._slots[slot]
 
 
 # Token bucket: KEYS[1] hash {tokens, ms}; ARGV capacity, cost, ttl ms. Refills capacity per 60 s.
@@ -239,8 +255,8 @@ class RedisCounters:
         self._held[slot] = key
         return slot
 
-    async def release_slot(self, name: str, slot: str) -> None:
-        key = self._held.pop(slot, self.prefix + name)
+    async def release_slot(self, slot: str) -> None:
+        key = self._held.pop(slot)
         try:
             await self._client.zrem(key, slot)
         except Exception as exc:  # it expires on its own
@@ -258,7 +274,7 @@ class Admission:
         self.max_sessions_per_key = settings.max_sessions_per_key
         self.open_sessions = 0
         self.monitor = SynthesisMonitor()
-        self.counters: MemoryCounters | RedisCounters = (
+        self.counters: Counters = (
             RedisCounters(settings.redis_url, settings.redis_key_prefix) if settings.store == "redis" else MemoryCounters()
         )
         self._ended_since_trim = 0
@@ -350,11 +366,12 @@ class Admission:
                 f"the gateway is serving its maximum of {self.max_sessions} sessions; try again later",
                 retry_after_s=5.0, close=CloseCode.try_again_later,
             )
-        name = f"open:{self._key(principal)}"
         slot = None
         if self.max_sessions_per_key:
-            slot = await self._counted(self.counters.acquire_slot(name, self.max_sessions_per_key),
-                                       CloseCode.try_again_later)
+            slot = await self._counted(
+                self.counters.acquire_slot(f"open:{self._key(principal)}", self.max_sessions_per_key),
+                CloseCode.try_again_later,
+            )
             if slot is None:
                 raise LimitExceeded(
                     ErrorCode.too_many_sessions,
@@ -371,7 +388,7 @@ class Admission:
             self.open_sessions -= 1
             self._ended_since_trim += 1
             if slot is not None:
-                await self.counters.release_slot(name, slot)
+                await self.counters.release_slot(slot)
 
     async def admit_request(self, principal: Principal, chars: int) -> None:
         """An HTTP speech request: one session and `chars` characters."""
