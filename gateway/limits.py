@@ -270,8 +270,6 @@ class Admission:
     def __init__(self, settings: GatewaySettings, backend: Synthesizer | None = None) -> None:
         self.settings = settings
         self.backend = backend
-        self.max_sessions = settings.max_sessions
-        self.max_sessions_per_key = settings.max_sessions_per_key
         self.open_sessions = 0
         self.monitor = SynthesisMonitor()
         self.counters: Counters = (
@@ -360,22 +358,22 @@ class Admission:
         """Hold a session slot for the body. Raises LimitExceeded (overloaded, too_many_sessions,
         rate_limited), fatal with close code 1013."""
         self.check_overload()
-        if self.max_sessions and self.open_sessions >= self.max_sessions:
+        max_sessions, per_key = self.settings.max_sessions, self.settings.max_sessions_per_key
+        if max_sessions and self.open_sessions >= max_sessions:
             raise LimitExceeded(
                 ErrorCode.too_many_sessions,
-                f"the gateway is serving its maximum of {self.max_sessions} sessions; try again later",
+                f"the gateway is serving its maximum of {max_sessions} sessions; try again later",
                 retry_after_s=5.0, close=CloseCode.try_again_later,
             )
         slot = None
-        if self.max_sessions_per_key:
+        if per_key:
             slot = await self._counted(
-                self.counters.acquire_slot(f"open:{self._key(principal)}", self.max_sessions_per_key),
-                CloseCode.try_again_later,
+                self.counters.acquire_slot(f"open:{self._key(principal)}", per_key), CloseCode.try_again_later
             )
             if slot is None:
                 raise LimitExceeded(
                     ErrorCode.too_many_sessions,
-                    f"this API key already has {self.max_sessions_per_key} open sessions",
+                    f"this API key already has {per_key} open sessions",
                     retry_after_s=5.0, close=CloseCode.try_again_later,
                 )
         self.open_sessions += 1
