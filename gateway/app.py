@@ -136,6 +136,8 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        """Every error answered to an HTTP request before its response started is counted here."""
+        gateway.metrics.errors_total.labels(exc.code.value).inc()
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -143,8 +145,7 @@ def create_app(
         details = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors()
         )
-        gateway.metrics.errors_total.labels(ErrorCode.invalid_message.value).inc()
-        return ApiError(ErrorCode.invalid_message, f"invalid request: {details}").response()
+        return await api_error(request, ApiError(ErrorCode.invalid_message, f"invalid request: {details}"))
 
     async def speech_stream(websocket: WebSocket) -> None:
         await websocket.accept()

@@ -89,7 +89,6 @@ async def require_auth(request: Request) -> Principal:
     try:
         return await gateway.authenticate(request)
     except AuthError as exc:
-        gateway.metrics.errors_total.labels(ErrorCode.unauthorized.value).inc()
         raise ApiError(ErrorCode.unauthorized, str(exc)) from None
 
 
@@ -183,43 +182,38 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     gateway = gateway_of(request)
     settings, backend = gateway.settings, gateway.backend
     gateway.metrics.http_requests_total.labels("sse" if body.sse else "audio").inc()
+    if not gateway.ready:
+        raise ApiError(ErrorCode.overloaded, "the speech backend is not ready; retry shortly", retry_after="5")
+    if not body.input.strip():
+        raise ApiError(ErrorCode.invalid_message, "input must contain text", param="input")
+    if len(body.input) > settings.max_http_input_chars:
+        raise ApiError(
+            ErrorCode.text_too_long,
+            f"input has {len(body.input)} characters; the limit is {settings.max_http_input_chars}",
+            param="input",
+        )
     try:
-        if not gateway.ready:
-            raise ApiError(ErrorCode.overloaded, "the speech backend is not ready; retry shortly", status=503,
-                           retry_after="5")
-        if not body.input.strip():
-            raise ApiError(ErrorCode.invalid_message, "input must contain text", param="input")
-        if len(body.input) > settings.max_http_input_chars:
-            raise ApiError(
-                ErrorCode.text_too_long,
-                f"input has {len(body.input)} characters; the limit is {settings.max_http_input_chars}",
-                param="input",
-            )
-        try:
-            voice = resolve_voice(backend, settings, body.voice_id)
-        except ProtocolError as exc:
-            raise ApiError(exc.code, exc.message, param="voice") from None
-        fmt = (body.response_format or ("pcm" if body.sse else "wav")).lower()
-        if fmt not in audio.FORMATS:
-            raise ApiError(
-                ErrorCode.unsupported_format,
-                f"response_format {fmt!r} is not supported; choose one of {', '.join(audio.FORMATS)}",
-                param="response_format",
-            )
-        rate = body.sample_rate or DEFAULT_RATES.get(fmt, backend.sample_rate)
-        if rate not in audio.SAMPLE_RATES and rate != backend.sample_rate:
-            raise ApiError(
-                ErrorCode.unsupported_format,
-                f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
-                param="sample_rate",
-            )
-        try:  # last: a request refused for another reason uses none of the key's allowance
-            await gateway.admission.admit_request(principal, len(body.input))
-        except LimitExceeded as exc:
-            raise ApiError.from_limit(exc) from None
-    except ApiError as error:
-        gateway.metrics.errors_total.labels(error.code.value).inc()
-        return error.response()
+        voice = resolve_voice(backend, settings, body.voice_id)
+    except ProtocolError as exc:
+        raise ApiError(exc.code, exc.message, param="voice") from None
+    fmt = (body.response_format or ("pcm" if body.sse else "wav")).lower()
+    if fmt not in audio.FORMATS:
+        raise ApiError(
+            ErrorCode.unsupported_format,
+            f"response_format {fmt!r} is not supported; choose one of {', '.join(audio.FORMATS)}",
+            param="response_format",
+        )
+    rate = body.sample_rate or DEFAULT_RATES.get(fmt, backend.sample_rate)
+    if rate not in audio.SAMPLE_RATES and rate != backend.sample_rate:
+        raise ApiError(
+            ErrorCode.unsupported_format,
+            f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
+            param="sample_rate",
+        )
+    try:  # last: a request refused for another reason uses none of the key's allowance
+        await gateway.admission.admit_request(principal, len(body.input))
+    except LimitExceeded as exc:
+        raise ApiError.from_limit(exc) from None
 
     extra: dict[str, Any] = {
         k: v for k, v in (("task_type", body.task_type), ("ref_audio", body.ref_audio), ("ref_text", body.ref_text),
@@ -300,9 +294,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         try:
             pcm = b"".join([chunk async for chunk in encoded()])
         except Exception as exc:
-            error = failure_of(exc)
-            metrics.errors_total.labels(error.code.value).inc()
-            return error.response()
+            raise failure_of(exc) from None
         return Response(audio.wav_bytes(pcm, rate), media_type=audio.content_type("wav"), headers=headers)
 
     async def body_stream() -> AsyncIterator[bytes]:
@@ -318,9 +310,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     except StopAsyncIteration:
         first = b""
     except Exception as exc:
-        error = failure_of(exc)
-        metrics.errors_total.labels(error.code.value).inc()
-        return error.response()
+        raise failure_of(exc) from None
 
     async def rest() -> AsyncIterator[bytes]:
         async with contextlib.aclosing(stream):
