@@ -176,6 +176,9 @@ class SessionResume(_ClientMessage):
     session_id: str
     sentence_index: int = Field(0, ge=0)
     bytes_received: int = Field(0, ge=0)
+    # ext: utterance.done + session.done messages received in this session, over all its connections;
+    # with it the server re-sends exactly the ends the client lacks (without it: decided by position).
+    ends_received: int | None = Field(None, ge=0)
 
 
 class SessionClose(_ClientMessage):
@@ -265,6 +268,7 @@ class SessionStarted(_ServerMessage):
     format: str
     voices: list[str]
     voice: str
+    inputs_received: int | None = None  # ext, answering session.resume: client inputs handled
 
 
 class AudioStart(_ServerMessage):
@@ -316,6 +320,10 @@ class ErrorMessage(_ServerMessage):
 class Pong(_ServerMessage):
     type: Literal["pong"] = "pong"
     id: Any = None
+    inputs_received: int | None = None  # ext: client inputs handled before this ping
 
     def encode(self) -> str:  # `id` is echoed even when null
-        return json.dumps({"type": self.type, "id": self.id})
+        message = {"type": self.type, "id": self.id}
+        if self.inputs_received is not None:
+            message["inputs_received"] = self.inputs_received
+        return json.dumps(message)

@@ -3,7 +3,8 @@
 Per session, under `{prefix}{<session_id>}:` (one hash tag, so a Redis Cluster keeps a session's keys in
 one slot and Lua scripts may touch them all):
 
-    meta      hash    config (JSON), created (unix s), attached (0/1)
+    meta      hash    config (JSON), created (unix s), attached (0/1), inputs (client inputs handled),
+                      contexts (1 once a message named a context_id)
     lease     string  the owning connection's token, with a PX expiry of `lease_s` (renewed while it works)
     text      hash    sentence index -> {"t": text, "c": context_id, "u": utterance number}
     state     hash    sentence index -> pending | speaking | done | cancelled | failed
@@ -41,6 +42,7 @@ from .store import (
     ReplayPiece,
     SentenceRecord,
     SentenceState,
+    SessionChanges,
     SessionRecord,
     SessionStore,
     select_replay,
@@ -308,6 +310,8 @@ class RedisSessionStore(SessionStore):
             last_active=time.time(),
             attached=meta.get(b"attached") == b"1",
             owner=_text(lease) if lease else None,
+            inputs_received=int(meta.get(b"inputs", b"0")),
+            uses_contexts=meta.get(b"contexts") == b"1",
         )
         for field, value in texts.items():
             index = int(field)
@@ -374,6 +378,30 @@ class RedisSessionStore(SessionStore):
         else:
             value = json.dumps({"u": utterance, "t": text})
             await self._fenced(self._write, session_id, owner, "H", KEY["open"], field, value)
+
+    async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
+        ops: list[Any] = []
+        if changes.config is not None:
+            ops += ["H", KEY["meta"], "config", json.dumps(changes.config)]
+        for sentence in changes.sentences:
+            value = json.dumps({"t": sentence.text, "c": sentence.context_id, "u": sentence.utterance})
+            ops += ["H", KEY["text"], sentence.index, value, "H", KEY["state"], sentence.index, sentence.state]
+            ops += ["H", KEY["bytes"], sentence.index, 0]
+        for index, state in changes.states.items():
+            ops += ["H", KEY["state"], index, state]
+        for marker in changes.markers:
+            ops += ["H", KEY["markers"], marker.number, json.dumps(vars(marker))]
+        for context_id, opened in changes.open_text.items():
+            if opened is None:
+                ops += ["D", KEY["open"], json.dumps(context_id), ""]
+            else:
+                ops += ["H", KEY["open"], json.dumps(context_id), json.dumps({"u": opened.utterance, "t": opened.text})]
+        if changes.inputs_received is not None:
+            ops += ["H", KEY["meta"], "inputs", changes.inputs_received]
+        if changes.uses_contexts is not None:
+            ops += ["H", KEY["meta"], "contexts", int(changes.uses_contexts)]
+        if ops:
+            await self._fenced(self._write, session_id, owner, *ops)
 
     async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
         record = await self.get(session_id)

@@ -67,7 +67,16 @@ from .protocol import (
 )
 from .segmenter import SentenceSegmenter
 from .settings import GatewaySettings
-from .store import LeaseLost, MarkerRecord, ReplayOutOfRange, SessionRecord, SessionStore
+from .store import (
+    LeaseLost,
+    MarkerRecord,
+    OpenUtterance,
+    ReplayOutOfRange,
+    SentenceRecord,
+    SessionChanges,
+    SessionRecord,
+    SessionStore,
+)
 
 log = logging.getLogger("voxgate.session")
 
@@ -151,6 +160,7 @@ class UtteranceEnd:
     by_close: bool = False  # ended by session.close, whose own session.done follows
     number: int = 0  # the store's marker number
     after: int = 0  # sentences released before it
+    sent: bool = False  # its message went out (set under the send lock)
 
 
 @dataclass(eq=False)
@@ -203,6 +213,11 @@ class StreamingSession:
         self._stopping = False
         self.owner = uuid.uuid4().hex  # this connection's lease token in the store
         self._marker_count = 0
+        # Client inputs (every message after the handshake but ping) handled and recorded in the store,
+        # acknowledged by `inputs_received`; what handling the current one changed, written with its count.
+        self._inputs = 0
+        self._staged = SessionChanges()
+        self._staged_items: list[SentenceJob | UtteranceEnd | SessionEnd] = []
         self._lease: asyncio.Task | None = None
         self._handed_over = False  # drain: closed with 1012, nothing more is sent
         # Back-pressure: PCM made and not yet taken by the sender, in all jobs; synthesis waits beyond
@@ -444,6 +459,9 @@ class StreamingSession:
         try:
             pieces = await self.store.replay(session_id, message.sentence_index, message.bytes_received)
             config = self._resolve(SessionConfig.model_validate(record.config))
+            ends = _ends_with_a_message(record)
+            if message.ends_received is not None and message.ends_received > len(ends):
+                raise ReplayOutOfRange(f"only {len(ends)} utterance.done/session.done were ever sent")
         except ReplayOutOfRange as exc:
             await self.store.detach(session_id, owner=self.owner)
             raise ProtocolError(
@@ -463,20 +481,23 @@ class StreamingSession:
                 format=config.response_format,
                 voices=[v.id for v in self.backend.voices()],
                 voice=config.voice,
+                inputs_received=record.inputs_received,
             )
         )
-        await self._rebuild(record, pieces, message.sentence_index, message.bytes_received)
+        await self._rebuild(record, pieces, message)
 
-    async def _rebuild(self, record: SessionRecord, pieces, sentence_index: int, byte_offset: int) -> None:
+    async def _rebuild(self, record: SessionRecord, pieces, position: SessionResume) -> None:
         """Queue what the client is owed, in the original send order, and reopen open utterances."""
         assert self.config is not None
+        sentence_index, byte_offset = position.sentence_index, position.bytes_received
+        self._inputs = record.inputs_received
         sentences = sorted(record.sentences.values(), key=lambda s: s.index)
         self.next_sentence_index = len(sentences)
         numbers = [s.utterance for s in sentences] + [m.utterance for m in record.markers.values()]
         numbers += [u.utterance for u in record.open_utterances.values()]
         self._utterance_count = max(numbers, default=0)
         self._marker_count = max(record.markers, default=0)
-        self.uses_contexts = any(
+        self.uses_contexts = record.uses_contexts or any(
             c is not None
             for c in [*(s.context_id for s in sentences), *(m.context_id for m in record.markers.values()),
                       *record.open_utterances]
@@ -518,14 +539,20 @@ class StreamingSession:
             job.bytes_sent = delivered
             self._pending_chars += len(job.text)
             owed.append(((sentence.index, 1), job))
-        for marker in record.markers.values():
-            # Markers go out after sentence `after - 1`: one the client's position lies before is owed
-            # even if it was sent (the client cannot have it); at the position itself, only if unsent.
-            owed_still = marker.after > sentence_index or (
-                marker.after == sentence_index and byte_offset == 0 and not marker.sent
-            )
-            if not owed_still:
-                continue
+        if position.ends_received is not None:
+            # The client counted the utterance ends it got; they go out in marker order, so it has the
+            # first `ends_received` of those that make a message, and is owed the rest.
+            with_message = _ends_with_a_message(record, self.uses_contexts)
+            owed_markers = with_message[position.ends_received :]
+        else:
+            # Without the count (older clients), by position: markers go out after sentence `after - 1`, so
+            # one the client's position lies before is owed even if it was sent; at the position itself,
+            # only if unsent.
+            owed_markers = [
+                m for m in record.markers.values()
+                if m.after > sentence_index or (m.after == sentence_index and byte_offset == 0 and not m.sent)
+            ]
+        for marker in owed_markers:
             item = (
                 SessionEnd(number=marker.number, after=marker.after)
                 if marker.session_end
@@ -542,7 +569,8 @@ class StreamingSession:
         for open_utterance in record.open_utterances.values():
             reopened = utterance(open_utterance.utterance, open_utterance.context_id)
             self._open[open_utterance.context_id] = reopened
-            await self._release(reopened, reopened.segmenter.push(open_utterance.text))
+            self._release(reopened, reopened.segmenter.push(open_utterance.text))
+        await self._commit(counted=False)
         self._fill_pipeline()
         self._queue_changed.set()
 
@@ -590,7 +618,7 @@ class StreamingSession:
             self.session_id = uuid.uuid4().hex
             await self.store.create(self.session_id, resolved.snapshot(), owner=self.owner)
         else:
-            await self.store.update_config(self.session_id, resolved.snapshot(), owner=self.owner)
+            self._staged.config = resolved.snapshot()
         await self._send_json(
             SessionStarted(
                 session_id=self.session_id,
@@ -619,22 +647,47 @@ class StreamingSession:
                         close=CloseCode.normal,
                     ) from None
                 continue
-            except ProtocolError as error:  # a binary frame
+            except ProtocolError as error:  # a binary frame: refused, and that counts as handling it
                 self._last_activity = time.monotonic()
+                await self._commit(counted=True)
                 await self._report(error)
                 continue
             self._last_activity = time.monotonic()
             try:
-                await self._dispatch(self._parse(raw))
+                message = self._parse(raw)
+                if isinstance(message, Ping):  # not an input: it acknowledges the inputs before it
+                    await self._send_json(Pong(id=message.id, inputs_received=self._inputs))
+                    continue
+                await self._dispatch(message)
             except ProtocolError as error:
                 if error.close is not None:
                     raise
+                await self._commit(counted=True)  # refused inputs count too: resending them cannot help
                 await self._report(error)
+            else:
+                await self._commit(counted=True)
+
+    async def _commit(self, *, counted: bool) -> None:
+        """Write what handling the current message changed - and, when `counted`, that one more input was
+        handled - in one store call, then queue its sentences and utterance ends (nothing makes audio or
+        goes out before it is recorded). A crash before the write loses the message and all its effects
+        together: the client's resume sees the old count and sends it again."""
+        changes, items = self._staged, self._staged_items
+        self._staged, self._staged_items = SessionChanges(), []
+        if counted:
+            changes.inputs_received = self._inputs + 1
+        if changes:
+            await self.store.apply(self.session_id, changes, owner=self.owner)
+        if counted:
+            self._inputs += 1
+        for item in items:
+            self._enqueue(item)
 
     async def _dispatch(self, message) -> None:
         context_id = getattr(message, "context_id", None)
-        if context_id is not None:
+        if context_id is not None and not self.uses_contexts:
             self.uses_contexts = True
+            self._staged.uses_contexts = True  # decides utterance.done vs session.done after a resume
         if isinstance(message, InputText):
             await self._on_text(message)
         elif isinstance(message, InputFlush):
@@ -643,8 +696,6 @@ class StreamingSession:
             await self._on_done(message.context_id)
         elif isinstance(message, InputCancel):
             await self._on_cancel(message.context_id)
-        elif isinstance(message, Ping):
-            await self._send_json(Pong(id=message.id))
         elif isinstance(message, SessionConfig):
             await self._apply_config(message)
         elif isinstance(message, SessionClose):
@@ -689,20 +740,20 @@ class StreamingSession:
         if self.admission is not None and message.text:
             await self.admission.charge_chars(self.principal, len(message.text), context_id=message.context_id)
         utterance = self._utterance(message.context_id)
-        await self._release(utterance, utterance.segmenter.push(message.text))
-        await self._record_open_text(utterance)
+        self._release(utterance, utterance.segmenter.push(message.text))
+        self._record_open_text(utterance)
 
-    async def _record_open_text(self, utterance: Utterance) -> None:
+    def _record_open_text(self, utterance: Utterance) -> None:
         """Accepted text not yet released as a sentence, so that a resume elsewhere still speaks it."""
-        await self.store.set_open_text(
-            self.session_id, utterance.context_id, utterance.number, utterance.segmenter.buffered_text, owner=self.owner
+        self._staged.open_text[utterance.context_id] = OpenUtterance(
+            utterance.context_id, utterance.number, utterance.segmenter.buffered_text
         )
 
     async def _on_flush(self, context_id: str | None) -> None:
         utterance = self._open.get(context_id)
         if utterance is not None:
-            await self._release(utterance, utterance.segmenter.flush())
-            await self._record_open_text(utterance)
+            self._release(utterance, utterance.segmenter.flush())
+            self._record_open_text(utterance)
 
     async def _on_done(self, context_id: str | None, by_close: bool = False) -> None:
         utterance = self._open.pop(context_id, None)
@@ -712,12 +763,12 @@ class StreamingSession:
             self._utterance_count += 1
             utterance = Utterance(context_id, self._utterance_count, SentenceSegmenter("none"))
         else:
-            await self._release(utterance, utterance.segmenter.flush())
+            self._release(utterance, utterance.segmenter.flush())
         self._marker_count += 1
         marker = UtteranceEnd(utterance, by_close=by_close, number=self._marker_count)
-        await self._record_marker(marker)
-        await self.store.set_open_text(self.session_id, context_id, utterance.number, None, owner=self.owner)
-        self._enqueue(marker)
+        self._record_marker(marker)
+        self._staged.open_text[context_id] = None
+        self._staged_items.append(marker)
 
     async def _on_close(self) -> None:
         for context_id in list(self._open):
@@ -725,14 +776,13 @@ class StreamingSession:
         self._closing = True
         self._marker_count += 1
         end = SessionEnd(number=self._marker_count)
-        await self._record_marker(end)
-        self._enqueue(end)
+        self._record_marker(end)
+        self._staged_items.append(end)
 
-    async def _record_marker(self, item: UtteranceEnd | SessionEnd) -> None:
+    def _record_marker(self, item: UtteranceEnd | SessionEnd) -> None:
         item.after = self.next_sentence_index
         utterance = item.utterance if isinstance(item, UtteranceEnd) else None
-        await self.store.add_marker(
-            self.session_id,
+        self._staged.markers.append(
             MarkerRecord(
                 number=item.number,
                 after=item.after,
@@ -741,11 +791,11 @@ class StreamingSession:
                 total_sentences=utterance.sentences if utterance else 0,
                 by_close=isinstance(item, UtteranceEnd) and item.by_close,
                 session_end=isinstance(item, SessionEnd),
-            ),
-            owner=self.owner,
+            )
         )
 
-    async def _release(self, utterance: Utterance, sentences: list[str]) -> None:
+    def _release(self, utterance: Utterance, sentences: list[str]) -> None:
+        """Make sentences of released text; they are recorded and queued by `_commit`."""
         assert self.config is not None and self.session_id is not None
         now = time.monotonic()
         for text in sentences:
@@ -763,10 +813,10 @@ class StreamingSession:
             utterance.sentences += 1
             self._pending_chars += len(text)
             # Recorded before the sentence can produce audio, so the store always knows what a byte belongs to.
-            await self.store.add_sentence(
-                self.session_id, job.index, text, utterance.context_id, utterance=utterance.number, owner=self.owner
+            self._staged.sentences.append(
+                SentenceRecord(job.index, text, utterance.context_id, utterance=utterance.number)
             )
-            self._enqueue(job)
+            self._staged_items.append(job)
 
     def _enqueue(self, item: SentenceJob | UtteranceEnd | SessionEnd) -> None:
         self._queue.append(item)
@@ -781,7 +831,7 @@ class StreamingSession:
         open_utterance = self._open.pop(context_id, None)
         if open_utterance is not None:
             open_utterance.cancelled = True
-            await self.store.set_open_text(self.session_id, context_id, open_utterance.number, None, owner=self.owner)
+            self._staged.open_text[context_id] = None
         async with self._send_lock:
             # Holding the send lock: the sender is between frames, and from here on it sees the flag.
             items = [self._current, *self._queue]
@@ -791,7 +841,10 @@ class StreamingSession:
             stopped = [item for item in items if isinstance(item, SentenceJob) and item.cancelled and not item.finished]
             for job in stopped:
                 self._stop_job(job)
-            dropped_markers = [item for item in self._queue if isinstance(item, UtteranceEnd) and item.utterance.cancelled]
+            # Utterance ends not sent yet are owed no more (the one being sent now may be among them).
+            dropped_markers = [
+                item for item in items if isinstance(item, UtteranceEnd) and item.utterance.cancelled and not item.sent
+            ]
             self._queue = deque(
                 item for item in self._queue
                 if not (isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled)
@@ -803,9 +856,9 @@ class StreamingSession:
             first_unsent = stopped[0].index if stopped else None
             await self._send_text_locked(ContextCancelled(context_id=context_id, sentence_index=first_unsent).encode())
         for job in stopped:
-            await self.store.set_sentence_state(self.session_id, job.index, "cancelled", owner=self.owner)
+            self._staged.states[job.index] = "cancelled"
         for marker in dropped_markers:  # owed no more: a resume must not send them
-            await self.store.add_marker(self.session_id, _sent_marker(marker, cancelled=True), owner=self.owner)
+            self._staged.markers.append(_sent_marker(marker, cancelled=True))
         self._fill_pipeline()
         self._queue_changed.set()
 
@@ -1092,6 +1145,7 @@ class StreamingSession:
             else:
                 message = SessionDone(total_sentences=self.next_sentence_index)
             await self._send_text_locked(message.encode())
+            marker.sent = True
         await self.store.add_marker(self.session_id, _sent_marker(marker), owner=self.owner)
 
     async def _send_session_end(self) -> None:
@@ -1114,6 +1168,22 @@ def _sent_marker(marker: UtteranceEnd, *, cancelled: bool = False) -> MarkerReco
         by_close=marker.by_close,
         sent=True,
     )
+
+
+def _ends_with_a_message(record: SessionRecord, uses_contexts: bool | None = None) -> list[MarkerRecord]:
+    """The session's utterance ends that are (or will be) sent as a message, in send order: not cancelled,
+    and not an input.done ended by session.close in a session without contexts (its session.done is
+    session.close's own). As `_send_utterance_end` decides."""
+    if uses_contexts is None:
+        uses_contexts = record.uses_contexts or any(
+            c is not None
+            for c in [*(s.context_id for s in record.sentences.values()),
+                      *(m.context_id for m in record.markers.values()), *record.open_utterances]
+        )
+    return [
+        m for m in sorted(record.markers.values(), key=lambda m: m.number)
+        if m.after >= 0 and (m.session_end or uses_contexts or m.context_id is not None or not m.by_close)
+    ]
 
 
 def _abort_transport(websocket: WebSocket) -> None:

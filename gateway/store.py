@@ -78,6 +78,30 @@ class SessionRecord:
     markers: dict[int, MarkerRecord] = field(default_factory=dict)
     open_utterances: dict[str | None, OpenUtterance] = field(default_factory=dict)
     owner: str | None = None
+    inputs_received: int = 0  # client input messages handled (see SessionChanges.inputs_received)
+    uses_contexts: bool = False  # some message named a context_id: utterance ends are utterance.done
+
+
+@dataclass
+class SessionChanges:
+    """What handling one client message changed, written in one atomic, fenced store call, so that the
+    count of handled inputs (what `session.resume` acknowledges) never disagrees with their effects: after
+    a crash either the message and everything it did is recorded, or none of it is and the client sends
+    it again."""
+
+    config: dict[str, Any] | None = None
+    sentences: list[SentenceRecord] = field(default_factory=list)  # newly released (pending, no audio)
+    states: dict[int, SentenceState] = field(default_factory=dict)
+    markers: list[MarkerRecord] = field(default_factory=list)
+    open_text: dict[str | None, OpenUtterance | None] = field(default_factory=dict)  # None: closed
+    inputs_received: int | None = None
+    uses_contexts: bool | None = None
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.config is not None or self.sentences or self.states or self.markers or self.open_text
+            or self.inputs_received is not None or self.uses_contexts is not None
+        )
 
 
 @dataclass(frozen=True)
@@ -163,6 +187,10 @@ class SessionStore(abc.ABC):
         self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, owner: str | None = None
     ) -> None:
         """The unreleased text of an open utterance; None when the utterance no longer takes text."""
+
+    @abc.abstractmethod
+    async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
+        """Write all of `changes` at once (LeaseLost, and nothing written, if `owner` lost the session)."""
 
     @abc.abstractmethod
     async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
@@ -314,6 +342,29 @@ class MemorySessionStore(SessionStore):
             record.open_utterances.pop(context_id, None)
         else:
             record.open_utterances[context_id] = OpenUtterance(context_id, utterance, text)
+
+    async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
+        record = self._owned(session_id, owner)
+        if record is None:
+            return
+        if changes.config is not None:
+            record.config = dict(changes.config)
+        for sentence in changes.sentences:
+            record.sentences[sentence.index] = SentenceRecord(**vars(sentence))
+        for index, state in changes.states.items():
+            if index in record.sentences:
+                record.sentences[index].state = state
+        for marker in changes.markers:
+            record.markers[marker.number] = MarkerRecord(**vars(marker))
+        for context_id, opened in changes.open_text.items():
+            if opened is None:
+                record.open_utterances.pop(context_id, None)
+            else:
+                record.open_utterances[context_id] = OpenUtterance(opened.context_id, opened.utterance, opened.text)
+        if changes.inputs_received is not None:
+            record.inputs_received = changes.inputs_received
+        if changes.uses_contexts is not None:
+            record.uses_contexts = changes.uses_contexts
 
     async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
         record = await self.get(session_id)

@@ -174,3 +174,62 @@ async def uninterrupted_pcm(ws_url: str, text: str) -> bytes:
         await ws.send(json.dumps({"type": "input.done"}))
         await listener.receive(ws, "session.done")
     return listener.pcm()
+
+
+class OneWayOutage:
+    """A TCP proxy in front of a gateway whose client-to-gateway direction can fail silently: with
+    `drop_client_bytes` set, what the client sends is read and thrown away (the client's socket looks
+    healthy, as on a dying replica whose kernel still takes bytes). `cut()` then drops every connection
+    and stops listening, so a reconnect through it is refused."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.drop_client_bytes = False
+        self.dropped = 0  # client bytes thrown away
+        self.port = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/audio/speech/stream"
+
+    async def __aenter__(self) -> "OneWayOutage":
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cut()
+
+    def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            client_writer.transport.abort()
+            return
+        self._writers += [client_writer, upstream_writer]
+
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, from_client: bool) -> None:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                while data := await reader.read(65536):
+                    if from_client and self.drop_client_bytes:
+                        self.dropped += len(data)
+                        continue
+                    writer.write(data)
+                    await writer.drain()
+            writer.transport.abort()
+
+        await asyncio.gather(pump(client_reader, upstream_writer, True), pump(upstream_reader, client_writer, False))
+
+    async def wait_dropped(self, at_least: int, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.dropped < at_least:
+            assert time.monotonic() < deadline, f"only {self.dropped} of {at_least} client bytes reached the proxy"
+            await asyncio.sleep(0.005)

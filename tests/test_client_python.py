@@ -224,7 +224,7 @@ async def test_non_fatal_errors_arrive_as_events(gateway):
                 break
         error = next(e for e in seen if isinstance(e, vg.Error))
         assert error.code == "unknown_type" and not error.retryable
-        assert seen[-1] == vg.Pong(id="after-the-bogus-one")
+        assert seen[-1] == vg.Pong(id="after-the-bogus-one", inputs_received=1)  # a refused input counts too
         assert await session.speak("Still fine.") == expected_pcm(["Still fine."])
 
 
@@ -379,9 +379,9 @@ async def test_a_refused_resume_ends_the_session_cleanly(gateway):
         session.started = dataclasses.replace(session.started, session_id="no-such-session")
         await session.drop_connection()
         rest = [event async for event in session.events()]
-        assert [type(e).__name__ for e in rest] == ["Reconnected", "Error", "Disconnected"]
-        assert rest[0].session_id == "no-such-session" and (rest[0].sentence_index, rest[0].bytes_received) == (0, 0)
-        assert rest[1].code == "session_not_found" and not rest[1].retryable
+        # The resume is answered before the session counts as reconnected: no Reconnected event.
+        assert [type(e).__name__ for e in rest] == ["Error", "Disconnected"]
+        assert rest[0].code == "session_not_found" and not rest[0].retryable
         assert session.closed
         with pytest.raises(vg.VoxgateError):
             await session.send_text("Nobody is listening.")

@@ -195,7 +195,7 @@ async def test_ping_pong_and_alias_path(server):
         await send(ws, type="session.config")
         await send(ws, type="ping", id=7)
         messages = await receive_until(ws, "pong")
-    assert messages[-1] == {"type": "pong", "id": 7}
+    assert messages[-1] == {"type": "pong", "id": 7, "inputs_received": 0}  # ext: no input yet
 
 
 async def test_session_close_finishes_open_text_then_closes_normally(server):
@@ -597,7 +597,7 @@ async def test_an_unexpected_server_fault_is_reported_as_internal_and_closes_101
     from gateway.store import MemorySessionStore
 
     class BrokenStore(MemorySessionStore):
-        async def add_sentence(self, *args):
+        async def apply(self, *args, **kwargs):
             raise RuntimeError("disk on fire")
 
     with running_gateway("synthetic", store=BrokenStore()) as server:

@@ -22,6 +22,7 @@ class SessionStarted(Event):
     format: str
     voices: list[str] = field(default_factory=list)
     voice: str | None = None
+    inputs_received: int | None = None  # answering session.resume: the client inputs the gateway has
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Error(Event):
 @dataclass(frozen=True)
 class Pong(Event):
     id: Any = None
+    inputs_received: int | None = None  # client inputs the gateway handled before the ping
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class Reconnected(Event):
     bytes_received: int
     attempts: int
     url: str
+    inputs_resent: int = 0  # input messages the gateway never got, sent again on the new connection
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ def parse_server_message(data: dict[str, Any]) -> Event:
     """Turn one decoded JSON server message into its typed event."""
     kind = data.get("type")
     if kind == "session.started":
-        return SessionStarted(**_pick(data, "session_id", "sample_rate", "format", "voices", "voice"))
+        return SessionStarted(**_pick(data, "session_id", "sample_rate", "format", "voices", "voice", "inputs_received"))
     if kind == "audio.start":
         return AudioStart(
             **_pick(data, "sentence_index", "format", "sample_rate", "channels", "context_id"),
@@ -148,5 +151,5 @@ def parse_server_message(data: dict[str, Any]) -> Event:
             **_pick(data, "code", "retryable", "context_id", "sentence_index"),
         )
     if kind == "pong":
-        return Pong(id=data.get("id"))
+        return Pong(id=data.get("id"), inputs_received=data.get("inputs_received"))
     return UnknownMessage(type=str(kind), data=data)

@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import json
 import uuid
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from .config import SessionConfig
 from .events import (
@@ -44,6 +45,10 @@ DEFAULT_PATH = "/v1/audio/speech/stream"
 _FINAL_CLOSE_CODES = {1000, 1008, 1009}
 # Error codes that end a session for good even if the socket then drops abnormally.
 _FINAL_ERROR_CODES = {"unauthorized", "session_not_found", "resume_out_of_range", "config_required"}
+# Every this many unacknowledged inputs the client asks for an acknowledgement (a ping whose pong carries
+# `inputs_received`), so the inputs it keeps for a resume stay few.
+_ACK_EVERY = 32
+_ACK_PING = "voxgate-ack"
 
 
 class VoxgateError(Exception):
@@ -204,6 +209,12 @@ class Session:
         self._open_sentence: tuple[int, str | None] | None = None  # (sentence_index, context_id)
         self._last_done_sentence = -1
         self.reconnects = 0
+        # Resume without loss: every input message (all but ping) sent since the gateway last said how
+        # many it has (`inputs_received`), numbered from 1 per session, to send again after a resume; and
+        # the utterance.done/session.done messages received, so that a resume sends the missing ones only.
+        self._inputs_sent = 0
+        self._unacked: deque[tuple[int, str]] = deque()
+        self.ends_received = 0
 
     # ------------------------------------------------------------------------------------------ properties
 
@@ -342,7 +353,7 @@ class Session:
                     return False
                 last_error = str(exc)
                 continue
-            except (OSError, asyncio.TimeoutError) as exc:
+            except (OSError, asyncio.TimeoutError, InvalidHandshake) as exc:  # e.g. a balancer with no replica
                 last_error = repr(exc)
                 continue
             sentence_index, bytes_received = self.resume_position()
@@ -354,12 +365,29 @@ class Session:
                             "session_id": self.session_id,
                             "sentence_index": sentence_index,
                             "bytes_received": bytes_received,
+                            "ends_received": self.ends_received,
                         }
                     )
                 )
-            except ConnectionClosed as exc:
+                raw = await asyncio.wait_for(ws.recv(), self.open_timeout_s)
+                event = parse_server_message(json.loads(raw)) if isinstance(raw, str) else None
+                if isinstance(event, Error):
+                    await ws.close()
+                    if event.code in _FINAL_ERROR_CODES or not event.retryable:
+                        self._final_error = event
+                        return False
+                    last_error = f"{event.code}: {event.message}"
+                    continue
+                if not isinstance(event, SessionStarted):
+                    await ws.close()
+                    last_error = f"expected session.started, got {raw!r:.200}"
+                    continue
+                self.started = event
+                resent = await self._resend_inputs(ws, event.inputs_received)
+            except (ConnectionClosed, asyncio.TimeoutError) as exc:
                 last_error = repr(exc)
                 continue
+            # No await between the last resend and this: later inputs go to the new socket, in order.
             self._ws = ws
             self.reconnects += 1
             self._connected.set()
@@ -370,11 +398,32 @@ class Session:
                     bytes_received=bytes_received,
                     attempts=attempt,
                     url=self.url,
+                    inputs_resent=resent,
                 )
             )
             return True
         self._final_error = Error(message=f"could not resume: {last_error}", code="disconnected", retryable=True)
         return False
+
+    def _acknowledged(self, inputs_received: int) -> None:
+        while self._unacked and self._unacked[0][0] <= inputs_received:
+            self._unacked.popleft()
+
+    async def _resend_inputs(self, ws: ClientConnection, inputs_received: int | None) -> int:
+        """Send the inputs the gateway never got (those after `inputs_received`) again, in order, on the
+        resumed socket. Also those that `send_json` puts on the dead socket meanwhile. Returns how many."""
+        if inputs_received is None:  # a gateway without input acknowledgement: nothing can be resent
+            self._unacked.clear()
+            return 0
+        self._acknowledged(inputs_received)
+        resent_up_to, resent = inputs_received, 0
+        while True:
+            pending = [(number, text) for number, text in self._unacked if number > resent_up_to]
+            if not pending:
+                return resent
+            for number, text in pending:
+                await ws.send(text)
+                resent_up_to, resent = number, resent + 1
 
     # ------------------------------------------------------------------------------------------ receiving
 
@@ -460,7 +509,13 @@ class Session:
         elif isinstance(event, AudioDone):
             self._open_sentence = None
             self._last_done_sentence = max(self._last_done_sentence, event.sentence_index)
+        elif isinstance(event, (UtteranceDone, SessionDone)):
+            self.ends_received += 1
         elif isinstance(event, Pong):
+            if event.inputs_received is not None:
+                self._acknowledged(event.inputs_received)
+            if event.id == _ACK_PING:
+                return
             future = self._pings.pop(str(event.id), None)
             if future is not None:
                 if not future.done():
@@ -487,17 +542,28 @@ class Session:
     # -------------------------------------------------------------------------------------------- sending
 
     async def send_json(self, message: dict[str, Any]) -> None:
-        """Send one protocol message, waiting out a reconnect in progress."""
+        """Send one protocol message, waiting out a reconnect in progress. Inputs (every message but
+        ping) are kept until the gateway acknowledges them: one that the network or a dying replica lost
+        is sent again after the resume."""
+        kept = self.resume_enabled and message.get("type") != "ping"
+        text = json.dumps(message)
         while True:
             await self._connected.wait()
             if self._ended:
                 raise VoxgateError("session is closed", "closed")
             ws = self._ws
             assert ws is not None
+            if kept:
+                self._inputs_sent += 1
+                self._unacked.append((self._inputs_sent, text))
             try:
-                await ws.send(json.dumps(message))
+                await ws.send(text)
+                if kept and self._inputs_sent % _ACK_EVERY == 0:
+                    await ws.send(json.dumps({"type": "ping", "id": _ACK_PING}))
                 return
             except ConnectionClosed:
+                if kept and not self._ended:
+                    return  # kept: the resume sends it again unless the gateway has it
                 # Not sent: the receive task notices the drop and resumes (or ends the session).
                 if not self.resume_enabled or self._ended:
                     raise VoxgateError("connection closed", "closed") from None
