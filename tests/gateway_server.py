@@ -140,6 +140,28 @@ async def receive_until(ws, *types: str, timeout: float = 20.0) -> list[Any]:
             return received
 
 
+async def open_session(url: str, config: dict[str, Any], **connect: Any) -> tuple[Any, dict[str, Any], int | None]:
+    """Connect (`connect`: websockets.connect options) and send `config`: (the open connection,
+    session.started, None), or, when the gateway refuses the session, (None, its error, the close code)."""
+    import json
+
+    import websockets
+
+    ws = await websockets.connect(url, **connect)
+    try:
+        await ws.send(json.dumps(config))
+    except websockets.ConnectionClosed:  # refused at once: the error is still there to read
+        pass
+    first = (await receive_until(ws, "session.started", "error"))[-1]
+    if first["type"] == "session.started":
+        return ws, first, None
+    try:
+        extra = await ws.recv()
+    except websockets.ConnectionClosed as closed:
+        return None, first, closed.rcvd.code
+    raise AssertionError(f"the connection stayed open after refusing the session: {extra!r}")
+
+
 def audio_by_sentence(messages: list[Any]) -> dict[int, bytes]:
     """Binary frames grouped by the sentence whose audio.start precedes them."""
     audio: dict[int, bytearray] = {}

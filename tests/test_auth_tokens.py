@@ -10,12 +10,11 @@ import time
 
 import httpx
 import pytest
-import websockets
 
 from gateway.auth import TOKEN_PREFIX, TokenSigner, key_fingerprint
 from gateway.cli import InsecureBinding, check_binding, is_loopback
 from gateway.settings import GatewaySettings
-from tests.gateway_server import receive_until, running_gateway
+from tests.gateway_server import open_session, receive_until, running_gateway
 
 KEY = "k-live-0123456789"
 OTHER = "k-other-abcdef"
@@ -31,18 +30,11 @@ def server():
 
 async def speaks(url: str, **connect) -> bool:
     """Opens a session and gets audio (True), or is refused with `unauthorized` and close 1008 (False)."""
-    async with websockets.connect(url, **connect) as ws:
-        try:
-            await ws.send(json.dumps(CONFIG))
-        except websockets.ConnectionClosed:  # refused at once: the error is still there to read
-            pass
-        first = await receive_until(ws, "session.started", "error")
-        if first[-1]["type"] == "error":
-            assert first[-1]["code"] == "unauthorized" and first[-1]["retryable"] is False
-            with pytest.raises(websockets.ConnectionClosed) as closed:
-                await ws.recv()
-            assert closed.value.rcvd.code == 1008
-            return False
+    ws, first, code = await open_session(url, CONFIG, **connect)
+    if ws is None:
+        assert first["code"] == "unauthorized" and first["retryable"] is False and code == 1008
+        return False
+    async with ws:
         await ws.send(json.dumps({"type": "input.text", "text": "Authorized."}))
         await ws.send(json.dumps({"type": "input.done"}))
         messages = await receive_until(ws, "session.done")

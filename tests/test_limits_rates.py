@@ -9,11 +9,11 @@ import json
 
 import httpx
 import pytest
-import websockets
 
 from gateway.auth import Principal
 from gateway.limits import Admission, LimitExceeded
 from gateway.settings import GatewaySettings
+from tests import gateway_server
 from tests.gateway_server import audio_by_sentence, receive_until, running_gateway
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
 
@@ -23,17 +23,7 @@ CONFIG = {"type": "session.config", "voice": "tone-mid", "stream_audio": True}
 
 async def open_session(url: str, key: str):
     """A configured session, or the error dict and close code that refused it."""
-    ws = await websockets.connect(url, additional_headers={"X-API-Key": key})
-    try:
-        await ws.send(json.dumps(CONFIG))
-    except websockets.ConnectionClosed:
-        pass
-    first = (await receive_until(ws, "session.started", "error"))[-1]
-    if first["type"] == "error":
-        with pytest.raises(websockets.ConnectionClosed) as closed:
-            await ws.recv()
-        return None, first, closed.value.rcvd.code
-    return ws, first, None
+    return await gateway_server.open_session(url, CONFIG, additional_headers={"X-API-Key": key})
 
 
 async def test_concurrent_sessions_per_key():

@@ -11,7 +11,7 @@ import pytest
 import websockets
 
 from gateway.limits import SynthesisMonitor
-from tests.gateway_server import receive_until, running_gateway
+from tests.gateway_server import open_session, receive_until, running_gateway
 from tts_backend.synthetic import SyntheticSynthesizer
 
 CONFIG = {"type": "session.config", "voice": "tone-mid", "stream_audio": True}
@@ -27,16 +27,9 @@ class LoadedSynthesizer(SyntheticSynthesizer):
 
 
 async def refused(url: str) -> tuple[dict, int]:
-    async with websockets.connect(url) as ws:
-        try:
-            await ws.send(json.dumps(CONFIG))
-        except websockets.ConnectionClosed:
-            pass
-        error = (await receive_until(ws, "session.started", "error"))[-1]
-        assert error["type"] == "error", error
-        with pytest.raises(websockets.ConnectionClosed) as closed:
-            await ws.recv()
-        return error, closed.value.rcvd.code
+    ws, error, code = await open_session(url, CONFIG)
+    assert ws is None, error
+    return error, code
 
 
 async def speaks(url: str, text: str = "Still serving.") -> int:
