@@ -21,7 +21,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,24 @@ from gateway.app import create_app
 from gateway.cli import uvicorn_options
 from gateway.settings import GatewaySettings
 from tts_backend.base import Synthesizer
+
+
+def wait_until_ready(url: str, timeout_s: float, startup_failure: Callable[[], str | None] = lambda: None) -> None:
+    """Poll `url`/ready until it answers 200. Raises RuntimeError as soon as `startup_failure()` gives a
+    reason (the server died, its backend failed), TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failure = startup_failure()
+        if failure is not None:
+            raise RuntimeError(failure)
+        try:
+            if httpx.get(url + "/ready", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gateway on {url} was not ready within {timeout_s} s")
+        time.sleep(0.02)
 
 
 def free_port() -> int:
@@ -97,22 +115,15 @@ def running_gateway(
     thread = threading.Thread(target=serve, name=f"gateway-{port}", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout_s
+
+    def startup_failure() -> str | None:
+        if not thread.is_alive():
+            return "the gateway server thread exited during startup"
+        error = app.state.gateway.backend_error
+        return None if error is None else f"the backend failed to start: {error!r}"
+
     try:
-        while True:
-            if not thread.is_alive():
-                raise RuntimeError("the gateway server thread exited during startup")
-            error = app.state.gateway.backend_error
-            if error is not None:
-                raise RuntimeError(f"the backend failed to start: {error!r}")
-            try:
-                if httpx.get(url + "/ready", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway on {url} was not ready within {ready_timeout_s} s")
-            time.sleep(0.02)
+        wait_until_ready(url, ready_timeout_s, startup_failure)
         yield RunningGateway(url=url, app=app, settings=settings, server=server, loop=loop_box["loop"])
     finally:
         server.should_exit = True

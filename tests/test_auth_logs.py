@@ -14,7 +14,7 @@ import httpx
 import websockets
 
 from gateway.logs import JsonFormatter, redact
-from tests.gateway_server import free_port, receive_until
+from tests.gateway_server import free_port, receive_until, wait_until_ready
 
 KEY = "sk-very-secret-4242"
 SPOKEN = "Zebra quartz lullaby, the secret sentence."
@@ -47,13 +47,7 @@ async def test_serve_logs_json_lines_without_keys_or_text():
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        wait_until_ready(url, 60, lambda: None if gateway.poll() is None else f"voxgate serve exited ({gateway.returncode})")
         async with websockets.connect(f"ws://127.0.0.1:{port}/v1/audio/speech/stream?api_key={KEY}") as ws:
             await ws.send(json.dumps({"type": "session.config", "voice": "tone-mid", "stream_audio": True}))
             session_id = (await receive_until(ws, "session.started"))[-1]["session_id"]

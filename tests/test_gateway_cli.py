@@ -7,14 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import websockets
 
 from gateway.cli import build_parser, main, settings_from_args
-from tests.gateway_server import free_port, receive_until
+from tests.gateway_server import free_port, receive_until, wait_until_ready
 
 
 def test_flags_override_environment_which_overrides_defaults(monkeypatch):
@@ -62,16 +61,7 @@ def test_voxgate_serve_process_speaks(backend_args):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "voxgate serve did not become ready"
-            time.sleep(0.1)
+        wait_until_ready(url, 60, lambda: None if process.poll() is None else process.stdout.read().decode())
 
         async def speak():
             async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
