@@ -35,8 +35,9 @@ from gateway.settings import GatewaySettings
 from tts_backend.base import Synthesizer
 
 
-def wait_until_ready(url: str, timeout_s: float, startup_failure: Callable[[], str | None] = lambda: None) -> None:
-    """Poll `url`/ready until it answers 200. Raises RuntimeError as soon as `startup_failure()` gives a
+def wait_until_ready(url: str, timeout_s: float, startup_failure: Callable[[], str | None] = lambda: None,
+                     path: str = "/ready") -> None:
+    """Poll `url + path` until it answers 200. Raises RuntimeError as soon as `startup_failure()` gives a
     reason (the server died, its backend failed), TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -44,12 +45,12 @@ def wait_until_ready(url: str, timeout_s: float, startup_failure: Callable[[], s
         if failure is not None:
             raise RuntimeError(failure)
         try:
-            if httpx.get(url + "/ready", timeout=1.0).status_code == 200:
+            if httpx.get(url + path, timeout=1.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the gateway on {url} was not ready within {timeout_s} s")
+            raise TimeoutError(f"{url}{path} did not answer 200 within {timeout_s} s")
         time.sleep(0.02)
 
 
@@ -86,12 +87,14 @@ def running_gateway(
     backend: str | Synthesizer = "synthetic",
     *,
     ready_timeout_s: float = 60.0,
+    ready_path: str = "/ready",
     store: Any = None,
     authenticate: Any = None,
     **settings_overrides: Any,
 ) -> Iterator[RunningGateway]:
     """Start a gateway (settings = defaults + overrides; `backend` a name or a Synthesizer instance;
-    `store` a SessionStore and `authenticate` an auth hook, both passed to create_app)."""
+    `store` a SessionStore and `authenticate` an auth hook, both passed to create_app). It is entered once
+    `ready_path` answers 200: "/health" to see the gateway before its backend is ready."""
     if isinstance(store, str):  # the settings' store kind ("memory", "redis"), not an instance
         settings_overrides["store"], store = store, None
     port = free_port()
@@ -123,7 +126,7 @@ def running_gateway(
         return None if error is None else f"the backend failed to start: {error!r}"
 
     try:
-        wait_until_ready(url, ready_timeout_s, startup_failure)
+        wait_until_ready(url, ready_timeout_s, startup_failure, ready_path)
         yield RunningGateway(url=url, app=app, settings=settings, server=server, loop=loop_box["loop"])
     finally:
         server.should_exit = True

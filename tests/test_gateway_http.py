@@ -176,33 +176,13 @@ class SlowStart(SyntheticSynthesizer):
 
 
 def test_ready_waits_for_the_backend_while_health_answers_at_once():
-    import threading
     import time
 
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.settings import GatewaySettings
-    from tests.gateway_server import free_port
-
-    port = free_port()
-    app = create_app(GatewaySettings(backend="synthetic"), backend=SlowStart())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                health = httpx.get(url + "/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.01)
-        assert health.status_code == 200
-        assert httpx.get(url + "/ready").status_code == 503
+    with running_gateway(SlowStart(), ready_path="/health", ready_timeout_s=2.0) as server:
+        assert httpx.get(server.url + "/ready").status_code == 503
 
         async def early_session():
-            async with websockets.connect(url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            async with websockets.connect(server.ws_url) as ws:
                 error = (await receive_until(ws, "error"))[-1]
                 with pytest.raises(websockets.ConnectionClosed):
                     await ws.recv()
@@ -211,10 +191,7 @@ def test_ready_waits_for_the_backend_while_health_answers_at_once():
         error, close_code = asyncio.run(early_session())
         assert (error["code"], error["retryable"], close_code) == ("overloaded", True, 1013)
         time.sleep(0.8)
-        assert httpx.get(url + "/ready").status_code == 200
-    finally:
-        server.should_exit = True
-        thread.join(10)
+        assert httpx.get(server.url + "/ready").status_code == 200
 
 
 async def test_metrics_count_sessions_sentences_bytes_ttfa_and_errors():
