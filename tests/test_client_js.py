@@ -151,6 +151,16 @@ def test_auto_resume_after_a_dropped_connection_is_byte_exact(backend, observed)
     check_sentences_exact(backend, result, result["text"])
 
 
+def test_auto_resume_sends_again_the_input_a_dying_socket_lost(backend, observed):
+    result = observed["autoResumeLostInput"]
+    assert result["resumes"] == 1
+    [resumed] = result["events"]
+    assert resumed["inputsResent"] == 3  # two input.text and the input.done; the first text had arrived
+    assert result["endsReceived"] == 1
+    assert [s["index"] for s in result["sentences"]] == [0, 1, 2]
+    check_sentences_exact(backend, result, result["text"])
+
+
 def test_api_key_as_query_parameter_with_the_platform_websocket(backend):
     """A browser cannot set WebSocket headers: the key goes in ?api_key=. Node's own (experimental)
     WebSocket stands in for the browser's, so the client takes its browser code path."""

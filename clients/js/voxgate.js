@@ -20,6 +20,11 @@ export const STREAM_PATH = "/v1/audio/speech/stream";
 // the policy and size refusals (1008, 1009), which a retry would only repeat.
 const RESUMABLE_CLOSE_CODES = new Set([1001, 1006, 1011, 1012, 1013]);
 
+// With autoResume, every input (each message but ping) is kept until the gateway acknowledges it
+// (`inputs_received`); every this many the client asks for that with a ping of its own.
+const ACK_EVERY = 32;
+const ACK_PING = "voxgate-ack";
+
 const SERVER_EVENTS = [
   "session.started",
   "audio.start",
@@ -178,7 +183,12 @@ function configMessage(options) {
 export class VoxgateClient extends Emitter {
   #pingCounter = 0;
   #intentionalClose = false;
-  #outbox = null; // messages waiting for a resumed connection (null while connected)
+  #outbox = null; // pings waiting for a resumed connection (null while connected)
+  // autoResume without lost input: inputs sent (numbered from 1 per session) that the gateway has not
+  // acknowledged, as [number, JSON text]; sent again after a resume past the gateway's `inputs_received`.
+  #inputsSent = 0;
+  #unacked = [];
+  #resumeAck = undefined; // inputs_received of the latest session.started
 
   constructor(url, options = {}) {
     super();
@@ -201,6 +211,8 @@ export class VoxgateClient extends Emitter {
     this.currentSentence = null; // {index, contextId, format, sampleRate, text}
     this.cancelledContexts = new Set();
     this.sentences = new Map(); // index -> {index, contextId, text, bytes, done, error}
+    // utterance.done + session.done received: a resume sends it, so lost ends come again, others not.
+    this.endsReceived = 0;
   }
 
   /** Open a session: connect, send session.config, wait for session.started. */
@@ -305,7 +317,7 @@ export class VoxgateClient extends Emitter {
       try {
         // The server starts again with audio.start for the sentence we were in (and replays from our byte).
         this.currentSentence = null;
-        await this.open({ type: "session.resume", ...state });
+        await this.open({ type: "session.resume", ...state, ends_received: this.endsReceived });
       } catch (error) {
         failure = error;
         if (error.code === "session_not_found" || error.code === "resume_out_of_range") break;
@@ -313,10 +325,18 @@ export class VoxgateClient extends Emitter {
       }
       this.resuming = false;
       this.resumes += 1;
+      // Inputs the gateway never got (the old socket or replica lost them) go again first, in order.
+      let inputsResent = 0;
+      if (this.#resumeAck === undefined) this.#unacked = []; // a gateway without acknowledgements
+      else {
+        this.#acknowledge(this.#resumeAck);
+        for (const [, text] of this.#unacked) this.socket.send(text);
+        inputsResent = this.#unacked.length;
+      }
       const queued = this.#outbox;
       this.#outbox = null;
       for (const message of queued) this.#sendJson(message);
-      this.emit("resumed", { attempt, ...state });
+      this.emit("resumed", { attempt, ...state, inputsResent });
       return;
     }
     this.resuming = false;
@@ -361,6 +381,7 @@ export class VoxgateClient extends Emitter {
         this.format = message.format ?? this.format;
         this.voices = message.voices ?? this.voices;
         this.voice = message.voice ?? this.voice;
+        this.#resumeAck = message.inputs_received;
         break;
       case "audio.start": {
         const contextId = message.context_id ?? null;
@@ -397,6 +418,14 @@ export class VoxgateClient extends Emitter {
         this.currentSentence = null;
         break;
       }
+      case "utterance.done":
+      case "session.done":
+        this.endsReceived += 1;
+        break;
+      case "pong":
+        if (message.inputs_received !== undefined) this.#acknowledge(message.inputs_received);
+        if (message.id === ACK_PING) return;
+        break;
       default:
         break;
     }
@@ -407,7 +436,20 @@ export class VoxgateClient extends Emitter {
     if (SERVER_EVENTS.includes(message.type) && !silenced) this.emit(message.type, message);
   }
 
+  #acknowledge(inputsReceived) {
+    while (this.#unacked.length && this.#unacked[0][0] <= inputsReceived) this.#unacked.shift();
+  }
+
   #sendJson(message) {
+    if (this.options.autoResume && message.type !== "ping" && !this.closed) {
+      // Kept until acknowledged; if the socket is dying or being replaced, the resume sends it.
+      const text = JSON.stringify(message);
+      this.#unacked.push([++this.#inputsSent, text]);
+      if (this.#outbox !== null || !this.socket || this.socket.readyState !== 1) return;
+      this.socket.send(text);
+      if (this.#inputsSent % ACK_EVERY === 0) this.socket.send(JSON.stringify({ type: "ping", id: ACK_PING }));
+      return;
+    }
     if (this.#outbox !== null) {
       this.#outbox.push(message);
       return;

@@ -186,6 +186,34 @@ async function autoResume() {
   return out;
 }
 
+async function autoResumeLostInput() {
+  // Text written to a socket that silently loses it (as the kernel takes bytes for a replica that just
+  // died) is sent again after the resume, past what the gateway acknowledges: all of it is spoken.
+  const client = await VoxgateClient.connect(baseUrl, { voice, seed: 7, autoResume: true });
+  const audio = recordAudio(client);
+  const events = [];
+  client.on("resumed", (event) => events.push(event));
+  const first = "The first sentence arrives as usual. Then";
+  const lost = [" comes text that the dying socket loses.", " It is spoken all the same."];
+  const text = first + lost.join("");
+  client.sendText(first);
+  await new Promise((resolve) => {
+    const remove = client.on("audio", () => {
+      remove();
+      resolve();
+    });
+  });
+  const socket = client.socket;
+  socket.send = () => {}; // the bytes go nowhere; the client cannot tell
+  client.sendText(lost[0]);
+  const finished = client.streamText(lost.slice(1)); // sent after the socket closed: kept for the resume
+  socket.terminate();
+  const result = await finished;
+  const out = { text, events, endsReceived: client.endsReceived, resumes: client.resumes, ...summarize(result, audio) };
+  await client.close();
+  return out;
+}
+
 async function errors() {
   // An unknown voice is refused with its protocol code instead of a silent default.
   try {
@@ -196,7 +224,7 @@ async function errors() {
   }
 }
 
-const scenarios = { fullUtterance, streamedTokens, contexts, cancel, resumePosition, autoResume, errors };
+const scenarios = { fullUtterance, streamedTokens, contexts, cancel, resumePosition, autoResume, autoResumeLostInput, errors };
 const output = { node: process.version, hasGlobalWebSocket: typeof globalThis.WebSocket !== "undefined" };
 output.voices = await listVoices(baseUrl);
 for (const [name, run] of Object.entries(scenarios)) {
