@@ -70,6 +70,16 @@ class ApiError(Exception):
     def from_limit(cls, exc: LimitExceeded) -> "ApiError":
         return cls(exc.code, exc.message, retry_after=exc.retry_after_header)
 
+    @classmethod
+    def from_synthesis_failure(cls, exc: Exception) -> "ApiError":
+        if isinstance(exc, UnknownVoiceError):
+            return cls(ErrorCode.unknown_voice, str(exc))
+        if isinstance(exc, BackendOverloadedError):
+            return cls(ErrorCode.overloaded, str(exc))
+        if isinstance(exc, SynthesisError):
+            return cls(ErrorCode.synthesis_failed, str(exc))
+        return cls(ErrorCode.internal, f"synthesis failed: {type(exc).__name__}")
+
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 401:
@@ -257,15 +267,6 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             metrics.audio_bytes_total.labels("http").inc(len(tail))
             yield tail
 
-    def failure_of(exc: Exception) -> ApiError:
-        if isinstance(exc, UnknownVoiceError):
-            return ApiError(ErrorCode.unknown_voice, str(exc))
-        if isinstance(exc, BackendOverloadedError):
-            return ApiError(ErrorCode.overloaded, str(exc))
-        if isinstance(exc, SynthesisError):
-            return ApiError(ErrorCode.synthesis_failed, str(exc))
-        return ApiError(ErrorCode.internal, f"synthesis failed: {type(exc).__name__}")
-
     if body.sse:
         async def events() -> AsyncIterator[bytes]:
             total = 0
@@ -277,7 +278,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                     event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
                     yield f"data: {json.dumps(event)}\n\n".encode()
             except Exception as exc:
-                error = failure_of(exc)
+                error = ApiError.from_synthesis_failure(exc)
                 metrics.errors_total.labels(error.code.value).inc()
                 event = {"type": "speech.audio.error", "error": {"message": error.message, "code": error.code.value}}
                 yield f"data: {json.dumps(event)}\n\n".encode()
@@ -294,7 +295,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         try:
             pcm = b"".join([chunk async for chunk in encoded()])
         except Exception as exc:
-            raise failure_of(exc) from None
+            raise ApiError.from_synthesis_failure(exc) from None
         return Response(audio.wav_bytes(pcm, rate), media_type=audio.content_type("wav"), headers=headers)
 
     async def body_stream() -> AsyncIterator[bytes]:
@@ -310,7 +311,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     except StopAsyncIteration:
         first = b""
     except Exception as exc:
-        raise failure_of(exc) from None
+        raise ApiError.from_synthesis_failure(exc) from None
 
     async def rest() -> AsyncIterator[bytes]:
         async with contextlib.aclosing(stream):
@@ -353,12 +354,12 @@ async def mint_token(request: Request, body: TokenRequest | None = None,
 
 @router.get("/v1/audio/voices")
 async def list_voices(request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
-    backend = gateway_of(request).backend
-    voices = backend.voices()
+    gateway = gateway_of(request)
+    voices = gateway.backend.voices()
     return {
         "object": "list",
         "voices": [v.id for v in voices],
-        "default": gateway_of(request).default_voice,
+        "default": gateway.default_voice,
         "data": [
             {"id": v.id, "object": "voice", "name": v.name, "language": v.language, "description": v.description}
             for v in voices
