@@ -169,3 +169,53 @@ async def test_a_session_done_lost_at_the_end_comes_again_once_and_a_count_too_h
             await ws.send(resume_message(listener, ends_received=2))
             error = json.loads(await ws.recv())
             assert (error["code"], error["retryable"]) == ("resume_out_of_range", False), error
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request, redis_prefix):  # noqa: F811
+    from gateway.redis_store import RedisSessionStore
+    from gateway.store import MemorySessionStore
+
+    store = MemorySessionStore() if request.param == "memory" else RedisSessionStore(REDIS_URL, key_prefix=redis_prefix)
+    await store.start()
+    yield store
+    await store.stop()
+
+
+async def test_one_input_and_its_effects_are_written_together_or_not_at_all(store):
+    from gateway.store import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges
+
+    await store.create("s", {"voice": "v"}, owner="old")
+    await store.apply(
+        "s",
+        SessionChanges(
+            sentences=[SentenceRecord(0, "Zero.", "a", utterance=1), SentenceRecord(1, "One.", "a", utterance=1)],
+            open_text={"a": OpenUtterance("a", 1, "Two and")},
+            inputs_received=1,
+            uses_contexts=True,
+        ),
+        owner="old",
+    )
+    await store.apply(
+        "s",
+        SessionChanges(
+            config={"voice": "w"}, states={0: "cancelled"}, open_text={"a": None},
+            markers=[MarkerRecord(number=1, after=2, context_id="a", utterance=1, total_sentences=2)],
+            inputs_received=2,
+        ),
+        owner="old",
+    )
+    record = await store.get("s")
+    assert (record.inputs_received, record.uses_contexts, record.config) == (2, True, {"voice": "w"})
+    assert [(s.text, s.state, s.bytes_sent) for s in record.sentences.values()] == [
+        ("Zero.", "cancelled", 0), ("One.", "pending", 0)
+    ]
+    assert record.open_utterances == {} and record.markers[1].after == 2
+    # A resume elsewhere fences the old owner out: none of its next input lands, not even the count.
+    await store.claim("s", "new")
+    with pytest.raises(LeaseLost):
+        await store.apply(
+            "s", SessionChanges(sentences=[SentenceRecord(2, "Lost.", "a")], inputs_received=3), owner="old"
+        )
+    record = await store.get("s")
+    assert record.inputs_received == 2 and sorted(record.sentences) == [0, 1]
