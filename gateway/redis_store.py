@@ -41,7 +41,6 @@ from .store import (
     OpenUtterance,
     ReplayPiece,
     SentenceRecord,
-    SentenceState,
     SessionChanges,
     SessionRecord,
     SessionStore,
@@ -343,41 +342,8 @@ class RedisSessionStore(SessionStore):
     async def renew(self, session_id: str, owner: str) -> None:
         await self._fenced(self._renew, session_id, owner, self.replay_log_ms)
 
-    async def update_config(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
-        await self._fenced(self._write, session_id, owner, "H", KEY["meta"], "config", json.dumps(config))
-
-    async def add_sentence(
-        self, session_id: str, index: int, text: str, context_id: str | None, *, utterance: int = 0,
-        owner: str | None = None,
-    ) -> None:
-        value = json.dumps({"t": text, "c": context_id, "u": utterance})
-        await self._fenced(
-            self._write, session_id, owner,
-            "H", KEY["text"], index, value,
-            "H", KEY["state"], index, "pending",
-            "H", KEY["bytes"], index, 0,
-        )
-
-    async def set_sentence_state(
-        self, session_id: str, index: int, state: SentenceState, *, owner: str | None = None
-    ) -> None:
-        await self._fenced(self._write, session_id, owner, "H", KEY["state"], index, state)
-
     async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
         await self._fenced(self._append, session_id, owner, index, data, self.replay_log_bytes)
-
-    async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
-        await self._fenced(self._write, session_id, owner, "H", KEY["markers"], marker.number, json.dumps(vars(marker)))
-
-    async def set_open_text(
-        self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, owner: str | None = None
-    ) -> None:
-        field = json.dumps(context_id)
-        if text is None:
-            await self._fenced(self._write, session_id, owner, "D", KEY["open"], field, "")
-        else:
-            value = json.dumps({"u": utterance, "t": text})
-            await self._fenced(self._write, session_id, owner, "H", KEY["open"], field, value)
 
     async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
         ops: list[Any] = []

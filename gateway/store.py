@@ -161,36 +161,40 @@ class SessionStore(abc.ABC):
         """Keep the lease and the session alive while its connection is open; LeaseLost if taken over."""
 
     @abc.abstractmethod
-    async def update_config(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None: ...
-
-    @abc.abstractmethod
-    async def add_sentence(
-        self, session_id: str, index: int, text: str, context_id: str | None, *, utterance: int = 0,
-        owner: str | None = None,
-    ) -> None: ...
-
-    @abc.abstractmethod
-    async def set_sentence_state(
-        self, session_id: str, index: int, state: SentenceState, *, owner: str | None = None
-    ) -> None: ...
+    async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
+        """Write all of `changes` at once (LeaseLost, and nothing written, if `owner` lost the session)."""
 
     @abc.abstractmethod
     async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
         """Record `data` as sent for sentence `index` (adds to bytes_sent and to the replay log)."""
 
-    @abc.abstractmethod
+    # One change at a time, for the sender and for tests:
+
+    async def update_config(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
+        await self.apply(session_id, SessionChanges(config=config), owner=owner)
+
+    async def add_sentence(
+        self, session_id: str, index: int, text: str, context_id: str | None, *, utterance: int = 0,
+        owner: str | None = None,
+    ) -> None:
+        sentence = SentenceRecord(index, text, context_id, utterance=utterance)
+        await self.apply(session_id, SessionChanges(sentences=[sentence]), owner=owner)
+
+    async def set_sentence_state(
+        self, session_id: str, index: int, state: SentenceState, *, owner: str | None = None
+    ) -> None:
+        await self.apply(session_id, SessionChanges(states={index: state}), owner=owner)
+
     async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
         """Record an utterance end in the send order (or, with marker.sent, that it went out)."""
+        await self.apply(session_id, SessionChanges(markers=[marker]), owner=owner)
 
-    @abc.abstractmethod
     async def set_open_text(
         self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, owner: str | None = None
     ) -> None:
         """The unreleased text of an open utterance; None when the utterance no longer takes text."""
-
-    @abc.abstractmethod
-    async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
-        """Write all of `changes` at once (LeaseLost, and nothing written, if `owner` lost the session)."""
+        opened = None if text is None else OpenUtterance(context_id, utterance, text)
+        await self.apply(session_id, SessionChanges(open_text={context_id: opened}), owner=owner)
 
     @abc.abstractmethod
     async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
@@ -292,26 +296,6 @@ class MemorySessionStore(SessionStore):
     async def renew(self, session_id: str, owner: str) -> None:
         self._owned(session_id, owner)
 
-    async def update_config(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
-        record = self._owned(session_id, owner)
-        if record is not None:
-            record.config = dict(config)
-
-    async def add_sentence(
-        self, session_id: str, index: int, text: str, context_id: str | None, *, utterance: int = 0,
-        owner: str | None = None,
-    ) -> None:
-        record = self._owned(session_id, owner)
-        if record is not None:
-            record.sentences[index] = SentenceRecord(index, text, context_id, utterance=utterance)
-
-    async def set_sentence_state(
-        self, session_id: str, index: int, state: SentenceState, *, owner: str | None = None
-    ) -> None:
-        record = self._owned(session_id, owner)
-        if record is not None and index in record.sentences:
-            record.sentences[index].state = state
-
     async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
         record = self._owned(session_id, owner)
         if record is None or index not in record.sentences:
@@ -326,22 +310,6 @@ class MemorySessionStore(SessionStore):
             self._log_sizes[session_id] > self.replay_log_bytes or now - log[0][0] > self.replay_log_s
         ):
             self._log_sizes[session_id] -= len(log.popleft()[1].data)
-
-    async def add_marker(self, session_id: str, marker: MarkerRecord, *, owner: str | None = None) -> None:
-        record = self._owned(session_id, owner)
-        if record is not None:
-            record.markers[marker.number] = MarkerRecord(**vars(marker))
-
-    async def set_open_text(
-        self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, owner: str | None = None
-    ) -> None:
-        record = self._owned(session_id, owner)
-        if record is None:
-            return
-        if text is None:
-            record.open_utterances.pop(context_id, None)
-        else:
-            record.open_utterances[context_id] = OpenUtterance(context_id, utterance, text)
 
     async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
         record = self._owned(session_id, owner)
