@@ -1,0 +1,168 @@
+"""Resuming a streaming session from the store (`session.resume`, issue 5): a part of `StreamingSession`
+(gateway/session.py), split out to be read on its own.
+
+A connection to any replica takes the session over (the newest connection wins; the old one's next
+write fails with LeaseLost) and rebuilds it: it replays the logged bytes the client lacks, queues for
+synthesis again what was never fully recorded (dropping bytes already delivered), re-sends the utterance
+ends the client has not received (`ends_received`, or by position for clients that do not count), and
+reopens utterances that were still taking text. `session.started` carries `inputs_received`: the client
+sends again its inputs after that many.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
+from .segmenter import SentenceSegmenter
+from .session_state import SentenceJob, SessionEnd, Utterance, UtteranceEnd
+from .store import MarkerRecord, ReplayOutOfRange, SessionRecord
+
+
+class SessionResumer:
+    """`session.resume` for `StreamingSession` (see the module docstring)."""
+
+    async def _resume(self, message: SessionResume) -> None:
+        """Take the session over (from a dead connection, or a live one elsewhere: the newest connection
+        wins) and rebuild it from the store: the client has every byte before (sentence_index,
+        bytes_received); everything after it is replayed from the log or re-synthesized."""
+        session_id = message.session_id
+        record = await self.store.claim(session_id, self.owner)
+        if record is None:
+            raise ProtocolError(
+                ErrorCode.session_not_found,
+                f"session {session_id!r} is unknown, finished or expired; send session.config to start a new session",
+            )
+        try:
+            pieces = await self.store.replay(session_id, message.sentence_index, message.bytes_received)
+            config = self._resolve(SessionConfig.model_validate(record.config))
+            ends = _ends_with_a_message(record)
+            if message.ends_received is not None and message.ends_received > len(ends):
+                raise ReplayOutOfRange(f"only {len(ends)} utterance.done/session.done were ever sent")
+        except ReplayOutOfRange as exc:
+            await self.store.detach(session_id, owner=self.owner)
+            raise ProtocolError(
+                ErrorCode.resume_out_of_range,
+                f"cannot resume session {session_id} at sentence {message.sentence_index} byte"
+                f" {message.bytes_received}: {exc}",
+            ) from None
+        except ProtocolError:
+            await self.store.detach(session_id, owner=self.owner)
+            raise
+        self.session_id = session_id
+        self.config = config
+        await self._send_json(
+            SessionStarted(
+                session_id=session_id,
+                sample_rate=config.output_rate,
+                format=config.response_format,
+                voices=[v.id for v in self.backend.voices()],
+                voice=config.voice,
+                inputs_received=record.inputs_received,
+            )
+        )
+        await self._rebuild(record, pieces, message)
+
+    async def _rebuild(self, record: SessionRecord, pieces, position: SessionResume) -> None:
+        """Queue what the client is owed, in the original send order, and reopen open utterances."""
+        assert self.config is not None
+        sentence_index, byte_offset = position.sentence_index, position.bytes_received
+        self._inputs = record.inputs_received
+        sentences = sorted(record.sentences.values(), key=lambda s: s.index)
+        self.next_sentence_index = len(sentences)
+        numbers = [s.utterance for s in sentences] + [m.utterance for m in record.markers.values()]
+        numbers += [u.utterance for u in record.open_utterances.values()]
+        self._utterance_count = max(numbers, default=0)
+        self._marker_count = max(record.markers, default=0)
+        self.uses_contexts = record.uses_contexts or any(
+            c is not None
+            for c in [*(s.context_id for s in sentences), *(m.context_id for m in record.markers.values()),
+                      *record.open_utterances]
+        )
+        utterances: dict[int, Utterance] = {}
+
+        def utterance(number: int, context_id: str | None) -> Utterance:
+            if number not in utterances:
+                utterances[number] = Utterance(
+                    context_id, number,
+                    SentenceSegmenter(self.config.message.split_granularity, language=self.config.message.language),
+                )
+            return utterances[number]
+
+        for sentence in sentences:
+            utterance(sentence.utterance, sentence.context_id).sentences += 1
+        replay: dict[int, list[bytes]] = {}
+        for piece in pieces:
+            replay.setdefault(piece.sentence_index, []).append(piece.data)
+        # Send order: a marker recorded after N sentences goes before sentence N.
+        owed: list[tuple[tuple[int, int], SentenceJob | UtteranceEnd | SessionEnd]] = []
+        now = time.monotonic()
+        for sentence in sentences:
+            if sentence.index < sentence_index or sentence.state == "cancelled":
+                continue
+            delivered = byte_offset if sentence.index == sentence_index else 0
+            logged = replay.get(sentence.index, [])
+            job = SentenceJob(
+                index=sentence.index,
+                text=sentence.text,
+                utterance=utterance(sentence.utterance, sentence.context_id),
+                config=self.config,
+                released_at=now,
+                first_of_utterance=False,
+                replay=logged,
+                skip_bytes=delivered + sum(map(len, logged)),
+                needs_synthesis=sentence.state != "done",
+            )
+            job.bytes_sent = delivered
+            self._pending_chars += len(job.text)
+            owed.append(((sentence.index, 1), job))
+        if position.ends_received is not None:
+            # The client counted the utterance ends it got; they go out in marker order, so it has the
+            # first `ends_received` of those that make a message, and is owed the rest.
+            with_message = _ends_with_a_message(record, self.uses_contexts)
+            owed_markers = with_message[position.ends_received :]
+        else:
+            # Without the count (older clients), by position: markers go out after sentence `after - 1`, so
+            # one the client's position lies before is owed even if it was sent; at the position itself,
+            # only if unsent.
+            owed_markers = [
+                m for m in record.markers.values()
+                if m.after > sentence_index or (m.after == sentence_index and byte_offset == 0 and not m.sent)
+            ]
+        for marker in owed_markers:
+            item = (
+                SessionEnd(number=marker.number, after=marker.after)
+                if marker.session_end
+                else UtteranceEnd(
+                    utterance(marker.utterance, marker.context_id), by_close=marker.by_close, number=marker.number,
+                    after=marker.after,
+                )
+            )
+            owed.append(((marker.after, 0), item))
+        if any(isinstance(item, SessionEnd) for _, item in owed):
+            self._closing = True
+        for _, item in sorted(owed, key=lambda pair: (pair[0], getattr(pair[1], "number", 0))):
+            self._queue.append(item)
+        for open_utterance in record.open_utterances.values():
+            reopened = utterance(open_utterance.utterance, open_utterance.context_id)
+            self._open[open_utterance.context_id] = reopened
+            self._release(reopened, reopened.segmenter.push(open_utterance.text))
+        await self._commit(counted=False)
+        self._fill_pipeline()
+        self._queue_changed.set()
+
+
+def _ends_with_a_message(record: SessionRecord, uses_contexts: bool | None = None) -> list[MarkerRecord]:
+    """The session's utterance ends that are (or will be) sent as a message, in send order: not cancelled,
+    and not an input.done ended by session.close in a session without contexts (its session.done is
+    session.close's own). As `_send_utterance_end` decides."""
+    if uses_contexts is None:
+        uses_contexts = record.uses_contexts or any(
+            c is not None
+            for c in [*(s.context_id for s in record.sentences.values()),
+                      *(m.context_id for m in record.markers.values()), *record.open_utterances]
+        )
+    return [
+        m for m in sorted(record.markers.values(), key=lambda m: m.number)
+        if m.after >= 0 and (m.session_end or uses_contexts or m.context_id is not None or not m.by_close)
+    ]

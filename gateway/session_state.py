@@ -1,0 +1,106 @@
+"""What a streaming session holds: its resolved config, its utterances, and the items of its send queue
+(a sentence to synthesize and send, or an utterance end / session end to announce), in send order."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import SessionConfig
+from .segmenter import SentenceSegmenter
+from .store import MarkerRecord
+
+
+class ClientGone(Exception):
+    """The socket is closed; stop quietly."""
+
+
+class SlowConsumer(Exception):
+    """The socket has accepted no data for slow_consumer_timeout_s: the client stopped reading."""
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A validated session.config with the gateway's choices filled in."""
+
+    message: SessionConfig
+    voice: str
+    response_format: str
+    stream_audio: bool
+    source_rate: int
+    output_rate: int
+
+    def snapshot(self) -> dict[str, Any]:
+        data = self.message.model_dump(exclude_none=True)
+        data.update(voice=self.voice, response_format=self.response_format, sample_rate=self.output_rate)
+        return data
+
+
+@dataclass(eq=False)
+class Utterance:
+    """The text of one context between its first input.text and its input.done (or cancel)."""
+
+    context_id: str | None
+    number: int  # per session, for SynthesisRequest.utterance_key
+    segmenter: SentenceSegmenter
+    sentences: int = 0
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class SentenceJob:
+    index: int
+    text: str
+    utterance: Utterance
+    config: ResolvedConfig
+    released_at: float
+    first_of_utterance: bool
+    # Resumed sentences: logged bytes to replay first, and how many bytes of freshly synthesized audio to
+    # drop because the client already has them or they were replayed. No synthesis if fully recorded.
+    replay: list[bytes] = field(default_factory=list)
+    skip_bytes: int = 0
+    needs_synthesis: bool = True
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    task: asyncio.Task | None = None
+    started_sending: bool = False
+    finished: bool = False
+    bytes_sent: int = 0
+    source_samples: int = 0  # backend samples received, for duration_ms
+    queued_bytes: int = 0  # PCM made but not yet taken by the sender (back-pressure)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.utterance.cancelled
+
+
+@dataclass(eq=False)
+class UtteranceEnd:
+    """Marks the end of an utterance in the send queue."""
+
+    utterance: Utterance
+    by_close: bool = False  # ended by session.close, whose own session.done follows
+    number: int = 0  # the store's marker number
+    after: int = 0  # sentences released before it
+    sent: bool = False  # its message went out (set under the send lock)
+
+
+@dataclass(eq=False)
+class SessionEnd:
+    """session.close: after everything before it, send session.done and close."""
+
+    number: int = 0  # the store's marker number
+    after: int = 0  # sentences released before it
+
+
+def sent_marker(marker: UtteranceEnd, *, cancelled: bool = False) -> MarkerRecord:
+    """The store's record of an utterance end that went out (or, cancelled, is owed no more at all)."""
+    return MarkerRecord(
+        number=marker.number,
+        after=-1 if cancelled else marker.after,
+        context_id=marker.utterance.context_id,
+        utterance=marker.utterance.number,
+        total_sentences=marker.utterance.sentences,
+        by_close=marker.by_close,
+        sent=True,
+    )
