@@ -219,3 +219,22 @@ async def test_one_input_and_its_effects_are_written_together_or_not_at_all(stor
         )
     record = await store.get("s")
     assert record.inputs_received == 2 and sorted(record.sentences) == [0, 1]
+
+
+async def test_python_client_gets_each_utterance_end_once_across_resumes(redis_prefix):  # noqa: F811
+    """The client counts the ends it got and says so on resume: a drop right after an utterance.done
+    does not bring it again; the turns before and after are whole."""
+    import voxgate_client as vg
+
+    with gateways(REDIS_URL, redis_prefix, 1) as (a,):
+        async with vg.connect(a.ws_url, vg.SessionConfig(voice="tone-mid"), backoff_initial_s=0.01,
+                              keepalive_s=None) as session:
+            first = session.context("a")
+            audio_a = await first.speak("All of turn a.")
+            assert session.ends_received == 1 and session.resume_position() == (1, 0)
+            await session.drop_connection()
+            audio_b = await session.context("b").speak("Turn b comes after the drop.")
+            await session.ping()
+            assert first._queue.empty()  # no second utterance.done for a
+            assert session.reconnects == 1 and session.ends_received == 2
+    assert audio_a and audio_b
