@@ -130,6 +130,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         self._inputs = 0
         self._staged = SessionChanges()
         self._staged_items: list[SentenceJob | UtteranceEnd | SessionEnd] = []
+        self._input_recorded = False  # the message being handled was already counted (input.cancel)
         self._lease: asyncio.Task | None = None
         self._handed_over = False  # drain: closed with 1012, nothing more is sent
         # Back-pressure: PCM made and not yet taken by the sender, in all jobs; synthesis waits beyond
@@ -437,6 +438,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 await self._report(error)
                 continue
             self._last_activity = time.monotonic()
+            self._input_recorded = False  # set by a handler that records its input itself
             try:
                 message = self._parse(raw)
                 if isinstance(message, Ping):  # not an input: it acknowledges the inputs before it
@@ -446,10 +448,10 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             except ProtocolError as error:
                 if error.close is not None:
                     raise
-                await self._commit(counted=True)  # refused inputs count too: resending them cannot help
+                await self._commit(counted=not self._input_recorded)  # refused inputs count too
                 await self._report(error)
             else:
-                await self._commit(counted=True)
+                await self._commit(counted=not self._input_recorded)
 
     async def _commit(self, *, counted: bool) -> None:
         """Write what handling the current message changed - and, when `counted`, that one more input was
@@ -633,16 +635,20 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 item for item in self._queue
                 if not (isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled)
             )
+            for job in stopped:
+                self._staged.states[job.index] = "cancelled"
+            for marker in dropped_markers:  # owed no more: a resume must not send them
+                self._staged.markers.append(sent_marker(marker, cancelled=True))
+            # Recorded (with the input count) before the client hears of it: a resume after its
+            # context.cancelled never speaks the cancelled sentences again.
+            await self._commit(counted=True)
+            self._input_recorded = True
             current = self._current
             if isinstance(current, SentenceJob) and current in stopped and current.started_sending:
                 # Its audio.start went out: close it, with the bytes actually sent.
                 await self._send_text_locked(self._audio_done(current, error=False, cancelled=True).encode())
             first_unsent = stopped[0].index if stopped else None
             await self._send_text_locked(ContextCancelled(context_id=context_id, sentence_index=first_unsent).encode())
-        for job in stopped:
-            self._staged.states[job.index] = "cancelled"
-        for marker in dropped_markers:  # owed no more: a resume must not send them
-            self._staged.markers.append(sent_marker(marker, cancelled=True))
         self._fill_pipeline()
         self._queue_changed.set()
 

@@ -238,3 +238,25 @@ async def test_python_client_gets_each_utterance_end_once_across_resumes(redis_p
             assert first._queue.empty()  # no second utterance.done for a
             assert session.reconnects == 1 and session.ends_received == 2
     assert audio_a and audio_b
+
+
+async def test_a_cancel_the_client_heard_of_is_kept_across_a_resume(redis_prefix):  # noqa: F811
+    """input.cancel is recorded (with its count) before context.cancelled goes out: after a resume
+    nothing of the cancelled context is spoken or ended, and the cancel is not asked for again."""
+    with gateways(REDIS_URL, redis_prefix, 2, *PACED) as (a, b):
+        listener = Listener()
+        ws = await websockets.connect(a.ws_url, max_size=None)
+        await ws.send(config_message())
+        await listener.receive(ws, "session.started")
+        await ws.send(json.dumps({"type": "input.text", "context_id": "a", "text": FIRST + LOST[0]}))
+        await ws.send(json.dumps({"type": "input.done", "context_id": "a"}))
+        await receive_into_sentence(ws, listener, 0, min_bytes=1920)
+        await ws.send(json.dumps({"type": "input.cancel", "context_id": "a"}))
+        await listener.receive(ws, "context.cancelled")
+        a.kill()
+        await listener.receive_until_closed(ws)
+        async with websockets.connect(b.ws_url, max_size=None) as ws:
+            await ws.send(resume_message(listener, ends_received=0))
+            started = await listener.receive(ws, "session.started")
+            assert started["inputs_received"] == 3
+            assert await messages_until_pong(ws, listener) == []
