@@ -46,15 +46,30 @@ class EngineConfig:
     silence_threshold_dbfs: float = -45.0
 
 
+# Sections of the engine thread's wall time (EngineStats.seconds). Every moment of the thread belongs to
+# exactly one section, so the sections add up to the wall time between two snapshots.
+_STARTUP = "startup"  # runner.prepare (graph capture)
+_SCHEDULE = "schedule"  # host overhead: draining commands and scheduler.decide
+_IDLE = "idle"  # waiting on _wake with nothing to run
+_OUTSIDE = "outside_step"  # between steps: the run loop's own turn, or the caller's code in inline mode
+_RUNNER = {s: f"runner.{s.name}" for s in Stage}  # inside the runner's call for a batch of the stage
+_POST = {s: f"post.{s.name}" for s in Stage}  # the engine's own work on the batch's results (phases, PCM, finish)
+
+
 @dataclass
 class EngineStats:
     decisions: int = 0
     batches: dict = field(default_factory=lambda: {s.name: 0 for s in Stage})
     items: dict = field(default_factory=lambda: {s.name: 0 for s in Stage})
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # what the scheduler's cost model sees: runner call plus result handling, per batch
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
+    batch_sizes: dict = field(default_factory=lambda: {s.name: {} for s in Stage})  # stage -> {size: batches}
+    codec_frames: dict = field(default_factory=dict)  # frames per request of a codec batch -> batches
+    rules: dict = field(default_factory=dict)  # urgency rule -> {stage: batches}
+    seconds: dict = field(default_factory=dict)  # section -> wall seconds of the engine thread
+    idle_waits: int = 0
 
 
 class EngineStream:
@@ -112,6 +127,11 @@ class Engine:
             raise ValueError(f"max_active {sched_config.max_active} exceeds the runner's {runner.max_slots} slots")
         self.scheduler = Scheduler(sched_config)
         self.stats = EngineStats()
+        # The section the engine thread is in and since when (perf_counter); the lock makes a snapshot taken
+        # from another thread see each boundary whole (section totals and the open section together).
+        self._stats_lock = threading.Lock()
+        self._section = _OUTSIDE
+        self._section_started = time.perf_counter()
         self._ids = itertools.count(1)
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -133,7 +153,9 @@ class Engine:
     def start_inline(self) -> None:
         """Prepare the runner on the calling thread and accept work without starting the engine thread;
         the caller then drives `step()` itself (tests, single-threaded tools)."""
+        self._enter(_STARTUP)
         self.runner.prepare()
+        self._enter(_OUTSIDE)
         self._ready.set()
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -187,6 +209,7 @@ class Engine:
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        self._enter(_STARTUP)
         try:
             self.runner.prepare()
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
@@ -194,12 +217,15 @@ class Engine:
             self._startup_error = exc
             self._ready.set()
             return
+        self._enter(_OUTSIDE)
         self._ready.set()
         while not self._stopping:
             if self.step() is None:
                 # Readiness never changes with time alone, except for streams paused by back-pressure,
                 # whose consumers wake us as they read; the timeout is a safety net.
                 self._paused_waiting = bool(self.scheduler.requests)
+                self._enter(_IDLE)
+                self.stats.idle_waits += 1
                 self._wake.wait(0.05)
                 self._wake.clear()
                 self._paused_waiting = False
@@ -208,10 +234,12 @@ class Engine:
     def step(self, now: float | None = None) -> Batch | None:
         """One turn: take commands, pick one batch, run it. Returns the batch, or None when idle.
         Called by the engine thread; tests drive it directly (with a chosen clock) instead of the thread."""
+        self._enter(_SCHEDULE)
         self._drain_commands()
         batch = self.scheduler.decide(self.clock() if now is None else now)
         if batch is not None:
             self._execute(batch)
+        self._enter(_OUTSIDE)
         return batch
 
     def _drain_commands(self) -> None:
@@ -232,45 +260,111 @@ class Engine:
     def _execute(self, batch: Batch) -> None:
         runner = self.runner
         requests = batch.requests
-        started = time.perf_counter()
+        stage = batch.stage
+        post = _POST[stage]
+        started = self._enter(_RUNNER[stage])
         try:
-            if batch.stage is Stage.PREFILL:
+            if stage is Stage.PREFILL:
                 runner.prefill(requests)
+                self._enter(post)
                 for r in requests:
                     r.phase = Phase.NEED_CODE_PREDICT
-            elif batch.stage is Stage.CODE_PREDICT:
+            elif stage is Stage.CODE_PREDICT:
                 runner.code_predict(requests)
+                self._enter(post)
                 for r in requests:
                     r.frames_generated += 1
                     r.phase = Phase.FINISHED if r.frames_generated >= r.max_frames else Phase.NEED_DECODE
-            elif batch.stage is Stage.DECODE:
+            elif stage is Stage.DECODE:
                 eos = runner.decode(requests)
+                self._enter(post)
                 for r, stop in zip(requests, eos):
                     r.phase = Phase.FINISHED if stop else Phase.NEED_CODE_PREDICT
             else:
                 pieces = runner.codec(requests, batch.frames)
+                self._enter(post)
                 for r, pcm in zip(requests, pieces):
                     r.frames_decoded += batch.frames
                     self._emit(r, pcm)
                     if r.playing:  # a chunk that was all leading silence does not use up a small first size
                         r.chunks_decoded += 1
         except Exception as exc:  # a failed batch fails its requests, not the engine
-            log.exception("%s batch failed", batch.stage.name)
+            self._enter(post)
+            log.exception("%s batch failed", stage.name)
             for r in requests:
                 self.stats.failed += 1
-                self._finish(r, SynthesisError(f"synthesis failed in {batch.stage.name.lower()}: {exc}"))
+                self._finish(r, SynthesisError(f"synthesis failed in {stage.name.lower()}: {exc}"))
             return
         finally:
             elapsed = time.perf_counter() - started
-            self.scheduler.observe(batch.stage, elapsed)
-            self.stats.busy_s += elapsed
-            self.stats.decisions += 1
-            self.stats.batches[batch.stage.name] += 1
-            self.stats.items[batch.stage.name] += len(requests)
+            self.scheduler.observe(stage, elapsed)
+            self._count_batch(batch, elapsed)
         for r in requests:
             if r.phase is Phase.FINISHED and r.pending_frames == 0 and not r.done:
                 self.stats.completed += 1
                 self._finish(r, None)
+
+    # ---- statistics -----------------------------------------------------------------------------------
+    def _enter(self, section: str) -> float:
+        """The engine thread moves to `section`: the time since the last boundary goes to the section it
+        leaves. Returns the boundary's perf_counter."""
+        now = time.perf_counter()
+        with self._stats_lock:
+            seconds = self.stats.seconds
+            seconds[self._section] = seconds.get(self._section, 0.0) + (now - self._section_started)
+            self._section = section
+            self._section_started = now
+        return now
+
+    def _count_batch(self, batch: Batch, elapsed: float) -> None:
+        name, size = batch.stage.name, len(batch.requests)
+        stats = self.stats
+        with self._stats_lock:
+            stats.busy_s += elapsed
+            stats.decisions += 1
+            stats.batches[name] += 1
+            stats.items[name] += size
+            sizes = stats.batch_sizes[name]
+            sizes[size] = sizes.get(size, 0) + 1
+            if batch.stage is Stage.CODEC:
+                stats.codec_frames[batch.frames] = stats.codec_frames.get(batch.frames, 0) + 1
+            by_stage = stats.rules.setdefault(batch.rule, {})
+            by_stage[name] = by_stage.get(name, 0) + 1
+
+    def stats_snapshot(self) -> dict:
+        """The counters and the engine thread's wall seconds per section up to now (the open section
+        included), as plain data; two snapshots subtract key by key into the activity between them.
+        Safe to call from any thread."""
+        with self._stats_lock:
+            now = time.perf_counter()
+            stats = self.stats
+            seconds = dict(stats.seconds)
+            seconds[self._section] = seconds.get(self._section, 0.0) + (now - self._section_started)
+            return {
+                "time_s": now,
+                "decisions": stats.decisions,
+                "completed": stats.completed,
+                "cancelled": stats.cancelled,
+                "failed": stats.failed,
+                "idle_waits": stats.idle_waits,
+                "busy_s": stats.busy_s,
+                "stages": {
+                    s.name: {
+                        "batches": stats.batches[s.name],
+                        "items": stats.items[s.name],
+                        "batch_sizes": dict(stats.batch_sizes[s.name]),
+                        "runner_s": seconds.get(_RUNNER[s], 0.0),
+                        "post_s": seconds.get(_POST[s], 0.0),
+                    }
+                    for s in Stage
+                },
+                "codec_frames": dict(stats.codec_frames),
+                "rules": {rule: dict(by_stage) for rule, by_stage in stats.rules.items()},
+                "schedule_s": seconds.get(_SCHEDULE, 0.0),
+                "idle_s": seconds.get(_IDLE, 0.0),
+                "outside_step_s": seconds.get(_OUTSIDE, 0.0),
+                "startup_s": seconds.get(_STARTUP, 0.0),
+            }
 
     def _emit(self, request: RequestState, pcm: np.ndarray) -> None:
         trimmer = self._trimmers.get(request.request_id)

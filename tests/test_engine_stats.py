@@ -1,0 +1,98 @@
+"""The engine's profiling counters (EngineStats, Engine.stats_snapshot) against what the runner test double saw.
+
+The scripted runner records every call, so the batch-size histograms, codec frame counts and per-rule counts
+can be checked against an independent record; its step delay gives the runner sections a known lower bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+from tests.engine_fixtures import ManualClock, Script, ScriptedRunnerTestDouble
+from tts_backend.engine.engine import Engine, EngineConfig
+from tts_backend.engine.request import Stage
+from tts_backend.engine.scheduler import SchedulerConfig
+
+STAGE_OF_CALL = {"prefill": "PREFILL", "code_predict": "CODE_PREDICT", "decode": "DECODE", "codec": "CODEC"}
+
+
+def seconds_total(snapshot: dict) -> float:
+    stages = snapshot["stages"].values()
+    return (sum(s["runner_s"] + s["post_s"] for s in stages) + snapshot["schedule_s"] + snapshot["idle_s"]
+            + snapshot["outside_step_s"] + snapshot["startup_s"])
+
+
+async def test_histograms_and_rules_match_the_runners_calls():
+    runner = ScriptedRunnerTestDouble(max_slots=4, step_delay_s=0.002)
+    config = EngineConfig(scheduler=SchedulerConfig(
+        max_active=4, max_batch={Stage.PREFILL: 2, Stage.DECODE: 4, Stage.CODE_PREDICT: 3, Stage.CODEC: 2}))
+    engine = Engine(runner, config, clock=ManualClock())
+    engine.start_inline()
+    before = engine.stats_snapshot()
+    streams = [engine.submit(Script(frames), seed=1, max_frames=10_000) for frames in (3, 7, 11, 16, 5)]
+    rules: collections.Counter = collections.Counter()
+    while (batch := engine.step()) is not None:
+        rules[(batch.rule, batch.stage.name)] += 1
+    after = engine.stats_snapshot()
+    for s in streams:
+        assert b"".join([c async for c in s])
+
+    sizes = collections.defaultdict(collections.Counter)
+    frames = collections.Counter()
+    for stage, ids, codec_frames in runner.calls:
+        sizes[STAGE_OF_CALL[stage]][len(ids)] += 1
+        if stage == "codec":
+            frames[codec_frames] += 1
+    # Several batch sizes and codec frame counts occur, so a histogram keyed wrongly would not match.
+    assert len(sizes["CODE_PREDICT"]) > 1 and len(frames) > 1
+    for name, stage in after["stages"].items():
+        assert stage["batch_sizes"] == dict(sizes[name])
+        assert stage["batches"] == sum(sizes[name].values())
+        assert stage["items"] == sum(size * n for size, n in sizes[name].items())
+    assert after["codec_frames"] == dict(frames)
+    assert {(rule, stage): n for rule, by_stage in after["rules"].items() for stage, n in by_stage.items()} \
+        == dict(rules)
+    assert after["decisions"] == len(runner.calls) == sum(rules.values())
+    assert after["completed"] == 5
+
+    # Wall-time sections: the runner double sleeps 2 ms per call, so each stage's runner seconds are at
+    # least that many calls' worth; every moment between the snapshots is in exactly one section.
+    for name, stage in after["stages"].items():
+        assert stage["runner_s"] - before["stages"][name]["runner_s"] >= 0.002 * stage["batches"] * 0.99
+    wall = after["time_s"] - before["time_s"]
+    assert seconds_total(after) - seconds_total(before) == pytest.approx(wall, rel=1e-6)
+    assert after["idle_s"] == 0.0  # inline: nobody waits on the wake event
+
+
+async def test_engine_thread_idle_time_and_open_section_are_counted():
+    engine = Engine(ScriptedRunnerTestDouble(max_slots=2, step_delay_s=0.01),
+                    EngineConfig(scheduler=SchedulerConfig(max_active=2)))
+    engine.start()
+    engine.wait_ready(5)
+    try:
+        before = engine.stats_snapshot()
+        await asyncio.sleep(0.3)
+        idle = engine.stats_snapshot()
+        # Nothing submitted: the thread was (almost) only waiting, and the wait still open at the snapshot
+        # is counted up to the snapshot rather than at its end.
+        assert idle["idle_s"] - before["idle_s"] == pytest.approx(idle["time_s"] - before["time_s"], rel=0.05)
+        assert idle["idle_waits"] > before["idle_waits"]
+
+        stream = engine.submit(Script(6), seed=1, max_frames=100)
+        started = time.perf_counter()
+        audio = b"".join([c async for c in stream])
+        busy = time.perf_counter() - started
+        after = engine.stats_snapshot()
+        assert audio
+        runner_s = sum(s["runner_s"] for s in after["stages"].values()) - \
+            sum(s["runner_s"] for s in idle["stages"].values())
+        assert runner_s >= 0.01 * (after["decisions"] - idle["decisions"]) * 0.99
+        assert runner_s <= busy
+        assert seconds_total(after) - seconds_total(before) == pytest.approx(after["time_s"] - before["time_s"],
+                                                                             rel=1e-6)
+    finally:
+        engine.stop()
