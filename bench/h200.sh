@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# The whole GPU benchmark in one device call, run from the repository root with $OUT set:
+#
+#   bash bench/h200.sh setup step reference load:1,10,20,40 profile:"--batch 32" savecache
+#
+# with the device call carrying ".carry" (wheels in .carry/whl and .carry/refwhl, the tokenizer cache in
+# .carry/voxgate_cache, and optionally a compile cache unpacked into .carry/compile_cache from an earlier
+# call's compile_cache.tgz). Steps run in the order given; a failing step is reported and the next one
+# still runs, and the script exits non-zero if any failed.
+#
+#   setup            install .carry/whl into /tmp/site, build the random 1.7B checkpoint in /tmp/ckpt once
+#   step             bench/engine_step.py                -> $OUT/engine_step.json
+#   reference        qwen-tts 0.1.1 from .carry/refwhl   -> $OUT/reference.json
+#   load:RATES       bench/engine_load.py --rates RATES  -> $OUT/engine_load.json (WARMUP, DURATION, SEED,
+#                    LOAD_ARGS for extra flags such as "-o key=value")
+#   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
+#   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.tgz (if under 15 MiB)
+#
+# Only 8 files come back from $OUT, so after each step everything there except h200.log, the *.json
+# reports and the *.tgz archives (the .md tables, gateway.log, partial results) is moved into
+# $OUT/extras.tgz. DRY_RUN=1 prints the commands instead of running them.
+
+set -o pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+REPO=$PWD
+OUT=${OUT:?set OUT to the folder whose files come back}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/h200.log") 2>&1
+TEE_PID=$!
+
+PY=${PYTHON:-python3}
+CKPT=${CKPT:-/tmp/ckpt}
+SITE=/tmp/site
+REF=/tmp/ref
+EXTRAS=/tmp/h200-extras
+STARTED=$SECONDS
+
+export VOXGATE_CACHE=$REPO/.carry/voxgate_cache PYTHONUNBUFFERED=1
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+# A cache brought back from an earlier call (unpacked into .carry/compile_cache) saves the compile time.
+if [[ -d $REPO/.carry/compile_cache ]]; then COMPILE_CACHE=$REPO/.carry/compile_cache; else COMPILE_CACHE=/tmp/compile_cache; fi
+export TORCHINDUCTOR_CACHE_DIR=$COMPILE_CACHE/inductor TRITON_CACHE_DIR=$COMPILE_CACHE/triton
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
+
+run() {
+    if [[ -n ${DRY_RUN:-} ]]; then
+        printf '+'; printf ' %q' "$@"; printf '\n'
+    else
+        "$@"
+    fi
+}
+
+install_wheels() {  # install_wheels FOLDER TARGET
+    local wheels=("$1"/*.whl)
+    [[ -e ${wheels[0]} ]] || { echo "no wheels in $1"; return 1; }
+    run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "${wheels[@]}"
+}
+
+step_setup() {
+    install_wheels "$REPO/.carry/whl" "$SITE" || return 1
+    run nvidia-smi -L
+    run "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || return 1
+    run "$PY" -c "import gateway.app, tts_backend.qwen3_backend, uvicorn, websockets; print('gateway imports ok')" || return 1
+    if [[ -f $CKPT/config.json ]]; then
+        echo "checkpoint $CKPT already there"
+    else
+        run "$PY" bench/make_checkpoint.py --size 1.7b --out "$CKPT" --device cuda || return 1
+    fi
+}
+
+step_step() {
+    run "$PY" bench/engine_step.py --model "$CKPT" --output "$OUT/engine_step.json"
+}
+
+step_reference() {
+    # qwen-tts pins transformers 4.57.3 (tokenizers <= 0.23.0, huggingface_hub < 1.0); /tmp/ref comes first
+    # on the path so these shadow the image's transformers 5, and /tmp/site (the gateway's wheels) stays off it.
+    install_wheels "$REPO/.carry/refwhl" "$REF" || return 1
+    local path=$REF:$REPO
+    # qwen_tts imports torchaudio.compliance.kaldi for its 25 Hz tokenizer only; the 12 Hz model never calls
+    # it, so where the image's torchaudio lacks it a stub package stands in (as tests/reference_env.py does).
+    if [[ -z ${DRY_RUN:-} ]] && ! PYTHONPATH=$path "$PY" -c "import torchaudio.compliance.kaldi" 2>/dev/null; then
+        echo "torchaudio.compliance.kaldi not importable: using a stub torchaudio in $REF"
+        mkdir -p "$REF/torchaudio/compliance"
+        touch "$REF/torchaudio/__init__.py" "$REF/torchaudio/compliance/__init__.py" "$REF/torchaudio/compliance/kaldi.py"
+    fi
+    run env PYTHONPATH="$path" "$PY" -c "import transformers, tokenizers, huggingface_hub, qwen_tts; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'huggingface_hub', huggingface_hub.__version__)" || return 1
+    run env PYTHONPATH="$path" PYTHONWARNINGS=ignore "$PY" bench/engine_reference.py --model "$CKPT" --requests 10 --output "$OUT/reference.json"
+}
+
+LOAD_RUNS=0
+step_load() {  # step_load RATES
+    local rates=$1 suffix=""
+    [[ -n $rates ]] || { echo "load needs rates, e.g. load:1,10,20"; return 1; }
+    LOAD_RUNS=$((LOAD_RUNS + 1))
+    ((LOAD_RUNS > 1)) && suffix=_$LOAD_RUNS
+    local extra=()
+    [[ -n ${SEED:-} ]] && extra+=(--seed "$SEED")
+    # LOAD_ARGS is split on whitespace on purpose: it holds extra flags such as "-o max_batch=64".
+    # shellcheck disable=SC2206
+    [[ -n ${LOAD_ARGS:-} ]] && extra+=($LOAD_ARGS)
+    run "$PY" bench/engine_load.py --model "$CKPT" --rates "$rates" --warmup "${WARMUP:-10}" \
+        --duration "${DURATION:-30}" "${extra[@]}" \
+        --output "$OUT/engine_load$suffix.json" --log "$OUT/gateway$suffix.log"
+}
+
+step_profile() {  # step_profile "ARGS"
+    local args=()
+    read -ra args <<<"$1"
+    run "$PY" bench/engine_profile.py "${args[@]}" --model "$CKPT" --output "$OUT/engine_profile.json"
+}
+
+step_savecache() {
+    local archive=$OUT/compile_cache.tgz limit=$((15 * 1024 * 1024)) size
+    run tar -C "$COMPILE_CACHE" -czf "$archive" inductor triton || return 1
+    [[ -n ${DRY_RUN:-} ]] && return 0
+    size=$(stat -c %s "$archive")
+    if ((size > limit)); then
+        echo "compile cache is $((size / 1024 / 1024)) MiB packed, over 15 MiB: not brought back"
+        rm -f "$archive"
+    else
+        echo "compile cache: $archive, $((size / 1024)) KiB (unpack into .carry/compile_cache)"
+    fi
+}
+
+# Keep $OUT within the 8 files that come back: side files of the steps go into one archive.
+tidy_out() {
+    local moved=0 f name
+    mkdir -p "$EXTRAS"
+    for f in "$OUT"/*; do
+        [[ -f $f ]] || continue
+        name=${f##*/}
+        case $name in
+            h200.log | extras.tgz | *.tgz) continue ;;
+            *.partial.json) ;;
+            *.json) continue ;;
+        esac
+        mv "$f" "$EXTRAS/" && moved=1
+    done
+    if ((moved)); then
+        tar -C "$EXTRAS" -czvf "$OUT/extras.tgz" . | tr '\n' ' ' && echo "-> extras.tgz"
+    fi
+}
+
+FAILED=()
+for arg in "$@"; do
+    name=${arg%%:*}
+    value=""
+    [[ $arg == *:* ]] && value=${arg#*:}
+    printf '\n===== %s | %s | %d s since start =====\n' "$arg" "$(date -u +%FT%TZ)" $((SECONDS - STARTED))
+    step_started=$SECONDS
+    case $name in
+        setup) step_setup ;;
+        step) step_step ;;
+        reference) step_reference ;;
+        load) step_load "$value" ;;
+        profile) step_profile "$value" ;;
+        savecache) step_savecache ;;
+        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, savecache)"; false ;;
+    esac
+    rc=$?
+    if ((rc != 0)); then
+        echo "!!!!! step $arg FAILED with exit status $rc"
+        FAILED+=("$arg")
+    fi
+    printf '===== %s done in %d s (rc %d)\n' "$arg" $((SECONDS - step_started)) "$rc"
+    [[ -n ${DRY_RUN:-} ]] || tidy_out
+done
+
+printf '\n===== all done in %d s; failed: %s\n' $((SECONDS - STARTED)) "${FAILED[*]:-none}"
+# Let tee write the last lines before the call returns.
+exec >&- 2>&-
+wait "$TEE_PID"
+((${#FAILED[@]} == 0))
