@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=64, help="Talker positions already in each slot")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "inductor"],
+                        help="decode layers of the fused path (Qwen3RunnerConfig.kernels)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['batch']} | {r['frame_ms']:.2f} | {r['talker_ms']:.2f} | {r['code_predictor_ms']:.2f} | "
                      f"{r['floor_ms']:.2f} | {r['gap']:.2f}x | {r['frames_per_s']:.0f} |")
     lines.append("")
-    lines.append(f"fused {report['fused']}, compiled {report['compiled']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+    lines.append(f"fused {report['fused']}, compiled {report['compiled']}, decode kernels {report['kernels']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
                  f"weights per frame {floor['frame'] / 1e9:.2f} GB; eager frame at batch 1 "
                  f"{report['eager_frame_batch1_ms']:.1f} ms; prefill (1x32) {report['prefill_batch1_32pos_ms']:.2f} ms; "
                  + "; ".join(f"{k} {v:.2f}" for k, v in report.items() if k.startswith("codec_")))
@@ -140,7 +142,7 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
     runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(
         max_slots=max_b, max_len=512, decode_buckets=tuple(batches), attend_buckets=(attend,),
         prefill_batch_buckets=(1,), prefill_len_buckets=(16, 32), codec_batch_buckets=(1, 16), codec_frames=(2, 12),
-        sampler="stateless", fused=fused,
+        sampler="stateless", fused=fused, kernels=args.kernels if fused else "inductor",
     ))
     with torch.inference_mode():
         runner._allocate()
@@ -188,17 +190,29 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
             slots = torch.arange(8, device=device)
             pos = torch.full((8, 1), args.context, device=device, dtype=torch.long)
             x = torch.randn(8, 1, model.talker.cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16)
-            fast = runner.fused_talker.forward(x, runner.kv, slots, pos, attend).float()
+            if runner.triton:
+                fast = runner.fused_talker.decode(x[:, 0], runner.kv, slots, pos[:, 0])[:, None].float()
+            else:
+                fast = runner.fused_talker.forward(x, runner.kv, slots, pos, attend).float()
             plain = model.talker(x, runner.kv, slots, pos, attend).float()
             check["talker_hidden"] = ((fast - plain).norm() / plain.norm()).item()
             cp = model.code_predictor
             rows = torch.arange(8, device=device)
             x2 = torch.randn(8, 2, model.talker.cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16)
             pos2 = torch.arange(2, device=device)[None].expand(8, 2)
-            fast = runner.fused_cp.stack.forward(cp.small_to_mtp_projection(x2), runner.cp_cache, rows, pos2,
-                                                 runner.cp_cache.max_len).float()
+            projected = cp.small_to_mtp_projection(x2)
+            if runner.triton:  # one position per pass; compare the second
+                stack = runner.fused_cp.stack
+                stack.decode(projected[:, 0].contiguous(), runner.cp_cache, rows, pos2[:, 0].contiguous())
+                fast = stack.decode(projected[:, 1].contiguous(), runner.cp_cache, rows,
+                                    pos2[:, 1].contiguous())[:, None].float()
+            else:
+                fast = runner.fused_cp.stack.forward(projected, runner.cp_cache, rows, pos2,
+                                                     runner.cp_cache.max_len).float()
             plain = cp.model.run_layers(cp.small_to_mtp_projection(x2), runner.cp_cache, rows, pos2,
                                         attend_len=runner.cp_cache.max_len).float()
+            if runner.triton:
+                plain = plain[:, 1:]
             check["code_predictor_hidden"] = ((fast - plain).norm() / plain.norm()).item()
             print(f"fast path vs modules, relative error: {check}", flush=True)
 
@@ -236,6 +250,7 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
         "gpu_memory_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "fused": runner.fused,
         "compiled": runner.compile,
+        "kernels": "triton" if runner.triton else ("inductor" if runner.fused else "modules"),
         "capture_and_compile_s": runner.graphs.capture_seconds,
         "fused_vs_modules_relative_error": check,
     }

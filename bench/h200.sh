@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU benchmark in one device call, run from the repository root with $OUT set:
 #
-#   bash bench/h200.sh setup step reference load:1,10,20,40 profile:"--batch 32" savecache
+#   bash bench/h200.sh setup step reference load:1,10,20,40 profile:"--rates 10,20 --duration 20" savecache
 #
 # with the device call carrying ".carry" (wheels in .carry/whl and .carry/refwhl, the tokenizer cache in
 # .carry/voxgate_cache, and optionally a compile cache unpacked into .carry/compile_cache from an earlier
@@ -9,7 +9,7 @@
 # still runs, and the script exits non-zero if any failed.
 #
 #   setup            install .carry/whl into /tmp/site, build the random 1.7B checkpoint in /tmp/ckpt once
-#   step             bench/engine_step.py                -> $OUT/engine_step.json
+#   step[:ARGS]      bench/engine_step.py ARGS           -> $OUT/engine_step.json (then engine_step_2.json...)
 #   reference        qwen-tts 0.1.1 from .carry/refwhl   -> $OUT/reference.json
 #   load:RATES       bench/engine_load.py --rates RATES  -> $OUT/engine_load.json (WARMUP, DURATION, SEED,
 #                    LOAD_ARGS for extra flags such as "-o key=value")
@@ -70,8 +70,13 @@ step_setup() {
     fi
 }
 
-step_step() {
-    run "$PY" bench/engine_step.py --model "$CKPT" --output "$OUT/engine_step.json"
+STEP_RUNS=0
+step_step() {  # step_step "ARGS" (e.g. "--kernels inductor")
+    local args=() suffix=""
+    read -ra args <<<"$1"
+    STEP_RUNS=$((STEP_RUNS + 1))
+    ((STEP_RUNS > 1)) && suffix=_$STEP_RUNS
+    run "$PY" bench/engine_step.py "${args[@]}" --model "$CKPT" --output "$OUT/engine_step$suffix.json"
 }
 
 step_reference() {
@@ -153,7 +158,7 @@ for arg in "$@"; do
     step_started=$SECONDS
     case $name in
         setup) step_setup ;;
-        step) step_step ;;
+        step) step_step "$value" ;;
         reference) step_reference ;;
         load) step_load "$value" ;;
         profile) step_profile "$value" ;;

@@ -152,11 +152,37 @@ class PerLayerKV:
         return self.k[0].shape[0]
 
 
-class FusedStack:
-    """A qwen3 DecoderStack's weights, regrouped for `make_layer_fn`; `forward` mirrors `run_layers`."""
+def triton_kernels():
+    """The Triton decode kernels module, or None where Triton is not installed."""
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    return kernels
 
-    def __init__(self, stack, compile: bool) -> None:
+
+def kernels_fit(cfg) -> bool:
+    """Whether a stack's shapes suit the Triton decode kernels: power-of-two head halves and query groups
+    (tl.arange), and every matmul width a multiple of 16 (tl.dot tiles)."""
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    heads, kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    widths = (cfg.hidden_size, cfg.intermediate_size, heads * head_dim, kv * head_dim)
+    return (heads % kv == 0 and pow2(heads // kv) and head_dim % 2 == 0 and pow2(head_dim // 2)
+            and all(w % 16 == 0 for w in widths))
+
+
+class FusedStack:
+    """A qwen3 DecoderStack's weights, regrouped for `make_layer_fn`; `forward` mirrors `run_layers`.
+    With `triton`, `decode` runs one new position per row through the Triton layer kernels (kernels.py)."""
+
+    def __init__(self, stack, compile: bool, triton: bool = False) -> None:
         cfg = stack.cfg
+        self.num_heads, self.eps, self.theta = cfg.num_attention_heads, cfg.rms_norm_eps, cfg.rope_theta
+        self.kernels = triton_kernels() if triton else None
+        if triton and (self.kernels is None or not kernels_fit(cfg)):
+            raise ValueError("the Triton decode kernels need Triton and kernel-friendly shapes (see kernels_fit)")
         self.layers = []
         with torch.no_grad():
             for layer in stack.layers:
@@ -180,6 +206,15 @@ class FusedStack:
         key_pos = self.key_positions[:attend_len]
         for i, weights in enumerate(self.layers):
             x = self.layer_fn(x, *weights, cache.k[i], cache.v[i], slots, pos, key_pos)
+        return self.norm_fn(x, self.norm_weight) if final_norm else x
+
+    def decode(self, x: torch.Tensor, cache: PerLayerKV, rows: torch.Tensor, pos: torch.Tensor,
+               final_norm: bool = True) -> torch.Tensor:
+        """x [B, D], one new position per row at pos [B] of cache rows `rows` [B] -> [B, D]. Attends exactly
+        positions 0..pos of each row, so it needs no attended-length bucket."""
+        for i, weights in enumerate(self.layers):
+            x = self.kernels.decode_layer(x, weights, cache.k[i], cache.v[i], rows, pos, self.num_heads, self.eps,
+                                          self.theta)
         return self.norm_fn(x, self.norm_weight) if final_norm else x
 
 
@@ -223,10 +258,14 @@ class FusedCodePredictor:
     """The 15-step residual-codebook loop with fused layers and a compiled sampler: step 0 runs positions 0
     and 1 (talker hidden, C(c0)) together, each later step one new position, as the reference does."""
 
-    def __init__(self, cp, talker, params, compile: bool) -> None:
+    def __init__(self, cp, talker, params, compile: bool, triton: bool = False, max_rows: int = 64) -> None:
         self.cp = cp
         self.talker = talker
-        self.stack = FusedStack(cp.model, compile)
+        self.stack = FusedStack(cp.model, compile, triton)
+        self.triton = triton
+        # positions[g, :B]: position g for B rows, contiguous (the Triton kernels index it per row).
+        groups = cp.cfg.num_code_groups
+        self.positions = torch.arange(groups, device=cp.lm_head[0].weight.device)[:, None].repeat(1, max_rows)
         self.proj = cp.small_to_mtp_projection
         self.heads = [h.weight.detach() for h in cp.lm_head]
         self.tables = [t.weight.detach() for t in cp.model.codec_embedding]
@@ -237,6 +276,8 @@ class FusedCodePredictor:
 
     def run(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
         """hidden [B, D_talker], c0 [B] -> residual codes [B, G-1], frame embedding sum [B, D_talker]."""
+        if self.triton:
+            return self._run_rows(hidden, c0, cache, rows, seeds, counters)
         p = self.params
         B = hidden.shape[0]
         device = hidden.device
@@ -258,5 +299,29 @@ class FusedCodePredictor:
             codes.append(code)
             if g + 1 < n:
                 x = self.proj(F.embedding(code, self.tables[g]))[:, None]
+        residual = torch.stack(codes, dim=1)
+        return residual, self.embed_fn(c0_embed, residual, self.tables)
+
+    def _run_rows(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
+        """`run` on the Triton decode kernels: one position per pass (position 0, the talker hidden, then
+        C(c0) at position 1, then one residual code per position); the same math as the two-position first
+        pass, since attention is causal."""
+        p = self.params
+        B = hidden.shape[0]
+        c0_embed = self.talker.embed_codec(c0)
+        self.stack.decode(self.proj(hidden), cache, rows, self.positions[0, :B], final_norm=False)
+        x = self.proj(c0_embed)
+        codes = []
+        n = len(self.heads)
+        for g in range(n):
+            h = self.stack.decode(x, cache, rows, self.positions[g + 1, :B])
+            logits = F.linear(h, self.heads[g])
+            if p.subtalker_do_sample:
+                code = self.sample_fn(logits, seeds, counters + g)
+            else:
+                code = torch.argmax(logits.float(), dim=-1)
+            codes.append(code)
+            if g + 1 < n:
+                x = self.proj(F.embedding(code, self.tables[g]))
         residual = torch.stack(codes, dim=1)
         return residual, self.embed_fn(c0_embed, residual, self.tables)

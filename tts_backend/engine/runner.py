@@ -73,6 +73,9 @@ class Qwen3RunnerConfig:
     # TorchInductor on CUDA. "auto": on with the stateless sampler on CUDA; the plain modules otherwise.
     fused: str | bool = "auto"
     compile: bool = True
+    # Decode layers of the fused path: "triton" (engine/kernels.py, five kernels per layer), "inductor" (the
+    # compiled layer function), or "auto": Triton on CUDA when it is installed and the shapes suit it.
+    kernels: str = "auto"
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
     attend_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     prefill_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
@@ -121,14 +124,34 @@ class Qwen3ModelRunner(ModelRunner):
         self.fused = bool(fused)
         self.fused_prefill = self.fused
         self.compile = bool(cfg.compile and self.fused and self.device.type == "cuda")
+        self.triton = self.fused and self._use_triton(cfg.kernels, model)
         params = model.sampling_params()
         self.params: SamplingParams = params.greedy() if cfg.greedy else params
         self.graphs = GraphSet(self.device, use_graphs)
         self.decode_buckets = self._buckets(cfg.decode_buckets, cfg.max_slots)
-        self.attend_buckets = tuple(a for a in cfg.attend_buckets if a < cfg.max_len) + (cfg.max_len,)
+        # The Triton decode attends each row's own length, so one captured decode graph serves every length.
+        self.attend_buckets = (cfg.max_len,) if self.triton else (
+            tuple(a for a in cfg.attend_buckets if a < cfg.max_len) + (cfg.max_len,))
         self.codec_buckets = tuple(sorted(b for b in cfg.codec_batch_buckets if b <= cfg.max_slots)) or (1,)
         self.prefill_buckets = tuple(sorted(b for b in cfg.prefill_batch_buckets if b <= cfg.max_slots)) or (1,)
         self._allocated = False
+
+    def _use_triton(self, kernels: str, model) -> bool:
+        from .fused import kernels_fit, triton_kernels
+
+        if kernels not in ("auto", "triton", "inductor"):
+            raise ValueError(f"kernels must be auto, triton or inductor, got {kernels!r}")
+        if kernels == "inductor":
+            return False
+        tcfg = model.config.talker
+        fits = kernels_fit(tcfg) and kernels_fit(tcfg.code_predictor) and triton_kernels() is not None
+        if kernels == "triton":
+            if not fits:
+                raise ValueError("kernels='triton' needs Triton installed and kernel-friendly model shapes")
+            if self.device.type != "cuda" and model.dtype != torch.float32:
+                raise ValueError("off CUDA the Triton kernels run in Triton's interpreter, which takes fp32 only")
+            return True
+        return fits and self.device.type == "cuda"
 
     @staticmethod
     def _buckets(buckets: Sequence[int], limit: int) -> tuple[int, ...]:
@@ -161,8 +184,9 @@ class Qwen3ModelRunner(ModelRunner):
 
             self.kv = PerLayerKV.for_stack(tcfg, S, cfg.max_len, dev, dtype)
             self.cp_cache = PerLayerKV.for_stack(tcfg.code_predictor, cp_rows, G, dev, dtype)
-            self.fused_talker = FusedStack(m.talker.model, self.compile)
-            self.fused_cp = FusedCodePredictor(m.code_predictor, m.talker, self.params, self.compile)
+            self.fused_talker = FusedStack(m.talker.model, self.compile, self.triton)
+            self.fused_cp = FusedCodePredictor(m.code_predictor, m.talker, self.params, self.compile, self.triton,
+                                               max_rows=cp_rows)
             self.talker_sample_fn = talker_sampler(self.params, self.compile)
             fuse_codec_activations(self.codec_module, self.compile)
             if dev.type == "cuda":
@@ -358,7 +382,9 @@ class Qwen3ModelRunner(ModelRunner):
     def _decode_fn(self, slots: torch.Tensor, attend_len: int) -> None:
         x = self.next_embed[slots] + self._trailing(slots)
         pos = self.pos[slots]
-        if self.fused:
+        if self.triton:
+            hidden = self.fused_talker.decode(x, self.kv, slots, pos)
+        elif self.fused:
             hidden = self.fused_talker.forward(x[:, None], self.kv, slots, pos[:, None], attend_len)[:, 0]
         else:
             hidden = self.model.decode_step(self.kv, slots, pos, x, attend_len)

@@ -3,7 +3,7 @@
 `write_checkpoint(folder, size="tiny")` writes config.json, generation_config.json, model.safetensors (bf16,
 official tensor names), tokenizer files (vocab.json, merges.txt, tokenizer_config.json), preprocessor_config.json
 and `speech_tokenizer/` (via `codec_checkpoint.write_speech_tokenizer`). Sizes: "tiny" (spec §9.3, CPU tests),
-"0.6b" and "1.7b" (the released shapes, for GPU benchmarks).
+"small" (CPU tests of the Triton kernels), "0.6b" and "1.7b" (the released shapes, for GPU benchmarks).
 
 The text tokenizer is the real Qwen2 byte-level BPE: its ranks ship in the PyPI package `dashscope`
 (`dashscope/resources/qwen.tiktoken`). Only that one file is needed, so the wheel is fetched with pip (no
@@ -64,6 +64,11 @@ _STACK_SIZES = {
     "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, text_hidden_size=16, mrope_section=[2, 1, 1],
                  max_position_embeddings=4096),
+    # "small": tiny, but every width a multiple of 16 and head_dim 32, the smallest shapes the Triton decode
+    # kernels (tts_backend/engine/kernels.py) take; CPU tests run them in Triton's interpreter.
+    "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, text_hidden_size=32, mrope_section=[8, 4, 4],
+                  max_position_embeddings=4096),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, text_hidden_size=2048, mrope_section=[24, 20, 20],
                  max_position_embeddings=32768),
@@ -74,6 +79,8 @@ _STACK_SIZES = {
 _PREDICTOR_SIZES = {
     "tiny": dict(vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_code_groups=4),
+    "small": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=64, num_code_groups=4),
     "full": dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
                  num_code_groups=16),
@@ -92,7 +99,7 @@ def model_config(size: str = "tiny", model_type: str = "custom_voice", tts_model
     if size not in _STACK_SIZES:
         raise ValueError(f"size must be one of {sorted(_STACK_SIZES)}, got {size!r}")
     stack = dict(_STACK_SIZES[size])
-    predictor = dict(_PREDICTOR_SIZES["tiny" if size == "tiny" else "full"])
+    predictor = dict(_PREDICTOR_SIZES[size if size in _PREDICTOR_SIZES else "full"])
     codebook = predictor["vocab_size"]
     shift = 2048 - codebook
     mrope = stack.pop("mrope_section")
@@ -343,7 +350,7 @@ def write_checkpoint(
     speech_tokenizer: bool = True,
     device: str | torch.device = "cpu",
 ) -> Path:
-    """Write a complete random checkpoint folder; returns it. size: "tiny", "0.6b" or "1.7b"."""
+    """Write a complete random checkpoint folder; returns it. size: "tiny", "small", "0.6b" or "1.7b"."""
     from .codec_checkpoint import write_speech_tokenizer
 
     folder = Path(folder)
@@ -357,5 +364,5 @@ def write_checkpoint(
     write_tokenizer_files(folder)
     write_model_weights(folder / "model.safetensors", config, seed, device)
     if speech_tokenizer:
-        write_speech_tokenizer(folder, "tiny" if size == "tiny" else "full", seed + 1)
+        write_speech_tokenizer(folder, "tiny" if size in ("tiny", "small") else "full", seed + 1)
     return folder

@@ -1,0 +1,256 @@
+"""Triton kernels for one decoder layer at one new position per row (Talker decode, code-predictor steps).
+
+Why: at decode the layers are bound by kernel count, not by bandwidth. Inductor's fused layer still runs
+about 15 kernels per layer (norms, three matmuls through cuBLAS, QK-norm + RoPE, cache scatter, cache
+gathers, mask, attention, residual adds); a frame runs 28 Talker layers plus 16 x 5 predictor layers, so
+~1,300 kernels at ~4 us each. Here a layer is five kernels, each reading its weights once:
+
+  1. `norm_matmul`: RMSNorm of the residual rows (every program recomputes the row statistics, which is
+     cheaper than a launch) times the fused q|k|v weight;
+  2. `attend`: per (row, KV head): QK-norm, RoPE, the new K/V written into the slot's cache, and attention
+     of the group's query heads over positions 0..pos with an online softmax. The loop bound is the row's
+     position read from device memory, so one captured graph serves every context length;
+  3. `matmul_residual`: the output projection plus the residual add;
+  4. `norm_matmul` with the SiLU(gate) * up epilogue;
+  5. `matmul_residual`: the down projection plus the residual add.
+
+Rows are few (a batch bucket, 1..64), so each program covers all rows of a tile of output columns and the
+matmul is a weight-streaming GEMV-like loop; tiles are small so that enough programs stream weights at once.
+
+Rounding follows the PyTorch modules: matmul outputs, normalised activations and RoPE results are rounded to
+the activation dtype where the modules round them, so bf16 results stay within bf16 noise of the modules.
+On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, fp32), which is how CI checks
+them against the modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_matmul_kernel(x_ptr, ln_ptr, w_ptr, out_ptr, M, eps,
+                        N: tl.constexpr, K: tl.constexpr, SILU_MUL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[M, N] = rmsnorm(x[M, K]) @ w[N, K]^T, or with SILU_MUL: silu(h @ w[:N]^T) * (h @ w[N:2N]^T)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
+        sum_sq += tl.sum(x * x, axis=1)
+    rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
+        ln = tl.load(ln_ptr + rk).to(tl.float32)
+        h = (ln[None, :] * (x * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None], other=0.0)
+        acc += tl.dot(h, tl.trans(w))
+        if SILU_MUL:
+            w_up = tl.load(w_ptr + (rn[:, None] + N) * K + rk[None, :], mask=n_mask[:, None], other=0.0)
+            acc_up += tl.dot(h, tl.trans(w_up))
+    if SILU_MUL:
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        result = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    else:
+        result = acc
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], result.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _matmul_residual_kernel(a_ptr, w_ptr, res_ptr, out_ptr, M,
+                            N: tl.constexpr, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[M, N] = res[M, N] + a[M, K] @ w[N, K]^T (the product rounded first, as the modules add it)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    dtype = a_ptr.dtype.element_ty
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=m_mask[:, None], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None], other=0.0)
+        acc += tl.dot(a, tl.trans(w))
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    result = acc.to(dtype)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=out_mask, other=0.0)
+        result = (res.to(tl.float32) + result.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], result, mask=out_mask)
+
+
+@triton.jit
+def _rms_rope(x1, x2, norm_w1, norm_w2, cos, sin, eps, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm over heads (rows of x1, x2: each head's two halves) then rotate-half RoPE; rounded like the
+    modules (normalised, weighted, then each RoPE product and sum in the activation dtype)."""
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+    x1 = (norm_w1 * (x1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    x2 = (norm_w2 * (x2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    return out1.to(dtype).to(tl.float32), out2.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _attend_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, pos_ptr, out_ptr,
+                   eps, log2_theta, sm_scale,
+                   NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_LEN: tl.constexpr,
+                   BLOCK_P: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    HALF: tl.constexpr = HEAD_DIM // 2
+    QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM
+    dtype = qkv_ptr.dtype.element_ty
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + row)
+    d = tl.arange(0, HALF)
+    g = tl.arange(0, GROUP)
+    # RoPE angles in fp32 like the modules: inv_freq = theta ** -(2i / head_dim); cos/sin cast to the dtype.
+    inv_freq = tl.exp2(-(2.0 * d.to(tl.float32) / HEAD_DIM) * log2_theta)
+    angle = pos.to(tl.float32) * inv_freq
+    cos = tl.cos(angle).to(dtype).to(tl.float32)
+    sin = tl.sin(angle).to(dtype).to(tl.float32)
+
+    base = qkv_ptr + row * QKV
+    k_off = (NUM_HEADS + kv_head) * HEAD_DIM
+    v_off = (NUM_HEADS + NUM_KV + kv_head) * HEAD_DIM
+    dk = d[None, :]  # the new K/V as one-row tiles [1, HALF]
+    kn1 = tl.load(k_norm_ptr + dk).to(tl.float32)
+    kn2 = tl.load(k_norm_ptr + HALF + dk).to(tl.float32)
+    k1, k2 = _rms_rope(tl.load(base + k_off + dk).to(tl.float32), tl.load(base + k_off + HALF + dk).to(tl.float32),
+                       kn1, kn2, cos[None, :], sin[None, :], eps, HEAD_DIM, dtype)
+    v1 = tl.load(base + v_off + dk).to(tl.float32)
+    v2 = tl.load(base + v_off + HALF + dk).to(tl.float32)
+    cache_row = (slot * NUM_KV + kv_head) * CACHE_LEN * HEAD_DIM
+    tl.store(k_cache_ptr + cache_row + pos * HEAD_DIM + dk, k1.to(dtype))
+    tl.store(k_cache_ptr + cache_row + pos * HEAD_DIM + HALF + dk, k2.to(dtype))
+    tl.store(v_cache_ptr + cache_row + pos * HEAD_DIM + dk, v1.to(dtype))
+    tl.store(v_cache_ptr + cache_row + pos * HEAD_DIM + HALF + dk, v2.to(dtype))
+
+    q_heads = kv_head * GROUP + g  # [GROUP]
+    q_ptrs = base + q_heads[:, None] * HEAD_DIM + d[None, :]
+    qn1 = tl.load(q_norm_ptr + d).to(tl.float32)[None, :]
+    qn2 = tl.load(q_norm_ptr + HALF + d).to(tl.float32)[None, :]
+    q1, q2 = _rms_rope(tl.load(q_ptrs).to(tl.float32), tl.load(q_ptrs + HALF).to(tl.float32),
+                       qn1, qn2, cos[None, :], sin[None, :], eps, HEAD_DIM, dtype)
+
+    # Online softmax; the new position comes from registers, earlier ones from the cache (this program wrote
+    # the new one, but other threads of it may not see that store yet).
+    best = tl.sum(q1 * k1 + q2 * k2, axis=1) * sm_scale  # [GROUP]
+    total = tl.full([GROUP], 1.0, dtype=tl.float32)
+    acc1 = tl.zeros([GROUP, HALF], dtype=tl.float32) + v1
+    acc2 = tl.zeros([GROUP, HALF], dtype=tl.float32) + v2
+    p0 = 0
+    while p0 < pos:  # a while loop: the bound lives in device memory (the interpreter rejects range(pos))
+        p = p0 + tl.arange(0, BLOCK_P)
+        p_mask = p < pos
+        k_ptrs = k_cache_ptr + cache_row + p[:, None] * HEAD_DIM + d[None, :]
+        kb1 = tl.load(k_ptrs, mask=p_mask[:, None], other=0.0).to(tl.float32)
+        kb2 = tl.load(k_ptrs + HALF, mask=p_mask[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(q1[:, None, :] * kb1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * kb2[None, :, :], axis=2)
+        scores = tl.where(p_mask[None, :], scores * sm_scale, float("-inf"))  # [GROUP, BLOCK_P]
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        scale = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best[:, None])
+        total = total * scale + tl.sum(weights, axis=1)
+        v_ptrs = v_cache_ptr + cache_row + p[:, None] * HEAD_DIM + d[None, :]
+        vb1 = tl.load(v_ptrs, mask=p_mask[:, None], other=0.0).to(tl.float32)
+        vb2 = tl.load(v_ptrs + HALF, mask=p_mask[:, None], other=0.0).to(tl.float32)
+        acc1 = acc1 * scale[:, None] + tl.sum(weights[:, :, None] * vb1[None, :, :], axis=1)
+        acc2 = acc2 * scale[:, None] + tl.sum(weights[:, :, None] * vb2[None, :, :], axis=1)
+        best = new_best
+        p0 += BLOCK_P
+    out_ptrs = out_ptr + row * NUM_HEADS * HEAD_DIM + q_heads[:, None] * HEAD_DIM + d[None, :]
+    tl.store(out_ptrs, (acc1 / total[:, None]).to(dtype))
+    tl.store(out_ptrs + HALF, (acc2 / total[:, None]).to(dtype))
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+
+def _block_m(rows: int) -> int:
+    # tl.dot needs at least 16 rows; more than 64 rows per program would spill registers.
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def _block_n(n: int) -> int:
+    # Narrow tiles keep >= ~100 programs streaming weights at once for the widths in these models.
+    return 16 if n <= 2048 else 32
+
+
+def _block_k(k: int) -> int:
+    # The widest power-of-two tile (16..128) that divides K, so the K loop needs no mask.
+    for block in (128, 64, 32, 16):
+        if k % block == 0:
+            return block
+    raise ValueError(f"reduction width {k} is not a multiple of 16")
+
+
+def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+                silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] -> rmsnorm(x) @ weight^T [M, N]; with silu_mul, weight is [2N, K] (gate rows, then up rows)."""
+    M, K = x.shape
+    N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    block_m, block_n = _block_m(M), _block_n(N)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    _norm_matmul_kernel[grid](x, norm_weight, weight, out, M, eps, N=N, K=K, SILU_MUL=silu_mul,
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(K))
+    return out
+
+
+def matmul_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """a [M, K] -> (residual +) a @ weight^T [M, N]."""
+    M, K = a.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    block_m, block_n = _block_m(M), _block_n(N)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    _matmul_residual_kernel[grid](a, weight, residual if residual is not None else out, out, M, N=N, K=K,
+                                  HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  BLOCK_K=_block_k(K))
+    return out
+
+
+def attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, num_heads: int, eps: float,
+           theta: float) -> torch.Tensor:
+    """qkv [M, (H + 2 Hkv) Dh] of one new position per row -> attention output [M, H Dh]; writes K/V at
+    (slots[i], :, pos[i]) of the caches [slots, Hkv, L, Dh]."""
+    M = qkv.shape[0]
+    _, num_kv, cache_len, head_dim = k_cache.shape
+    out = torch.empty(M, num_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
+    _attend_kernel[(M, num_kv)](qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, out, eps, math.log2(theta),
+                                1.0 / math.sqrt(head_dim), NUM_HEADS=num_heads, NUM_KV=num_kv, HEAD_DIM=head_dim,
+                                CACHE_LEN=cache_len, BLOCK_P=32, num_warps=4)
+    return out
+
+
+def decode_layer(x: torch.Tensor, weights: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor, pos: torch.Tensor, num_heads: int, eps: float, theta: float) -> torch.Tensor:
+    """One pre-norm decoder layer for one new position per row: x [M, D] -> [M, D]. `weights` is a
+    FusedStack layer tuple (ln1, wqkv, q_norm, k_norm, wo, ln2, wgu, wd); slots, pos [M] int64."""
+    ln1, wqkv, q_norm, k_norm, wo, ln2, wgu, wd = weights
+    qkv = norm_matmul(x, ln1, wqkv, eps)
+    attn = attend(qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, num_heads, eps, theta)
+    x = matmul_residual(attn, wo, x)
+    h = norm_matmul(x, ln2, wgu, eps, silu_mul=True)
+    return matmul_residual(h, wd, x)
