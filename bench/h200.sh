@@ -14,6 +14,7 @@
 #   load:RATES       bench/engine_load.py --rates RATES  -> $OUT/engine_load.json (WARMUP, DURATION, SEED,
 #                    LOAD_ARGS for extra flags such as "-o key=value")
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
+#   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
 #   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.tgz (if under 15 MiB)
 #
 # Only 8 files come back from $OUT, so after each step everything there except h200.log, the *.json
@@ -162,6 +163,7 @@ for arg in "$@"; do
         reference) step_reference ;;
         load) step_load "$value" ;;
         profile) step_profile "$value" ;;
+        tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
         savecache) step_savecache ;;
         *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, savecache)"; false ;;
     esac

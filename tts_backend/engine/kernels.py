@@ -191,48 +191,53 @@ def _block_m(rows: int) -> int:
     return min(64, max(16, triton.next_power_of_2(rows)))
 
 
-def _block_n(n: int) -> int:
-    # Narrow tiles keep >= ~100 programs streaming weights at once for the widths in these models.
-    return 16 if n <= 2048 else 32
-
-
-def _block_k(k: int) -> int:
-    # The widest power-of-two tile (16..128) that divides K, so the K loop needs no mask.
-    for block in (128, 64, 32, 16):
-        if k % block == 0:
+def _block_k(k: int, widest: int = 128) -> int:
+    # The widest power-of-two tile (16..widest) that divides K, so the K loop needs no mask.
+    for block in (256, 128, 64, 32, 16):
+        if block <= widest and k % block == 0:
             return block
     raise ValueError(f"reduction width {k} is not a multiple of 16")
 
 
+def default_tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M <= 64, K] x [N, K]^T product. Narrow N tiles keep
+    ~100+ programs streaming weights at once for the widths of these models."""
+    return (16 if n <= 2048 else 32), _block_k(k), 4, 3
+
+
+def _launch_matmul(kernel, tensors, M: int, N: int, K: int, tiles, **constants) -> None:
+    block_n, block_k, num_warps, num_stages = tiles or default_tiles(N, K)
+    block_k = _block_k(K, block_k)
+    block_m = _block_m(M)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    kernel[grid](*tensors, M, N=N, K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                 num_warps=num_warps, num_stages=num_stages, **constants)
+
+
 def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
-                silu_mul: bool = False) -> torch.Tensor:
+                silu_mul: bool = False, tiles: tuple | None = None) -> torch.Tensor:
     """x [M, K] -> rmsnorm(x) @ weight^T [M, N]; with silu_mul, weight is [2N, K] (gate rows, then up rows)."""
     M, K = x.shape
     N = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    block_m, block_n = _block_m(M), _block_n(N)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
-    _norm_matmul_kernel[grid](x, norm_weight, weight, out, M, eps, N=N, K=K, SILU_MUL=silu_mul,
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(K))
+    _launch_matmul(_norm_matmul_kernel, (x, norm_weight, weight, out), M, N, K, tiles, eps=eps, SILU_MUL=silu_mul)
     return out
 
 
-def matmul_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+def matmul_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                    tiles: tuple | None = None) -> torch.Tensor:
     """a [M, K] -> (residual +) a @ weight^T [M, N]."""
     M, K = a.shape
     N = weight.shape[0]
     out = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    block_m, block_n = _block_m(M), _block_n(N)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
-    _matmul_residual_kernel[grid](a, weight, residual if residual is not None else out, out, M, N=N, K=K,
-                                  HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  BLOCK_K=_block_k(K))
+    _launch_matmul(_matmul_residual_kernel, (a, weight, residual if residual is not None else out, out), M, N, K,
+                   tiles, HAS_RESIDUAL=residual is not None)
     return out
 
 
 def attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, num_heads: int, eps: float,
-           theta: float) -> torch.Tensor:
+           theta: float, block_p: int = 32, num_warps: int = 4) -> torch.Tensor:
     """qkv [M, (H + 2 Hkv) Dh] of one new position per row -> attention output [M, H Dh]; writes K/V at
     (slots[i], :, pos[i]) of the caches [slots, Hkv, L, Dh]."""
     M = qkv.shape[0]
@@ -240,7 +245,7 @@ def attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, k_cach
     out = torch.empty(M, num_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
     _attend_kernel[(M, num_kv)](qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, out, eps, math.log2(theta),
                                 1.0 / math.sqrt(head_dim), NUM_HEADS=num_heads, NUM_KV=num_kv, HEAD_DIM=head_dim,
-                                CACHE_LEN=cache_len, BLOCK_P=32, num_warps=4)
+                                CACHE_LEN=cache_len, BLOCK_P=block_p, num_warps=num_warps)
     return out
 
 
