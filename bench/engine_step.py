@@ -197,19 +197,19 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
             plain = model.talker(x, runner.kv, slots, pos, attend).float()
             check["talker_hidden"] = ((fast - plain).norm() / plain.norm()).item()
             cp = model.code_predictor
-            rows = torch.arange(8, device=device)
+            cp_rows = torch.arange(8, device=device)
             x2 = torch.randn(8, 2, model.talker.cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16)
             pos2 = torch.arange(2, device=device)[None].expand(8, 2)
             projected = cp.small_to_mtp_projection(x2)
             if runner.triton:  # one position per pass; compare the second
                 stack = runner.fused_cp.stack
-                stack.decode(projected[:, 0].contiguous(), runner.cp_cache, rows, pos2[:, 0].contiguous())
-                fast = stack.decode(projected[:, 1].contiguous(), runner.cp_cache, rows,
+                stack.decode(projected[:, 0].contiguous(), runner.cp_cache, cp_rows, pos2[:, 0].contiguous())
+                fast = stack.decode(projected[:, 1].contiguous(), runner.cp_cache, cp_rows,
                                     pos2[:, 1].contiguous())[:, None].float()
             else:
-                fast = runner.fused_cp.stack.forward(projected, runner.cp_cache, rows, pos2,
+                fast = runner.fused_cp.stack.forward(projected, runner.cp_cache, cp_rows, pos2,
                                                      runner.cp_cache.max_len).float()
-            plain = cp.model.run_layers(cp.small_to_mtp_projection(x2), runner.cp_cache, rows, pos2,
+            plain = cp.model.run_layers(cp.small_to_mtp_projection(x2), runner.cp_cache, cp_rows, pos2,
                                         attend_len=runner.cp_cache.max_len).float()
             if runner.triton:
                 plain = plain[:, 1:]

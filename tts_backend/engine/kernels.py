@@ -199,14 +199,20 @@ def _block_k(k: int, widest: int = 128) -> int:
     raise ValueError(f"reduction width {k} is not a multiple of 16")
 
 
-def default_tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M <= 64, K] x [N, K]^T product. Narrow N tiles keep
-    ~100+ programs streaming weights at once for the widths of these models."""
-    return (16 if n <= 2048 else 32), _block_k(k), 4, 3
+def default_tiles(n: int, k: int, rows: int = 1, silu_mul: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [M <= 64, K] x [N, K]^T product, from
+    bench/kernel_tune.py on an H200 (bench/results/kernel_tune_h200.json). Narrow N tiles keep ~100+
+    programs streaming weights at once for the widths of these models; wide K tiles shorten each program's
+    dependent loop, which is what a few-row product waits on."""
+    if silu_mul:  # two weight tiles per step (gate and up)
+        if rows <= 16:
+            return 64, _block_k(k, 256), 4, 3
+        return (64, _block_k(k), 8, 3) if n > 4096 else (32, _block_k(k), 4, 3)
+    return (16 if n <= 2048 else 32), _block_k(k, 256), 4, 3
 
 
 def _launch_matmul(kernel, tensors, M: int, N: int, K: int, tiles, **constants) -> None:
-    block_n, block_k, num_warps, num_stages = tiles or default_tiles(N, K)
+    block_n, block_k, num_warps, num_stages = tiles or default_tiles(N, K, M, constants.get("SILU_MUL", False))
     block_k = _block_k(K, block_k)
     block_m = _block_m(M)
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
@@ -237,12 +243,16 @@ def matmul_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 
 def attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, num_heads: int, eps: float,
-           theta: float, block_p: int = 32, num_warps: int = 4) -> torch.Tensor:
+           theta: float, block_p: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """qkv [M, (H + 2 Hkv) Dh] of one new position per row -> attention output [M, H Dh]; writes K/V at
     (slots[i], :, pos[i]) of the caches [slots, Hkv, L, Dh]."""
     M = qkv.shape[0]
     _, num_kv, cache_len, head_dim = k_cache.shape
     out = torch.empty(M, num_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
+    # Tuned on the H200 (bench/kernel_tune.py): short caches (the code predictor's 16 positions) take one
+    # block; with many rows, fewer warps per program leave room for more programs per SM.
+    block_p = block_p or (16 if cache_len <= 16 else 32)
+    num_warps = num_warps or (2 if M > 8 else 4)
     _attend_kernel[(M, num_kv)](qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, out, eps, math.log2(theta),
                                 1.0 / math.sqrt(head_dim), NUM_HEADS=num_heads, NUM_KV=num_kv, HEAD_DIM=head_dim,
                                 CACHE_LEN=cache_len, BLOCK_P=block_p, num_warps=num_warps)
