@@ -32,6 +32,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.engine_load import BENCH_MAX_ACTIVE, BENCH_MAX_LEN, BENCH_RUNNER_OPTIONS
 from bench.loadgen import (
     DEFAULT_PROMPTS,
     ONSET_SEARCH_S,
@@ -47,10 +48,6 @@ from bench.loadgen import (
     summarize,
 )
 
-# bench/engine_load.py's backend options: shapes for one-sentence ARCTIC prompts (prompt + frames stay
-# under 256 positions), 64 KV slots.
-DEFAULT_RUNNER_OPTIONS = {"attend_buckets": [128, 256], "decode_buckets": [1, 2, 4, 8, 16, 24, 32, 48, 64],
-                          "prefill_batch_buckets": [1, 2, 4, 8], "prefill_len_buckets": [32, 64]}
 STAGES = ("PREFILL", "CODE_PREDICT", "DECODE", "CODEC")
 BYTES_PER_SAMPLE = 2  # the engine streams s16le
 
@@ -327,9 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "never sample EOS); 0 turns the cap off")
     parser.add_argument("--voice", help="speaker (default: the checkpoint's first)")
     parser.add_argument("--instructions", help="voice description (VoiceDesign checkpoints)")
-    parser.add_argument("--max-active", type=int, default=64, help="KV slots")
-    parser.add_argument("--max-len", type=int, default=512, help="Talker positions per slot")
-    parser.add_argument("--runner-options", type=json.loads, default=DEFAULT_RUNNER_OPTIONS,
+    parser.add_argument("--max-active", type=int, default=BENCH_MAX_ACTIVE, help="KV slots")
+    parser.add_argument("--max-len", type=int, default=BENCH_MAX_LEN, help="Talker positions per slot")
+    parser.add_argument("--runner-options", type=json.loads, default=BENCH_RUNNER_OPTIONS,
                         help="JSON object of Qwen3RunnerConfig fields (default: bench/engine_load.py's)")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request limit in seconds")

@@ -286,3 +286,29 @@ async def test_playing_stream_that_would_underrun_outranks_new_requests(step_cos
         assert batch.stage in (Stage.DECODE, Stage.CODE_PREDICT)
     else:
         assert [r.request_id for r in batch.requests] == [b.request_id]
+
+
+def test_a_codec_batch_takes_streams_that_are_ahead_but_never_shrinks_a_chunk():
+    from tts_backend.engine.request import RequestState
+    from tts_backend.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_active=4))
+
+    def playing(request_id, generated, decoded, chunks):
+        r = RequestState(request_id=request_id, prompt=None, seed=1, max_frames=1000, chunk_schedule=(2, 4, 8, 12),
+                         arrival=float(request_id), sample_rate=24000, samples_per_frame=SPF)
+        scheduler.add(r)
+        r.phase = Phase.NEED_DECODE
+        r.frames_generated, r.frames_decoded, r.chunks_decoded = generated, decoded, chunks
+        r.playback_start = 0.0
+        r.output.emitted_samples = decoded * SPF
+        return r
+
+    anchor = playing(1, generated=10, decoded=2, chunks=2)  # next chunk 8 frames, 8 ready, runs dry at 0.16 s
+    ahead = playing(2, generated=16, decoded=6, chunks=1)  # next chunk 4 frames, 10 ready: ships 8 now
+    short = playing(3, generated=12, decoded=6, chunks=1)  # next chunk 4 frames, only 6 ready: cannot ship 8
+    large = playing(4, generated=26, decoded=14, chunks=3)  # next chunk 12 frames: never cut to 8
+    batch = scheduler.decide(now=0.15)
+    assert batch.stage is Stage.CODEC and batch.rule == "urgent_codec" and batch.frames == 8
+    assert batch.requests == [anchor, ahead]
+    assert short not in batch.requests and large not in batch.requests

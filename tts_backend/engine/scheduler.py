@@ -202,12 +202,17 @@ class Scheduler:
 
     def _fill(self, anchor: _Item, items: list[_Item], priority: list[_Item], rule: str) -> Batch:
         """The anchor, then compatible priority items (in fill order), then the other compatible items, up
-        to the stage's batch cap. Codec items are compatible when they decode the same number of frames
-        (one captured shape per frame count)."""
+        to the stage's batch cap. A codec batch decodes one frame count (one captured shape per count): the
+        anchor's. A stream joins it when that count is at least what its next chunk wants and no more than
+        it has generated, so a stream never ships a smaller chunk than its schedule says, and a stream that
+        is ahead ships a larger one now instead of paying for a codec call of its own later (a codec call
+        costs about the same for 1 stream as for 8)."""
         stage, frames = anchor.stage, anchor.frames
 
         def compatible(it: _Item) -> bool:
-            return it.stage is stage and (stage is not Stage.CODEC or it.frames == frames) and it is not anchor
+            if it.stage is not stage or it is anchor:
+                return False
+            return stage is not Stage.CODEC or it.frames <= frames <= it.request.pending_frames
 
         cap = self.config.max_batch[stage]
         chosen = [anchor.request]
