@@ -12,6 +12,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +45,11 @@ class EngineConfig:
     chunk_schedule: tuple[int, ...] = DEFAULT_CHUNK_SCHEDULE
     trim_leading_silence: bool = True
     silence_threshold_dbfs: float = -45.0
+    # The engine thread shares the interpreter lock with the event loop. After each device sync it needs the
+    # lock back, and CPython hands it over only every switch interval (5 ms by default) while the loop is
+    # busy sending audio: up to 5 ms of idle GPU per decision. The engine lowers the interval to this when
+    # it starts (process-wide; never raises it). None leaves it alone.
+    gil_switch_interval_s: float | None = 0.0005
 
 
 # Sections of the engine thread's wall time (EngineStats.seconds). Every moment of the thread belongs to
@@ -147,6 +153,9 @@ class Engine:
     def start(self) -> None:
         if self._thread is not None:
             return
+        interval = self.config.gil_switch_interval_s
+        if interval is not None and interval < sys.getswitchinterval():
+            sys.setswitchinterval(interval)
         self._thread = threading.Thread(target=self._run, name="voxgate-engine", daemon=True)
         self._thread.start()
 
