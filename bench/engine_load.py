@@ -57,11 +57,14 @@ def gpu_memory_mib() -> float | None:
         return None
 
 
-def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> float:
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None,
+               worker: subprocess.Popen | None = None) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode} before it was ready")
+        if worker is not None and worker.poll() is not None:
+            raise RuntimeError(f"worker exited with {worker.returncode} before it was ready")
         if log_path is not None and "backend failed to start" in log_path.read_text(errors="replace"):
             raise RuntimeError(f"the backend failed to start; see {log_path}")
         try:
@@ -87,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--output", type=Path)
-    parser.add_argument("--log", type=Path, help="gateway log file")
+    parser.add_argument("--log", type=Path, help="gateway log file (the worker's goes beside it, .worker.log)")
+    parser.add_argument("--worker", action="store_true",
+                        help="run the engine in a `voxgate worker` process and the gateway on --backend remote "
+                             "(the deployment that keeps the engine thread and the event loop in separate "
+                             "interpreters)")
     args = parser.parse_args(argv)
 
     port = free_port()
@@ -96,17 +103,30 @@ def main(argv: list[str] | None = None) -> int:
                f"max_len={BENCH_MAX_LEN}", "-o", "runner_options=" + json.dumps(BENCH_RUNNER_OPTIONS)]
     for item in args.option:
         options += ["-o", item]
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--backend", "qwen3", "--model", args.model,
-               "--device", args.device, "--port", str(port), "--log-level", "info", *options]
     if args.log:
         args.log.parent.mkdir(parents=True, exist_ok=True)
-    log = open(args.log, "w") if args.log else subprocess.DEVNULL
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    worker = None
+    worker_command = None
+    if args.worker:
+        socket_path = f"/tmp/voxgate-bench-{port}.sock"
+        worker_command = [sys.executable, "-m", "gateway.cli", "worker", "--backend", "qwen3", "--model", args.model,
+                          "--device", args.device, "--socket", socket_path,
+                          *["--option" if a == "-o" else a for a in options]]
+        worker_log = open(args.log.with_suffix(".worker.log"), "w") if args.log else subprocess.DEVNULL
+        worker = subprocess.Popen(worker_command, cwd=ROOT, stdout=worker_log, stderr=subprocess.STDOUT, env=env)
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--backend", "remote", "-o", f"socket={socket_path}",
+                   "--port", str(port), "--log-level", "info"]
+    else:
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--backend", "qwen3", "--model", args.model,
+                   "--device", args.device, "--port", str(port), "--log-level", "info", *options]
+    log = open(args.log, "w") if args.log else subprocess.DEVNULL
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     report = {"tool": "bench/engine_load.py", "command": " ".join(["python", "bench/engine_load.py", *(argv or sys.argv[1:])]),
-              "gateway_command": " ".join(command), "rates": []}
+              "gateway_command": " ".join(command), "worker_command": " ".join(worker_command or []) or None,
+              "rates": []}
     try:
-        report["startup_s"] = wait_ready(base, proc, args.ready_timeout, args.log)
+        report["startup_s"] = wait_ready(base, proc, args.ready_timeout, args.log, worker)
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
         prompts = load_prompts(ROOT / "bench" / "data" / "arctic_en.jsonl")
@@ -141,11 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             if not passed:
                 break
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for process in (proc, worker):
+            if process is None:
+                continue
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
     table = summary_table(report)
     print(table)
     if args.output:
