@@ -110,27 +110,105 @@ def _snake_beta(x, alpha, beta):
 
 
 def unfuse_codec_activations(codec) -> None:
-    """Undo `fuse_codec_activations` (back to the class's own forward)."""
+    """Undo `fuse_codec_activations` (back to the classes' own forwards)."""
     for module in codec.modules():
         module.__dict__.pop("forward", None)
 
 
+def _codec_rvq_tables(quantizer) -> torch.Tensor:
+    """[Q, codebook_size, codebook_dim]: each codebook's normalised vectors already through its half's 1x1
+    output projection. The projection has no bias, so projecting each vector and summing equals summing and
+    then projecting (to fp32 rounding)."""
+    tables = []
+    for half in (quantizer.rvq_first, quantizer.rvq_rest):
+        weight = half.output_proj.weight[:, :, 0]  # [codebook_dim, dim]
+        for layer in half.vq.layers:
+            book = layer._codebook
+            vectors = book.embedding_sum / book.cluster_usage.clamp(min=1e-5)[:, None]
+            tables.append(vectors @ weight.T)
+    return torch.stack(tables).detach()
+
+
+def _codec_rvq(codes, tables, books):
+    """codes [B, Q, t] -> [B, codebook_dim, t]: one gather over the projected tables and one sum, instead of
+    two lookups, a division and an add per codebook plus two projections (~60 kernels)."""
+    return tables[books[None, :, None], codes].sum(1).transpose(1, 2)
+
+
+def make_codec_layer_fn(n_heads: int, n_kv: int, head_dim: int, eps: float, past_len: int):
+    """One codec pre-transformer layer (qwen3.codec.TransformerLayer) as a pure function of its weights; the
+    sliding-window K/V history `past` [B, 2, Hkv, W-1, Dh] is updated in place."""
+
+    def rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def layer(h, cos, sin, mask, past, ln1, wqkv, wo, attn_scale, ln2, wgu, wd, mlp_scale):
+        B, t, _ = h.shape
+        q, k, v = F.linear(_rms_norm(h, ln1, eps), wqkv).split([n_heads * head_dim, n_kv * head_dim,
+                                                                n_kv * head_dim], dim=-1)
+        q = rotate(q.view(B, t, n_heads, head_dim).transpose(1, 2), cos, sin)
+        k = rotate(k.view(B, t, n_kv, head_dim).transpose(1, 2), cos, sin)
+        v = v.view(B, t, n_kv, head_dim).transpose(1, 2)
+        keys = torch.cat([past[:, 0], k], dim=2)
+        values = torch.cat([past[:, 1], v], dim=2)
+        past.copy_(torch.stack([keys[:, :, -past_len:], values[:, :, -past_len:]], dim=1))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=head_dim ** -0.5,
+                                             enable_gqa=n_heads != n_kv)
+        h = h + attn_scale * F.linear(out.transpose(1, 2).reshape(B, t, n_heads * head_dim), wo)
+        gate, up = F.linear(_rms_norm(h, ln2, eps), wgu).chunk(2, dim=-1)
+        return h + mlp_scale * F.linear(F.silu(gate) * up, wd)
+
+    return layer
+
+
+def _route_codec_layers(codec, compile: bool) -> int:
+    """Route each pre-transformer layer through one compiled function of its (concatenated) weights: rope,
+    norms, layer scales and the history update fuse into a few kernels instead of ~30 per layer."""
+    cfg = codec.config
+    if cfg.attention_bias or cfg.sliding_window < 2:
+        return 0  # the layer function has no biases and always carries a history
+    layer_fn = _compile(make_codec_layer_fn(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                            cfg.rms_norm_eps, cfg.sliding_window - 1), compile)
+    count = 0
+    for layer in codec.pre_transformer.layers:
+        a, m = layer.self_attn, layer.mlp
+        weights = tuple(w.detach() for w in (
+            layer.input_layernorm.weight, torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)),
+            a.o_proj.weight, layer.self_attn_layer_scale.scale, layer.post_attention_layernorm.weight,
+            torch.cat((m.gate_proj.weight, m.up_proj.weight)), m.down_proj.weight, layer.mlp_layer_scale.scale))
+
+        def forward(h, rope, mask, state, key=a.state_key, weights=weights):
+            cos, sin = rope
+            return layer_fn(h, cos, sin, mask, state.tensors[key], *weights)
+
+        layer.forward = forward
+        count += 1
+    return count
+
+
 def fuse_codec_activations(codec, compile: bool) -> int:
-    """Route every SnakeBeta of the codec through one compiled kernel (7 elementwise kernels become 1).
-    Changes the instances' `forward` only; returns how many were routed."""
-    if not compile:
-        return 0
+    """The codec's fast path: the RVQ dequantisation as one gather over projected tables (always), and with
+    `compile`, every SnakeBeta through one compiled kernel (7 elementwise kernels become 1) and each
+    pre-transformer layer through one compiled function. Changes the instances' `forward` only (undone by
+    `unfuse_codec_activations`); returns how many modules were routed."""
     import functools
 
     from tts_backend.qwen3.codec import SnakeBeta
 
+    quantizer = codec.quantizer
+    tables = _codec_rvq_tables(quantizer)
+    books = torch.arange(tables.shape[0], device=tables.device)
+    quantizer.forward = functools.partial(_codec_rvq, tables=tables, books=books)
+    count = 1
+    if not compile:
+        return count
     snake = _compile(_snake_beta, True)
-    count = 0
     for module in codec.modules():
         if isinstance(module, SnakeBeta):
             module.forward = functools.partial(snake, alpha=module.alpha.detach(), beta=module.beta.detach())
             count += 1
-    return count
+    return count + _route_codec_layers(codec, True)
 
 
 class PerLayerKV:
