@@ -52,3 +52,26 @@ def test_routed_layers_keep_the_sliding_window_history(decoder):
     finally:
         unfuse_codec_activations(decoder)
     assert (stepwise - whole).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_routed_functions_trace_whole_under_dynamo(tmp_path, kv_heads, monkeypatch):
+    """What CUDA compiles with Inductor must trace as one graph with dynamic shapes (fullgraph): checked here
+    with the aot_eager backend, which needs no compiler, on both attention layouts (GQA and plain)."""
+    write_speech_tokenizer(tmp_path, "tiny", seed=6, decoder_overrides={"sliding_window": 5,
+                                                                        "num_key_value_heads": kv_heads})
+    decoder = load_codec_decoder(tmp_path)
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": "aot_eager"}))
+    codes = random_codes(2, 9, decoder.config, seed=1)
+    plain = decode_in_chunks(decoder, codes, [2, 3, 4])
+    torch._dynamo.reset()
+    try:
+        fuse_codec_activations(decoder, compile=True)
+        fast = decode_in_chunks(decoder, codes, [2, 3, 4])
+        fast_again = decode_in_chunks(decoder, codes, [1, 4, 4])  # other shapes: recompiles, never breaks
+    finally:
+        unfuse_codec_activations(decoder)
+        torch._dynamo.reset()
+    assert (fast - plain).abs().max().item() <= 1e-5
+    assert (fast_again - plain).abs().max().item() <= 1e-5

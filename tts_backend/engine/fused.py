@@ -143,6 +143,16 @@ def make_codec_layer_fn(n_heads: int, n_kv: int, head_dim: int, eps: float, past
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
+    # enable_gqa as a literal: a value computed from the closure's ints is a SymBool under dynamic shapes,
+    # which SDPA refuses (seen on the H200).
+    if n_heads == n_kv:
+        def attend(q, keys, values, mask):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=head_dim ** -0.5)
+    else:
+        def attend(q, keys, values, mask):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=head_dim ** -0.5,
+                                                  enable_gqa=True)
+
     def layer(h, cos, sin, mask, past, ln1, wqkv, wo, attn_scale, ln2, wgu, wd, mlp_scale):
         B, t, _ = h.shape
         q, k, v = F.linear(_rms_norm(h, ln1, eps), wqkv).split([n_heads * head_dim, n_kv * head_dim,
@@ -153,8 +163,7 @@ def make_codec_layer_fn(n_heads: int, n_kv: int, head_dim: int, eps: float, past
         keys = torch.cat([past[:, 0], k], dim=2)
         values = torch.cat([past[:, 1], v], dim=2)
         past.copy_(torch.stack([keys[:, :, -past_len:], values[:, :, -past_len:]], dim=1))
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=head_dim ** -0.5,
-                                             enable_gqa=n_heads != n_kv)
+        out = attend(q, keys, values, mask)
         h = h + attn_scale * F.linear(out.transpose(1, 2).reshape(B, t, n_heads * head_dim), wo)
         gate, up = F.linear(_rms_norm(h, ln2, eps), wgu).chunk(2, dim=-1)
         return h + mlp_scale * F.linear(F.silu(gate) * up, wd)
