@@ -14,6 +14,9 @@ Engine side: `Engine.stats_snapshot()` at the start and at the end of the measur
 how the engine thread spent that wall time (per stage: inside the runner call and in the engine's handling
 of the results; scheduling = command draining + scheduler.decide; idle = waiting for work), batch sizes per
 stage, codec batches by frame count, batches per urgency rule, and eager (not graph-replayed) runner steps.
+Codec batches run on their own CUDA stream beside generation: the CODEC section is the engine thread's time to
+launch, poll and (when nothing else can run) wait for them; the codec's wall time in flight and its device time
+(CUDA events) are reported apart, as shares of the measured wall time that overlap the other sections.
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def engine_breakdown(diff: dict[str, Any]) -> dict[str, Any]:
     stage_s = sum((s["runner_s"] + s["post_s"]) for s in diff["stages"].values())
     accounted = stage_s + diff["schedule_s"] + diff["idle_s"] + diff["outside_step_s"] + diff["startup_s"]
     decisions = diff["decisions"]
+    codec = diff["codec"]
     return {
         "wall_s": wall,
         "engine_wall_s": diff["time_s"],
@@ -156,6 +160,10 @@ def engine_breakdown(diff: dict[str, Any]) -> dict[str, Any]:
         "accounted_share": accounted / wall,
         "idle_waits": diff["idle_waits"],
         "codec_batches_by_frames": dict(sorted(diff["codec_frames"].items())),
+        "codec_collected": codec["collected"],
+        "codec_in_flight_share": codec["in_flight_s"] / wall,
+        "codec_device_share": codec["device_s"] / wall if codec["timed"] else None,
+        "codec_device_ms_per_batch": 1000 * codec["device_s"] / codec["timed"] if codec["timed"] else None,
         "rules": {rule: sum(by_stage.values()) for rule, by_stage in sorted(diff["rules"].items())},
         "rules_by_stage": {rule: by_stage for rule, by_stage in sorted(diff["rules"].items())},
         "graph_replays": diff["graph_replays"],
@@ -296,12 +304,15 @@ def details(entry: dict) -> str:
     runner = ", ".join(f"{n} {_pct(g['stages'][n]['runner_share'])} + {_pct(g['stages'][n]['post_share'])}"
                        for n in STAGES)
     per_decision = g["schedule_us_per_decision"]
+    codec_ms = "-" if g["codec_device_ms_per_batch"] is None else f"{g['codec_device_ms_per_batch']:.2f}"
     return "\n".join([
         f"{entry['rps']:g} RPS: runner call + engine result handling per stage: {runner}",
         f"  scheduling per decision {'-' if per_decision is None else f'{per_decision:.0f}'} us; "
         f"idle waits {g['idle_waits']}; CUDA graph replays {g['graph_replays']}, runner steps run eagerly (no captured graph) "
         f"{g['graph_eager_runs']}",
         f"  codec batches by frames: {g['codec_batches_by_frames']}",
+        f"  codec overlapped with the engine thread: in flight {_pct(g['codec_in_flight_share'])} of the wall time, "
+        f"device time {_pct(g['codec_device_share'])} ({codec_ms} ms per batch)",
         f"  batches by rule: {g['rules']}",
         f"  batch sizes: " + "; ".join(f"{n} {g['stages'][n]['batch_sizes']}" for n in STAGES),
     ])

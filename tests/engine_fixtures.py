@@ -3,6 +3,11 @@
 `ScriptedRunnerTestDouble` plays back a script per request instead of running a model: the prompt is a
 `Script` that says how many frames the request yields before EOS and how many of its first frames are
 silent. It records every call so tests can check ordering, batching, slot use and cancellation.
+
+Its codec is asynchronous when `codec_polls` > 0: `codec_collect` answers None that many times before the
+audio is there, as a GPU runner's does while the codec stream works. It asserts the rules of the codec
+interface: one batch in flight at a time, and no slot of an in-flight batch released or reused. The engine
+turns a runner's exception into a failed batch, so a broken rule is also kept in `violations` for the test.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tts_backend.engine.request import RequestState
-from tts_backend.engine.runner import ModelRunner
+from tts_backend.engine.runner import CodecHandle, ModelRunner
 
 
 @dataclass(frozen=True)
@@ -34,11 +39,17 @@ class ManualClock:
         self.now += seconds
 
 
+@dataclass(eq=False)
+class _ScriptedCodecHandle(CodecHandle):
+    audio: list[np.ndarray] | None = None  # what the batch decodes, made at launch
+    polls_left: int = 0
+
+
 class ScriptedRunnerTestDouble(ModelRunner):
     """Deterministic stand-in for the Qwen3 model runner (test double, named as such)."""
 
     def __init__(self, max_slots: int = 8, samples_per_frame: int = 1920, sample_rate: int = 24000,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, codec_polls: int = 0) -> None:
         self.max_slots = max_slots
         self.samples_per_frame = samples_per_frame
         self.sample_rate = sample_rate
@@ -47,14 +58,30 @@ class ScriptedRunnerTestDouble(ModelRunner):
         self.released: list[int] = []
         self.slots_in_use: dict[int, int] = {}  # slot -> request id
         self.prepared = False
+        self.codec_polls = codec_polls
+        self.codec_in_flight: dict[int, int] = {}  # slot -> request id, for the launched, uncollected batch
+        self.codec_handle: _ScriptedCodecHandle | None = None  # that batch (a test may change its polls_left)
+        self.codec_collected: list[list[int]] = []  # request ids of each collected codec batch
+        self.during_codec: list[str] = []  # stages of the calls made while a codec batch was in flight
+        self.codec_polled_early = 0  # collects that found the batch unfinished
+        self.violations: list[str] = []
+
+    def _check(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.violations.append(message)
+            raise AssertionError(message)
 
     def prepare(self) -> None:
         self.prepared = True
 
     def _record(self, stage: str, requests: list[RequestState], frames: int = 0) -> None:
+        if self.codec_in_flight:
+            self.during_codec.append(stage)
         for r in requests:
+            if stage == "prefill":
+                self._check(r.slot not in self.codec_in_flight, f"slot {r.slot} reused while its codec batch is in flight")
             owner = self.slots_in_use.setdefault(r.slot, r.request_id)
-            assert owner == r.request_id, f"slot {r.slot} used by {owner} and {r.request_id}"
+            self._check(owner == r.request_id, f"slot {r.slot} used by {owner} and {r.request_id}")
         self.calls.append((stage, [r.request_id for r in requests], frames))
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
@@ -70,23 +97,44 @@ class ScriptedRunnerTestDouble(ModelRunner):
         # frames_generated frames exist; EOS is sampled once the script's frames are all made.
         return [r.frames_generated >= r.prompt.frames for r in requests]
 
-    def codec(self, requests, frames):
+    def codec_launch(self, requests, frames):
+        self._check(not self.codec_in_flight, "a codec batch launched while another is in flight")
         self._record("codec", requests, frames)
-        out = []
-        for r in requests:
-            first = r.frames_decoded
-            pieces = []
-            for f in range(first, first + frames):
-                if f < r.prompt.silent_frames:
-                    pieces.append(np.zeros(self.samples_per_frame, np.float32))
-                else:
-                    t = np.arange(self.samples_per_frame) + f * self.samples_per_frame
-                    pieces.append((r.prompt.amplitude * np.cos(2 * np.pi * 220 * t / self.sample_rate))
-                                  .astype(np.float32))
-            out.append(np.concatenate(pieces))
-        return out
+        audio = [self._audio(r, frames) for r in requests]
+        self.codec_in_flight = {r.slot: r.request_id for r in requests}
+        self.codec_handle = _ScriptedCodecHandle(len(requests), frames, audio=audio, polls_left=self.codec_polls)
+        return self.codec_handle
+
+    def codec_collect(self, handle):
+        if handle.pcm is None:
+            if handle.polls_left > 0:
+                handle.polls_left -= 1
+                self.codec_polled_early += 1
+                return None
+            handle.pcm = handle.audio
+            self.codec_collected.append(list(self.codec_in_flight.values()))
+            self.codec_in_flight = {}
+            self.codec_handle = None
+        return handle.pcm
+
+    def codec_wait(self, handle):
+        handle.polls_left = 0
+        return self.codec_collect(handle)
+
+    def _audio(self, r: RequestState, frames: int) -> np.ndarray:
+        pieces = []
+        for f in range(r.frames_decoded, r.frames_decoded + frames):
+            if f < r.prompt.silent_frames:
+                pieces.append(np.zeros(self.samples_per_frame, np.float32))
+            else:
+                t = np.arange(self.samples_per_frame) + f * self.samples_per_frame
+                pieces.append((r.prompt.amplitude * np.cos(2 * np.pi * 220 * t / self.sample_rate))
+                              .astype(np.float32))
+        return np.concatenate(pieces)
 
     def release(self, request):
+        self._check(request.slot not in self.codec_in_flight,
+                    f"slot {request.slot} released while its codec batch is in flight")
         self.released.append(request.request_id)
         self.slots_in_use.pop(request.slot, None)
 

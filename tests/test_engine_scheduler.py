@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.engine_fixtures import ManualClock, Script, ScriptedRunnerTestDouble
-from tts_backend.base import BackendOverloadedError
+from tts_backend.base import BackendOverloadedError, SynthesisError
 from tts_backend.engine.engine import Engine, EngineConfig
 from tts_backend.engine.request import Phase, Stage
 from tts_backend.engine.scheduler import SchedulerConfig
@@ -21,9 +21,9 @@ from tts_backend.engine.silence import LeadingSilenceTrimmer, find_onset
 SPF = 1920
 
 
-def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, **sched):
+def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, codec_polls=0, **sched):
     clock = ManualClock()
-    runner = ScriptedRunnerTestDouble(max_slots=max_active)
+    runner = ScriptedRunnerTestDouble(max_slots=max_active, codec_polls=codec_polls)
     config = EngineConfig(
         scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule, max_queued=max_queued
     )
@@ -312,3 +312,119 @@ def test_a_codec_batch_takes_streams_that_are_ahead_but_never_shrinks_a_chunk():
     assert batch.stage is Stage.CODEC and batch.rule == "urgent_codec" and batch.frames == 8
     assert batch.requests == [anchor, ahead]
     assert short not in batch.requests and large not in batch.requests
+
+
+# ---- the codec in flight: launched, generation runs meanwhile, collected a few steps later ------------------
+
+async def test_generation_runs_while_a_codec_batch_is_in_flight_and_one_codec_batch_at_a_time():
+    engine, runner, _ = make_engine(codec_polls=3)
+    streams = [submit(engine, frames=n) for n in (9, 17, 30)]
+    saw_in_flight = False
+    for _ in range(10_000):
+        if engine.step() is None:
+            break
+        saw_in_flight |= bool(runner.codec_in_flight)
+    assert saw_in_flight and runner.codec_polled_early > 0
+    assert {"decode", "code_predict"} <= set(runner.during_codec)
+    assert "codec" not in runner.during_codec  # never a second codec batch while one is in flight
+    assert runner.violations == []
+    assert len(runner.codec_collected) == runner.stages().count("codec")
+    for n, s in zip((9, 17, 30), streams):
+        assert len(await collect(s)) == n * SPF * 2
+    assert engine.stats.completed == 3 and engine.stats.failed == 0
+
+
+async def _audio_of_a_mixed_workload(codec_polls):
+    engine, runner, clock = make_engine(max_active=3, codec_polls=codec_polls)
+    streams = [submit(engine, frames=n, silent_frames=k) for n, k in ((13, 0), (25, 3), (7, 5), (40, 1), (19, 0))]
+    for i in range(10_000):
+        if engine.step() is None:
+            break
+        if i % 7 == 0:
+            clock.advance(0.05)  # deadlines come and go, so the urgency rules take part
+    assert runner.violations == []
+    return [await collect(s) for s in streams], runner
+
+
+async def test_asynchronous_codec_audio_is_byte_identical_to_the_synchronous_path():
+    synchronous, sync_runner = await _audio_of_a_mixed_workload(codec_polls=0)
+    asynchronous, async_runner = await _audio_of_a_mixed_workload(codec_polls=4)
+    assert sync_runner.during_codec == [] and async_runner.during_codec  # the two paths did differ
+    assert all(synchronous) and asynchronous == synchronous
+
+
+async def test_a_slot_cancelled_while_its_codec_batch_is_in_flight_is_freed_only_once_collected():
+    engine, runner, _ = make_engine(max_active=2, codec_polls=6)
+    a = submit(engine, frames=300)
+    submit(engine, frames=300)  # C: generation work while A's codec batch is in flight
+    b = submit(engine, frames=3)  # waits for a slot
+    engine.step()
+    req_a, req_b = engine.scheduler.get(a.request_id), engine.scheduler.get(b.request_id)
+    run_until(engine, lambda: req_a.slot in runner.codec_in_flight)
+    slot = req_a.slot
+    a.cancel()
+    engine.step()  # takes the cancel; C's generation goes on beside the in-flight batch
+    assert req_a.done and a.request_id not in runner.released
+    assert req_b.phase is Phase.WAITING and engine.scheduler.active == 2
+    run_until(engine, lambda: a.request_id in runner.released)
+    assert runner.codec_collected[-1].count(a.request_id) == 1 and slot not in runner.codec_in_flight
+    run_until(engine, lambda: req_b.done)
+    assert ("prefill", [b.request_id], 0) in runner.calls and req_b.slot is None
+    assert runner.violations == []
+    assert len(await collect(b)) == 3 * SPF * 2
+    assert engine.stats.cancelled == 1
+    a.cancel()  # a second cancel of a request that already left does nothing
+    engine.step()
+    assert engine.stats.cancelled == 1
+
+
+async def test_a_stream_running_dry_is_picked_in_the_step_that_collects_the_in_flight_codec():
+    engine, runner, clock = make_engine(codec_polls=1_000_000)  # in flight until a test says otherwise
+    a = submit(engine, frames=200)
+    engine.step()
+    req_a = engine.scheduler.get(a.request_id)
+    run_until(engine, lambda: req_a.playing and req_a.slot in runner.codec_in_flight and req_a.pending_frames >= 12)
+    collected = len(runner.codec_collected)
+    runner.codec_handle.polls_left = 2  # the device finishes the batch two polls from now
+    clock.advance(10.0)  # A's audio has run out
+    batches = []
+    while len(runner.codec_collected) == collected:
+        batches.append(engine.step())
+    # Generation went on while the batch was in flight; the step that collected it picked A's next chunk.
+    assert len(batches) == 3 and all(b.stage is not Stage.CODEC for b in batches[:-1])
+    assert batches[-1].stage is Stage.CODEC and batches[-1].rule == "urgent_codec"
+    assert batches[-1].requests == [req_a]
+    assert runner.violations == []
+
+
+async def test_stop_with_a_codec_batch_in_flight_ends_cleanly_inline():
+    engine, runner, _ = make_engine(codec_polls=1_000_000)
+    streams = [submit(engine, frames=50) for _ in range(2)]
+    run_until(engine, lambda: bool(runner.codec_in_flight))
+    in_flight = list(runner.codec_in_flight.values())
+    engine.stop()
+    assert runner.codec_in_flight == {} and runner.codec_collected[-1] == in_flight
+    assert sorted(runner.released) == sorted(s.request_id for s in streams)
+    assert runner.violations == [] and engine.scheduler.requests == []
+    for s in streams:
+        with pytest.raises(SynthesisError, match="engine stopped"):
+            await collect(s)
+
+
+async def test_engine_thread_stops_cleanly_with_a_codec_batch_in_flight():
+    runner = ScriptedRunnerTestDouble(max_slots=2, step_delay_s=0.001, codec_polls=1_000_000)
+    engine = Engine(runner, EngineConfig(scheduler=SchedulerConfig(max_active=2)))
+    engine.start()
+    await asyncio.to_thread(engine.wait_ready, 10)
+    streams = [engine.submit(Script(400), seed=None, max_frames=1000) for _ in range(2)]
+    for _ in range(2000):
+        if runner.codec_in_flight:
+            break
+        await asyncio.sleep(0.001)
+    assert runner.codec_in_flight
+    await asyncio.to_thread(engine.stop)
+    assert engine._thread is None and runner.codec_in_flight == {} and runner.violations == []
+    assert sorted(runner.released) == sorted(s.request_id for s in streams)
+    for s in streams:
+        with pytest.raises(SynthesisError):
+            await asyncio.wait_for(collect(s), 5)

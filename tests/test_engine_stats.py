@@ -26,8 +26,9 @@ def seconds_total(snapshot: dict) -> float:
             + snapshot["outside_step_s"] + snapshot["startup_s"])
 
 
-async def test_histograms_and_rules_match_the_runners_calls():
-    runner = ScriptedRunnerTestDouble(max_slots=4, step_delay_s=0.002)
+@pytest.mark.parametrize("codec_polls", [0, 3])
+async def test_histograms_and_rules_match_the_runners_calls(codec_polls):
+    runner = ScriptedRunnerTestDouble(max_slots=4, step_delay_s=0.002, codec_polls=codec_polls)
     config = EngineConfig(scheduler=SchedulerConfig(
         max_active=4, max_batch={Stage.PREFILL: 2, Stage.DECODE: 4, Stage.CODE_PREDICT: 3, Stage.CODEC: 2}))
     engine = Engine(runner, config, clock=ManualClock())
@@ -58,6 +59,13 @@ async def test_histograms_and_rules_match_the_runners_calls():
         == dict(rules)
     assert after["decisions"] == len(runner.calls) == sum(rules.values())
     assert after["completed"] == 5
+    # Every codec batch was collected; launch to collect is at least the launch's 2 ms, and with polls the
+    # batch stayed in flight across generation batches. The double measures no device time.
+    codec = after["codec"]
+    assert codec["collected"] == after["stages"]["CODEC"]["batches"] == frames.total()
+    assert codec["in_flight_s"] >= 0.002 * codec["collected"] * 0.99
+    assert codec["timed"] == 0 and codec["device_s"] == 0.0
+    assert (runner.codec_polled_early > 0) == (codec_polls > 0)
 
     # Wall-time sections: the runner double sleeps 2 ms per call, so each stage's runner seconds are at
     # least that many calls' worth; every moment between the snapshots is in exactly one section.

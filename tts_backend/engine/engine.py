@@ -29,7 +29,7 @@ from .request import (
     Stage,
     validate_schedule,
 )
-from .runner import ModelRunner
+from .runner import CodecHandle, ModelRunner
 from .scheduler import Batch, Scheduler, SchedulerConfig
 from .silence import LeadingSilenceTrimmer
 
@@ -59,6 +59,8 @@ _SCHEDULE = "schedule"  # host overhead: draining commands and scheduler.decide
 _IDLE = "idle"  # waiting on _wake with nothing to run
 _OUTSIDE = "outside_step"  # between steps: the run loop's own turn, or the caller's code in inline mode
 _RUNNER = {s: f"runner.{s.name}" for s in Stage}  # inside the runner's call for a batch of the stage
+# (codec: launching a batch, polling it, and waiting for it when there is nothing else to do; the codec's
+# device time overlaps other sections and is counted apart, in EngineStats.codec_device_s)
 _POST = {s: f"post.{s.name}" for s in Stage}  # the engine's own work on the batch's results (phases, PCM, finish)
 
 
@@ -67,7 +69,7 @@ class EngineStats:
     decisions: int = 0
     batches: dict = field(default_factory=lambda: {s.name: 0 for s in Stage})
     items: dict = field(default_factory=lambda: {s.name: 0 for s in Stage})
-    busy_s: float = 0.0  # what the scheduler's cost model sees: runner call plus result handling, per batch
+    busy_s: float = 0.0  # engine-thread seconds in runner calls plus result handling, all batches
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -76,6 +78,21 @@ class EngineStats:
     rules: dict = field(default_factory=dict)  # urgency rule -> {stage: batches}
     seconds: dict = field(default_factory=dict)  # section -> wall seconds of the engine thread
     idle_waits: int = 0
+    # Codec batches run beside generation (runner codec_launch/codec_collect): per collected batch, the wall
+    # time from launch to collect, and the device time when the runner measures it (CUDA events).
+    codec_collected: int = 0
+    codec_in_flight_s: float = 0.0
+    codec_device_s: float = 0.0
+    codec_timed: int = 0  # collected batches whose device time is known
+
+
+@dataclass
+class _CodecInFlight:
+    """The codec batch the runner is working on (at most one)."""
+
+    batch: Batch
+    handle: CodecHandle
+    launched: float  # perf_counter when its launch began
 
 
 class EngineStream:
@@ -148,6 +165,8 @@ class Engine:
         self._trimmers: dict[int, LeadingSilenceTrimmer] = {}
         self._startup_error: BaseException | None = None
         self._paused_waiting = False
+        self._inline = False
+        self._codec: _CodecInFlight | None = None
 
     # ---- lifecycle (any thread) -------------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +184,7 @@ class Engine:
         self._enter(_STARTUP)
         self.runner.prepare()
         self._enter(_OUTSIDE)
+        self._inline = True
         self._ready.set()
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -178,11 +198,16 @@ class Engine:
         return self._ready.is_set() and self._startup_error is None and not self._stopping
 
     def stop(self) -> None:
+        """Stop the engine thread; it collects its in-flight codec batch and fails what is left. In inline
+        mode that shutdown runs here, so call it from the thread that drives `step()`."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        elif self._inline:
+            self._inline = False
+            self._shutdown()
 
     def load(self) -> float:
         return min(1.0, len(self._streams) / max(1, self.config.scheduler.max_active))
@@ -238,18 +263,41 @@ class Engine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 self._paused_waiting = False
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        # The device must be done with the in-flight codec batch before its slots are freed for good.
+        if self._codec is not None:
+            self._collect_codec(block=True)
+            self._enter(_OUTSIDE)
         self._fail_all(SynthesisError("engine stopped"))
 
     def step(self, now: float | None = None) -> Batch | None:
-        """One turn: take commands, pick one batch, run it. Returns the batch, or None when idle.
+        """One turn: take commands, collect the in-flight codec batch if the device has finished it, pick
+        one batch and run (or, for the codec, launch) it. Returns the batch, or None when idle.
         Called by the engine thread; tests drive it directly (with a chosen clock) instead of the thread."""
         self._enter(_SCHEDULE)
         self._drain_commands()
-        batch = self.scheduler.decide(self.clock() if now is None else now)
+        if self._codec is not None:
+            # Not waiting here even when a stream is about to run dry: its codec is in flight (the audio comes
+            # no sooner by waiting) or has to wait for the in-flight batch anyway, and rule 1 picks it in the
+            # step that collects that batch; a generation batch launched meanwhile overlaps the codec.
+            self._collect_codec(block=False)
+            self._enter(_SCHEDULE)
+        batch = self.scheduler.decide(self._now(now), codec_in_flight=self._codec is not None)
+        if batch is None and self._codec is not None:
+            # Only the in-flight codec batch is left: wait for it rather than spin; its audio may make work
+            # ready (the next chunk's codec, or streams that were paused).
+            self._collect_codec(block=True)
+            self._enter(_SCHEDULE)
+            batch = self.scheduler.decide(self._now(now))
         if batch is not None:
             self._execute(batch)
         self._enter(_OUTSIDE)
         return batch
+
+    def _now(self, now: float | None) -> float:
+        return self.clock() if now is None else now
 
     def _drain_commands(self) -> None:
         while self._commands:
@@ -261,12 +309,15 @@ class Engine:
                 self.scheduler.add(arg)
             elif kind == "cancel":
                 request = self.scheduler.get(arg)
-                if request is not None:
+                if request is not None and not request.done:  # done: already left, its slot held for a codec batch
                     request.cancelled = True
                     self.stats.cancelled += 1
                     self._finish(request, None)
 
     def _execute(self, batch: Batch) -> None:
+        if batch.stage is Stage.CODEC:
+            self._launch_codec(batch)
+            return
         runner = self.runner
         requests = batch.requests
         stage = batch.stage
@@ -284,34 +335,105 @@ class Engine:
                 for r in requests:
                     r.frames_generated += 1
                     r.phase = Phase.FINISHED if r.frames_generated >= r.max_frames else Phase.NEED_DECODE
-            elif stage is Stage.DECODE:
+            else:
                 eos = runner.decode(requests)
                 self._enter(post)
                 for r, stop in zip(requests, eos):
                     r.phase = Phase.FINISHED if stop else Phase.NEED_CODE_PREDICT
-            else:
-                pieces = runner.codec(requests, batch.frames)
-                self._enter(post)
-                for r, pcm in zip(requests, pieces):
-                    r.frames_decoded += batch.frames
-                    self._emit(r, pcm)
-                    if r.playing:  # a chunk that was all leading silence does not use up a small first size
-                        r.chunks_decoded += 1
         except Exception as exc:  # a failed batch fails its requests, not the engine
             self._enter(post)
-            log.exception("%s batch failed", stage.name)
-            for r in requests:
-                self.stats.failed += 1
-                self._finish(r, SynthesisError(f"synthesis failed in {stage.name.lower()}: {exc}"))
+            self._fail_batch(batch, exc)
             return
         finally:
             elapsed = time.perf_counter() - started
             self.scheduler.observe(stage, elapsed)
             self._count_batch(batch, elapsed)
+        self._complete_finished(requests)
+
+    def _fail_batch(self, batch: Batch, exc: Exception) -> None:
+        log.exception("%s batch failed", batch.stage.name)
+        for r in batch.requests:
+            if not r.done:
+                self.stats.failed += 1
+                self._finish(r, SynthesisError(f"synthesis failed in {batch.stage.name.lower()}: {exc}"))
+
+    def _complete_finished(self, requests: list[RequestState]) -> None:
         for r in requests:
             if r.phase is Phase.FINISHED and r.pending_frames == 0 and not r.done:
                 self.stats.completed += 1
                 self._finish(r, None)
+
+    # ---- the codec: launched, then collected a few steps later ------------------------------------------
+    def _launch_codec(self, batch: Batch) -> None:
+        """Hand a codec batch to the runner and go on; `_collect_codec` finishes it. A runner that decodes
+        synchronously (CPU, or codec_stream off) has the audio ready at once, and it is collected right here,
+        exactly as a synchronous codec call was handled."""
+        started = self._enter(_RUNNER[Stage.CODEC])
+        try:
+            handle = self.runner.codec_launch(batch.requests, batch.frames)
+        except Exception as exc:
+            self._enter(_POST[Stage.CODEC])
+            self._fail_batch(batch, exc)
+            elapsed = time.perf_counter() - started
+            self.scheduler.observe(Stage.CODEC, elapsed)
+            self._count_batch(batch, elapsed)
+            return
+        self._count_batch(batch, time.perf_counter() - started)
+        self._codec = _CodecInFlight(batch, handle, started)
+        self._collect_codec(block=False)
+
+    def _collect_codec(self, block: bool) -> None:
+        """Take the in-flight codec batch's audio if the device has finished it (or wait for it): emit the
+        PCM, advance frames_decoded and chunks_decoded, finish requests that are done, and free the slots
+        of requests that left while the batch was in flight."""
+        flight = self._codec
+        stage = Stage.CODEC
+        started = self._enter(_RUNNER[stage])
+        batch, requests = flight.batch, flight.batch.requests
+        try:
+            pieces = self.runner.codec_wait(flight.handle) if block else self.runner.codec_collect(flight.handle)
+        except Exception as exc:
+            self._codec = None
+            self._enter(_POST[stage])
+            self._fail_batch(batch, exc)
+            self._release_slots(requests)
+            self._codec_done(flight, started)
+            return
+        if pieces is None:
+            self._add_busy(time.perf_counter() - started)
+            return
+        self._codec = None
+        self._enter(_POST[stage])
+        for r, pcm in zip(requests, pieces):
+            if r.done:  # cancelled or failed while in flight; its slot is freed below
+                continue
+            r.frames_decoded += batch.frames
+            self._emit(r, pcm)
+            if r.playing:  # a chunk that was all leading silence does not use up a small first size
+                r.chunks_decoded += 1
+        self._release_slots(requests)
+        self._complete_finished(requests)
+        self._codec_done(flight, started)
+
+    def _release_slots(self, requests: list[RequestState]) -> None:
+        """Free the slots `_finish` kept for a codec batch that has now been collected."""
+        for r in requests:
+            if r.done and r.slot is not None:
+                self._release_slot(r)
+
+    def _codec_done(self, flight: _CodecInFlight, collect_started: float) -> None:
+        finished = time.perf_counter()
+        # The scheduler plans with the time from launch to audio (rule 2), which is what a stream waits.
+        self.scheduler.observe(Stage.CODEC, finished - flight.launched)
+        device_s = flight.handle.device_s
+        with self._stats_lock:
+            stats = self.stats
+            stats.busy_s += finished - collect_started
+            stats.codec_collected += 1
+            stats.codec_in_flight_s += finished - flight.launched
+            if device_s is not None:
+                stats.codec_timed += 1
+                stats.codec_device_s += device_s
 
     # ---- statistics -----------------------------------------------------------------------------------
     def _enter(self, section: str) -> float:
@@ -325,7 +447,12 @@ class Engine:
             self._section_started = now
         return now
 
+    def _add_busy(self, seconds: float) -> None:
+        with self._stats_lock:
+            self.stats.busy_s += seconds
+
     def _count_batch(self, batch: Batch, elapsed: float) -> None:
+        """A decision was made and its batch run (a codec batch: launched), taking `elapsed` thread seconds."""
         name, size = batch.stage.name, len(batch.requests)
         stats = self.stats
         with self._stats_lock:
@@ -368,6 +495,12 @@ class Engine:
                     for s in Stage
                 },
                 "codec_frames": dict(stats.codec_frames),
+                "codec": {
+                    "collected": stats.codec_collected,
+                    "in_flight_s": stats.codec_in_flight_s,
+                    "device_s": stats.codec_device_s,
+                    "timed": stats.codec_timed,
+                },
                 "rules": {rule: dict(by_stage) for rule, by_stage in stats.rules.items()},
                 "schedule_s": seconds.get(_SCHEDULE, 0.0),
                 "idle_s": seconds.get(_IDLE, 0.0),
@@ -394,22 +527,30 @@ class Engine:
             stream._deliver(data)
 
     def _finish(self, request: RequestState, error: BaseException | None) -> None:
-        """Done, failed or cancelled: free the slot now and end the consumer's stream."""
+        """Done, failed or cancelled: end the consumer's stream and free the slot, at once unless the
+        in-flight codec batch covers it. That batch still reads and writes the slot's codec state on the
+        device, and a new request's prefill resets that state on the main stream; freeing the slot only
+        after the batch is collected (the host saw it complete) orders the two without a stream wait."""
         if request.done:
             return
         request.done = True
         trimmer = self._trimmers.pop(request.request_id, None)
         if error is None and not request.cancelled and trimmer is not None and not trimmer.started:
             self._send_audio(request, trimmer.flush())
+        in_flight = self._codec is not None and any(r is request for r in self._codec.batch.requests)
+        if not in_flight:
+            self._release_slot(request)
+        stream = self._streams.pop(request.request_id, None)
+        if stream is not None and not request.cancelled:
+            stream._deliver(error if error is not None else _END)
+
+    def _release_slot(self, request: RequestState) -> None:
         if request.slot is not None:
             try:
                 self.runner.release(request)
             except Exception:  # noqa: BLE001 - releasing must never take the engine down
                 log.exception("runner release failed")
         self.scheduler.remove(request)
-        stream = self._streams.pop(request.request_id, None)
-        if stream is not None and not request.cancelled:
-            stream._deliver(error if error is not None else _END)
 
     def _fail_all(self, error: BaseException) -> None:
         self._drain_commands()

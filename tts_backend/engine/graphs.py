@@ -2,9 +2,11 @@
 
 A step is a function of a few small index tensors (slots, prompt ids) that reads and writes only the
 runner's persistent per-slot buffers. Capturing it once per shape turns hundreds of kernel launches into
-one replay. Every graph shares one memory pool: graphs run one at a time on one stream, so the
-temporaries of one replay are dead before the next starts, and a step's results always land in the
-persistent buffers, never in graph-owned memory.
+one replay. Graphs that run one at a time on one stream share one memory pool: the temporaries of one
+replay are dead before the next starts, and a step's results always land in the persistent buffers, never
+in graph-owned memory. A kind of step that replays on a stream of its own, concurrently with the others
+(the runner's codec stream), gets a pool of its own (`own_pools`), or two concurrent replays would write
+each other's temporaries.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ class CapturedStep:
 class GraphSet:
     """Captured steps by key; `run` replays a captured one or runs the step eagerly."""
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
+    def __init__(self, device: torch.device, enabled: bool, own_pools: Sequence[str] = ()) -> None:
+        """`own_pools`: kinds of step (the first element of a key) whose graphs get a memory pool apart from
+        the shared one, because they replay concurrently with the others."""
         self.device = device
         self.enabled = enabled and device.type == "cuda"
         self._steps: dict[Hashable, CapturedStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self._own_pools = {kind: torch.cuda.graph_pool_handle() for kind in own_pools} if self.enabled else {}
         self.capture_seconds = 0.0
         self.replays = 0
         self.eager_runs = 0
@@ -62,7 +67,8 @@ class GraphSet:
                 fn(*static_inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        kind = key[0] if isinstance(key, tuple) and key else None
+        with torch.cuda.graph(graph, pool=self._own_pools.get(kind, self._pool)):
             fn(*static_inputs)
         torch.cuda.synchronize(self.device)
         self._steps[key] = CapturedStep(graph, static_inputs)

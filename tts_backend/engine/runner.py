@@ -25,6 +25,17 @@ from .sampling_noise import gumbel_noise
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
+class CodecHandle:
+    """A launched codec batch. `pcm` is set once the audio is on the host; `device_s` is the device time the
+    codec took when the runner measured it (CUDA events), None otherwise. A runner may subclass it."""
+
+    count: int  # requests in the batch
+    frames: int  # frames each request decodes
+    pcm: list[np.ndarray] | None = None
+    device_s: float | None = None
+
+
 class ModelRunner(abc.ABC):
     sample_rate: int = 24000
     samples_per_frame: int = 1920
@@ -46,8 +57,22 @@ class ModelRunner(abc.ABC):
         """One Talker step for each request; returns, per request, whether it sampled EOS."""
 
     @abc.abstractmethod
+    def codec_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
+        """Start decoding the next `frames` frames of each request. At most one codec batch is in flight:
+        launch again only after the last one was collected."""
+
+    @abc.abstractmethod
+    def codec_collect(self, handle: CodecHandle) -> list[np.ndarray] | None:
+        """The launched batch's float32 PCM in [-1, 1], one array per request, or None while the device is
+        still working on it. Never blocks."""
+
+    @abc.abstractmethod
+    def codec_wait(self, handle: CodecHandle) -> list[np.ndarray]:
+        """`codec_collect`, blocking until the device has finished."""
+
     def codec(self, requests: list[RequestState], frames: int) -> list[np.ndarray]:
-        """Decode the next `frames` frames of each request; float32 PCM in [-1, 1], one array per request."""
+        """Decode the next `frames` frames of each request, synchronously."""
+        return self.codec_wait(self.codec_launch(requests, frames))
 
     def release(self, request: RequestState) -> None:
         """The request left the engine (done or cancelled); its slot may be reused at once."""
@@ -82,6 +107,9 @@ class Qwen3RunnerConfig:
     prefill_len_buckets: tuple[int, ...] = (16, 32, 64, 128)
     codec_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     codec_frames: tuple[int, ...] = tuple(range(1, 13))
+    # Run codec batches on a CUDA stream of their own, overlapping generation, and hand their PCM back
+    # through a pinned buffer and an event instead of blocking the engine thread (CUDA only; off elsewhere).
+    codec_stream: bool = True
 
 
 def _bucket(value: int, buckets: Sequence[int]) -> int | None:
@@ -127,7 +155,9 @@ class Qwen3ModelRunner(ModelRunner):
         self.triton = self.fused and self._use_triton(cfg.kernels, model)
         params = model.sampling_params()
         self.params: SamplingParams = params.greedy() if cfg.greedy else params
-        self.graphs = GraphSet(self.device, use_graphs)
+        self.codec_async = bool(cfg.codec_stream and self.device.type == "cuda")
+        # Codec graphs replay on the codec stream while generation graphs replay on the main one: separate pools.
+        self.graphs = GraphSet(self.device, use_graphs, own_pools=("codec",) if self.codec_async else ())
         self.decode_buckets = self._buckets(cfg.decode_buckets, cfg.max_slots)
         # The Triton decode attends each row's own length, so one captured decode graph serves every length.
         self.attend_buckets = (cfg.max_len,) if self.triton else (
@@ -220,6 +250,19 @@ class Qwen3ModelRunner(ModelRunner):
                                    dtype=codec_dtype)
         self.codec_pool = self.codec_module.init_state(S, device=dev)
         self.codec_static = {b: self.codec_module.init_state(b, device=dev) for b in self.codec_buckets}
+        self._codec_in_flight: CodecHandle | None = None
+        if self.codec_async:
+            # The codec stream's inputs and outputs. One batch in flight at a time (codec_launch checks) is
+            # what makes reusing them safe: the graphs' static inputs, `codec_static[b]`, `wav_out`, these
+            # pinned buffers and events exist once per runner, so a second batch launched before the first
+            # is collected would overwrite the first's state and audio while the device or the host still
+            # reads them. Two batches in flight would gain little anyway: they would queue on one stream.
+            self.codec_stream = torch.cuda.Stream(dev)
+            self.codec_slots_host = torch.empty(max(self.codec_buckets), dtype=torch.long, pin_memory=True)
+            self.codec_pcm_host = torch.empty(max(self.codec_buckets) * 64 * self.samples_per_frame,
+                                              dtype=codec_dtype, pin_memory=True)
+            self.codec_started = torch.cuda.Event(enable_timing=True)
+            self.codec_done = torch.cuda.Event(enable_timing=True)
         self.eos_onehot = torch.zeros(self.vocab, device=dev, dtype=torch.bool)
         self.eos_onehot[self.eos_id] = True
         self._true = torch.ones((), device=dev, dtype=torch.bool)
@@ -510,17 +553,107 @@ class Qwen3ModelRunner(ModelRunner):
             self.graphs.run(("decode", b, a), lambda s: self._decode_fn(s, a), [slots])
         return self.eos_out[: len(requests)].tolist()
 
+    # Ordering of the codec stream against the main stream (CUDA, codec_async). Per slot, the codec reads
+    # `ring` (frames decoded .. decoded+frames-1, mod frame_ring) and reads and writes `codec_pool` and
+    # `decoded`; the main stream writes `ring` and `written` (code predictor) and resets all of them for a
+    # new request's slot (prefill).
+    # - The frames a codec batch reads were written by code-predictor steps issued before the launch: the
+    #   codec stream waits on the main stream before it starts.
+    # - Code-predictor steps issued while a batch is in flight write ring position `written`, which is at
+    #   least decoded + frames and at most decoded + max_pending_frames - 1 (the scheduler stops generation
+    #   at max_pending_frames, counted from the engine's frames_decoded, which advances only at collect), so
+    #   with max_pending_frames <= frame_ring (the backend uses frame_ring minus the largest chunk) they never
+    #   hit a position the batch reads.
+    # - Prefill resets the rows of its own slots only, and the engine frees the slot of a finished or
+    #   cancelled request only after it collected the codec batch covering that slot: the host saw the
+    #   batch's event complete before it issued the prefill that reuses the slot, so no stream wait is needed.
+    # - Padding rows of both streams point at the scratch slot; what they race on there is discarded (ring
+    #   codes are clamped and `decoded` is taken mod frame_ring before use, so garbage stays in range).
+    # - Codec graph temporaries live in a graph pool of their own; eager codec temporaries are allocated on
+    #   the codec stream, so the caching allocator hands them only to later codec-stream work.
     @torch.inference_mode()
-    def codec(self, requests: list[RequestState], frames: int) -> list[np.ndarray]:
-        b = self._graph_bucket(len(requests), self.codec_buckets)
-        slots = self._slots(requests, b)
+    def codec_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
+        if self._codec_in_flight is not None:
+            raise RuntimeError("a codec batch is already in flight; collect it before launching another")
+        n = len(requests)
+        samples = frames * self.samples_per_frame
+        b = self._graph_bucket(n, self.codec_buckets)
+        if not self.codec_async:
+            self._run_codec(self._slots(requests, b), frames, b)
+            # A copy, never a view of wav_out (on the CPU .float().cpu() would be one): the next batch
+            # overwrites wav_out while the engine may still hold these arrays (the silence trimmer does).
+            wav = self.wav_out[:n, :samples].to("cpu", torch.float32, copy=True).numpy()
+            return CodecHandle(n, frames, pcm=[wav[i] for i in range(n)])
+        # The previous batch was collected, so its copies out of these pinned buffers are complete.
+        slots_host = self.codec_slots_host[: b or n]
+        slots_host.fill_(self.scratch)
+        slots_host[:n] = torch.tensor([r.slot for r in requests], dtype=torch.long)
+        host = self.codec_pcm_host[: n * samples].view(n, samples)
+        main = torch.cuda.current_stream(self.device)
+        stream = self.codec_stream
+        try:
+            with torch.cuda.stream(stream):
+                slots = slots_host.to(self.device, non_blocking=True)
+                stream.wait_stream(main)
+                self.codec_started.record(stream)
+                self._run_codec(slots, frames, b)
+                # wav_out[:n, :samples] is strided: copy_ makes it contiguous on this stream, then copies async.
+                host.copy_(self.wav_out[:n, :samples], non_blocking=True)
+                self.codec_done.record(stream)
+        except Exception:
+            # The engine frees these slots once the launch failed: let what was queued finish first.
+            stream.synchronize()
+            raise
+        handle = _AsyncCodecHandle(n, frames, host=host, started=self.codec_started, done=self.codec_done)
+        self._codec_in_flight = handle
+        return handle
+
+    def codec_collect(self, handle: CodecHandle) -> list[np.ndarray] | None:
+        if handle.pcm is None:
+            if not self._settled(handle, block=False):
+                return None
+            self._take_pcm(handle)
+        return handle.pcm
+
+    def codec_wait(self, handle: CodecHandle) -> list[np.ndarray]:
+        if handle.pcm is None:
+            self._settled(handle, block=True)
+            self._take_pcm(handle)
+        return handle.pcm
+
+    def _settled(self, handle: _AsyncCodecHandle, block: bool) -> bool:
+        try:
+            if block:
+                handle.done.synchronize()
+                return True
+            return handle.done.query()
+        except Exception:
+            self._codec_in_flight = None  # the engine fails the batch and goes on; accept the next launch
+            raise
+
+    def _take_pcm(self, handle: _AsyncCodecHandle) -> None:
+        self._codec_in_flight = None
+        # Copy out of the pinned buffer: the next batch overwrites it, and the engine may keep the arrays
+        # (the leading-silence trimmer holds on to them).
+        wav = handle.host.to(torch.float32, copy=True).numpy()
+        handle.pcm = [wav[i] for i in range(handle.count)]
+        handle.device_s = handle.started.elapsed_time(handle.done) / 1000.0
+
+    def _run_codec(self, slots: torch.Tensor, frames: int, b: int | None) -> None:
         if b is None:
             self._codec_fn(slots, frames, None)
         else:
             self.graphs.run(("codec", frames, b), lambda s: self._codec_fn(s, frames, self.codec_static[b]), [slots])
-        wav = self.wav_out[: len(requests), : frames * self.samples_per_frame].float().cpu().numpy()
-        return [wav[i] for i in range(len(requests))]
 
     def release(self, request: RequestState) -> None:
         self.generators.pop(request.slot, None)
         self.history.pop(request.slot, None)
+
+
+@dataclass(eq=False)
+class _AsyncCodecHandle(CodecHandle):
+    """A batch launched on the codec stream: its PCM lands in `host` (pinned) once `done` has completed."""
+
+    host: torch.Tensor | None = None
+    started: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None

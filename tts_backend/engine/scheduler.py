@@ -117,7 +117,7 @@ class Scheduler:
         limit = self.config.max_buffered_s * request.sample_rate
         return request.output.buffered_samples >= limit
 
-    def _ready_items(self) -> list[_Item]:
+    def _ready_items(self, codec_in_flight: bool) -> list[_Item]:
         items: list[_Item] = []
         max_pending = self.config.max_pending_frames
         for request in self._requests.values():
@@ -133,14 +133,18 @@ class Scheduler:
                 items.append(_Item(request, Stage.CODE_PREDICT, deadline))
             elif phase is Phase.NEED_DECODE:
                 items.append(_Item(request, Stage.DECODE, deadline))
-            frames = request.codec_ready_frames()
+            frames = 0 if codec_in_flight else request.codec_ready_frames()
             if frames:
                 items.append(_Item(request, Stage.CODEC, deadline, frames))
         return items
 
     # ---- the decision -----------------------------------------------------------------------------
-    def decide(self, now: float) -> Batch | None:
-        items = self._ready_items()
+    def decide(self, now: float, codec_in_flight: bool = False) -> Batch | None:
+        """The next batch, or None when nothing is ready. While a codec batch is in flight (the runner takes
+        one at a time) no codec work is ready: its requests' frames_decoded has not advanced yet, and a
+        stream whose audio is about to run out either is in that batch or is picked by rule 1 as soon as
+        the engine has collected it (at the start of a step, before it decides)."""
+        items = self._ready_items(codec_in_flight)
         if not items:
             return None
         batch = (
