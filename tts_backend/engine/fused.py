@@ -363,52 +363,37 @@ class FusedCodePredictor:
 
     def run(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
         """hidden [B, D_talker], c0 [B] -> residual codes [B, G-1], frame embedding sum [B, D_talker]."""
+        B = hidden.shape[0]
+        c0_embed = self.talker.embed_codec(c0)
         if self.triton:
-            return self._run_rows(hidden, c0, cache, rows, seeds, counters)
-        p = self.params
-        B = hidden.shape[0]
-        device = hidden.device
-        c0_embed = self.talker.embed_codec(c0)
-        attend = cache.max_len
-        x = self.proj(torch.stack((hidden, c0_embed), dim=1))  # positions 0 and 1 in one pass, like the reference
-        pos = self.first_positions[None].expand(B, 2)
-        codes = []
-        n = len(self.heads)
-        for g in range(n):
-            if g:
-                pos = torch.full((B, 1), g + 1, dtype=torch.long, device=device)
-            h = self.stack.forward(x, cache, rows, pos, attend)[:, -1]
-            logits = F.linear(h, self.heads[g])
-            if p.subtalker_do_sample:
-                code = self.sample_fn(logits, seeds, counters + g)
-            else:
-                code = torch.argmax(logits.float(), dim=-1)
-            codes.append(code)
-            if g + 1 < n:
-                x = self.proj(F.embedding(code, self.tables[g]))[:, None]
-        residual = torch.stack(codes, dim=1)
-        return residual, self.embed_fn(c0_embed, residual, self.tables)
+            # One position per pass: position 0 (the talker hidden) alone first, then C(c0) at position 1;
+            # the same math as the two-position first pass, since attention is causal.
+            self.stack.decode(self.proj(hidden), cache, rows, self.positions[0, :B], final_norm=False)
+            x = self.proj(c0_embed)
 
-    def _run_rows(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
-        """`run` on the Triton decode kernels: one position per pass (position 0, the talker hidden, then
-        C(c0) at position 1, then one residual code per position); the same math as the two-position first
-        pass, since attention is causal."""
-        p = self.params
-        B = hidden.shape[0]
-        c0_embed = self.talker.embed_codec(c0)
-        self.stack.decode(self.proj(hidden), cache, rows, self.positions[0, :B], final_norm=False)
-        x = self.proj(c0_embed)
+            def hidden_at(x, g):
+                return self.stack.decode(x, cache, rows, self.positions[g + 1, :B])
+
+            def next_input(embed):
+                return self.proj(embed)
+        else:
+            x = self.proj(torch.stack((hidden, c0_embed), dim=1))  # positions 0 and 1 in one pass, like the reference
+            first = self.first_positions[None].expand(B, 2)
+
+            def hidden_at(x, g):
+                pos = first if g == 0 else self.positions[g + 1, :B, None]
+                return self.stack.forward(x, cache, rows, pos, cache.max_len)[:, -1]
+
+            def next_input(embed):
+                return self.proj(embed)[:, None]
         codes = []
-        n = len(self.heads)
-        for g in range(n):
-            h = self.stack.decode(x, cache, rows, self.positions[g + 1, :B])
-            logits = F.linear(h, self.heads[g])
-            if p.subtalker_do_sample:
-                code = self.sample_fn(logits, seeds, counters + g)
+        for g, head in enumerate(self.heads):
+            if g:
+                x = next_input(F.embedding(codes[-1], self.tables[g - 1]))
+            logits = F.linear(hidden_at(x, g), head)
+            if self.params.subtalker_do_sample:
+                codes.append(self.sample_fn(logits, seeds, counters + g))
             else:
-                code = torch.argmax(logits.float(), dim=-1)
-            codes.append(code)
-            if g + 1 < n:
-                x = self.proj(F.embedding(code, self.tables[g]))
+                codes.append(torch.argmax(logits.float(), dim=-1))
         residual = torch.stack(codes, dim=1)
         return residual, self.embed_fn(c0_embed, residual, self.tables)
