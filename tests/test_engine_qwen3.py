@@ -202,3 +202,32 @@ def test_a_stage_whose_fast_path_fails_to_capture_falls_back_alone(tiny_custom_v
     assert runner.fused and not runner.fused_prefill
     kinds = {k[0] for k in captured}
     assert kinds == {"decode", "cp", "codec", "prefill"}
+
+
+def test_a_codec_that_fails_to_compile_keeps_its_compiler_free_fast_path(tiny_custom_voice):
+    """A codec capture that fails with the compiled functions drops them (SnakeBeta, pre-transformer layers)
+    but keeps the RVQ gather tables, which need no compiler."""
+    from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
+    from tts_backend.qwen3.codec import SnakeBeta
+    from tts_backend.qwen3.generate import Qwen3TTS
+
+    model = Qwen3TTS.from_pretrained(str(tiny_custom_voice), device="cpu")
+    runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=128, sampler="stateless", fused=True,
+                                                       prefill_len_buckets=(16,), codec_frames=(2,)))
+    with torch.inference_mode():
+        runner._allocate()
+    snake = next(m for m in runner.codec_module.modules() if isinstance(m, SnakeBeta))
+    snake.forward = lambda x: x  # stands in for a compiled activation
+    failures = []
+
+    def capture(key, fn, example_inputs, warmup=2):
+        if key[0] == "codec" and not failures:
+            failures.append(key)
+            raise RuntimeError("simulated compiler failure")
+        with torch.inference_mode():
+            fn(*example_inputs)
+
+    runner.graphs.capture = capture
+    runner._capture_all()
+    assert failures and "forward" not in snake.__dict__
+    assert "forward" in runner.codec_module.quantizer.__dict__

@@ -290,10 +290,11 @@ class Qwen3ModelRunner(ModelRunner):
         except Exception:
             if not self.fused:
                 raise
-            from .fused import unfuse_codec_activations
+            from .fused import fuse_codec_activations, unfuse_codec_activations
 
-            log.exception("codec capture failed with compiled activations; capturing the plain codec")
+            log.exception("codec capture failed with the compiled codec functions; capturing without them")
             unfuse_codec_activations(self.codec_module)
+            fuse_codec_activations(self.codec_module, compile=False)  # the RVQ tables need no compiler
             self.graphs.discard("codec")
             self._capture_codec()
         try:
