@@ -428,3 +428,33 @@ async def test_engine_thread_stops_cleanly_with_a_codec_batch_in_flight():
     for s in streams:
         with pytest.raises(SynthesisError):
             await asyncio.wait_for(collect(s), 5)
+
+
+def test_the_codec_lead_grows_with_measured_costs():
+    """A playing stream's codec turns urgent earlier when codec calls and frames are measured slow: the
+    lead covers a codec batch in flight, a generation batch and its own call, never less than the floor."""
+    from tts_backend.engine.request import RequestState
+    from tts_backend.engine.scheduler import Scheduler
+
+    def scheduler_with_stream():
+        scheduler = Scheduler(SchedulerConfig(max_active=2, codec_reserve_s=0.025))
+        r = RequestState(request_id=1, prompt=None, seed=1, max_frames=1000, chunk_schedule=(2, 4),
+                         arrival=0.0, sample_rate=24000, samples_per_frame=SPF)
+        scheduler.add(r)
+        r.phase = Phase.NEED_DECODE
+        r.frames_generated, r.frames_decoded, r.chunks_decoded = 6, 2, 1  # 4 frames ready to decode
+        r.playback_start = 0.0
+        r.output.emitted_samples = 2 * SPF  # runs dry at 0.16 s
+        return scheduler
+
+    quiet = scheduler_with_stream()
+    assert quiet.codec_lead() == pytest.approx(0.025)  # initial cost guesses: the floor
+    assert quiet.decide(now=0.12).rule != "urgent_codec"  # 40 ms ahead of running dry: not yet
+    busy = scheduler_with_stream()
+    for _ in range(50):
+        busy.observe(Stage.CODEC, 0.020)
+        busy.observe(Stage.DECODE, 0.006)
+        busy.observe(Stage.CODE_PREDICT, 0.0002)
+    assert busy.codec_lead() == pytest.approx(0.0462, abs=1e-3)
+    batch = busy.decide(now=0.12)
+    assert batch.stage is Stage.CODEC and batch.rule == "urgent_codec"
