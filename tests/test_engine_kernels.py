@@ -120,3 +120,70 @@ def test_kernels_refuse_shapes_they_cannot_tile():
     assert kernels_fit(tiny) and not kernels_fit(tiny.code_predictor)  # the tiny predictor is 24 wide
     assert kernels_fit(small) and kernels_fit(small.code_predictor)
     assert kernels_fit(full) and kernels_fit(full.code_predictor)
+
+
+def test_sample_rows_draws_what_the_residual_sampler_draws():
+    """Temperature, top-k and the counter-based Gumbel noise give the same codes as fused.residual_sampler
+    (and argmax when greedy), each row with its own seed and counter; the next input is the table row."""
+    result = run_interpreted("""
+        import json, torch
+        from tts_backend.engine import kernels
+        from tts_backend.engine.fused import residual_sampler
+        from tts_backend.qwen3.sampling import SamplingParams
+        torch.manual_seed(0)
+        out = {}
+        for vocab, top_k in [(64, 5), (2048, 50), (256, 1000)]:
+            logits = torch.randn(7, vocab) * 3
+            logits[0, :2] = 50.0  # a tie at the top: the lower id wins in both
+            seeds = torch.randint(0, 2**31 - 1, (7,))
+            counters = torch.randint(0, 5000, (7,))
+            table = torch.randn(vocab, 48)
+            params = SamplingParams(subtalker_temperature=0.9, subtalker_top_k=top_k)
+            want = residual_sampler(params, compile=False)(logits, seeds, counters + 3)
+            codes = torch.zeros(7, 4, dtype=torch.long)
+            nxt = kernels.sample_rows(logits, seeds, counters, 3, codes[:, 1], 0.9, top_k, True, table)
+            greedy = torch.zeros(7, dtype=torch.long)
+            kernels.sample_rows(logits, seeds, counters, 3, greedy, 0.9, top_k, False)
+            out[str(vocab)] = {"same": bool(torch.equal(codes[:, 1], want)),
+                               "others_untouched": bool((codes[:, [0, 2, 3]] == 0).all()),
+                               "next_ok": bool(torch.equal(nxt, table[want])),
+                               "greedy_ok": bool(torch.equal(greedy, logits.argmax(-1))),
+                               "spread": len(set(want.tolist()))}
+        print(json.dumps(out))
+    """)
+    for vocab, case in result.items():
+        assert case["same"] and case["others_untouched"] and case["next_ok"] and case["greedy_ok"], (vocab, case)
+        assert case["spread"] > 1  # the draws are not all the argmax
+
+
+def test_a_sampling_tail_that_fails_to_capture_falls_back_alone(tmp_path):
+    """If the predictor's Triton sampling tail fails at capture, only it goes: the predictor graphs are
+    captured again with the compiled sampler, and the Triton layers stay."""
+    result = run_interpreted(f"""
+        import json, torch
+        from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
+        from tts_backend.qwen3.generate import Qwen3TTS
+        from tts_backend.qwen3.testing.checkpoint import write_checkpoint
+        path = write_checkpoint({str(tmp_path)!r} + "/small", "small", seed=4)
+        model = Qwen3TTS.from_pretrained(str(path), device="cpu", dtype=torch.float32)
+        runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=128, sampler="stateless",
+                                  fused=True, compile=False, kernels="triton", decode_buckets=(1, 2),
+                                  prefill_len_buckets=(32,), codec_frames=(2,), codec_batch_buckets=(1,)))
+        with torch.inference_mode():
+            runner._allocate()
+        tail_at_start = runner.fused_cp.fused_tail
+        captured = []
+
+        def capture(key, fn, example_inputs, warmup=2):
+            if key[0] == "cp" and runner.fused_cp.fused_tail:
+                raise RuntimeError("simulated compiler failure")
+            with torch.inference_mode():
+                fn(*example_inputs)
+            captured.append(key[0])
+
+        runner.graphs.capture = capture
+        runner._capture_all()
+        print(json.dumps({{"tail_at_start": tail_at_start, "tail_now": runner.fused_cp.fused_tail,
+                           "triton": runner.triton, "cp_captures": captured.count("cp")}}))
+    """)
+    assert result == {"tail_at_start": True, "tail_now": False, "triton": True, "cp_captures": 2}

@@ -360,9 +360,18 @@ class FusedCodePredictor:
         self.sample_fn = residual_sampler(params, compile)
         self.first_positions = torch.arange(2, device=self.heads[0].device)
         self.embed_fn = _compile(_frame_embeds, compile)
+        # The Triton loop's step tail: final norm + lm-head as one kernel, then one kernel that draws the code
+        # and fetches the next input from the codebook table already through the input projection (bf16,
+        # built once: 15 x 2048 x 1024 for the 1.7B). Top-p < 1 would need a sort per draw: not this path.
+        self.fused_tail = triton and params.subtalker_top_p >= 1.0
+        if self.fused_tail:
+            with torch.no_grad():
+                self.next_tables = [self.proj(t).contiguous() for t in self.tables[:-1]]
 
     def run(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
         """hidden [B, D_talker], c0 [B] -> residual codes [B, G-1], frame embedding sum [B, D_talker]."""
+        if self.fused_tail:
+            return self._run_fused_tail(hidden, c0, cache, rows, seeds, counters)
         B = hidden.shape[0]
         c0_embed = self.talker.embed_codec(c0)
         if self.triton:
@@ -396,4 +405,23 @@ class FusedCodePredictor:
             else:
                 codes.append(torch.argmax(logits.float(), dim=-1))
         residual = torch.stack(codes, dim=1)
+        return residual, self.embed_fn(c0_embed, residual, self.tables)
+
+    def _run_fused_tail(self, hidden, c0, cache: PerLayerKV, rows, seeds, counters):
+        """`run` on the Triton kernels throughout: per step, the layers (five kernels each), norm + lm-head
+        (one), and draw + next input (one), instead of ~10 kernels of norm, head, top-k, noise, argmax,
+        embedding and projection."""
+        kernels, stack, p = self.stack.kernels, self.stack, self.params
+        B = hidden.shape[0]
+        c0_embed = self.talker.embed_codec(c0)
+        stack.decode(self.proj(hidden), cache, rows, self.positions[0, :B], final_norm=False)
+        x = self.proj(c0_embed)
+        n = len(self.heads)
+        residual = torch.empty(B, n, dtype=torch.long, device=hidden.device)
+        for g in range(n):
+            h = stack.decode(x, cache, rows, self.positions[g + 1, :B], final_norm=False)
+            logits = kernels.norm_matmul(h, stack.norm_weight, self.heads[g], stack.eps)
+            x = kernels.sample_rows(logits, seeds, counters, g, residual[:, g], p.subtalker_temperature,
+                                    p.subtalker_top_k, p.subtalker_do_sample,
+                                    self.next_tables[g] if g + 1 < n else None)
         return residual, self.embed_fn(c0_embed, residual, self.tables)

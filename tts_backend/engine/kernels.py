@@ -184,6 +184,47 @@ def _attend_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, sl
     tl.store(out_ptrs + HALF, (acc2 / total[:, None]).to(dtype))
 
 
+@triton.jit
+def _hash32(x):
+    """sampling_noise._hash32 on int64 values (every product stays below 2**63)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _sample_rows_kernel(logits_ptr, seeds_ptr, counters_ptr, codes_ptr, table_ptr, next_ptr, temperature,
+                        counter_offset, codes_stride, VOCAB: tl.constexpr, TOP_K: tl.constexpr, SAMPLE: tl.constexpr,
+                        HAS_NEXT: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One row per program: temperature -> top-k -> Gumbel-max with sampling_noise's counter-based noise (or
+    argmax), the code written to codes[row], and the row of `table` for that code (the next step's input,
+    already projected) copied to next[row]."""
+    row = tl.program_id(0)
+    vocab = tl.arange(0, VOCAB)
+    scores = tl.load(logits_ptr + row * VOCAB + vocab).to(tl.float32)
+    if SAMPLE:
+        scores = scores / temperature
+        if TOP_K < VOCAB:
+            ranked = tl.sort(scores, descending=True)
+            kth = tl.max(tl.where(vocab == TOP_K - 1, ranked, float("-inf")), axis=0)
+            scores = tl.where(scores < kth, float("-inf"), scores)
+        seed = tl.load(seeds_ptr + row).to(tl.int64)
+        counter = tl.load(counters_ptr + row).to(tl.int64) + counter_offset
+        key = _hash32((seed & 0xFFFFFFFF) ^ 0x3C6EF372)
+        ctr = _hash32((counter * 0x9E37 + key) & 0xFFFFFFFF)
+        bits = _hash32(((ctr ^ vocab.to(tl.int64)) * 0x2C1B3C6D + key) & 0xFFFFFFFF)
+        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        scores = scores - tl.log(-tl.log(u))
+    code = tl.argmax(scores, axis=0)
+    tl.store(codes_ptr + row * codes_stride, code.to(tl.int64))
+    if HAS_NEXT:
+        for w0 in range(0, WIDTH, BLOCK_W):
+            w = w0 + tl.arange(0, BLOCK_W)
+            mask = w < WIDTH
+            tl.store(next_ptr + row * WIDTH + w, tl.load(table_ptr + code.to(tl.int64) * WIDTH + w, mask=mask),
+                     mask=mask)
+
+
 # ------------------------------------------------------------------------------------------------ launchers
 
 def _block_m(rows: int) -> int:
@@ -269,3 +310,24 @@ def decode_layer(x: torch.Tensor, weights: tuple, k_cache: torch.Tensor, v_cache
     x = matmul_residual(attn, wo, x)
     h = norm_matmul(x, ln2, wgu, eps, silu_mul=True)
     return matmul_residual(h, wd, x)
+
+
+def sample_rows(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, counter_offset: int,
+                codes: torch.Tensor, temperature: float, top_k: int, sample: bool,
+                next_table: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Draw one code per row of logits [B, V] into `codes` [B] (a column view is fine) the way
+    fused.residual_sampler does with counters + counter_offset (temperature, top-k, Gumbel-max on
+    sampling_noise's noise; argmax when not sampling), and return next_table[code] [B, W] (the next step's
+    input), or None without a table."""
+    B, vocab = logits.shape
+    if vocab & (vocab - 1):
+        raise ValueError(f"vocabulary {vocab} is not a power of two")
+    width = next_table.shape[1] if next_table is not None else 1
+    out = torch.empty(B, width, device=logits.device, dtype=next_table.dtype) if next_table is not None else None
+    _sample_rows_kernel[(B,)](logits, seeds, counters, codes, next_table if next_table is not None else logits,
+                              out if out is not None else logits, float(temperature), int(counter_offset),
+                              codes.stride(0), VOCAB=vocab,
+                              TOP_K=min(top_k, vocab) if top_k and top_k > 0 else vocab, SAMPLE=sample,
+                              HAS_NEXT=next_table is not None, WIDTH=width,
+                              BLOCK_W=min(1024, triton.next_power_of_2(width)), num_warps=4)
+    return out

@@ -276,15 +276,23 @@ class Qwen3ModelRunner(ModelRunner):
 
     def _capture_all(self) -> None:
         """Capture every steady-state shape. The Talker decode and code-predictor graphs must capture; if the
-        fast path fails for the codec or the prefill alone, that stage falls back to the model's own modules
-        (logged) so one compiler problem does not cost the whole fast path."""
+        fast path fails for the codec, the prefill or the predictor's Triton sampling tail alone, that piece
+        falls back (logged) so one compiler problem does not cost the whole fast path."""
         dev, sc = self.device, self.scratch
         started = time.perf_counter()
         for b in sorted(self.decode_buckets, reverse=True):
             slots = torch.full((b,), sc, device=dev, dtype=torch.long)
             for a in self.attend_buckets:
                 self.graphs.capture(("decode", b, a), lambda s, a=a: self._decode_fn(s, a), [slots])
-            self.graphs.capture(("cp", b), self._cp_fn, [slots])
+        try:
+            self._capture_code_predictor()
+        except Exception:
+            if not (self.fused and self.fused_cp.fused_tail):
+                raise
+            log.exception("code-predictor capture failed with the Triton sampling tail; capturing without it")
+            self.fused_cp.fused_tail = False
+            self.graphs.discard("cp")
+            self._capture_code_predictor()
         try:
             self._capture_codec()
         except Exception:
@@ -309,6 +317,11 @@ class Qwen3ModelRunner(ModelRunner):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
+
+    def _capture_code_predictor(self) -> None:
+        for b in sorted(self.decode_buckets, reverse=True):
+            self.graphs.capture(("cp", b), self._cp_fn, [torch.full((b,), self.scratch, device=self.device,
+                                                                    dtype=torch.long)])
 
     def _capture_codec(self) -> None:
         for b in sorted(self.codec_buckets, reverse=True):
