@@ -7,6 +7,7 @@ tests and embedders can run several apps in one process.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -81,9 +82,13 @@ def create_app(
     *,
     store: SessionStore | None = None,
     authenticate: Authenticator | None = None,
+    freeze_gc_when_ready: bool = False,
 ) -> FastAPI:
     """A gateway app. `backend` defaults to the one `settings.backend` names (created, started and
-    stopped by the app's lifespan); `authenticate` is the auth hook (default: API keys from settings)."""
+    stopped by the app's lifespan); `authenticate` is the auth hook (default: API keys from settings).
+    `freeze_gc_when_ready`: once the backend is up, move every object alive then out of the cyclic
+    collector's reach (`gc.freeze`); for a process that is the server (`voxgate serve` sets it), not for an
+    app embedded in a larger one."""
     settings = settings or GatewaySettings()
     if backend is None:
         backend = create_backend(settings.backend, **backend_options(settings))
@@ -114,9 +119,19 @@ def create_app(
         starting = asyncio.create_task(gateway.backend.start(), name="backend-start")
 
         def started(task: asyncio.Task) -> None:
-            if not task.cancelled() and task.exception() is not None:
+            if task.cancelled():
+                return
+            if task.exception() is not None:
                 gateway.backend_error = task.exception()
                 log.error("the %s backend failed to start: %r", gateway.backend.name, gateway.backend_error)
+            elif freeze_gc_when_ready:
+                # A full collection scans every tracked object; with the model, torch and the tokenizer
+                # loaded that is millions, and each pause stops the event loop (and an in-process engine
+                # thread) for hundreds of ms: under load, late audio and slow handshakes. What exists now
+                # lives as long as the process, so collect once and freeze it.
+                gc.collect()
+                gc.freeze()
+                log.info("froze %d start-up objects out of the cyclic garbage collector", gc.get_freeze_count())
 
         starting.add_done_callback(started)
         try:

@@ -128,7 +128,7 @@ def serve(settings: GatewaySettings) -> None:
     from .logs import log_config
 
     check_binding(settings)
-    app = create_app(settings)
+    app = create_app(settings, freeze_gc_when_ready=True)
     # timeout_graceful_shutdown: after the drain, uvicorn waits for leftover connections this long at most.
     config = uvicorn.Config(
         app,

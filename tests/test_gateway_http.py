@@ -259,3 +259,29 @@ def test_ready_reports_a_backend_that_failed_to_start():
             if response.json()["status"] == "failed":
                 break
         assert response.status_code == 503 and "model file is corrupt" in response.json()["error"]
+
+
+def test_a_server_process_freezes_its_start_up_objects_once_the_backend_is_up():
+    """`voxgate serve` builds its app with freeze_gc_when_ready: the objects alive once the backend is up
+    (model, torch, tokenizer) leave the cyclic collector, whose full passes would otherwise pause the event
+    loop for hundreds of ms under load. An embedded app (the default) leaves the collector alone."""
+    import gc
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    gc.unfreeze()
+    try:
+        with TestClient(create_app(GatewaySettings(backend="synthetic"))) as client:
+            assert client.get("/health").status_code == 200
+        assert gc.get_freeze_count() == 0
+        with TestClient(create_app(GatewaySettings(backend="synthetic"), freeze_gc_when_ready=True)) as client:
+            deadline = time.monotonic() + 10
+            while client.get("/ready").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -187,6 +188,10 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
 async def serve(args: argparse.Namespace) -> None:
     backend = create_backend(args.backend, **backend_options(args))
     await backend.start()
+    # As `voxgate serve` does once its backend is up: keep the cyclic collector's full passes off the
+    # model's and torch's objects, whose scans would pause the engine thread for hundreds of ms.
+    gc.collect()
+    gc.freeze()
     server = WorkerServer(backend, args.socket)
     await server.start()
     log.info("voxgate worker: %s backend ready on %s", backend.name, args.socket)
