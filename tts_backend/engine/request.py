@@ -103,10 +103,10 @@ class RequestState:
 
     def codec_ready_frames(self) -> int:
         """Frames the next codec call should decode, or 0 when codec work is not ready."""
-        pending = self.pending_frames
+        pending = self.frames_generated - self.frames_decoded
         if pending <= 0:
             return 0
-        want = self.next_chunk_frames()
+        want = chunk_frames(self.chunk_schedule, self.chunks_decoded)
         if pending >= want:
             return want
         return pending if self.phase is Phase.FINISHED else 0

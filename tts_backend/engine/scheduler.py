@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 
 from .request import Phase, RequestState, Stage
 
+# The generation work a request's phase asks for (the other phases ask for none).
+_GENERATION_STAGE = {Phase.NEED_PREFILL: Stage.PREFILL, Phase.NEED_CODE_PREDICT: Stage.CODE_PREDICT,
+                     Phase.NEED_DECODE: Stage.DECODE}
+
 # Round-robin tie order when several stages were served equally long ago.
 _ROUND_ROBIN_ORDER = (Stage.PREFILL, Stage.DECODE, Stage.CODEC, Stage.CODE_PREDICT)
 
@@ -67,6 +71,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
         self._requests: dict[int, RequestState] = {}  # insertion order = arrival order
+        self._waiting: dict[int, RequestState] = {}  # no slot yet, arrival order
+        self._active: dict[int, RequestState] = {}  # holding a slot, admission (= arrival) order
         self._free_slots = list(range(self.config.max_active - 1, -1, -1))
         self._served_at = {stage: -1 for stage in Stage}
         self._decisions = 0
@@ -89,11 +95,14 @@ class Scheduler:
     def add(self, request: RequestState) -> None:
         request.phase = Phase.WAITING
         self._requests[request.request_id] = request
+        self._waiting[request.request_id] = request
         self._admit()
 
     def remove(self, request: RequestState) -> int | None:
         """Forget a request (finished or cancelled) and free its slot at once; returns the slot."""
         self._requests.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
+        self._active.pop(request.request_id, None)
         slot = request.slot
         if slot is not None:
             self._free_slots.append(slot)
@@ -102,12 +111,13 @@ class Scheduler:
         return slot
 
     def _admit(self) -> None:
-        for request in self._requests.values():
-            if not self._free_slots:
-                return
-            if request.phase is Phase.WAITING:
-                request.slot = self._free_slots.pop()
-                request.phase = Phase.NEED_PREFILL
+        """Slots go to waiting requests in arrival order."""
+        while self._free_slots and self._waiting:
+            request_id = next(iter(self._waiting))
+            request = self._waiting.pop(request_id)
+            request.slot = self._free_slots.pop()
+            request.phase = Phase.NEED_PREFILL
+            self._active[request_id] = request
 
     @property
     def requests(self) -> list[RequestState]:
@@ -121,30 +131,27 @@ class Scheduler:
         return self._requests.get(request_id)
 
     # ---- readiness --------------------------------------------------------------------------------
-    def _paused(self, request: RequestState) -> bool:
-        """Back-pressure: a consumer that stopped reading stops its stream's work (slot kept)."""
-        limit = self.config.max_buffered_s * request.sample_rate
-        return request.output.buffered_samples >= limit
-
     def _ready_items(self, codec_in_flight: bool) -> list[_Item]:
+        """Every piece of work ready now: at most one generation item and one codec item per request holding
+        a slot. Runs once per decision over every active request, so the per-request checks are inlined."""
         items: list[_Item] = []
         max_pending = self.config.max_pending_frames
-        for request in self._requests.values():
-            if request.cancelled or request.done or request.slot is None or self._paused(request):
+        max_buffered_s = self.config.max_buffered_s
+        for request in self._active.values():
+            if request.cancelled or request.done:
                 continue
+            output = request.output
+            if output.emitted_samples - output.consumed_samples >= max_buffered_s * request.sample_rate:
+                continue  # back-pressure: a consumer that stopped reading stops its stream's work (slot kept)
             deadline = request.deadline
-            phase = request.phase
-            if request.pending_frames >= max_pending:
-                pass  # generation waits for the codec to catch up
-            elif phase is Phase.NEED_PREFILL:
-                items.append(_Item(request, Stage.PREFILL, deadline))
-            elif phase is Phase.NEED_CODE_PREDICT:
-                items.append(_Item(request, Stage.CODE_PREDICT, deadline))
-            elif phase is Phase.NEED_DECODE:
-                items.append(_Item(request, Stage.DECODE, deadline))
-            frames = 0 if codec_in_flight else request.codec_ready_frames()
-            if frames:
-                items.append(_Item(request, Stage.CODEC, deadline, frames))
+            stage = _GENERATION_STAGE.get(request.phase)
+            # Generation waits for the codec to catch up once max_pending frames are not decoded yet.
+            if stage is not None and request.frames_generated - request.frames_decoded < max_pending:
+                items.append(_Item(request, stage, deadline))
+            if not codec_in_flight:
+                frames = request.codec_ready_frames()
+                if frames:
+                    items.append(_Item(request, Stage.CODEC, deadline, frames))
         return items
 
     # ---- the decision -----------------------------------------------------------------------------
