@@ -249,15 +249,15 @@ def triton_kernels():
 
 
 def kernels_fit(cfg) -> bool:
-    """Whether a stack's shapes suit the Triton decode kernels: power-of-two head halves and query groups
-    (tl.arange), and every matmul width a multiple of 16 (tl.dot tiles)."""
+    """Whether a stack's shapes suit the Triton decode kernels: power-of-two head halves (at least 16: the
+    attention's tl.dot tiles) and query groups (tl.arange), and every matmul width a multiple of 16."""
     def pow2(n: int) -> bool:
         return n > 0 and n & (n - 1) == 0
 
     heads, kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     widths = (cfg.hidden_size, cfg.intermediate_size, heads * head_dim, kv * head_dim)
     return (heads % kv == 0 and pow2(heads // kv) and head_dim % 2 == 0 and pow2(head_dim // 2)
-            and all(w % 16 == 0 for w in widths))
+            and head_dim // 2 >= 16 and all(w % 16 == 0 for w in widths))
 
 
 class FusedStack:

@@ -117,13 +117,14 @@ def _attend_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, sl
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
+    Q_ROWS: tl.constexpr = 16 if GROUP < 16 else GROUP  # tl.dot tiles have at least 16 rows
     HALF: tl.constexpr = HEAD_DIM // 2
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV) * HEAD_DIM
     dtype = qkv_ptr.dtype.element_ty
     slot = tl.load(slots_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row)
     d = tl.arange(0, HALF)
-    g = tl.arange(0, GROUP)
+    g = tl.arange(0, Q_ROWS)
     # RoPE angles in fp32 like the modules: inv_freq = theta ** -(2i / head_dim); cos/sin cast to the dtype.
     inv_freq = tl.exp2(-(2.0 * d.to(tl.float32) / HEAD_DIM) * log2_theta)
     angle = pos.to(tl.float32) * inv_freq
@@ -146,42 +147,49 @@ def _attend_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, sl
     tl.store(v_cache_ptr + cache_row + pos * HEAD_DIM + dk, v1.to(dtype))
     tl.store(v_cache_ptr + cache_row + pos * HEAD_DIM + HALF + dk, v2.to(dtype))
 
-    q_heads = kv_head * GROUP + g  # [GROUP]
+    # The group's query heads as the rows of a tensor-core tile (padded to 16 rows; padding rows read 0 and
+    # are never stored): scores and the weighted values are two small matmuls per block of positions.
+    q_heads = kv_head * GROUP + g  # [Q_ROWS]
+    q_real = g < GROUP
     q_ptrs = base + q_heads[:, None] * HEAD_DIM + d[None, :]
     qn1 = tl.load(q_norm_ptr + d).to(tl.float32)[None, :]
     qn2 = tl.load(q_norm_ptr + HALF + d).to(tl.float32)[None, :]
-    q1, q2 = _rms_rope(tl.load(q_ptrs).to(tl.float32), tl.load(q_ptrs + HALF).to(tl.float32),
+    q1, q2 = _rms_rope(tl.load(q_ptrs, mask=q_real[:, None], other=0.0).to(tl.float32),
+                       tl.load(q_ptrs + HALF, mask=q_real[:, None], other=0.0).to(tl.float32),
                        qn1, qn2, cos[None, :], sin[None, :], eps, HEAD_DIM, dtype)
+    q1_tile = q1.to(dtype)
+    q2_tile = q2.to(dtype)
 
     # Online softmax; the new position comes from registers, earlier ones from the cache (this program wrote
     # the new one, but other threads of it may not see that store yet).
-    best = tl.sum(q1 * k1 + q2 * k2, axis=1) * sm_scale  # [GROUP]
-    total = tl.full([GROUP], 1.0, dtype=tl.float32)
-    acc1 = tl.zeros([GROUP, HALF], dtype=tl.float32) + v1
-    acc2 = tl.zeros([GROUP, HALF], dtype=tl.float32) + v2
+    best = tl.sum(q1 * k1 + q2 * k2, axis=1) * sm_scale  # [Q_ROWS]
+    total = tl.full([Q_ROWS], 1.0, dtype=tl.float32)
+    acc1 = tl.zeros([Q_ROWS, HALF], dtype=tl.float32) + v1
+    acc2 = tl.zeros([Q_ROWS, HALF], dtype=tl.float32) + v2
     p0 = 0
     while p0 < pos:  # a while loop: the bound lives in device memory (the interpreter rejects range(pos))
         p = p0 + tl.arange(0, BLOCK_P)
         p_mask = p < pos
         k_ptrs = k_cache_ptr + cache_row + p[:, None] * HEAD_DIM + d[None, :]
-        kb1 = tl.load(k_ptrs, mask=p_mask[:, None], other=0.0).to(tl.float32)
-        kb2 = tl.load(k_ptrs + HALF, mask=p_mask[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q1[:, None, :] * kb1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * kb2[None, :, :], axis=2)
-        scores = tl.where(p_mask[None, :], scores * sm_scale, float("-inf"))  # [GROUP, BLOCK_P]
+        kb1 = tl.load(k_ptrs, mask=p_mask[:, None], other=0.0)
+        kb2 = tl.load(k_ptrs + HALF, mask=p_mask[:, None], other=0.0)
+        scores = tl.dot(q1_tile, tl.trans(kb1)) + tl.dot(q2_tile, tl.trans(kb2))  # [Q_ROWS, BLOCK_P] fp32
+        scores = tl.where(p_mask[None, :], scores * sm_scale, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         scale = tl.exp(best - new_best)
         weights = tl.exp(scores - new_best[:, None])
         total = total * scale + tl.sum(weights, axis=1)
         v_ptrs = v_cache_ptr + cache_row + p[:, None] * HEAD_DIM + d[None, :]
-        vb1 = tl.load(v_ptrs, mask=p_mask[:, None], other=0.0).to(tl.float32)
-        vb2 = tl.load(v_ptrs + HALF, mask=p_mask[:, None], other=0.0).to(tl.float32)
-        acc1 = acc1 * scale[:, None] + tl.sum(weights[:, :, None] * vb1[None, :, :], axis=1)
-        acc2 = acc2 * scale[:, None] + tl.sum(weights[:, :, None] * vb2[None, :, :], axis=1)
+        vb1 = tl.load(v_ptrs, mask=p_mask[:, None], other=0.0)
+        vb2 = tl.load(v_ptrs + HALF, mask=p_mask[:, None], other=0.0)
+        w_tile = weights.to(dtype)
+        acc1 = acc1 * scale[:, None] + tl.dot(w_tile, vb1)
+        acc2 = acc2 * scale[:, None] + tl.dot(w_tile, vb2)
         best = new_best
         p0 += BLOCK_P
     out_ptrs = out_ptr + row * NUM_HEADS * HEAD_DIM + q_heads[:, None] * HEAD_DIM + d[None, :]
-    tl.store(out_ptrs, (acc1 / total[:, None]).to(dtype))
-    tl.store(out_ptrs + HALF, (acc2 / total[:, None]).to(dtype))
+    tl.store(out_ptrs, (acc1 / total[:, None]).to(dtype), mask=q_real[:, None])
+    tl.store(out_ptrs + HALF, (acc2 / total[:, None]).to(dtype), mask=q_real[:, None])
 
 
 @triton.jit
@@ -290,10 +298,9 @@ def attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, k_cach
     M = qkv.shape[0]
     _, num_kv, cache_len, head_dim = k_cache.shape
     out = torch.empty(M, num_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
-    # Tuned on the H200 (bench/kernel_tune.py): short caches (the code predictor's 16 positions) take one
-    # block; with many rows, fewer warps per program leave room for more programs per SM.
-    block_p = block_p or (16 if cache_len <= 16 else 32)
-    num_warps = num_warps or (2 if M > 8 else 4)
+    # Short caches (the code predictor's 16 positions) take one block.
+    block_p = block_p or (16 if cache_len <= 16 else 64)
+    num_warps = num_warps or 4
     _attend_kernel[(M, num_kv)](qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, out, eps, math.log2(theta),
                                 1.0 / math.sqrt(head_dim), NUM_HEADS=num_heads, NUM_KV=num_kv, HEAD_DIM=head_dim,
                                 CACHE_LEN=cache_len, BLOCK_P=block_p, num_warps=num_warps)
