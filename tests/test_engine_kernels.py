@@ -187,3 +187,39 @@ def test_a_sampling_tail_that_fails_to_capture_falls_back_alone(tmp_path):
                            "triton": runner.triton, "cp_captures": captured.count("cp")}}))
     """)
     assert result == {"tail_at_start": True, "tail_now": False, "triton": True, "cp_captures": 2}
+
+
+def test_triton_layers_that_fail_to_capture_fall_back_to_the_compiled_layers(tmp_path):
+    """If the Triton layer kernels fail at capture (with and without the sampling tail), the Talker and the
+    predictor are captured on the compiled layers, with the attended length in buckets again."""
+    result = run_interpreted(f"""
+        import json, torch
+        from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
+        from tts_backend.qwen3.generate import Qwen3TTS
+        from tts_backend.qwen3.testing.checkpoint import write_checkpoint
+        path = write_checkpoint({str(tmp_path)!r} + "/small", "small", seed=4)
+        model = Qwen3TTS.from_pretrained(str(path), device="cpu", dtype=torch.float32)
+        runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=128, sampler="stateless",
+                                  fused=True, compile=False, kernels="triton", decode_buckets=(1, 2),
+                                  attend_buckets=(64,), prefill_len_buckets=(32,), codec_frames=(2,),
+                                  codec_batch_buckets=(1,)))
+        with torch.inference_mode():
+            runner._allocate()
+        captured = []
+
+        def capture(key, fn, example_inputs, warmup=2):
+            if key[0] in ("decode", "cp") and runner.triton:
+                raise RuntimeError("simulated compiler failure")
+            with torch.inference_mode():
+                fn(*example_inputs)
+            captured.append(key)
+
+        runner.graphs.capture = capture
+        runner._capture_all()
+        print(json.dumps({{"triton": runner.triton, "tail": runner.fused_cp.fused_tail,
+                           "attend": list(runner.attend_buckets), "kernels": runner.fused_talker.kernels is None,
+                           "decode": sorted(k[1:] for k in captured if k[0] == "decode"),
+                           "cp": sorted(k[1] for k in captured if k[0] == "cp")}}))
+    """)
+    assert result == {"triton": False, "tail": False, "attend": [64, 128], "kernels": True,
+                      "decode": [[1, 64], [1, 128], [2, 64], [2, 128]], "cp": [1, 2]}

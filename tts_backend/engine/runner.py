@@ -160,8 +160,8 @@ class Qwen3ModelRunner(ModelRunner):
         self.graphs = GraphSet(self.device, use_graphs, own_pools=("codec",) if self.codec_async else ())
         self.decode_buckets = self._buckets(cfg.decode_buckets, cfg.max_slots)
         # The Triton decode attends each row's own length, so one captured decode graph serves every length.
-        self.attend_buckets = (cfg.max_len,) if self.triton else (
-            tuple(a for a in cfg.attend_buckets if a < cfg.max_len) + (cfg.max_len,))
+        self._length_buckets = tuple(a for a in cfg.attend_buckets if a < cfg.max_len) + (cfg.max_len,)
+        self.attend_buckets = (cfg.max_len,) if self.triton else self._length_buckets
         self.codec_buckets = tuple(sorted(b for b in cfg.codec_batch_buckets if b <= cfg.max_slots)) or (1,)
         self.prefill_buckets = tuple(sorted(b for b in cfg.prefill_batch_buckets if b <= cfg.max_slots)) or (1,)
         self._allocated = False
@@ -275,24 +275,13 @@ class Qwen3ModelRunner(ModelRunner):
         self._allocated = True
 
     def _capture_all(self) -> None:
-        """Capture every steady-state shape. The Talker decode and code-predictor graphs must capture; if the
-        fast path fails for the codec, the prefill or the predictor's Triton sampling tail alone, that piece
-        falls back (logged) so one compiler problem does not cost the whole fast path."""
-        dev, sc = self.device, self.scratch
+        """Capture every steady-state shape. The Talker decode and code-predictor graphs must capture; if a
+        fast-path piece fails to (the Triton sampling tail, the Triton layers, the compiled codec functions,
+        the compiled prefill), that piece falls back (logged) so one compiler problem does not cost the
+        whole fast path."""
+        dev = self.device
         started = time.perf_counter()
-        for b in sorted(self.decode_buckets, reverse=True):
-            slots = torch.full((b,), sc, device=dev, dtype=torch.long)
-            for a in self.attend_buckets:
-                self.graphs.capture(("decode", b, a), lambda s, a=a: self._decode_fn(s, a), [slots])
-        try:
-            self._capture_code_predictor()
-        except Exception:
-            if not (self.fused and self.fused_cp.fused_tail):
-                raise
-            log.exception("code-predictor capture failed with the Triton sampling tail; capturing without it")
-            self.fused_cp.fused_tail = False
-            self.graphs.discard("cp")
-            self._capture_code_predictor()
+        self._capture_generation_with_fallbacks()
         try:
             self._capture_codec()
         except Exception:
@@ -318,10 +307,55 @@ class Qwen3ModelRunner(ModelRunner):
             torch.cuda.synchronize(dev)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
 
-    def _capture_code_predictor(self) -> None:
+    def _capture_generation_with_fallbacks(self) -> None:
+        """The Talker decode and code-predictor graphs as configured; if that fails, without the predictor's
+        Triton sampling tail; then on the compiled layers instead of the Triton kernels."""
+        attempts = (("as configured", None), ("without the Triton sampling tail", self._drop_sampling_tail),
+                    ("on the compiled layers instead of the Triton kernels", self._drop_triton))
+        error: Exception | None = None
+        for what, fall_back in attempts:
+            if fall_back is not None and not fall_back():
+                continue  # nothing of that kind in use
+            try:
+                self._capture_generation()
+            except Exception as exc:
+                log.exception("Talker/code-predictor capture failed %s", what)
+                error = exc
+                continue
+            if error is not None:
+                log.warning("captured the Talker and code predictor %s", what)
+            return
+        raise error
+
+    def _capture_generation(self) -> None:
+        for b in sorted(self.decode_buckets, reverse=True):
+            slots = torch.full((b,), self.scratch, device=self.device, dtype=torch.long)
+            for a in self.attend_buckets:
+                self.graphs.capture(("decode", b, a), lambda s, a=a: self._decode_fn(s, a), [slots])
         for b in sorted(self.decode_buckets, reverse=True):
             self.graphs.capture(("cp", b), self._cp_fn, [torch.full((b,), self.scratch, device=self.device,
                                                                     dtype=torch.long)])
+
+    def _drop_sampling_tail(self) -> bool:
+        if not (self.fused and self.fused_cp.fused_tail):
+            return False
+        self.fused_cp.fused_tail = False
+        self.graphs.discard("decode")
+        self.graphs.discard("cp")
+        return True
+
+    def _drop_triton(self) -> bool:
+        """Back to the compiled (Inductor) decode layers, attended length in buckets again."""
+        if not self.triton:
+            return False
+        self.triton = False
+        self.fused_talker.kernels = None
+        self.fused_cp.stack.kernels = None
+        self.fused_cp.triton = self.fused_cp.fused_tail = False
+        self.attend_buckets = self._length_buckets
+        self.graphs.discard("decode")
+        self.graphs.discard("cp")
+        return True
 
     def _capture_codec(self) -> None:
         for b in sorted(self.codec_buckets, reverse=True):
