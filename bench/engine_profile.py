@@ -314,7 +314,7 @@ def details(entry: dict) -> str:
         f"  codec overlapped with the engine thread: in flight {_pct(g['codec_in_flight_share'])} of the wall time, "
         f"device time {_pct(g['codec_device_share'])} ({codec_ms} ms per batch)",
         f"  batches by rule: {g['rules']}",
-        f"  batch sizes: " + "; ".join(f"{n} {g['stages'][n]['batch_sizes']}" for n in STAGES),
+        "  batch sizes: " + "; ".join(f"{n} {g['stages'][n]['batch_sizes']}" for n in STAGES),
     ])
 
 

@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = Qwen3TTS.from_pretrained(args.model, device=device, dtype=torch.bfloat16)
     load_s = time.perf_counter() - t0
-    max_b = max(batches)
     attend = 128
     bandwidth = copy_bandwidth(device)
     floor = weight_bytes_per_frame(model)
