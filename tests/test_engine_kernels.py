@@ -223,3 +223,30 @@ def test_triton_layers_that_fail_to_capture_fall_back_to_the_compiled_layers(tmp
     """)
     assert result == {"triton": False, "tail": False, "attend": [64, 128], "kernels": True,
                       "decode": [[1, 64], [1, 128], [2, 64], [2, 128]], "cp": [1, 2]}
+
+
+def test_a_paired_launch_equals_two_passes():
+    """Two positions of each row in one launch (pair_offset): the second attends to the first from the same
+    launch's q|k|v, and outputs and caches equal two launches of one position each."""
+    result = run_interpreted("""
+        import json, torch
+        from tts_backend.engine import kernels
+        torch.manual_seed(1)
+        heads, kv, head_dim, width, inner, eps, theta = 4, 2, 32, 64, 128, 1e-6, 1e6
+        def rnd(*shape, scale=0.2):
+            return torch.randn(*shape) * scale
+        weights = (1 + rnd(width), rnd((heads + 2 * kv) * head_dim, width), 1 + rnd(head_dim), 1 + rnd(head_dim),
+                   rnd(width, heads * head_dim), 1 + rnd(width), rnd(2 * inner, width), rnd(width, inner))
+        rows = torch.tensor([2, 0, 3])
+        k_cache, v_cache = rnd(4, kv, 16, head_dim), rnd(4, kv, 16, head_dim)
+        k_two, v_two = k_cache.clone(), v_cache.clone()
+        first, second = rnd(3, width, scale=1.0), rnd(3, width, scale=1.0)
+        zeros, ones = torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long)
+        kernels.decode_layer(first, weights, k_two, v_two, rows, zeros, heads, eps, theta)
+        want = kernels.decode_layer(second, weights, k_two, v_two, rows, ones, heads, eps, theta)
+        got = kernels.decode_layer(torch.cat((first, second)), weights, k_cache, v_cache, torch.cat((rows, rows)),
+                                   torch.cat((zeros, ones)), heads, eps, theta, pair_offset=3)[3:]
+        print(json.dumps({"err": (got - want).abs().max().item(), "scale": want.abs().max().item(),
+                          "k": (k_cache - k_two).abs().max().item(), "v": (v_cache - v_two).abs().max().item()}))
+    """)
+    assert result["err"] <= 1e-5 * result["scale"] and result["k"] < 1e-6 and result["v"] < 1e-6, result

@@ -296,12 +296,12 @@ class FusedStack:
         return self.norm_fn(x, self.norm_weight) if final_norm else x
 
     def decode(self, x: torch.Tensor, cache: PerLayerKV, rows: torch.Tensor, pos: torch.Tensor,
-               final_norm: bool = True) -> torch.Tensor:
+               final_norm: bool = True, pair_offset: int = 0) -> torch.Tensor:
         """x [B, D], one new position per row at pos [B] of cache rows `rows` [B] -> [B, D]. Attends exactly
-        positions 0..pos of each row, so it needs no attended-length bucket."""
+        positions 0..pos of each row, so it needs no attended-length bucket. pair_offset: see kernels.attend."""
         for i, weights in enumerate(self.layers):
             x = self.kernels.decode_layer(x, weights, cache.k[i], cache.v[i], rows, pos, self.num_heads, self.eps,
-                                          self.theta)
+                                          self.theta, pair_offset)
         return self.norm_fn(x, self.norm_weight) if final_norm else x
 
 
@@ -414,12 +414,19 @@ class FusedCodePredictor:
         kernels, stack, p = self.stack.kernels, self.stack, self.params
         B = hidden.shape[0]
         c0_embed = self.talker.embed_codec(c0)
-        stack.decode(self.proj(hidden), cache, rows, self.positions[0, :B], final_norm=False)
-        x = self.proj(c0_embed)
+        # Positions 0 (talker hidden) and 1 (C(c0)) of every row in one paired pass, as the reference's
+        # two-position first step: rows B..2B attend to rows 0..B of the same launch.
+        first = self.proj(torch.cat((hidden, c0_embed)))
+        x = None
         n = len(self.heads)
         residual = torch.empty(B, n, dtype=torch.long, device=hidden.device)
         for g in range(n):
-            h = stack.decode(x, cache, rows, self.positions[g + 1, :B], final_norm=False)
+            if g == 0:
+                pair_pos = torch.cat((self.positions[0, :B], self.positions[1, :B]))
+                h = stack.decode(first, cache, torch.cat((rows, rows)), pair_pos, final_norm=False,
+                                 pair_offset=B)[B:]
+            else:
+                h = stack.decode(x, cache, rows, self.positions[g + 1, :B], final_norm=False)
             logits = kernels.norm_matmul(h, stack.norm_weight, self.heads[g], stack.eps)
             x = kernels.sample_rows(logits, seeds, counters, g, residual[:, g], p.subtalker_temperature,
                                     p.subtalker_top_k, p.subtalker_do_sample,

@@ -111,7 +111,7 @@ def _rms_rope(x1, x2, norm_w1, norm_w2, cos, sin, eps, HEAD_DIM: tl.constexpr, d
 
 @triton.jit
 def _attend_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, pos_ptr, out_ptr,
-                   eps, log2_theta, sm_scale,
+                   eps, log2_theta, sm_scale, pair_offset,
                    NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_LEN: tl.constexpr,
                    BLOCK_P: tl.constexpr):
     row = tl.program_id(0)
@@ -166,10 +166,30 @@ def _attend_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, sl
     total = tl.full([Q_ROWS], 1.0, dtype=tl.float32)
     acc1 = tl.zeros([Q_ROWS, HALF], dtype=tl.float32) + v1
     acc2 = tl.zeros([Q_ROWS, HALF], dtype=tl.float32) + v2
+    # Paired launch (pair_offset > 0): row r + pair_offset is the next position of row r's slot, made in this
+    # same launch, so its K/V are not in the cache yet: take them from that row of qkv (normalised and rotated
+    # here too) as a second register entry. Unpaired rows compute it and weigh it zero.
+    has_prev = (pair_offset > 0) & (row >= pair_offset)
+    prev_base = qkv_ptr + tl.where(has_prev, row - pair_offset, row) * QKV
+    prev_angle = tl.where(has_prev, pos - 1, pos).to(tl.float32) * inv_freq
+    prev_cos = tl.cos(prev_angle).to(dtype).to(tl.float32)[None, :]
+    prev_sin = tl.sin(prev_angle).to(dtype).to(tl.float32)[None, :]
+    kp1, kp2 = _rms_rope(tl.load(prev_base + k_off + dk).to(tl.float32),
+                         tl.load(prev_base + k_off + HALF + dk).to(tl.float32), kn1, kn2, prev_cos, prev_sin, eps,
+                         HEAD_DIM, dtype)
+    prev_score = tl.where(has_prev, tl.sum(q1 * kp1 + q2 * kp2, axis=1) * sm_scale, float("-inf"))
+    new_best = tl.maximum(best, prev_score)
+    scale = tl.exp(best - new_best)
+    weight = tl.exp(prev_score - new_best)
+    total = total * scale + weight
+    acc1 = acc1 * scale[:, None] + weight[:, None] * tl.load(prev_base + v_off + dk).to(tl.float32)
+    acc2 = acc2 * scale[:, None] + weight[:, None] * tl.load(prev_base + v_off + HALF + dk).to(tl.float32)
+    best = new_best
+    cached = tl.where(has_prev, pos - 1, pos)  # positions read from the cache: [0, cached)
     p0 = 0
-    while p0 < pos:  # a while loop: the bound lives in device memory (the interpreter rejects range(pos))
+    while p0 < cached:  # a while loop: the bound lives in device memory (the interpreter rejects range(pos))
         p = p0 + tl.arange(0, BLOCK_P)
-        p_mask = p < pos
+        p_mask = p < cached
         k_ptrs = k_cache_ptr + cache_row + p[:, None] * HEAD_DIM + d[None, :]
         kb1 = tl.load(k_ptrs, mask=p_mask[:, None], other=0.0)
         kb2 = tl.load(k_ptrs + HALF, mask=p_mask[:, None], other=0.0)
@@ -292,9 +312,11 @@ def matmul_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 
 def attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, num_heads: int, eps: float,
-           theta: float, block_p: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+           theta: float, block_p: int | None = None, num_warps: int | None = None,
+           pair_offset: int = 0) -> torch.Tensor:
     """qkv [M, (H + 2 Hkv) Dh] of one new position per row -> attention output [M, H Dh]; writes K/V at
-    (slots[i], :, pos[i]) of the caches [slots, Hkv, L, Dh]."""
+    (slots[i], :, pos[i]) of the caches [slots, Hkv, L, Dh]. With pair_offset P > 0, row i + P holds the
+    position after row i's, of the same slot (two positions of each request in one launch)."""
     M = qkv.shape[0]
     _, num_kv, cache_len, head_dim = k_cache.shape
     out = torch.empty(M, num_heads * head_dim, device=qkv.device, dtype=qkv.dtype)
@@ -302,18 +324,22 @@ def attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, k_cach
     block_p = block_p or (16 if cache_len <= 16 else 64)
     num_warps = num_warps or 4
     _attend_kernel[(M, num_kv)](qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, out, eps, math.log2(theta),
-                                1.0 / math.sqrt(head_dim), NUM_HEADS=num_heads, NUM_KV=num_kv, HEAD_DIM=head_dim,
+                                1.0 / math.sqrt(head_dim), int(pair_offset), NUM_HEADS=num_heads, NUM_KV=num_kv,
+                                HEAD_DIM=head_dim,
                                 CACHE_LEN=cache_len, BLOCK_P=block_p, num_warps=num_warps)
     return out
 
 
 def decode_layer(x: torch.Tensor, weights: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor, pos: torch.Tensor, num_heads: int, eps: float, theta: float) -> torch.Tensor:
+                 slots: torch.Tensor, pos: torch.Tensor, num_heads: int, eps: float, theta: float,
+                 pair_offset: int = 0) -> torch.Tensor:
     """One pre-norm decoder layer for one new position per row: x [M, D] -> [M, D]. `weights` is a
-    FusedStack layer tuple (ln1, wqkv, q_norm, k_norm, wo, ln2, wgu, wd); slots, pos [M] int64."""
+    FusedStack layer tuple (ln1, wqkv, q_norm, k_norm, wo, ln2, wgu, wd); slots, pos [M] int64; pair_offset
+    as in `attend`."""
     ln1, wqkv, q_norm, k_norm, wo, ln2, wgu, wd = weights
     qkv = norm_matmul(x, ln1, wqkv, eps)
-    attn = attend(qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, num_heads, eps, theta)
+    attn = attend(qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, num_heads, eps, theta,
+                  pair_offset=pair_offset)
     x = matmul_residual(attn, wo, x)
     h = norm_matmul(x, ln2, wgu, eps, silu_mul=True)
     return matmul_residual(h, wd, x)
