@@ -8,14 +8,20 @@ gathers, mask, attention, residual adds); a frame runs 28 Talker layers plus 16 
   1. `norm_matmul`: RMSNorm of the residual rows (every program recomputes the row statistics, which is
      cheaper than a launch) times the fused q|k|v weight;
   2. `attend`: per (row, KV head): QK-norm, RoPE, the new K/V written into the slot's cache, and attention
-     of the group's query heads over positions 0..pos with an online softmax. The loop bound is the row's
-     position read from device memory, so one captured graph serves every context length;
+     of the group's query heads over positions 0..pos with an online softmax, each block of cached
+     positions as two tensor-core matmuls. The loop bound is the row's position read from device memory,
+     so one captured graph serves every context length. A paired launch (`pair_offset`) runs two
+     consecutive positions of each row at once (the code predictor's first step);
   3. `matmul_residual`: the output projection plus the residual add;
   4. `norm_matmul` with the SiLU(gate) * up epilogue;
   5. `matmul_residual`: the down projection plus the residual add.
 
-Rows are few (a batch bucket, 1..64), so each program covers all rows of a tile of output columns and the
-matmul is a weight-streaming GEMV-like loop; tiles are small so that enough programs stream weights at once.
+Rows are few (a batch bucket, up to 64 per program), so each program covers all rows of a tile of output
+columns and the matmul is a weight-streaming GEMV-like loop; tiles are small so that enough programs stream
+weights at once.
+
+`sample_rows` ends a code-predictor step: temperature, top-k and the counter-based Gumbel draw of
+sampling_noise, and the next step's input fetched from a table already through the input projection.
 
 Rounding follows the PyTorch modules: matmul outputs, normalised activations and RoPE results are rounded to
 the activation dtype where the modules round them, so bf16 results stay within bf16 noise of the modules.
