@@ -250,3 +250,32 @@ def test_a_paired_launch_equals_two_passes():
                           "k": (k_cache - k_two).abs().max().item(), "v": (v_cache - v_two).abs().max().item()}))
     """)
     assert result["err"] <= 1e-5 * result["scale"] and result["k"] < 1e-6 and result["v"] < 1e-6, result
+
+
+def test_the_predictor_loop_draws_the_same_codes_with_and_without_the_sampling_tail(tmp_path):
+    """The Triton predictor loop with its fused step tail and with the compiled sampler (its fallback) give
+    the same residual codes and frame embedding for the same rows, seeds and counters."""
+    result = run_interpreted(f"""
+        import json, torch
+        from tts_backend.engine.fused import FusedCodePredictor, PerLayerKV
+        from tts_backend.qwen3.generate import Qwen3TTS
+        from tts_backend.qwen3.testing.checkpoint import write_checkpoint
+        path = write_checkpoint({str(tmp_path)!r} + "/small", "small", seed=6)
+        model = Qwen3TTS.from_pretrained(str(path), device="cpu", dtype=torch.float32, load_codec=False)
+        params, talker = model.sampling_params(), model.config.talker
+        hidden = torch.randn(3, talker.hidden_size)
+        c0 = torch.tensor([3, 17, 40])
+        rows, seeds, counters = torch.arange(3), torch.tensor([5, 6, 7]), torch.tensor([0, 31, 400])
+        out = {{}}
+        with torch.inference_mode():
+            for tail in (True, False):
+                loop = FusedCodePredictor(model.code_predictor, model.talker, params, compile=False, triton=True,
+                                          max_rows=4)
+                loop.fused_tail = tail
+                cache = PerLayerKV.for_stack(talker.code_predictor, 4, model.num_code_groups, "cpu", torch.float32)
+                out[tail] = loop.run(hidden, c0, cache, rows, seeds, counters)
+        print(json.dumps({{"codes_equal": bool(torch.equal(out[True][0], out[False][0])),
+                           "embed_err": (out[True][1] - out[False][1]).abs().max().item(),
+                           "spread": len(set(out[True][0].flatten().tolist()))}}))
+    """)
+    assert result["codes_equal"] and result["embed_err"] < 1e-5 and result["spread"] > 3, result

@@ -375,12 +375,11 @@ class FusedCodePredictor:
         B = hidden.shape[0]
         c0_embed = self.talker.embed_codec(c0)
         if self.triton:
-            # One position per pass: position 0 (the talker hidden) alone first, then C(c0) at position 1;
-            # the same math as the two-position first pass, since attention is causal.
-            self.stack.decode(self.proj(hidden), cache, rows, self.positions[0, :B], final_norm=False)
-            x = self.proj(c0_embed)
+            x = None  # step 0 reads hidden and c0_embed
 
             def hidden_at(x, g):
+                if g == 0:
+                    return self._paired_first_step(hidden, c0_embed, cache, rows, final_norm=True)
                 return self.stack.decode(x, cache, rows, self.positions[g + 1, :B])
 
             def next_input(embed):
@@ -414,17 +413,11 @@ class FusedCodePredictor:
         kernels, stack, p = self.stack.kernels, self.stack, self.params
         B = hidden.shape[0]
         c0_embed = self.talker.embed_codec(c0)
-        # Positions 0 (talker hidden) and 1 (C(c0)) of every row in one paired pass, as the reference's
-        # two-position first step: rows B..2B attend to rows 0..B of the same launch.
-        first = self.proj(torch.cat((hidden, c0_embed)))
-        x = None
         n = len(self.heads)
         residual = torch.empty(B, n, dtype=torch.long, device=hidden.device)
         for g in range(n):
             if g == 0:
-                pair_pos = torch.cat((self.positions[0, :B], self.positions[1, :B]))
-                h = stack.decode(first, cache, torch.cat((rows, rows)), pair_pos, final_norm=False,
-                                 pair_offset=B)[B:]
+                h = self._paired_first_step(hidden, c0_embed, cache, rows, final_norm=False)
             else:
                 h = stack.decode(x, cache, rows, self.positions[g + 1, :B], final_norm=False)
             logits = kernels.norm_matmul(h, stack.norm_weight, self.heads[g], stack.eps)
@@ -432,3 +425,12 @@ class FusedCodePredictor:
                                     p.subtalker_top_k, p.subtalker_do_sample,
                                     self.next_tables[g] if g + 1 < n else None)
         return residual, self.embed_fn(c0_embed, residual, self.tables)
+
+    def _paired_first_step(self, hidden, c0_embed, cache: PerLayerKV, rows, final_norm: bool):
+        """Positions 0 (the talker hidden) and 1 (C(c0)) of every row in one paired Triton pass, like the
+        reference's two-position first step (rows B..2B attend to rows 0..B of the same launch); returns the
+        hidden state at position 1 [B, D]."""
+        B = hidden.shape[0]
+        pos = torch.cat((self.positions[0, :B], self.positions[1, :B]))
+        x = self.proj(torch.cat((hidden, c0_embed)))
+        return self.stack.decode(x, cache, torch.cat((rows, rows)), pos, final_norm=final_norm, pair_offset=B)[B:]
