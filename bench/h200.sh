@@ -11,7 +11,7 @@
 #   setup            install .carry/whl into /tmp/site, build the random 1.7B checkpoint in /tmp/ckpt once
 #   step[:ARGS]      bench/engine_step.py ARGS           -> $OUT/engine_step.json (then engine_step_2.json...)
 #   reference        qwen-tts 0.1.1 from .carry/refwhl   -> $OUT/reference.json
-#   load:RATES       bench/engine_load.py --rates RATES  -> $OUT/engine_load.json (WARMUP, DURATION, SEED,
+#   load:RATES       bench/engine_load.py --rates RATES  -> $OUT/engine_load.json (WARMUP, DURATION, SEED or SEEDS,
 #                    LOAD_ARGS for extra flags such as "-o key=value")
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
@@ -104,6 +104,9 @@ step_load() {  # step_load RATES
     ((LOAD_RUNS > 1)) && suffix=_$LOAD_RUNS
     local extra=()
     [[ -n ${SEED:-} ]] && extra+=(--seed "$SEED")
+    # SEEDS=0,1,2: every rate under each seed, reported as bench/README.md says (median of per-seed p95).
+    local seed
+    for seed in ${SEEDS//,/ }; do extra+=(--seed "$seed"); done
     # LOAD_ARGS is split on whitespace on purpose: it holds extra flags such as "-o max_batch=64".
     # shellcheck disable=SC2206
     [[ -n ${LOAD_ARGS:-} ]] && extra+=($LOAD_ARGS)
