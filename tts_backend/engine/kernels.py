@@ -119,7 +119,7 @@ def _rms_rope(x1, x2, norm_w1, norm_w2, cos, sin, eps, HEAD_DIM: tl.constexpr, d
 def _attend_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, pos_ptr, out_ptr,
                    eps, log2_theta, sm_scale, pair_offset,
                    NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_LEN: tl.constexpr,
-                   BLOCK_P: tl.constexpr):
+                   BLOCK_P: tl.constexpr, PAIRED: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV
@@ -172,26 +172,29 @@ def _attend_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr, sl
     total = tl.full([Q_ROWS], 1.0, dtype=tl.float32)
     acc1 = tl.zeros([Q_ROWS, HALF], dtype=tl.float32) + v1
     acc2 = tl.zeros([Q_ROWS, HALF], dtype=tl.float32) + v2
-    # Paired launch (pair_offset > 0): row r + pair_offset is the next position of row r's slot, made in this
-    # same launch, so its K/V are not in the cache yet: take them from that row of qkv (normalised and rotated
-    # here too) as a second register entry. Unpaired rows compute it and weigh it zero.
-    has_prev = (pair_offset > 0) & (row >= pair_offset)
-    prev_base = qkv_ptr + tl.where(has_prev, row - pair_offset, row) * QKV
-    prev_angle = tl.where(has_prev, pos - 1, pos).to(tl.float32) * inv_freq
-    prev_cos = tl.cos(prev_angle).to(dtype).to(tl.float32)[None, :]
-    prev_sin = tl.sin(prev_angle).to(dtype).to(tl.float32)[None, :]
-    kp1, kp2 = _rms_rope(tl.load(prev_base + k_off + dk).to(tl.float32),
-                         tl.load(prev_base + k_off + HALF + dk).to(tl.float32), kn1, kn2, prev_cos, prev_sin, eps,
-                         HEAD_DIM, dtype)
-    prev_score = tl.where(has_prev, tl.sum(q1 * kp1 + q2 * kp2, axis=1) * sm_scale, float("-inf"))
-    new_best = tl.maximum(best, prev_score)
-    scale = tl.exp(best - new_best)
-    weight = tl.exp(prev_score - new_best)
-    total = total * scale + weight
-    acc1 = acc1 * scale[:, None] + weight[:, None] * tl.load(prev_base + v_off + dk).to(tl.float32)
-    acc2 = acc2 * scale[:, None] + weight[:, None] * tl.load(prev_base + v_off + HALF + dk).to(tl.float32)
-    best = new_best
-    cached = tl.where(has_prev, pos - 1, pos)  # positions read from the cache: [0, cached)
+    cached = pos  # positions read from the cache: [0, cached)
+    if PAIRED:
+        # Paired launch: row r + pair_offset is the next position of row r's slot, made in this same launch,
+        # so its K/V are not in the cache yet: take them from that row of qkv (normalised and rotated here
+        # too) as a second register entry. Rows of the first half have none and weigh it zero. A constexpr:
+        # unpaired launches (every Talker step) compile none of this.
+        has_prev = row >= pair_offset
+        prev_base = qkv_ptr + tl.where(has_prev, row - pair_offset, row) * QKV
+        prev_angle = tl.where(has_prev, pos - 1, pos).to(tl.float32) * inv_freq
+        prev_cos = tl.cos(prev_angle).to(dtype).to(tl.float32)[None, :]
+        prev_sin = tl.sin(prev_angle).to(dtype).to(tl.float32)[None, :]
+        kp1, kp2 = _rms_rope(tl.load(prev_base + k_off + dk).to(tl.float32),
+                             tl.load(prev_base + k_off + HALF + dk).to(tl.float32), kn1, kn2, prev_cos, prev_sin,
+                             eps, HEAD_DIM, dtype)
+        prev_score = tl.where(has_prev, tl.sum(q1 * kp1 + q2 * kp2, axis=1) * sm_scale, float("-inf"))
+        new_best = tl.maximum(best, prev_score)
+        scale = tl.exp(best - new_best)
+        weight = tl.exp(prev_score - new_best)
+        total = total * scale + weight
+        acc1 = acc1 * scale[:, None] + weight[:, None] * tl.load(prev_base + v_off + dk).to(tl.float32)
+        acc2 = acc2 * scale[:, None] + weight[:, None] * tl.load(prev_base + v_off + HALF + dk).to(tl.float32)
+        best = new_best
+        cached = tl.where(has_prev, pos - 1, pos)
     p0 = 0
     while p0 < cached:  # a while loop: the bound lives in device memory (the interpreter rejects range(pos))
         p = p0 + tl.arange(0, BLOCK_P)
@@ -332,7 +335,7 @@ def attend(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, k_cach
     _attend_kernel[(M, num_kv)](qkv, q_norm, k_norm, k_cache, v_cache, slots, pos, out, eps, math.log2(theta),
                                 1.0 / math.sqrt(head_dim), int(pair_offset), NUM_HEADS=num_heads, NUM_KV=num_kv,
                                 HEAD_DIM=head_dim,
-                                CACHE_LEN=cache_len, BLOCK_P=block_p, num_warps=num_warps)
+                                CACHE_LEN=cache_len, BLOCK_P=block_p, PAIRED=pair_offset > 0, num_warps=num_warps)
     return out
 
 
