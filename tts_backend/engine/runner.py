@@ -328,19 +328,20 @@ class Qwen3ModelRunner(ModelRunner):
         raise error
 
     def _capture_generation(self) -> None:
+        """Every Talker decode and code-predictor shape not captured yet (a fallback keeps what still holds)."""
         for b in sorted(self.decode_buckets, reverse=True):
             slots = torch.full((b,), self.scratch, device=self.device, dtype=torch.long)
             for a in self.attend_buckets:
-                self.graphs.capture(("decode", b, a), lambda s, a=a: self._decode_fn(s, a), [slots])
-        for b in sorted(self.decode_buckets, reverse=True):
-            self.graphs.capture(("cp", b), self._cp_fn, [torch.full((b,), self.scratch, device=self.device,
-                                                                    dtype=torch.long)])
+                if ("decode", b, a) not in self.graphs:
+                    self.graphs.capture(("decode", b, a), lambda s, a=a: self._decode_fn(s, a), [slots])
+            if ("cp", b) not in self.graphs:
+                self.graphs.capture(("cp", b), self._cp_fn, [slots])
 
     def _drop_sampling_tail(self) -> bool:
+        """The compiled sampler for the predictor's draws; the Talker's graphs stay."""
         if not (self.fused and self.fused_cp.fused_tail):
             return False
         self.fused_cp.fused_tail = False
-        self.graphs.discard("decode")
         self.graphs.discard("cp")
         return True
 
