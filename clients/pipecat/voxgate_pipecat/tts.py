@@ -143,6 +143,9 @@ class VoxgateTTSService(WebsocketTTSService):
         # Contexts this service cancelled, with the audio bytes that still arrived for each before the
         # gateway confirmed (context.cancelled): the barge-in cost, reported by `on_context_cancelled`.
         self._cancelling: dict[str, int] = {}
+        # Contexts the gateway holds open for this service: text sent, no utterance.done or context.cancelled
+        # yet. A pipeline cancel stops these whether or not Pipecat still lists an audio context for them.
+        self._open_contexts: set[str] = set()
         self._register_event_handler("on_context_cancelled")
         self._register_event_handler("on_reconnected")
 
@@ -221,7 +224,7 @@ class VoxgateTTSService(WebsocketTTSService):
         session running on the gateway, waiting to be resumed)."""
         session = self._session
         if session is not None and not session.closed:
-            for context_id in self.get_audio_contexts():
+            for context_id in dict.fromkeys([*self.get_audio_contexts(), *sorted(self._open_contexts)]):
                 try:
                     await session.cancel(context_id=context_id)
                 except voxgate_client.VoxgateError:
@@ -231,6 +234,7 @@ class VoxgateTTSService(WebsocketTTSService):
     async def _disconnect_websocket(self):
         session, self._session = self._session, None
         self._cancelling.clear()
+        self._open_contexts.clear()
         try:
             await self.stop_all_metrics()
             if session is not None:
@@ -273,10 +277,12 @@ class VoxgateTTSService(WebsocketTTSService):
                 )
                 await self.append_to_audio_context(context_id, frame)
         elif isinstance(event, vg.UtteranceDone):
+            self._open_contexts.discard(context_id)
             if context_id is not None and self.audio_context_available(context_id):
                 await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
                 await self.remove_audio_context(context_id)
         elif isinstance(event, vg.ContextCancelled):
+            self._open_contexts.discard(context_id)
             late_bytes = self._cancelling.pop(context_id, 0)
             await self._call_event_handler("on_context_cancelled", context_id, late_bytes)
         elif isinstance(event, vg.Error):
@@ -292,6 +298,7 @@ class VoxgateTTSService(WebsocketTTSService):
         context_id = error.context_id
         if context_id is not None and self.audio_context_available(context_id) and error.sentence_index is None:
             # The context's text was refused (not one sentence failing): it will get no utterance.done.
+            self._open_contexts.discard(context_id)
             await self.append_to_audio_context(context_id, ErrorFrame(error=message))
             await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
             await self.remove_audio_context(context_id)
@@ -309,6 +316,7 @@ class VoxgateTTSService(WebsocketTTSService):
                 return
             if self._config_dirty:
                 await self._apply_session_config(session)
+            self._open_contexts.add(context_id)
             await session.send_text(text, context_id=context_id)
             if not self._is_streaming_tokens:
                 # Pipecat already cut a whole sentence: have the gateway speak it now rather than wait for
