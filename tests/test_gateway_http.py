@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import threading
 import wave
 
 import httpx
@@ -160,14 +161,17 @@ def test_voices_models_health_ready(server, client):
 
 
 class SlowStart(SyntheticSynthesizer):
-    """Takes a moment to load, like a real model."""
+    """Takes a while to load, like a real model: loading ends when the test says so, not after a fixed delay a
+    slow machine could outrun."""
 
     def __init__(self):
         super().__init__()
         self.loaded = False
+        self.finish_loading = threading.Event()
 
     async def start(self):
-        await asyncio.sleep(0.5)
+        while not self.finish_loading.is_set():
+            await asyncio.sleep(0.01)
         self.loaded = True
 
     @property
@@ -178,7 +182,8 @@ class SlowStart(SyntheticSynthesizer):
 def test_ready_waits_for_the_backend_while_health_answers_at_once():
     import time
 
-    with running_gateway(SlowStart(), ready_path="/health", ready_timeout_s=2.0) as server:
+    backend = SlowStart()
+    with running_gateway(backend, ready_path="/health", ready_timeout_s=5.0) as server:
         assert httpx.get(server.url + "/ready").status_code == 503
 
         async def early_session():
@@ -190,8 +195,12 @@ def test_ready_waits_for_the_backend_while_health_answers_at_once():
 
         error, close_code = asyncio.run(early_session())
         assert (error["code"], error["retryable"], close_code) == ("overloaded", True, 1013)
-        time.sleep(0.8)
-        assert httpx.get(server.url + "/ready").status_code == 200
+        assert httpx.get(server.url + "/ready").status_code == 503
+        backend.finish_loading.set()
+        deadline = time.monotonic() + 5.0
+        while httpx.get(server.url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "/ready never turned 200 after the backend loaded"
+            time.sleep(0.05)
 
 
 async def test_metrics_count_sessions_sentences_bytes_ttfa_and_errors():
