@@ -23,10 +23,6 @@ from dataclasses import dataclass, field
 
 from .request import Phase, RequestState, Stage
 
-# The generation work a request's phase asks for (the other phases ask for none).
-_GENERATION_STAGE = {Phase.NEED_PREFILL: Stage.PREFILL, Phase.NEED_CODE_PREDICT: Stage.CODE_PREDICT,
-                     Phase.NEED_DECODE: Stage.DECODE}
-
 # Round-robin tie order when several stages were served equally long ago.
 _ROUND_ROBIN_ORDER = (Stage.PREFILL, Stage.DECODE, Stage.CODEC, Stage.CODE_PREDICT)
 
@@ -55,7 +51,7 @@ class Batch:
 class _Item:
     """One ready piece of work, with what the rules compare computed once per decision."""
 
-    __slots__ = ("request", "stage", "frames", "deadline", "arrival", "order")
+    __slots__ = ("request", "stage", "frames", "deadline", "arrival")
 
     def __init__(self, request: RequestState, stage: Stage, deadline: float | None, frames: int = 0) -> None:
         self.request = request
@@ -63,8 +59,25 @@ class _Item:
         self.frames = frames
         self.deadline = deadline  # None while the request has no audio out yet
         self.arrival = request.arrival
-        # Fill order: requests with no audio yet first (by arrival), then earliest deadline.
-        self.order = (deadline is not None, deadline or 0.0, self.arrival)
+
+
+def _fill_order(item: _Item) -> tuple:
+    """Requests with no audio yet first (by arrival), then earliest deadline."""
+    return (item.deadline is not None, item.deadline or 0.0, item.arrival)
+
+
+class _Ready:
+    """Every piece of work ready now, by stage, and the candidates of each urgency rule, gathered in one pass
+    over the slot holders (a decision runs between every two batches, so its Python cost is GPU idle time)."""
+
+    __slots__ = ("by_stage", "urgent_codec", "urgent_generation", "startup", "pressing")
+
+    def __init__(self) -> None:
+        self.by_stage: dict[Stage, list[_Item]] = {stage: [] for stage in Stage}  # empty lists pruned after
+        self.urgent_codec: list[_Item] = []
+        self.urgent_generation: list[_Item] = []
+        self.startup: list[_Item] = []
+        self.pressing: list[_Item] = []
 
 
 class Scheduler:
@@ -131,28 +144,68 @@ class Scheduler:
         return self._requests.get(request_id)
 
     # ---- readiness --------------------------------------------------------------------------------
-    def _ready_items(self, codec_in_flight: bool) -> list[_Item]:
+    def _ready(self, now: float, codec_in_flight: bool) -> _Ready:
         """Every piece of work ready now: at most one generation item and one codec item per request holding
-        a slot. Runs once per decision over every active request, so the per-request checks are inlined."""
-        items: list[_Item] = []
-        max_pending = self.config.max_pending_frames
-        max_buffered_s = self.config.max_buffered_s
+        a slot, each sorted into the urgency rules it qualifies for. The per-request checks are inlined."""
+        ready = _Ready()
+        by_stage = ready.by_stage
+        codec_items = by_stage[Stage.CODEC]
+        config = self.config
+        max_pending = config.max_pending_frames
+        max_buffered_s = config.max_buffered_s
+        codec_lead = self.codec_lead()
+        codec_limit = now + codec_lead
+        pressing_limit = now + config.pressing_lead_s
+        # Rule 2's plan: the frames a stream's next chunk still lacks at the measured cost of a frame, then its
+        # codec call. Only the decode and codec stages wait for the device (they read results back), so a
+        # code-predictor batch's device time shows up in the next decode's cost: the sum is a frame's cost.
+        frame_cost = self._cost[Stage.DECODE] + self._cost[Stage.CODE_PREDICT]
+        codec_cost = self._cost[Stage.CODEC] + codec_lead
         for request in self._active.values():
             if request.cancelled or request.done:
                 continue
             output = request.output
             if output.emitted_samples - output.consumed_samples >= max_buffered_s * request.sample_rate:
                 continue  # back-pressure: a consumer that stopped reading stops its stream's work (slot kept)
-            deadline = request.deadline
-            stage = _GENERATION_STAGE.get(request.phase)
+            playback_start = request.playback_start
+            deadline = None if playback_start is None else playback_start + output.emitted_samples / request.sample_rate
+            pending = request.frames_generated - request.frames_decoded
+            schedule, chunks = request.chunk_schedule, request.chunks_decoded
+            want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
+            phase = request.phase
+            # Phases compared by identity: an Enum's hash runs in Python, and this loop runs per decision.
+            if phase is Phase.NEED_DECODE:
+                stage = Stage.DECODE
+            elif phase is Phase.NEED_CODE_PREDICT:
+                stage = Stage.CODE_PREDICT
+            elif phase is Phase.NEED_PREFILL:
+                stage = Stage.PREFILL
+            else:
+                stage = None
             # Generation waits for the codec to catch up once max_pending frames are not decoded yet.
-            if stage is not None and request.frames_generated - request.frames_decoded < max_pending:
-                items.append(_Item(request, stage, deadline))
-            if not codec_in_flight:
-                frames = request.codec_ready_frames()
-                if frames:
-                    items.append(_Item(request, Stage.CODEC, deadline, frames))
-        return items
+            if stage is not None and pending < max_pending:
+                item = _Item(request, stage, deadline)
+                by_stage[stage].append(item)
+                if deadline is None:
+                    ready.startup.append(item)
+                else:
+                    if stage is not Stage.PREFILL and want > pending \
+                            and now >= deadline - (want - pending) * frame_cost - codec_cost:
+                        ready.urgent_generation.append(item)
+                    if deadline <= pressing_limit:
+                        ready.pressing.append(item)
+            if not codec_in_flight and pending > 0 and (pending >= want or phase is Phase.FINISHED):
+                item = _Item(request, Stage.CODEC, deadline, min(pending, want))
+                codec_items.append(item)
+                if deadline is None:
+                    ready.startup.append(item)
+                else:
+                    if deadline <= codec_limit:
+                        ready.urgent_codec.append(item)
+                    if deadline <= pressing_limit:
+                        ready.pressing.append(item)
+        ready.by_stage = {stage: items for stage, items in by_stage.items() if items}
+        return ready
 
     # ---- the decision -----------------------------------------------------------------------------
     def decide(self, now: float, codec_in_flight: bool = False) -> Batch | None:
@@ -160,67 +213,30 @@ class Scheduler:
         one at a time) no codec work is ready: its requests' frames_decoded has not advanced yet, and a
         stream whose audio is about to run out either is in that batch or is picked by rule 1 as soon as
         the engine has collected it (at the start of a step, before it decides)."""
-        items = self._ready_items(codec_in_flight)
-        if not items:
+        ready = self._ready(now, codec_in_flight)
+        if not ready.by_stage:
             return None
-        batch = (
-            self._urgent_codec(items, now)
-            or self._urgent_generation(items, now)
-            or self._startup(items)
-            or self._pressing(items, now)
-            or self._round_robin(items)
-        )
+        if ready.urgent_codec:
+            anchor = min(ready.urgent_codec, key=lambda it: (it.deadline, it.arrival))
+            batch = self._fill(anchor, ready, ready.urgent_codec, "urgent_codec")
+        elif ready.urgent_generation:
+            anchor = min(ready.urgent_generation, key=lambda it: (it.deadline, int(it.stage), it.arrival))
+            batch = self._fill(anchor, ready, ready.urgent_generation, "urgent_generation")
+        elif ready.startup:
+            anchor = min(ready.startup, key=lambda it: (int(it.stage), it.arrival))
+            batch = self._fill(anchor, ready, ready.startup, "startup")
+        elif ready.pressing:
+            anchor = min(ready.pressing, key=lambda it: (it.deadline, int(it.stage), it.arrival))
+            batch = self._fill(anchor, ready, ready.pressing, "pressing")
+        else:
+            stage = min(ready.by_stage, key=lambda s: (self._served_at[s], _ROUND_ROBIN_ORDER.index(s)))
+            anchor = min(ready.by_stage[stage], key=lambda it: (it.deadline or 0.0, it.arrival))
+            batch = self._fill(anchor, ready, [], "round_robin")
         self._decisions += 1
         self._served_at[batch.stage] = self._decisions
         return batch
 
-    def _urgent_codec(self, items: list[_Item], now: float) -> Batch | None:
-        limit = now + self.codec_lead()
-        urgent = [it for it in items if it.stage is Stage.CODEC and it.deadline is not None and it.deadline <= limit]
-        if not urgent:
-            return None
-        anchor = min(urgent, key=lambda it: (it.deadline, it.arrival))
-        return self._fill(anchor, items, urgent, "urgent_codec")
-
-    def _urgent_generation(self, items: list[_Item], now: float) -> Batch | None:
-        # Only the decode and codec stages wait for the device (they read results back), so a code-predictor
-        # batch's device time shows up in the next decode's cost: use the sum as the cost of one frame.
-        frame_cost = self._cost[Stage.DECODE] + self._cost[Stage.CODE_PREDICT]
-        codec_cost = self._cost[Stage.CODEC] + self.codec_lead()
-        urgent = []
-        for it in items:
-            if it.deadline is None or it.stage is Stage.CODEC or it.stage is Stage.PREFILL:
-                continue
-            r = it.request
-            missing = r.next_chunk_frames() - r.pending_frames
-            if missing > 0 and now >= it.deadline - missing * frame_cost - codec_cost:
-                urgent.append(it)
-        if not urgent:
-            return None
-        anchor = min(urgent, key=lambda it: (it.deadline, int(it.stage), it.arrival))
-        return self._fill(anchor, items, urgent, "urgent_generation")
-
-    def _startup(self, items: list[_Item]) -> Batch | None:
-        startup = [it for it in items if it.deadline is None]
-        if not startup:
-            return None
-        anchor = min(startup, key=lambda it: (int(it.stage), it.arrival))
-        return self._fill(anchor, items, startup, "startup")
-
-    def _pressing(self, items: list[_Item], now: float) -> Batch | None:
-        limit = now + self.config.pressing_lead_s
-        pressing = [it for it in items if it.deadline is not None and it.deadline <= limit]
-        if not pressing:
-            return None
-        anchor = min(pressing, key=lambda it: (it.deadline, int(it.stage), it.arrival))
-        return self._fill(anchor, items, pressing, "pressing")
-
-    def _round_robin(self, items: list[_Item]) -> Batch:
-        stage = min({it.stage for it in items}, key=lambda s: (self._served_at[s], _ROUND_ROBIN_ORDER.index(s)))
-        anchor = min((it for it in items if it.stage is stage), key=lambda it: (it.deadline or 0.0, it.arrival))
-        return self._fill(anchor, items, [], "round_robin")
-
-    def _fill(self, anchor: _Item, items: list[_Item], priority: list[_Item], rule: str) -> Batch:
+    def _fill(self, anchor: _Item, ready: _Ready, priority: list[_Item], rule: str) -> Batch:
         """The anchor, then compatible priority items (in fill order), then the other compatible items, up
         to the stage's batch cap. A codec batch decodes one frame count (one captured shape per count): the
         anchor's. A stream joins it when that count is at least what its next chunk wants and no more than
@@ -239,11 +255,11 @@ class Scheduler:
         urgent = [it for it in priority if compatible(it)]
         if len(urgent) + 1 < cap:
             marked = {id(it) for it in urgent}
-            rest = [it for it in items if compatible(it) and id(it) not in marked]
-            rest.sort(key=lambda it: it.order)
+            rest = [it for it in ready.by_stage[stage] if compatible(it) and id(it) not in marked]
+            rest.sort(key=_fill_order)
         else:
             rest = []
-        urgent.sort(key=lambda it: it.order)
+        urgent.sort(key=_fill_order)
         for it in urgent + rest:
             if len(chosen) >= cap:
                 break
