@@ -145,6 +145,8 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
     ))
     with torch.inference_mode():
         runner._allocate()
+        if runner.triton:
+            runner._check_kernels()  # as serving does: the kernels serve only if they agree on this device
         graphs = runner.graphs
         rows: list[dict] = []
         for b in batches:
@@ -252,6 +254,7 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
         "kernels": "triton" if runner.triton else ("inductor" if runner.fused else "modules"),
         "capture_and_compile_s": runner.graphs.capture_seconds,
         "fused_vs_modules_relative_error": check,
+        "start_up_kernel_check": runner.kernel_check,
     }
 
 

@@ -225,6 +225,51 @@ def test_triton_layers_that_fail_to_capture_fall_back_to_the_compiled_layers(tmp
                       "decode": [[1, 64], [1, 128], [2, 64], [2, 128]], "cp": [1, 2]}
 
 
+def test_the_start_up_check_keeps_agreeing_kernels_and_drops_what_disagrees(tmp_path):
+    """Before capture the runner compares the kernels with the layers on this device: kernels that agree
+    serve; an attention kernel that computes garbage turns the Triton layers off (the engine then serves on
+    the compiled layers); a draw that picks other codes turns only the sampling tail off."""
+    result = run_interpreted(f"""
+        import json, torch
+        from tts_backend.engine import kernels
+        from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
+        from tts_backend.qwen3.generate import Qwen3TTS
+        from tts_backend.qwen3.testing.checkpoint import write_checkpoint
+        path = write_checkpoint({str(tmp_path)!r} + "/small", "small", seed=4)
+        model = Qwen3TTS.from_pretrained(str(path), device="cpu", dtype=torch.float32)
+        attend, sample_rows = kernels.attend, kernels.sample_rows
+
+        def prepared():
+            runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=96, sampler="stateless",
+                                      fused=True, compile=False, kernels="triton"))
+            runner.prepare()
+            return {{"check": runner.kernel_check, "triton": runner.triton, "tail": runner.fused_cp.fused_tail,
+                    "talker_kernels": runner.fused_talker.kernels is not None}}
+
+        out = {{"agree": prepared()}}
+        kernels.attend = lambda *a, **k: attend(*a, **k) * 0.5  # wrong attention output, right cache writes
+        out["bad_attention"] = prepared()
+        kernels.attend = attend
+
+        def shifted(logits, seeds, counters, offset, codes, *rest):
+            table = sample_rows(logits, seeds, counters, offset, codes, *rest)
+            codes.add_(1).remainder_(logits.shape[1])
+            return table
+        kernels.sample_rows = shifted
+        out["bad_draw"] = prepared()
+        print(json.dumps(out))
+    """)
+    agree, bad_attention, bad_draw = result["agree"], result["bad_attention"], result["bad_draw"]
+    assert agree["triton"] and agree["tail"] and agree["talker_kernels"]
+    check = agree["check"]
+    assert max(check["talker_layer"], check["predictor_layer"], check["predictor_paired"]) < 1e-4, check
+    assert check["tail_logits"] < 1e-5 and check["tail_draws"] == 1.0, check
+    assert bad_attention["check"]["layers_ok"] is False and bad_attention["check"]["talker_layer"] > 0.15
+    assert not bad_attention["triton"] and not bad_attention["tail"] and not bad_attention["talker_kernels"]
+    assert bad_draw["check"]["layers_ok"] and not bad_draw["check"]["tail_ok"]
+    assert bad_draw["triton"] and not bad_draw["tail"]
+
+
 def test_a_paired_launch_equals_two_passes():
     """Two positions of each row in one launch (pair_offset): the second attends to the first from the same
     launch's q|k|v, and outputs and caches equal two launches of one position each."""

@@ -165,6 +165,7 @@ class Qwen3ModelRunner(ModelRunner):
         self.codec_buckets = tuple(sorted(b for b in cfg.codec_batch_buckets if b <= cfg.max_slots)) or (1,)
         self.prefill_buckets = tuple(sorted(b for b in cfg.prefill_batch_buckets if b <= cfg.max_slots)) or (1,)
         self._allocated = False
+        self.kernel_check: dict | None = None  # the start-up kernel check's measurements, when it ran
 
     def _use_triton(self, kernels: str, model) -> bool:
         from .fused import kernels_fit, triton_kernels
@@ -192,8 +193,28 @@ class Qwen3ModelRunner(ModelRunner):
     @torch.inference_mode()
     def prepare(self) -> None:
         self._allocate()
+        if self.triton:
+            self._check_kernels()
         if self.graphs.enabled:
             self._capture_all()
+
+    def _check_kernels(self) -> None:
+        """Serve on the Triton kernels only if they compute what the layers compute on this device (see
+        kernel_check); a piece that disagrees falls back like a piece that fails to capture."""
+        from .kernel_check import check_triton_path
+
+        check = check_triton_path(self.fused_talker, self.model.config.talker, self.fused_cp, self.config.max_len)
+        self.kernel_check = check.as_dict()
+        if not check.layers_ok:
+            log.error("the Triton decode kernels disagree with the layer function on this device (%s); serving "
+                      "on the compiled layers", self.kernel_check)
+            self._drop_triton()
+        elif not check.tail_ok:
+            log.error("the Triton sampling tail disagrees with the compiled sampler on this device (%s); "
+                      "drawing with the compiled sampler", self.kernel_check)
+            self._drop_sampling_tail()
+        else:
+            log.info("Triton kernels agree with the layers on this device: %s", self.kernel_check)
 
     def _allocate(self) -> None:
         if self._allocated:
