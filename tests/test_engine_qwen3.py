@@ -131,6 +131,29 @@ async def test_cancel_frees_the_slot_and_errors_are_clear(tiny_custom_voice):
         await backend.stop()
 
 
+async def test_ready_only_after_the_warm_up_request(tiny_custom_voice):
+    """The start-up warm-up runs through synthesize() while `ready` (the gateway's /ready) still says no."""
+    backend = create_backend("qwen3", model=str(tiny_custom_voice), device="cpu", max_active=4, max_len=256)
+    seen = []
+
+    async def watch():
+        while True:
+            seen.append((backend.ready, backend.engine is not None and backend.engine.ready))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await backend.start()
+    finally:
+        watcher.cancel()
+    try:
+        assert backend.ready and backend.engine.stats.completed == 1
+        assert any(engine_up for _, engine_up in seen), "the watcher never looked while the engine was up"
+        assert not any(ready for ready, _ in seen), "ready before start() returned"
+    finally:
+        await backend.stop()
+
+
 async def test_worker_process_serves_the_qwen3_engine(tiny_custom_voice, tmp_path):
     socket_path = str(tmp_path / "qwen3.sock")
     proc = subprocess.Popen(

@@ -82,6 +82,7 @@ class Qwen3Synthesizer(Synthesizer):
         self.engine = None
         self._voices: list[Voice] = []
         self._ready = False
+        self._warming = False  # the start-up warm-up request is running: synthesize() accepts it unready
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def _load_model(self) -> None:
@@ -145,12 +146,14 @@ class Qwen3Synthesizer(Synthesizer):
             # One short request through every stage (and the first-chunk path) before we say ready.
             warm = SynthesisRequest(text="Warm up.", voice=self.default_voice, seed=0, max_new_tokens=8,
                                     instructions=None if self._voices[0].id != _VOICE_DESIGN_VOICE else "A calm voice.")
-            self._ready = True
+            # Through synthesize() itself, while `ready` (and so the gateway's /ready) still says no: traffic
+            # must not arrive before the warm-up has run.
+            self._warming = True
             try:
                 async for _ in self.synthesize(warm):
                     pass
             finally:
-                self._ready = False
+                self._warming = False
         self._ready = True
 
     async def stop(self) -> None:
@@ -184,7 +187,7 @@ class Qwen3Synthesizer(Synthesizer):
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         from .qwen3.prompt import PromptError
 
-        if not self.ready:
+        if not (self.ready or (self._warming and self.engine is not None and self.engine.ready)):
             raise SynthesisError("the qwen3 backend is not ready")
         if not self.has_voice(request.voice):
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
