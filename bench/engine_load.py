@@ -102,6 +102,58 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_path: Pa
     raise RuntimeError(f"gateway not ready after {timeout_s:.0f} s")
 
 
+def scrape_counters(base: str) -> dict[tuple[str, tuple], float]:
+    """The gateway's /metrics as {(sample name, sorted label items): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def engine_breakdown(before: dict, after: dict) -> dict | None:
+    """What the engine did between two scrapes (voxgate_engine_* counters, in-process or from a worker):
+    each section's share of the engine thread's wall time, batches and mean batch per stage, the scheduler's
+    cost per decision, the codec's device time as a share of the wall time, and batches per urgency rule.
+    None when the backend reports no engine counters."""
+    def delta(name: str, label: str | None = None) -> dict[str, float]:
+        out = {}
+        for (sample, labels), value in after.items():
+            if sample == name:
+                key = dict(labels).get(label, "") if label else ""
+                out[key] = value - before.get((sample, labels), 0.0)
+        return out
+
+    sections = delta("voxgate_engine_thread_seconds_total", "section")
+    wall = sum(sections.values())
+    if not sections or wall <= 0:
+        return None
+    batches = delta("voxgate_engine_batches_total", "stage")
+    items = delta("voxgate_engine_batch_items_total", "stage")
+    decisions = delta("voxgate_engine_decisions_total").get("", 0.0)
+    rules: dict[str, float] = {}
+    for (sample, labels), value in after.items():
+        if sample == "voxgate_engine_rule_batches_total":
+            rule = dict(labels)["rule"]
+            rules[rule] = rules.get(rule, 0.0) + value - before.get((sample, labels), 0.0)
+    stages = {}
+    for stage, count in sorted(batches.items()):
+        thread = sections.get(f"runner.{stage}", 0.0) + sections.get(f"post.{stage}", 0.0)
+        stages[stage] = {"batches": int(count), "mean_batch": items.get(stage, 0.0) / count if count else None,
+                         "thread_share": thread / wall}
+    return {
+        "engine_wall_s": wall,
+        "decisions": int(decisions),
+        "stages": stages,
+        "schedule_share": sections.get("schedule", 0.0) / wall,
+        "idle_share": sections.get("idle", 0.0) / wall,
+        "schedule_us_per_decision": sections.get("schedule", 0.0) / decisions * 1e6 if decisions else None,
+        "codec_device_share": delta("voxgate_engine_codec_device_seconds_total").get("", 0.0) / wall,
+        "rules": {rule: int(count) for rule, count in sorted(rules.items())},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -179,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     sampler.cancel()
 
             per_seed = []
+            counters_before = scrape_counters(base)
             for seed in seeds:
                 per_seed.append(asyncio.run(run_with_memory(seed))["summary"])
                 if len(seeds) > 1:
@@ -186,14 +239,18 @@ def main(argv: list[str] | None = None) -> int:
             summary = combine_seeds(per_seed)
             p95 = summary["audible_ttfa_s"]["p95"]
             passed = bool(summary["passed"]) and p95 is not None and p95 * 1000 <= args.fail_ttfa_ms
+            # Over the whole of this rate's runs (every seed's warm-up, measured window and drain).
+            engine = engine_breakdown(counters_before, scrape_counters(base))
             entry = {"rps": rate, "passed": passed, "gpu_memory_max_MiB": max(memory) if memory else None,
-                     "seeds": seeds, "summary": summary}
+                     "seeds": seeds, "summary": summary, "engine": engine}
             if len(seeds) > 1:
                 entry["per_seed"] = per_seed
             report["rates"].append(entry)
             if len(seeds) == 1:
                 print(markdown_table(summary, f"{rate:g} RPS"), flush=True)
             print(f"GPU memory max {entry['gpu_memory_max_MiB']} MiB; verdict {'PASS' if passed else 'FAIL'}", flush=True)
+            if engine is not None:
+                print(engine_table([entry]), flush=True)
             if not passed:
                 break
     finally:
@@ -206,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 process.kill()
     table = summary_table(report)
+    if any(entry.get("engine") for entry in report["rates"]):
+        table += "\n\nEngine thread, over each rate's runs (voxgate_engine_* from /metrics):\n\n"
+        table += engine_table(report["rates"])
     print(table)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -230,6 +290,30 @@ def summary_table(report: dict) -> str:
             f"{ms(s['ttfb_s'], 'p95')} | {ms(s['e2e_s'], 'p95')} | {s['underrun_events']} | {s['failed']} | "
             f"{s['requests']} | {s['max_in_flight']} | {entry['gpu_memory_max_MiB']} | "
             f"{'PASS' if entry['passed'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def engine_table(entries: list[dict]) -> str:
+    def pct(value):
+        return "-" if value is None else f"{value * 100:.1f}%"
+
+    def stage(e, name):
+        st = e["stages"].get(name)
+        if not st or not st["batches"]:
+            return "-"
+        return f"{pct(st['thread_share'])} ({st['mean_batch']:.1f})"
+
+    lines = ["| RPS | decode (mean batch) | code predict | codec thread | codec device | prefill | schedule "
+             "(us/decision) | idle | decisions | rules |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for entry in entries:
+        e = entry.get("engine")
+        if not e:
+            continue
+        us = e["schedule_us_per_decision"]
+        rules = ", ".join(f"{rule} {count}" for rule, count in e["rules"].items())
+        lines.append(f"| {entry['rps']:g} | {stage(e, 'decode')} | {stage(e, 'code_predict')} | {stage(e, 'codec')} | "
+                     f"{pct(e['codec_device_share'])} | {stage(e, 'prefill')} | {pct(e['schedule_share'])} "
+                     f"({'-' if us is None else f'{us:.0f}'}) | {pct(e['idle_share'])} | {e['decisions']} | {rules} |")
     return "\n".join(lines)
 
 

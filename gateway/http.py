@@ -16,6 +16,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -41,6 +42,9 @@ router = APIRouter()
 # Raw formats carry no header, so clients assume a rate: OpenAI documents `pcm` as 24 kHz, telephony
 # formats are 8 kHz. `wav` states its rate in its header and stays at the backend's own.
 DEFAULT_RATES = {"pcm": 24000, "mulaw": 8000, "alaw": 8000}
+BACKEND_METRICS_TIMEOUT_S = 3.0  # a scrape waits this long for the backend's metrics, then goes without
+
+log = logging.getLogger(__name__)
 
 _STATUS = {
     ErrorCode.unauthorized: 401,
@@ -403,4 +407,9 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     gateway = gateway_of(request)
-    return Response(gateway.metrics.render(), media_type=gateway.metrics.content_type)
+    try:
+        backend_metrics = await asyncio.wait_for(gateway.backend.metrics(), timeout=BACKEND_METRICS_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - a scrape must answer with the gateway's metrics whatever the backend does
+        log.warning("the %s backend's metrics are unavailable", gateway.backend.name, exc_info=True)
+        backend_metrics = []
+    return Response(gateway.metrics.render(backend_metrics), media_type=gateway.metrics.content_type)

@@ -1,12 +1,36 @@
-"""Prometheus metrics, one CollectorRegistry per app instance (so several apps can live in one process)."""
+"""Prometheus metrics, one CollectorRegistry per app instance (so several apps can live in one process).
+
+The gateway's own metrics, plus whatever its backend reports (`Synthesizer.metrics()`: the GPU engine's
+batches and time shares, a worker's streams), read at each scrape and exposed as voxgate_<name>.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tts_backend.base import BackendMetric
 
 # Time to first audio spans sub-10 ms (synthetic backend) to seconds (an overloaded GPU).
 TTFA_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
+
+
+class _BackendMetrics:
+    """A collector of the backend metrics handed to the scrape being rendered."""
+
+    def __init__(self) -> None:
+        self.latest: Sequence[BackendMetric] = ()
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.latest:
+            family = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+            collected = family(f"voxgate_{metric.name}", metric.help, labels=list(metric.labels))
+            for values, value in metric.samples:
+                collected.add_metric(list(values), value)
+            yield collected
 
 
 class GatewayMetrics:
@@ -36,5 +60,14 @@ class GatewayMetrics:
             "voxgate_speech_requests_total", "POST /v1/audio/speech requests", ["stream"], registry=r
         )
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+        self._backend = _BackendMetrics()
+        r.register(self._backend)
+
+    def render(self, backend_metrics: Sequence[BackendMetric] = ()) -> bytes:
+        """The exposition text; `backend_metrics` as read from the backend for this scrape (rendering is
+        synchronous, so concurrent scrapes cannot mix each other's)."""
+        self._backend.latest = backend_metrics
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._backend.latest = ()

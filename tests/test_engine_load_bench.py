@@ -1,5 +1,6 @@
-"""bench/engine_load.py end to end on the CPU: a real gateway with the qwen3 backend on a tiny checkpoint,
-the open-loop client, and the report, with several seeds combined as bench/README.md says."""
+"""bench/engine_load.py end to end on the CPU: a real gateway on --backend remote with the qwen3 engine in a
+`voxgate worker` on a tiny checkpoint, the open-loop client, and the report, with several seeds combined as
+bench/README.md says and the engine's breakdown read from the gateway's /metrics."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_several_seeds_are_reported_as_the_median_of_each_seeds_percentiles(tiny
     proc = subprocess.run(
         [sys.executable, "bench/engine_load.py", "--model", str(tiny_custom_voice), "--device", "cpu",
          "--rates", "2", "--warmup", "0.5", "--duration", "2", "--seed", "0", "--seed", "1",
-         "--fail-ttfa-ms", "100000", "--output", str(output), "--log", str(tmp_path / "gateway.log")],
+         "--fail-ttfa-ms", "100000", "--output", str(output), "--log", str(tmp_path / "gateway.log"), "--worker"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -32,3 +33,13 @@ def test_several_seeds_are_reported_as_the_median_of_each_seeds_percentiles(tiny
         values = sorted(r["audible_ttfa_s"][q] for r in runs)
         assert combined["audible_ttfa_s"][q] == (values[0] + values[1]) / 2  # the median of two
     assert "| 2 |" in output.with_suffix(".md").read_text()
+    # The worker's engine counters, through the gateway's /metrics: every request of both seeds went through
+    # prefill, and the thread's sections (shares) add up to its wall time.
+    engine = entry["engine"]
+    stages = engine["stages"]
+    assert stages["prefill"]["batches"] >= 1 and stages["decode"]["batches"] > stages["prefill"]["batches"]
+    assert stages["codec"]["mean_batch"] >= 1
+    assert engine["decisions"] == sum(st["batches"] for st in stages.values()) == sum(engine["rules"].values())
+    shares = sum(st["thread_share"] for st in stages.values()) + engine["schedule_share"] + engine["idle_share"]
+    assert 0.9 <= shares <= 1.0 + 1e-9
+    assert "Engine thread" in output.with_suffix(".md").read_text()

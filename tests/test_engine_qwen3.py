@@ -175,6 +175,12 @@ async def test_worker_process_serves_the_qwen3_engine(tiny_custom_voice, tmp_pat
             finally:
                 await local.stop()
             assert np.array_equal(got, want)
+            # The worker's engine counters reach the gateway's side of the socket (for its /metrics).
+            metrics = {m.name: m for m in await remote.metrics()}
+            assert metrics["worker_streams"].samples == (((), 0.0),)
+            completed = dict(metrics["engine_requests"].samples)[("completed",)]
+            assert completed == 2  # the warm-up request and this one
+            assert dict(metrics["engine_batches"].samples)[("decode",)] >= 15
         finally:
             await remote.stop()
     finally:

@@ -53,6 +53,32 @@ class SynthesisRequest:
 
 
 @dataclass(frozen=True)
+class BackendMetric:
+    """One metric family a backend reports for the gateway's /metrics (exposed as voxgate_<name>). Plain
+    data, so a worker process can send it over its socket; values are cumulative for counters."""
+
+    name: str  # e.g. "engine_batches" (a counter is exposed with the _total suffix)
+    kind: str  # "counter" or "gauge"
+    help: str
+    labels: tuple[str, ...] = ()
+    samples: tuple[tuple[tuple[str, ...], float], ...] = ()  # (label values, value)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "help": self.help, "labels": list(self.labels),
+                "samples": [[list(values), value] for values, value in self.samples]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "BackendMetric":
+        if data["kind"] not in ("counter", "gauge"):
+            raise ValueError(f"unknown metric kind {data['kind']!r}")
+        labels = tuple(str(label) for label in data.get("labels", ()))
+        samples = tuple((tuple(str(v) for v in values), float(value)) for values, value in data.get("samples", ()))
+        if any(len(values) != len(labels) for values, _ in samples):
+            raise ValueError(f"metric {data['name']!r}: a sample's label values do not match its labels")
+        return cls(str(data["name"]), data["kind"], str(data.get("help", "")), labels, samples)
+
+
+@dataclass(frozen=True)
 class AudioChunk:
     pcm: bytes  # s16le mono at the backend's sample_rate; always a whole number of samples
 
@@ -90,6 +116,11 @@ class Synthesizer(abc.ABC):
     def load(self) -> float:
         """Fraction of real-time capacity in use (0 idle, 1 saturated); used to refuse sessions early."""
         return 0.0
+
+    async def metrics(self) -> list[BackendMetric]:
+        """The backend's own metrics for the gateway's /metrics (the GPU engine's batches and time shares,
+        say); none by default."""
+        return []
 
     @abc.abstractmethod
     def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:

@@ -12,7 +12,15 @@ import logging
 import math
 from collections.abc import AsyncIterator
 
-from .base import AudioChunk, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice
+from .base import (
+    AudioChunk,
+    BackendMetric,
+    SynthesisError,
+    SynthesisRequest,
+    Synthesizer,
+    UnknownVoiceError,
+    Voice,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +178,13 @@ class Qwen3Synthesizer(Synthesizer):
 
     def load(self) -> float:
         return self.engine.load() if self.engine is not None else 1.0
+
+    async def metrics(self) -> list[BackendMetric]:
+        if self.engine is None:
+            return []
+        from .engine.metrics import engine_metrics
+
+        return engine_metrics(self.engine.stats_snapshot())
 
     # ---- requests -----------------------------------------------------------------------------------
     def _language(self, language: str | None) -> str:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from . import framing
 from .base import (
     AudioChunk,
+    BackendMetric,
     BackendOverloadedError,
     SynthesisError,
     SynthesisRequest,
@@ -20,6 +22,8 @@ from .base import (
 from .worker import request_to_json
 
 _ERRORS = {"unknown_voice": UnknownVoiceError, "overloaded": BackendOverloadedError}
+
+log = logging.getLogger(__name__)
 
 
 class RemoteSynthesizer(Synthesizer):
@@ -34,14 +38,18 @@ class RemoteSynthesizer(Synthesizer):
         self.socket_path = socket
         self.connect_timeout_s = connect_timeout_s
         self.info_refresh_s = info_refresh_s
+        self.metrics_timeout_s = 2.0
         self._info: dict | None = None
         self._voices: list[Voice] = []
         self._refresh_task: asyncio.Task | None = None
 
     async def _query_info(self) -> dict:
+        return await self._query("info")
+
+    async def _query(self, op: str) -> dict:
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
         try:
-            writer.write(framing.encode_json({"op": "info"}))
+            writer.write(framing.encode_json({"op": op}))
             await writer.drain()
             frame = await framing.read_frame(reader)
             if frame is None or frame[0] != framing.JSON:
@@ -104,6 +112,19 @@ class RemoteSynthesizer(Synthesizer):
 
     def load(self) -> float:
         return float(self._info.get("load", 0.0)) if self._info else 1.0
+
+    async def metrics(self) -> list[BackendMetric]:
+        """The worker's metrics (its backend's and its own), read at each call. An unreachable worker, or
+        one too old to know the op, reports none: /metrics must answer whatever the worker does."""
+        try:
+            answer = await asyncio.wait_for(self._query("metrics"), timeout=self.metrics_timeout_s)
+            if answer.get("op") != "metrics":
+                return []
+            return [BackendMetric.from_json(m) for m in answer.get("metrics", [])]
+        except (OSError, asyncio.TimeoutError, SynthesisError, framing.ProtocolError, KeyError, TypeError,
+                ValueError):
+            log.debug("no metrics from the worker at %s", self.socket_path, exc_info=True)
+            return []
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         if self._voices and not self.has_voice(request.voice):

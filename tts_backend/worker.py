@@ -17,7 +17,14 @@ import signal
 from typing import Any
 
 from . import framing
-from .base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
+from .base import (
+    BackendMetric,
+    BackendOverloadedError,
+    SynthesisError,
+    SynthesisRequest,
+    Synthesizer,
+    UnknownVoiceError,
+)
 from .registry import create_backend
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,13 @@ class WorkerServer:
             "voices": [dataclasses.asdict(v) for v in self.backend.voices()],
         }
 
+    async def metrics(self) -> dict:
+        """The backend's metrics and the worker's own, for the gateway's /metrics (RemoteSynthesizer)."""
+        streams = BackendMetric("worker_streams", "gauge", "Streams the worker is serving now",
+                                samples=(((), float(self.streams_in_flight)),))
+        metrics = [streams, *await self.backend.metrics()]
+        return {"op": "metrics", "metrics": [m.to_json() for m in metrics]}
+
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
@@ -93,6 +107,9 @@ class WorkerServer:
             message = framing.decode_json(payload)
             if message["op"] == "info":
                 writer.write(framing.encode_json(self.info()))
+                await writer.drain()
+            elif message["op"] == "metrics":
+                writer.write(framing.encode_json(await self.metrics()))
                 await writer.drain()
             elif message["op"] == "synthesize":
                 await self._synthesize(message.get("request") or {}, reader, writer)

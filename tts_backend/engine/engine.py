@@ -506,6 +506,11 @@ class Engine:
                 "idle_s": seconds.get(_IDLE, 0.0),
                 "outside_step_s": seconds.get(_OUTSIDE, 0.0),
                 "startup_s": seconds.get(_STARTUP, 0.0),
+                # Gauges read across threads without the scheduler's owner: each is one int read, so at
+                # worst a moment old.
+                "streams": len(self._streams),
+                "slots_in_use": self.scheduler.active,
+                "slots": self.config.scheduler.max_active,
             }
 
     def _emit(self, request: RequestState, pcm: np.ndarray) -> None:

@@ -1,0 +1,49 @@
+"""The engine's counters as the backend metrics the gateway exposes on /metrics (voxgate_engine_*).
+
+From `Engine.stats_snapshot()`: per stage, batches, the requests they carried (mean batch = items /
+batches) and the engine thread's seconds in the runner and on the results; the thread's other sections
+(scheduling, idle, start-up); batches by the urgency rule that chose them; the codec's device seconds
+(it runs on its own stream, beside the thread); requests by outcome; and slots and streams now. Rates and
+shares come from differences between scrapes, as Prometheus does with any counter.
+"""
+
+from __future__ import annotations
+
+from ..base import BackendMetric
+
+
+def engine_metrics(snapshot: dict) -> list[BackendMetric]:
+    stages = {stage.lower(): counts for stage, counts in snapshot["stages"].items()}  # label values in lower case
+    thread_seconds = [((f"runner.{stage}",), s["runner_s"]) for stage, s in stages.items()]
+    thread_seconds += [((f"post.{stage}",), s["post_s"]) for stage, s in stages.items()]
+    thread_seconds += [((section,), snapshot[f"{section}_s"]) for section in ("schedule", "idle", "outside_step",
+                                                                             "startup")]
+    rules = [((rule, stage.lower()), float(count)) for rule, by_stage in sorted(snapshot["rules"].items())
+             for stage, count in sorted(by_stage.items())]
+    codec = snapshot["codec"]
+    return [
+        BackendMetric("engine_decisions", "counter", "Scheduling decisions of the engine thread (one per batch)",
+                      samples=(((), float(snapshot["decisions"])),)),
+        BackendMetric("engine_batches", "counter", "Batches run, by stage", ("stage",),
+                      tuple(((stage,), float(s["batches"])) for stage, s in stages.items())),
+        BackendMetric("engine_batch_items", "counter", "Requests carried by batches, by stage (mean batch: "
+                      "items / batches)", ("stage",), tuple(((stage,), float(s["items"])) for stage, s in stages.items())),
+        BackendMetric("engine_thread_seconds", "counter", "Wall seconds of the engine thread by section (runner.* "
+                      "in a stage's runner call, post.* on its results, schedule, idle, outside_step, startup); "
+                      "the sections add up to the thread's time", ("section",), tuple(thread_seconds)),
+        BackendMetric("engine_rule_batches", "counter", "Batches by the urgency rule that chose them",
+                      ("rule", "stage"), tuple(rules)),
+        BackendMetric("engine_codec_device_seconds", "counter", "Device seconds of codec batches (on their own "
+                      "stream, overlapping generation; measured where the runner times them)",
+                      samples=(((), codec["device_s"]),)),
+        BackendMetric("engine_codec_collected", "counter", "Codec batches collected",
+                      samples=(((), float(codec["collected"])),)),
+        BackendMetric("engine_requests", "counter", "Requests that left the engine, by outcome", ("outcome",),
+                      tuple(((outcome,), float(snapshot[outcome])) for outcome in ("completed", "cancelled", "failed"))),
+        BackendMetric("engine_slots", "gauge", "KV slots (requests generating at once)",
+                      samples=(((), float(snapshot["slots"])),)),
+        BackendMetric("engine_slots_in_use", "gauge", "KV slots held by requests now",
+                      samples=(((), float(snapshot["slots_in_use"])),)),
+        BackendMetric("engine_streams", "gauge", "Requests in the engine now (holding a slot or queued for one)",
+                      samples=(((), float(snapshot["streams"])),)),
+    ]
