@@ -61,6 +61,11 @@ async def test_the_engines_counters_follow_what_it_did(tiny_custom_voice):
     # The engine thread's sections add up to its wall time between the two scrapes.
     thread = sum(delta("voxgate_engine_thread_seconds_total", "section").values())
     assert thread == pytest.approx(elapsed, rel=0.25, abs=0.2)
+    # On the CPU none of the GPU fast path serves, and the kernel check (Triton layers only) did not run.
+    assert labelled(after, "voxgate_engine_fast_path", "piece") == dict.fromkeys(
+        ("cuda_graphs", "fused_layers", "compiled", "triton_layers", "sampling_tail", "fused_prefill",
+         "compiled_codec", "codec_stream"), 0.0)
+    assert not labelled(after, "voxgate_engine_kernel_check_error", "check")
     assert after[("voxgate_engine_slots", ())] == 4
     assert after[("voxgate_engine_slots_in_use", ())] == 0 and after[("voxgate_engine_streams", ())] == 0
 

@@ -244,7 +244,7 @@ def test_the_start_up_check_keeps_agreeing_kernels_and_drops_what_disagrees(tmp_
                                       fused=True, compile=False, kernels="triton"))
             runner.prepare()
             return {{"check": runner.kernel_check, "triton": runner.triton, "tail": runner.fused_cp.fused_tail,
-                    "talker_kernels": runner.fused_talker.kernels is not None}}
+                    "talker_kernels": runner.fused_talker.kernels is not None, "fast_path": runner.fast_path()}}
 
         out = {{"agree": prepared()}}
         kernels.attend = lambda *a, **k: attend(*a, **k) * 0.5  # wrong attention output, right cache writes
@@ -268,6 +268,10 @@ def test_the_start_up_check_keeps_agreeing_kernels_and_drops_what_disagrees(tmp_
     assert not bad_attention["triton"] and not bad_attention["tail"] and not bad_attention["talker_kernels"]
     assert bad_draw["check"]["layers_ok"] and not bad_draw["check"]["tail_ok"]
     assert bad_draw["triton"] and not bad_draw["tail"]
+    # What monitoring sees (voxgate_engine_fast_path): the pieces that fell back read 0.
+    assert agree["fast_path"]["triton_layers"] and agree["fast_path"]["sampling_tail"]
+    assert not bad_attention["fast_path"]["triton_layers"] and not bad_attention["fast_path"]["sampling_tail"]
+    assert bad_draw["fast_path"]["triton_layers"] and not bad_draw["fast_path"]["sampling_tail"]
 
 
 def test_a_paired_launch_equals_two_passes():

@@ -184,7 +184,8 @@ class Qwen3Synthesizer(Synthesizer):
             return []
         from .engine.metrics import engine_metrics
 
-        return engine_metrics(self.engine.stats_snapshot())
+        runner = self.engine.runner
+        return engine_metrics(self.engine.stats_snapshot(), runner.fast_path(), runner.kernel_check)
 
     # ---- requests -----------------------------------------------------------------------------------
     def _language(self, language: str | None) -> str:

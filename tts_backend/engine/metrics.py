@@ -12,7 +12,10 @@ from __future__ import annotations
 from ..base import BackendMetric
 
 
-def engine_metrics(snapshot: dict) -> list[BackendMetric]:
+def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
+                   kernel_check: dict | None = None) -> list[BackendMetric]:
+    """`fast_path`: the runner's pieces in use (Qwen3ModelRunner.fast_path); `kernel_check`: its start-up
+    kernel check's measured disagreements, when it ran."""
     stages = {stage.lower(): counts for stage, counts in snapshot["stages"].items()}  # label values in lower case
     thread_seconds = [((f"runner.{stage}",), s["runner_s"]) for stage, s in stages.items()]
     thread_seconds += [((f"post.{stage}",), s["post_s"]) for stage, s in stages.items()]
@@ -21,7 +24,18 @@ def engine_metrics(snapshot: dict) -> list[BackendMetric]:
     rules = [((rule, stage.lower()), float(count)) for rule, by_stage in sorted(snapshot["rules"].items())
              for stage, count in sorted(by_stage.items())]
     codec = snapshot["codec"]
-    return [
+    extra = []
+    if fast_path is not None:
+        extra.append(BackendMetric("engine_fast_path", "gauge", "1 where a piece of the GPU fast path serves, 0 "
+                                   "where it is off or fell back at start-up", ("piece",),
+                                   tuple(((piece,), float(on)) for piece, on in fast_path.items())))
+    if kernel_check is not None:
+        errors = tuple(((name,), float(kernel_check[name])) for name in
+                       ("talker_layer", "predictor_layer", "predictor_paired", "tail_logits"))
+        extra.append(BackendMetric("engine_kernel_check_error", "gauge", "Start-up disagreement of the Triton "
+                                   "kernels with the layers they replace (relative; above the limit the piece "
+                                   "is turned off)", ("check",), errors))
+    return extra + [
         BackendMetric("engine_decisions", "counter", "Scheduling decisions of the engine thread (one per batch)",
                       samples=(((), float(snapshot["decisions"])),)),
         BackendMetric("engine_batches", "counter", "Batches run, by stage", ("stage",),

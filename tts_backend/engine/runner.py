@@ -166,6 +166,21 @@ class Qwen3ModelRunner(ModelRunner):
         self.prefill_buckets = tuple(sorted(b for b in cfg.prefill_batch_buckets if b <= cfg.max_slots)) or (1,)
         self._allocated = False
         self.kernel_check: dict | None = None  # the start-up kernel check's measurements, when it ran
+        self.codec_compiled = False
+
+    def fast_path(self) -> dict[str, bool]:
+        """Which pieces of the fast path serve now (after any start-up fallback), for monitoring: a piece that
+        fell back costs speed, and an operator should see that without reading the start-up log."""
+        return {
+            "cuda_graphs": self.graphs.enabled and len(self.graphs) > 0,
+            "fused_layers": self.fused,
+            "compiled": self.compile,
+            "triton_layers": self.triton,
+            "sampling_tail": bool(self.fused and self._allocated and self.fused_cp.fused_tail),
+            "fused_prefill": self.fused_prefill,
+            "compiled_codec": self.codec_compiled,
+            "codec_stream": self.codec_async,
+        }
 
     def _use_triton(self, kernels: str, model) -> bool:
         from .fused import kernels_fit, triton_kernels
@@ -240,6 +255,7 @@ class Qwen3ModelRunner(ModelRunner):
                                                max_rows=cp_rows)
             self.talker_sample_fn = talker_sampler(self.params, self.compile)
             fuse_codec_activations(self.codec_module, self.compile)
+            self.codec_compiled = self.compile
             if dev.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 codec's matmuls (convs already use TF32)
         else:
@@ -313,6 +329,7 @@ class Qwen3ModelRunner(ModelRunner):
             log.exception("codec capture failed with the compiled codec functions; capturing without them")
             unfuse_codec_activations(self.codec_module)
             fuse_codec_activations(self.codec_module, compile=False)  # the RVQ tables need no compiler
+            self.codec_compiled = False
             self.graphs.discard("codec")
             self._capture_codec()
         try:
