@@ -9,6 +9,8 @@ or two, some with no audio yet, some with frames waiting for the codec), then ti
     git show REV:tts_backend/engine/scheduler.py > /tmp/scheduler_rev.py
     python bench/scheduler_cost.py --baseline /tmp/scheduler_rev.py      # before/after, interleaved
 
+(The baseline runs on this tree's request.py, so REV's scheduler must use only what that still has.)
+
 Each population is rebuilt per repetition from one seed, and decide() does not mutate request state, so
 every timed call sees the same population; reported: median and p95 microseconds per decision. A shared
 VM's speed drifts by up to 2x over minutes, so a comparison alternates the two schedulers round by round

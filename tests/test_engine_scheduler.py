@@ -129,7 +129,8 @@ async def test_late_codec_of_playing_stream_outranks_new_request():
     a = submit(engine, frames=200)
     engine.step()
     req_a = engine.scheduler.get(a.request_id)
-    run_until(engine, lambda: req_a.playing and req_a.codec_ready_frames() > 0)
+    # Playing, with the next chunk's frames generated: its codec work is ready (schedule 2, 4, 8, 12, 12, ...).
+    run_until(engine, lambda: req_a.playing and req_a.pending_frames >= (2, 4, 8, 12)[min(req_a.chunks_decoded, 3)])
     submit(engine, frames=5)
     clock.advance(10.0)  # A's audio has run out
     batch = engine.step()

@@ -34,11 +34,6 @@ class Phase(enum.Enum):
     FINISHED = "finished"  # EOS sampled or the frame cap reached; codec work may remain
 
 
-def chunk_frames(schedule: tuple[int, ...], chunk_index: int) -> int:
-    """Frames in chunk `chunk_index` (0-based) of a schedule that grows and then repeats its last size."""
-    return schedule[min(chunk_index, len(schedule) - 1)]
-
-
 def validate_schedule(schedule: tuple[int, ...]) -> tuple[int, ...]:
     schedule = tuple(int(x) for x in schedule)
     if not schedule or any(x < 1 or x > 64 for x in schedule):
@@ -90,23 +85,3 @@ class RequestState:
     @property
     def playing(self) -> bool:
         return self.playback_start is not None
-
-    @property
-    def deadline(self) -> float | None:
-        """When the listener runs out of audio: playback start plus the duration of all audio emitted."""
-        if self.playback_start is None:
-            return None
-        return self.playback_start + self.output.emitted_samples / self.sample_rate
-
-    def next_chunk_frames(self) -> int:
-        return chunk_frames(self.chunk_schedule, self.chunks_decoded)
-
-    def codec_ready_frames(self) -> int:
-        """Frames the next codec call should decode, or 0 when codec work is not ready."""
-        pending = self.frames_generated - self.frames_decoded
-        if pending <= 0:
-            return 0
-        want = chunk_frames(self.chunk_schedule, self.chunks_decoded)
-        if pending >= want:
-            return want
-        return pending if self.phase is Phase.FINISHED else 0

@@ -167,10 +167,13 @@ class Scheduler:
             output = request.output
             if output.emitted_samples - output.consumed_samples >= max_buffered_s * request.sample_rate:
                 continue  # back-pressure: a consumer that stopped reading stops its stream's work (slot kept)
+            # Deadline: when the listener runs out of audio, playback start plus the duration of all audio
+            # emitted (None while no audio has gone out).
             playback_start = request.playback_start
             deadline = None if playback_start is None else playback_start + output.emitted_samples / request.sample_rate
-            pending = request.frames_generated - request.frames_decoded
+            pending = request.frames_generated - request.frames_decoded  # generated, not decoded yet
             schedule, chunks = request.chunk_schedule, request.chunks_decoded
+            # The next chunk's frames: the schedule grows, then repeats its last size.
             want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
             phase = request.phase
             # Phases compared by identity: an Enum's hash runs in Python, and this loop runs per decision.
@@ -194,6 +197,8 @@ class Scheduler:
                         ready.urgent_generation.append(item)
                     if deadline <= pressing_limit:
                         ready.pressing.append(item)
+            # Codec work is ready once the next chunk's frames are there, or whatever is left once generation
+            # has finished; it decodes the chunk's frames (or the rest).
             if not codec_in_flight and pending > 0 and (pending >= want or phase is Phase.FINISHED):
                 item = _Item(request, Stage.CODEC, deadline, min(pending, want))
                 codec_items.append(item)
