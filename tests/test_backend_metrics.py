@@ -6,25 +6,16 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
 import pytest
 import websockets
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.engine_load import scrape_counters
 from tests.gateway_server import receive_until, running_gateway
 from tests.qwen3_fixtures import tiny_custom_voice  # noqa: F401 - session fixture
 from tts_backend.base import BackendMetric
 from tts_backend.synthetic import SyntheticSynthesizer
 
 OPTIONS = {"max_active": 4, "max_len": 256, "greedy": True, "frame_cap_chars_per_second": 15}
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted label items): value} of one /metrics scrape."""
-    response = httpx.get(url + "/metrics", timeout=10)
-    assert response.status_code == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
 
 
 def labelled(values: dict, name: str, label: str) -> dict[str, float]:
@@ -34,13 +25,13 @@ def labelled(values: dict, name: str, label: str) -> dict[str, float]:
 async def test_the_engines_counters_follow_what_it_did(tiny_custom_voice):
     with running_gateway("qwen3", model=str(tiny_custom_voice), device="cpu", backend_options=OPTIONS,
                          ready_timeout_s=120) as server:
-        before, started = scrape(server.url), time.monotonic()
+        before, started = scrape_counters(server.url), time.monotonic()
         async with websockets.connect(server.ws_url) as ws:
             await ws.send(json.dumps({"type": "session.config", "voice": "ryan", "stream_audio": True}))
             await ws.send(json.dumps({"type": "input.text", "text": "One sentence here. And a second one."}))
             await ws.send(json.dumps({"type": "input.done"}))
             messages = await receive_until(ws, "session.done")
-        after, elapsed = scrape(server.url), time.monotonic() - started
+        after, elapsed = scrape_counters(server.url), time.monotonic() - started
     assert sum(1 for m in messages if isinstance(m, dict) and m["type"] == "audio.done") == 2
 
     def delta(name: str, label: str) -> dict[str, float]:
@@ -83,12 +74,12 @@ class ReportingSynthesizer(SyntheticSynthesizer):
 
 def test_backend_metrics_are_exposed_and_a_failing_backend_leaves_the_gateways_own():
     with running_gateway(ReportingSynthesizer()) as server:
-        values = scrape(server.url)
+        values = scrape_counters(server.url)
     assert labelled(values, "voxgate_test_queue", "lane") == {"a": 2.0, "b": 5.0}
     assert values[("voxgate_test_jobs_total", ())] == 7.0
     assert ("voxgate_sessions_active", ()) in values
     with running_gateway(MetricsFailSynthesizer()) as server:
-        values = scrape(server.url)
+        values = scrape_counters(server.url)
     assert ("voxgate_sessions_active", ()) in values
     assert not any(name.startswith("voxgate_test_") for name, _ in values)
 

@@ -20,6 +20,7 @@ produces (an attention output off by half: 40-60% of the update; a wrong draw: m
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -54,9 +55,7 @@ class KernelCheck:
         return not self.tail_checked or (self.tail_logits <= LOGITS_LIMIT and self.tail_draws >= DRAW_AGREEMENT)
 
     def as_dict(self) -> dict:
-        return {"talker_layer": self.talker_layer, "predictor_layer": self.predictor_layer,
-                "predictor_paired": self.predictor_paired, "tail_logits": self.tail_logits,
-                "tail_draws": self.tail_draws, "layers_ok": self.layers_ok, "tail_ok": self.tail_ok}
+        return {**dataclasses.asdict(self), "layers_ok": self.layers_ok, "tail_ok": self.tail_ok}
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> float:
