@@ -4,7 +4,8 @@ Per session, under `{prefix}{<session_id>}:` (one hash tag, so a Redis Cluster k
 one slot and Lua scripts may touch them all):
 
     meta      hash    config (JSON), created (unix s), attached (0/1), inputs (client inputs handled),
-                      contexts (1 once a message named a context_id)
+                      contexts (1 once a message named a context_id), key (fingerprint of the API key
+                      that created the session; '' without keys)
     lease     string  the owning connection's token, with a PX expiry of `lease_s` (renewed while it works)
     text      hash    sentence index -> {"t": text, "c": context_id, "u": utterance number}
     state     hash    sentence index -> pending | speaking | done | cancelled | failed
@@ -124,9 +125,10 @@ refresh()
 return 1
 """
 
-# A resume: the caller becomes the owner whoever held the lease.
+# A resume: the caller becomes the owner whoever held the lease, if its key (ARGV[4]) created the session.
 _CLAIM = _PRELUDE + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if (redis.call('HGET', KEYS[1], 'key') or '') ~= ARGV[4] then return 0 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 redis.call('HSET', KEYS[1], 'attached', '1')
 refresh()
@@ -282,11 +284,14 @@ class RedisSessionStore(SessionStore):
 
     # ------------------------------------------------------------------ sessions
 
-    async def create(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
+    async def create(
+        self, session_id: str, config: dict[str, Any], *, owner: str | None = None, key_id: str | None = None
+    ) -> None:
         keys = self.keys(session_id)
+        meta = {"config": json.dumps(config), "created": repr(time.time()), "attached": "1", "key": key_id or ""}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(*keys)
-            pipe.hset(keys[0], mapping={"config": json.dumps(config), "created": repr(time.time()), "attached": "1"})
+            pipe.hset(keys[0], mapping=meta)
             pipe.pexpire(keys[0], self.ttl_ms)
             if owner is not None:
                 pipe.set(keys[1], owner, px=self.lease_ms)
@@ -309,6 +314,7 @@ class RedisSessionStore(SessionStore):
             last_active=time.time(),
             attached=meta.get(b"attached") == b"1",
             owner=_text(lease) if lease else None,
+            key_id=_text(meta[b"key"]) if meta.get(b"key") else None,
             inputs_received=int(meta.get(b"inputs", b"0")),
             uses_contexts=meta.get(b"contexts") == b"1",
         )
@@ -334,8 +340,8 @@ class RedisSessionStore(SessionStore):
             record.open_utterances[context_id] = OpenUtterance(context_id, data["u"], data["t"])
         return record
 
-    async def claim(self, session_id: str, owner: str) -> SessionRecord | None:
-        if not await self._run(self._claim, session_id, owner):
+    async def claim(self, session_id: str, owner: str, *, key_id: str | None = None) -> SessionRecord | None:
+        if not await self._run(self._claim, session_id, owner, key_id or ""):
             return None
         return await self.get(session_id)
 
@@ -369,8 +375,10 @@ class RedisSessionStore(SessionStore):
         if ops:
             await self._fenced(self._write, session_id, owner, *ops)
 
-    async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
-        record = await self.get(session_id)
+    async def replay(
+        self, session_id: str, sentence_index: int, byte_offset: int, *, record: SessionRecord | None = None
+    ) -> list[ReplayPiece]:
+        record = record or await self.get(session_id)
         if record is None:
             raise KeyError(session_id)
         entries = await self.redis.xrange(self.keys(session_id)[KEY["log"] - 1])

@@ -401,7 +401,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         self.config = resolved
         if first:
             self.session_id = uuid.uuid4().hex
-            await self.store.create(self.session_id, resolved.snapshot(), owner=self.owner)
+            await self.store.create(self.session_id, resolved.snapshot(), owner=self.owner, key_id=self.principal.key_id)
         else:
             self._staged.config = resolved.snapshot()
         await self._send_json(

@@ -15,7 +15,7 @@ import time
 
 from .protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
 from .segmenter import SentenceSegmenter
-from .session_state import SentenceJob, SessionEnd, Utterance, UtteranceEnd
+from .session_state import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
 from .store import MarkerRecord, ReplayOutOfRange, SessionRecord
 
 
@@ -25,27 +25,23 @@ class SessionResumer:
     async def _resume(self, message: SessionResume) -> None:
         """Take the session over (from a dead connection, or a live one elsewhere: the newest connection
         wins) and rebuild it from the store: the client has every byte before (sentence_index,
-        bytes_received); everything after it is replayed from the log or re-synthesized."""
+        bytes_received); everything after it is replayed from the log or re-synthesized.
+
+        Only the key that created the session may resume it; any other key is told the session does not
+        exist. The position is checked before the lease is taken, so a refused resume changes nothing
+        and the live owner (if any) keeps the session."""
         session_id = message.session_id
-        record = await self.store.claim(session_id, self.owner)
+        key_id = self.principal.key_id
+        record = await self.store.get(session_id)
+        if record is None or record.key_id != key_id:
+            raise _not_found(session_id)
+        await self._check_position(record, message)  # refused here, nothing has changed
+        record = await self.store.claim(session_id, self.owner, key_id=key_id)
         if record is None:
-            raise ProtocolError(
-                ErrorCode.session_not_found,
-                f"session {session_id!r} is unknown, finished or expired; send session.config to start a new session",
-            )
+            raise _not_found(session_id)
         try:
-            pieces = await self.store.replay(session_id, message.sentence_index, message.bytes_received)
-            config = self._resolve(SessionConfig.model_validate(record.config))
-            ends = _ends_with_a_message(record)
-            if message.ends_received is not None and message.ends_received > len(ends):
-                raise ReplayOutOfRange(f"only {len(ends)} utterance.done/session.done were ever sent")
-        except ReplayOutOfRange as exc:
-            await self.store.detach(session_id, owner=self.owner)
-            raise ProtocolError(
-                ErrorCode.resume_out_of_range,
-                f"cannot resume session {session_id} at sentence {message.sentence_index} byte"
-                f" {message.bytes_received}: {exc}",
-            ) from None
+            # Read again as the owner: the previous one may have written (and trimmed the log) meanwhile.
+            pieces, config = await self._check_position(record, message)
         except ProtocolError:
             await self.store.detach(session_id, owner=self.owner)
             raise
@@ -62,6 +58,28 @@ class SessionResumer:
             )
         )
         await self._rebuild(record, pieces, message)
+
+    async def _check_position(self, record: SessionRecord, message: SessionResume) -> tuple[list, ResolvedConfig]:
+        """The logged audio owed from the client's position and the session's config, or the ProtocolError
+        that refuses the resume."""
+        session_id = message.session_id
+        try:
+            pieces = await self.store.replay(
+                session_id, message.sentence_index, message.bytes_received, record=record
+            )
+            config = self._resolve(SessionConfig.model_validate(record.config))
+            ends = _ends_with_a_message(record)
+            if message.ends_received is not None and message.ends_received > len(ends):
+                raise ReplayOutOfRange(f"only {len(ends)} utterance.done/session.done were ever sent")
+        except ReplayOutOfRange as exc:
+            raise ProtocolError(
+                ErrorCode.resume_out_of_range,
+                f"cannot resume session {session_id} at sentence {message.sentence_index} byte"
+                f" {message.bytes_received}: {exc}",
+            ) from None
+        except KeyError:  # gone meanwhile (expired or closed)
+            raise _not_found(session_id) from None
+        return pieces, config
 
     async def _rebuild(self, record: SessionRecord, pieces, position: SessionResume) -> None:
         """Queue what the client is owed, in the original send order, and reopen open utterances."""
@@ -150,6 +168,14 @@ class SessionResumer:
         await self._commit(counted=False)
         self._fill_pipeline()
         self._queue_changed.set()
+
+
+def _not_found(session_id: str) -> ProtocolError:
+    """The same answer whether the session never existed, has ended, or belongs to another key."""
+    return ProtocolError(
+        ErrorCode.session_not_found,
+        f"session {session_id!r} is unknown, finished or expired; send session.config to start a new session",
+    )
 
 
 def _ends_with_a_message(record: SessionRecord, uses_contexts: bool | None = None) -> list[MarkerRecord]:

@@ -6,9 +6,12 @@ its most recent audio, so that (session_id, sentence_index, byte offset) names a
 client that reconnects - to this process or, with the Redis store, to any replica - can be given exactly
 what it missed and the rest of its session.
 
-Ownership: one connection owns a live session at a time, named by an opaque `owner` token. `create` and
-`claim` (a resume) make the caller the owner, taking the session over from whoever held it; every write
-that passes `owner=` is fenced: a connection that lost the session gets `LeaseLost` and must stop.
+Ownership: a session belongs to the API key that created it (`key_id`, the key's fingerprint; None when
+the gateway has no keys): `claim` by any other key finds nothing, exactly as if the session did not
+exist. Within that, one connection owns a live session at a time, named by an opaque `owner` token.
+`create` and `claim` (a resume) make the caller the owner, taking the session over from whoever held it;
+every write that passes `owner=` is fenced: a connection that lost the session gets `LeaseLost` and must
+stop.
 
 Sessions expire `ttl_s` after their last activity while detached (memory) or after their last write or
 lease renewal (Redis, where a killed replica cannot detach).
@@ -78,6 +81,7 @@ class SessionRecord:
     markers: dict[int, MarkerRecord] = field(default_factory=dict)
     open_utterances: dict[str | None, OpenUtterance] = field(default_factory=dict)
     owner: str | None = None
+    key_id: str | None = None  # fingerprint of the API key that created the session (None: anonymous)
     inputs_received: int = 0  # client input messages handled (see SessionChanges.inputs_received)
     uses_contexts: bool = False  # some message named a context_id: utterance ends are utterance.done
 
@@ -147,14 +151,17 @@ class SessionStore(abc.ABC):
         """Close connections."""
 
     @abc.abstractmethod
-    async def create(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None: ...
+    async def create(
+        self, session_id: str, config: dict[str, Any], *, owner: str | None = None, key_id: str | None = None
+    ) -> None: ...
 
     @abc.abstractmethod
     async def get(self, session_id: str) -> SessionRecord | None: ...
 
     @abc.abstractmethod
-    async def claim(self, session_id: str, owner: str) -> SessionRecord | None:
-        """Take the session over for `owner` (a resume) and return it attached; None if it is gone."""
+    async def claim(self, session_id: str, owner: str, *, key_id: str | None = None) -> SessionRecord | None:
+        """Take the session over for `owner` (a resume) and return it attached; None, and nothing changed,
+        if it is gone or another key created it."""
 
     @abc.abstractmethod
     async def renew(self, session_id: str, owner: str) -> None:
@@ -197,8 +204,11 @@ class SessionStore(abc.ABC):
         await self.apply(session_id, SessionChanges(open_text={context_id: opened}), owner=owner)
 
     @abc.abstractmethod
-    async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
-        """Audio sent from (sentence_index, byte_offset) on. Raises ReplayOutOfRange if that is not kept."""
+    async def replay(
+        self, session_id: str, sentence_index: int, byte_offset: int, *, record: SessionRecord | None = None
+    ) -> list[ReplayPiece]:
+        """Audio sent from (sentence_index, byte_offset) on. Raises ReplayOutOfRange if that is not kept,
+        KeyError if the session is gone. `record`: the session as the caller just read it (else read)."""
 
     @abc.abstractmethod
     async def detach(self, session_id: str, *, owner: str | None = None) -> None:
@@ -270,10 +280,12 @@ class MemorySessionStore(SessionStore):
             record.last_active = time.monotonic()
         return record
 
-    async def create(self, session_id: str, config: dict[str, Any], *, owner: str | None = None) -> None:
+    async def create(
+        self, session_id: str, config: dict[str, Any], *, owner: str | None = None, key_id: str | None = None
+    ) -> None:
         now = time.monotonic()
         self._sessions[session_id] = SessionRecord(
-            session_id, dict(config), created_at=now, last_active=now, owner=owner
+            session_id, dict(config), created_at=now, last_active=now, owner=owner, key_id=key_id
         )
         self._logs[session_id] = deque()
         self._log_sizes[session_id] = 0
@@ -285,8 +297,10 @@ class MemorySessionStore(SessionStore):
             return None
         return record
 
-    async def claim(self, session_id: str, owner: str) -> SessionRecord | None:
+    async def claim(self, session_id: str, owner: str, *, key_id: str | None = None) -> SessionRecord | None:
         record = await self.get(session_id)
+        if record is not None and record.key_id != key_id:
+            return None
         if record is not None:
             record.owner = owner
             record.attached = True
@@ -334,9 +348,11 @@ class MemorySessionStore(SessionStore):
         if changes.uses_contexts is not None:
             record.uses_contexts = changes.uses_contexts
 
-    async def replay(self, session_id: str, sentence_index: int, byte_offset: int) -> list[ReplayPiece]:
-        record = await self.get(session_id)
-        if record is None:
+    async def replay(
+        self, session_id: str, sentence_index: int, byte_offset: int, *, record: SessionRecord | None = None
+    ) -> list[ReplayPiece]:
+        record = record or await self.get(session_id)
+        if record is None or session_id not in self._logs:
             raise KeyError(session_id)
         return select_replay(record, [piece for _, piece in self._logs[session_id]], sentence_index, byte_offset)
 
