@@ -150,25 +150,30 @@ class SessionConfig(_ClientMessage):
         return extra
 
 
+# A context id is echoed in every message about its context and stored with each of its sentences.
+MAX_CONTEXT_ID_CHARS = 128
+ContextId = Annotated[str, Field(max_length=MAX_CONTEXT_ID_CHARS)]
+
+
 class InputText(_ClientMessage):
     type: Literal["input.text"]
     text: str
-    context_id: str | None = None
+    context_id: ContextId | None = None
 
 
 class InputFlush(_ClientMessage):
     type: Literal["input.flush"]
-    context_id: str | None = None
+    context_id: ContextId | None = None
 
 
 class InputDone(_ClientMessage):
     type: Literal["input.done"]
-    context_id: str | None = None
+    context_id: ContextId | None = None
 
 
 class InputCancel(_ClientMessage):
     type: Literal["input.cancel"]
-    context_id: str | None = None
+    context_id: ContextId | None = None
 
 
 class SessionResume(_ClientMessage):

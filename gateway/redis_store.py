@@ -5,13 +5,15 @@ one slot and Lua scripts may touch them all):
 
     meta      hash    config (JSON), created (unix s), attached (0/1), inputs (client inputs handled),
                       contexts (1 once a message named a context_id), key (fingerprint of the API key
-                      that created the session; '' without keys)
+                      that created the session; '' without keys), released (sentences released),
+                      pruned (the next sentence the pruning looks at), trimmed (the newest sentence
+                      pruned after its audio left the log)
     lease     string  the owning connection's token, with a PX expiry of `lease_s` (renewed while it works)
     text      hash    sentence index -> {"t": text, "c": context_id, "u": utterance number}
     state     hash    sentence index -> pending | speaking | done | cancelled | failed
     bytes     hash    sentence index -> audio bytes recorded
     markers   hash    marker number -> MarkerRecord (JSON)
-    open      hash    JSON context id -> {"u": utterance number, "t": unreleased text}
+    open      hash    JSON context id -> {"u": utterance number, "t": unreleased text, "n": sentences}
     log       stream  the replay log: entries (i: sentence, o: byte offset in it, t: unix ms, d: audio), with
                       ids `<position>-1`, position = bytes appended to the log before the entry
     logend    string  bytes ever appended to the log (the next entry's position)
@@ -24,6 +26,11 @@ it refreshes only the expiry of the keys it writes. The lease
 renewal (every `lease_s / 3` while a connection is open) pushes every key's expiry `ttl_s` into the
 future and trims the log to `replay_log_s`, so a session whose replica died without a word disappears
 `ttl_s` after its last write or renewal.
+
+Sentence records are pruned as gateway/store.py says: a cancelled sentence without audio when it is
+cancelled, finished ones when a trim of the log passes them (the `prune` function below). A resume reads
+the session's hashes and only the newest entries of the log that it replays (`XREVRANGE`/`XRANGE` from the
+byte position), never the whole log.
 """
 
 from __future__ import annotations
@@ -39,12 +46,14 @@ from redis.exceptions import NoScriptError
 from .store import (
     LeaseLost,
     MarkerRecord,
+    ReplayOutOfRange,
     OpenUtterance,
     ReplayPiece,
     SentenceRecord,
     SessionChanges,
     SessionRecord,
     SessionStore,
+    replay_owed,
     select_replay,
 )
 
@@ -75,18 +84,50 @@ local function now_ms()
   local now = redis.call('TIME')
   return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
+local function drop_sentence(index)
+  redis.call('HDEL', KEYS[3], index)
+  redis.call('HDEL', KEYS[4], index)
+  redis.call('HDEL', KEYS[5], index)
+end
+-- After a trim of the log: the finished sentences older than its oldest entry's sentence can never be
+-- resumed at again (see gateway/store.py, prune_sentences). meta 'pruned' remembers where to go on.
+local function prune()
+  local head = redis.call('XRANGE', KEYS[8], '-', '+', 'COUNT', 1)[1]
+  if not head then return end
+  local oldest = tonumber(head[2][2])
+  local index = tonumber(redis.call('HGET', KEYS[1], 'pruned') or '0')
+  if index >= oldest then return end
+  local trimmed = nil
+  while index < oldest do
+    local state = redis.call('HGET', KEYS[4], index)
+    if state == 'done' or state == 'cancelled' or state == 'failed' then
+      drop_sentence(index)
+      trimmed = index
+    end
+    index = index + 1
+  end
+  redis.call('HSET', KEYS[1], 'pruned', index)
+  if trimmed then redis.call('HSET', KEYS[1], 'trimmed', trimmed) end
+end
 """
 
-# ARGV[4..]: groups of (op, key position, field, value); op H = HSET, D = HDEL.
+# ARGV[4..]: groups of (op, key position, field, value); op H = HSET, D = HDEL, S = a sentence's state
+# (field: its index) if the sentence is recorded, C = cancelled: dropped if no audio was recorded for it.
 _WRITE = _PRELUDE + """
 if not fence() then return 0 end
 local i = 4
 while i <= #ARGV do
-  local key = KEYS[tonumber(ARGV[i + 1])]
-  if ARGV[i] == 'H' then
-    redis.call('HSET', key, ARGV[i + 2], ARGV[i + 3])
-  else
-    redis.call('HDEL', key, ARGV[i + 2])
+  local op, key, field = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]
+  if op == 'H' then
+    redis.call('HSET', key, field, ARGV[i + 3])
+  elseif op == 'D' then
+    redis.call('HDEL', key, field)
+  elseif redis.call('HEXISTS', KEYS[3], field) == 1 then
+    if op == 'C' and tonumber(redis.call('HGET', KEYS[5], field) or '0') == 0 then
+      drop_sentence(field)
+    else
+      redis.call('HSET', key, field, ARGV[i + 3])
+    end
   end
   i = i + 4
 end
@@ -104,7 +145,7 @@ local finish = redis.call('INCRBY', KEYS[9], length)
 local start = finish - length
 redis.call('XADD', KEYS[8], string.format('%d-1', start), 'i', ARGV[4], 'o', offset, 't', now_ms(), 'd', ARGV[5])
 local keep_from = math.min(finish - tonumber(ARGV[6]), start)  -- never the entry just added
-if keep_from > 0 then redis.call('XTRIM', KEYS[8], 'MINID', string.format('%d-1', keep_from)) end
+if keep_from > 0 and redis.call('XTRIM', KEYS[8], 'MINID', string.format('%d-1', keep_from)) > 0 then prune() end
 redis.call('PEXPIRE', KEYS[5], ARGV[3])
 redis.call('PEXPIRE', KEYS[8], ARGV[3])
 redis.call('PEXPIRE', KEYS[9], ARGV[3])
@@ -116,19 +157,28 @@ _RENEW = _PRELUDE + """
 if not fence() then return 0 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 local oldest_ms = now_ms() - tonumber(ARGV[4])
+local trimmed = false
 while redis.call('XLEN', KEYS[8]) > 1 do
   local head = redis.call('XRANGE', KEYS[8], '-', '+', 'COUNT', 1)[1]
   if tonumber(head[2][6]) >= oldest_ms then break end
   redis.call('XDEL', KEYS[8], head[1])
+  trimmed = true
 end
+if trimmed then prune() end
 refresh()
 return 1
 """
 
-# A resume: the caller becomes the owner whoever held the lease, if its key (ARGV[4]) created the session.
+# A resume: the caller becomes the owner whoever held the lease, if its key (ARGV[4]) created the session
+# and the log still holds byte position ARGV[5] ('' = no check); else 0 (no such session) or -1 (the
+# position has left the log), and nothing changes.
 _CLAIM = _PRELUDE + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if (redis.call('HGET', KEYS[1], 'key') or '') ~= ARGV[4] then return 0 end
+if ARGV[5] ~= '' then
+  local head = redis.call('XRANGE', KEYS[8], '-', '+', 'COUNT', 1)[1]
+  if head and tonumber(string.match(head[1], '^%d+')) > tonumber(ARGV[5]) then return -1 end
+end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 redis.call('HSET', KEYS[1], 'attached', '1')
 refresh()
@@ -143,6 +193,13 @@ redis.call('HSET', KEYS[1], 'attached', '0')
 redis.call('DEL', KEYS[2])
 refresh()
 return 1
+"""
+
+# The replay log's oldest entry id (its byte position), without its audio.
+_LOG_HEAD = """
+local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+if head then return head[1] end
+return false
 """
 
 _DELETE = _PRELUDE + """
@@ -250,6 +307,7 @@ class RedisSessionStore(SessionStore):
         self._claim = self._redis.register_script(_CLAIM)
         self._detach = self._redis.register_script(_DETACH)
         self._delete = self._redis.register_script(_DELETE)
+        self._log_head = self._redis.register_script(_LOG_HEAD)
         for script in (self._write, self._append, self._renew):  # the batcher calls them by hash
             await self._redis.script_load(script.script)
         self._batcher = _Batcher(self)
@@ -304,7 +362,9 @@ class RedisSessionStore(SessionStore):
             pipe.get(keys[1])
             for name in ("text", "state", "bytes", "markers", "open"):
                 pipe.hgetall(keys[KEY[name] - 1])
-            meta, lease, texts, states, sizes, markers, opened = await pipe.execute()
+            pipe.get(keys[KEY["logend"] - 1])
+            await self._log_head(keys=[keys[KEY["log"] - 1]], client=pipe)
+            meta, lease, texts, states, sizes, markers, opened, log_end, log_head = await pipe.execute()
         if not meta:
             return None
         record = SessionRecord(
@@ -317,7 +377,11 @@ class RedisSessionStore(SessionStore):
             key_id=_text(meta[b"key"]) if meta.get(b"key") else None,
             inputs_received=int(meta.get(b"inputs", b"0")),
             uses_contexts=meta.get(b"contexts") == b"1",
+            released=int(meta.get(b"released", len(texts))),
+            trimmed_through=int(meta.get(b"trimmed", -1)),
+            log_end=int(log_end or 0),
         )
+        record.log_start = int(_text(log_head).split("-")[0]) if log_head else record.log_end
         for field, value in texts.items():
             index = int(field)
             data = json.loads(value)
@@ -337,11 +401,16 @@ class RedisSessionStore(SessionStore):
         for field, value in opened.items():
             context_id = json.loads(field)
             data = json.loads(value)
-            record.open_utterances[context_id] = OpenUtterance(context_id, data["u"], data["t"])
+            record.open_utterances[context_id] = OpenUtterance(context_id, data["u"], data["t"], data.get("n", 0))
         return record
 
-    async def claim(self, session_id: str, owner: str, *, key_id: str | None = None) -> SessionRecord | None:
-        if not await self._run(self._claim, session_id, owner, key_id or ""):
+    async def claim(
+        self, session_id: str, owner: str, *, key_id: str | None = None, log_from: int | None = None
+    ) -> SessionRecord | None:
+        claimed = await self._run(self._claim, session_id, owner, key_id or "", "" if log_from is None else log_from)
+        if claimed < 0:
+            raise ReplayOutOfRange(f"the replay log no longer holds position {log_from}")
+        if not claimed:
             return None
         return await self.get(session_id)
 
@@ -359,15 +428,18 @@ class RedisSessionStore(SessionStore):
             value = json.dumps({"t": sentence.text, "c": sentence.context_id, "u": sentence.utterance})
             ops += ["H", KEY["text"], sentence.index, value, "H", KEY["state"], sentence.index, sentence.state]
             ops += ["H", KEY["bytes"], sentence.index, 0]
+        if changes.sentences:
+            ops += ["H", KEY["meta"], "released", max(s.index for s in changes.sentences) + 1]
         for index, state in changes.states.items():
-            ops += ["H", KEY["state"], index, state]
+            ops += ["C" if state == "cancelled" else "S", KEY["state"], index, state]
         for marker in changes.markers:
             ops += ["H", KEY["markers"], marker.number, json.dumps(vars(marker))]
         for context_id, opened in changes.open_text.items():
             if opened is None:
                 ops += ["D", KEY["open"], json.dumps(context_id), ""]
             else:
-                ops += ["H", KEY["open"], json.dumps(context_id), json.dumps({"u": opened.utterance, "t": opened.text})]
+                value = {"u": opened.utterance, "t": opened.text, "n": opened.sentences}
+                ops += ["H", KEY["open"], json.dumps(context_id), json.dumps(value)]
         if changes.inputs_received is not None:
             ops += ["H", KEY["meta"], "inputs", changes.inputs_received]
         if changes.uses_contexts is not None:
@@ -381,7 +453,17 @@ class RedisSessionStore(SessionStore):
         record = record or await self.get(session_id)
         if record is None:
             raise KeyError(session_id)
-        entries = await self.redis.xrange(self.keys(session_id)[KEY["log"] - 1])
+        owed = replay_owed(record, sentence_index, byte_offset)
+        entries = []
+        if owed:
+            # The owed bytes are the log's newest, from position `start`: the entry holding that byte (the
+            # last one starting at or before it) and every later one.
+            start, log_key = record.log_end - owed, self.keys(session_id)[KEY["log"] - 1]
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xrevrange(log_key, f"{start}-1", "-", count=1)
+                pipe.xrange(log_key, f"({start}-1", "+")
+                first, rest = await pipe.execute()
+            entries = first + rest
         log = [ReplayPiece(int(fields[b"i"]), int(fields[b"o"]), fields[b"d"]) for _, fields in entries]
         return select_replay(record, log, sentence_index, byte_offset)
 

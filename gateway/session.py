@@ -532,7 +532,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
     def _record_open_text(self, utterance: Utterance) -> None:
         """Accepted text not yet released as a sentence, so that a resume elsewhere still speaks it."""
         self._staged.open_text[utterance.context_id] = OpenUtterance(
-            utterance.context_id, utterance.number, utterance.segmenter.buffered_text
+            utterance.context_id, utterance.number, utterance.segmenter.buffered_text, utterance.sentences
         )
 
     async def _on_flush(self, context_id: str | None) -> None:

@@ -16,7 +16,7 @@ import time
 from .protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
 from .segmenter import SentenceSegmenter
 from .session_state import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
-from .store import MarkerRecord, ReplayOutOfRange, SessionRecord
+from .store import MarkerRecord, ReplayOutOfRange, SessionRecord, replay_owed
 
 
 class SessionResumer:
@@ -36,7 +36,12 @@ class SessionResumer:
         if record is None or record.key_id != key_id:
             raise _not_found(session_id)
         await self._check_position(record, message)  # refused here, nothing has changed
-        record = await self.store.claim(session_id, self.owner, key_id=key_id)
+        # The claim itself refuses if the owner's further audio has pushed the position out of the log.
+        log_from = record.log_end - replay_owed(record, message.sentence_index, message.bytes_received)
+        try:
+            record = await self.store.claim(session_id, self.owner, key_id=key_id, log_from=log_from)
+        except ReplayOutOfRange as exc:
+            raise _out_of_range(message, exc) from None
         if record is None:
             raise _not_found(session_id)
         try:
@@ -72,11 +77,7 @@ class SessionResumer:
             if message.ends_received is not None and message.ends_received > len(ends):
                 raise ReplayOutOfRange(f"only {len(ends)} utterance.done/session.done were ever sent")
         except ReplayOutOfRange as exc:
-            raise ProtocolError(
-                ErrorCode.resume_out_of_range,
-                f"cannot resume session {session_id} at sentence {message.sentence_index} byte"
-                f" {message.bytes_received}: {exc}",
-            ) from None
+            raise _out_of_range(message, exc) from None
         except KeyError:  # gone meanwhile (expired or closed)
             raise _not_found(session_id) from None
         return pieces, config
@@ -87,7 +88,7 @@ class SessionResumer:
         sentence_index, byte_offset = position.sentence_index, position.bytes_received
         self._inputs = record.inputs_received
         sentences = sorted(record.sentences.values(), key=lambda s: s.index)
-        self.next_sentence_index = len(sentences)
+        self.next_sentence_index = record.released
         numbers = [s.utterance for s in sentences] + [m.utterance for m in record.markers.values()]
         numbers += [u.utterance for u in record.open_utterances.values()]
         self._utterance_count = max(numbers, default=0)
@@ -109,6 +110,15 @@ class SessionResumer:
 
         for sentence in sentences:
             utterance(sentence.utterance, sentence.context_id).sentences += 1
+        # Sentence records older than the replay log are pruned: the counts recorded with the utterance's
+        # end, or with its open text, cover them.
+        for marker in record.markers.values():
+            if not marker.session_end:
+                counted = utterance(marker.utterance, marker.context_id)
+                counted.sentences = max(counted.sentences, marker.total_sentences)
+        for open_utterance in record.open_utterances.values():
+            counted = utterance(open_utterance.utterance, open_utterance.context_id)
+            counted.sentences = max(counted.sentences, open_utterance.sentences)
         replay: dict[int, list[bytes]] = {}
         for piece in pieces:
             replay.setdefault(piece.sentence_index, []).append(piece.data)
@@ -168,6 +178,14 @@ class SessionResumer:
         await self._commit(counted=False)
         self._fill_pipeline()
         self._queue_changed.set()
+
+
+def _out_of_range(message: SessionResume, reason: ReplayOutOfRange) -> ProtocolError:
+    return ProtocolError(
+        ErrorCode.resume_out_of_range,
+        f"cannot resume session {message.session_id} at sentence {message.sentence_index} byte"
+        f" {message.bytes_received}: {reason}",
+    )
 
 
 def _not_found(session_id: str) -> ProtocolError:

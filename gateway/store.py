@@ -15,18 +15,27 @@ stop.
 
 Sessions expire `ttl_s` after their last activity while detached (memory) or after their last write or
 lease renewal (Redis, where a killed replica cannot detach).
+
+Bounded state: audio is recorded in send order, so the replay log holds the newest bytes of the session
+and a position is resumable only while the log still holds every byte after it. A finished sentence older
+than the log's oldest entry can never be resumed at again, and a sentence cancelled before any audio was
+recorded is never spoken or replayed: both stores drop such sentence records (`prune_sentences`), so a
+session that streams or cancels for hours keeps only the sentences its replay log covers. `released`
+keeps the count of sentences, `trimmed_through` the newest sentence dropped for having left the log.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SentenceState = Literal["pending", "speaking", "done", "cancelled", "failed"]
+FINISHED: tuple[SentenceState, ...] = ("done", "cancelled", "failed")
 
 
 class ReplayOutOfRange(LookupError):
@@ -68,6 +77,7 @@ class OpenUtterance:
     context_id: str | None
     utterance: int
     text: str
+    sentences: int = 0  # sentences it released so far (their records may be pruned before it ends)
 
 
 @dataclass
@@ -84,6 +94,11 @@ class SessionRecord:
     key_id: str | None = None  # fingerprint of the API key that created the session (None: anonymous)
     inputs_received: int = 0  # client input messages handled (see SessionChanges.inputs_received)
     uses_contexts: bool = False  # some message named a context_id: utterance ends are utterance.done
+    released: int = 0  # sentences ever released: the next sentence index
+    trimmed_through: int = -1  # the newest sentence pruned after its audio left the replay log
+    # The replay log as positions in the session's recorded audio: it holds bytes [log_start, log_end).
+    log_start: int = 0
+    log_end: int = 0
 
 
 @dataclass
@@ -115,19 +130,30 @@ class ReplayPiece:
     data: bytes
 
 
+def replay_owed(record: SessionRecord, sentence_index: int, byte_offset: int) -> int:
+    """How many recorded bytes follow (sentence_index, byte_offset): the replay log must hold them all.
+    Raises ReplayOutOfRange if the position was never sent or its audio has left the log. Audio is recorded
+    in send order, so these are the newest bytes of the log, from position `log_end - owed` on."""
+    if sentence_index > record.released or (sentence_index == record.released and byte_offset > 0):
+        raise ReplayOutOfRange(f"sentence {sentence_index} was never released")
+    if sentence_index <= record.trimmed_through:
+        raise ReplayOutOfRange(f"sentence {sentence_index} is older than the replay log")
+    sentence = record.sentences.get(sentence_index)  # pruned, below the log: cancelled before any audio
+    if byte_offset > (sentence.bytes_sent if sentence is not None else 0):
+        raise ReplayOutOfRange(f"sentence {sentence_index} byte {byte_offset} was never sent")
+    owed = sum(s.bytes_sent for s in record.sentences.values() if s.index >= sentence_index) - byte_offset
+    if owed > record.log_end - record.log_start:
+        raise ReplayOutOfRange(f"sentence {sentence_index} byte {byte_offset} is older than the replay log")
+    return owed
+
+
 def select_replay(
     record: SessionRecord, log: list[ReplayPiece], sentence_index: int, byte_offset: int
 ) -> list[ReplayPiece]:
-    """The logged audio from (sentence_index, byte_offset) on, or ReplayOutOfRange unless the log holds
-    every recorded byte from there (shared by the stores so that they agree on what is in range)."""
-    sentence = record.sentences.get(sentence_index)
-    if sentence is None:
-        if sentence_index == len(record.sentences) and byte_offset == 0:
-            return []  # the position right after everything
-        raise ReplayOutOfRange(f"sentence {sentence_index} was never released")
-    if byte_offset > sentence.bytes_sent:
-        raise ReplayOutOfRange(f"sentence {sentence_index} byte {byte_offset} was never sent")
-    owed = sum(s.bytes_sent for s in record.sentences.values() if s.index >= sentence_index) - byte_offset
+    """The logged audio from (sentence_index, byte_offset) on, or ReplayOutOfRange unless `log` (the
+    replay log, or its newest part) holds every recorded byte from there (shared by the stores so that
+    they agree on what is in range)."""
+    owed = replay_owed(record, sentence_index, byte_offset)
     pieces: list[ReplayPiece] = []
     for piece in log:
         if (piece.sentence_index, piece.offset + len(piece.data)) <= (sentence_index, byte_offset):
@@ -138,6 +164,18 @@ def select_replay(
     if sum(len(p.data) for p in pieces) != owed:
         raise ReplayOutOfRange(f"sentence {sentence_index} byte {byte_offset} is older than the replay log")
     return pieces
+
+
+def prune_sentences(record: SessionRecord, oldest_logged: int) -> None:
+    """Drop the finished sentences older than sentence `oldest_logged`, the one of the replay log's oldest
+    entry, once the log has lost bytes: no position at or before them can be resumed (the memory store's
+    twin of redis_store's `prune` script function)."""
+    if record.log_start == 0:
+        return
+    for index in [i for i in itertools.takewhile(lambda i: i < oldest_logged, record.sentences)]:
+        if record.sentences[index].state in FINISHED:
+            del record.sentences[index]
+            record.trimmed_through = max(record.trimmed_through, index)
 
 
 class SessionStore(abc.ABC):
@@ -159,9 +197,12 @@ class SessionStore(abc.ABC):
     async def get(self, session_id: str) -> SessionRecord | None: ...
 
     @abc.abstractmethod
-    async def claim(self, session_id: str, owner: str, *, key_id: str | None = None) -> SessionRecord | None:
+    async def claim(
+        self, session_id: str, owner: str, *, key_id: str | None = None, log_from: int | None = None
+    ) -> SessionRecord | None:
         """Take the session over for `owner` (a resume) and return it attached; None, and nothing changed,
-        if it is gone or another key created it."""
+        if it is gone or another key created it; ReplayOutOfRange, and nothing changed, if the replay log
+        no longer holds position `log_from` (the resume position, checked before the claim)."""
 
     @abc.abstractmethod
     async def renew(self, session_id: str, owner: str) -> None:
@@ -197,10 +238,11 @@ class SessionStore(abc.ABC):
         await self.apply(session_id, SessionChanges(markers=[marker]), owner=owner)
 
     async def set_open_text(
-        self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, owner: str | None = None
+        self, session_id: str, context_id: str | None, utterance: int, text: str | None, *, sentences: int = 0,
+        owner: str | None = None,
     ) -> None:
         """The unreleased text of an open utterance; None when the utterance no longer takes text."""
-        opened = None if text is None else OpenUtterance(context_id, utterance, text)
+        opened = None if text is None else OpenUtterance(context_id, utterance, text, sentences)
         await self.apply(session_id, SessionChanges(open_text={context_id: opened}), owner=owner)
 
     @abc.abstractmethod
@@ -235,7 +277,6 @@ class MemorySessionStore(SessionStore):
         self.sweep_interval_s = sweep_interval_s
         self._sessions: dict[str, SessionRecord] = {}
         self._logs: dict[str, deque[tuple[float, ReplayPiece]]] = {}
-        self._log_sizes: dict[str, int] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -269,7 +310,6 @@ class MemorySessionStore(SessionStore):
     def _drop(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
         self._logs.pop(session_id, None)
-        self._log_sizes.pop(session_id, None)
 
     def _owned(self, session_id: str, owner: str | None) -> SessionRecord | None:
         """The record for a write, touched; LeaseLost if `owner` is given and does not hold it."""
@@ -288,7 +328,6 @@ class MemorySessionStore(SessionStore):
             session_id, dict(config), created_at=now, last_active=now, owner=owner, key_id=key_id
         )
         self._logs[session_id] = deque()
-        self._log_sizes[session_id] = 0
 
     async def get(self, session_id: str) -> SessionRecord | None:
         record = self._sessions.get(session_id)
@@ -297,10 +336,14 @@ class MemorySessionStore(SessionStore):
             return None
         return record
 
-    async def claim(self, session_id: str, owner: str, *, key_id: str | None = None) -> SessionRecord | None:
+    async def claim(
+        self, session_id: str, owner: str, *, key_id: str | None = None, log_from: int | None = None
+    ) -> SessionRecord | None:
         record = await self.get(session_id)
         if record is not None and record.key_id != key_id:
             return None
+        if record is not None and log_from is not None and record.log_start > log_from:
+            raise ReplayOutOfRange(f"the replay log no longer holds position {log_from}")
         if record is not None:
             record.owner = owner
             record.attached = True
@@ -319,11 +362,15 @@ class MemorySessionStore(SessionStore):
         log = self._logs[session_id]
         log.append((now, ReplayPiece(index, sentence.bytes_sent, data)))
         sentence.bytes_sent += len(data)
-        self._log_sizes[session_id] += len(data)
+        record.log_end += len(data)
+        trimmed = False
         while len(log) > 1 and (
-            self._log_sizes[session_id] > self.replay_log_bytes or now - log[0][0] > self.replay_log_s
+            record.log_end - record.log_start > self.replay_log_bytes or now - log[0][0] > self.replay_log_s
         ):
-            self._log_sizes[session_id] -= len(log.popleft()[1].data)
+            record.log_start += len(log.popleft()[1].data)
+            trimmed = True
+        if trimmed:
+            prune_sentences(record, log[0][1].sentence_index)
 
     async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
         record = self._owned(session_id, owner)
@@ -333,16 +380,20 @@ class MemorySessionStore(SessionStore):
             record.config = dict(changes.config)
         for sentence in changes.sentences:
             record.sentences[sentence.index] = SentenceRecord(**vars(sentence))
+            record.released = max(record.released, sentence.index + 1)
         for index, state in changes.states.items():
-            if index in record.sentences:
-                record.sentences[index].state = state
+            sentence = record.sentences.get(index)
+            if sentence is not None and state == "cancelled" and sentence.bytes_sent == 0:
+                del record.sentences[index]  # never spoken, never replayed: nothing to keep
+            elif sentence is not None:
+                sentence.state = state
         for marker in changes.markers:
             record.markers[marker.number] = MarkerRecord(**vars(marker))
         for context_id, opened in changes.open_text.items():
             if opened is None:
                 record.open_utterances.pop(context_id, None)
             else:
-                record.open_utterances[context_id] = OpenUtterance(opened.context_id, opened.utterance, opened.text)
+                record.open_utterances[context_id] = OpenUtterance(**vars(opened))
         if changes.inputs_received is not None:
             record.inputs_received = changes.inputs_received
         if changes.uses_contexts is not None:

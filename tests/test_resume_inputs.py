@@ -207,9 +207,9 @@ async def test_one_input_and_its_effects_are_written_together_or_not_at_all(stor
     )
     record = await store.get("s")
     assert (record.inputs_received, record.uses_contexts, record.config) == (2, True, {"voice": "w"})
-    assert [(s.text, s.state, s.bytes_sent) for s in record.sentences.values()] == [
-        ("Zero.", "cancelled", 0), ("One.", "pending", 0)
-    ]
+    # Sentence 0, cancelled before any audio, is dropped (nothing of it is ever spoken or replayed).
+    assert [(s.text, s.state, s.bytes_sent) for s in record.sentences.values()] == [("One.", "pending", 0)]
+    assert record.released == 2
     assert record.open_utterances == {} and record.markers[1].after == 2
     # A resume elsewhere fences the old owner out: none of its next input lands, not even the count.
     await store.claim("s", "new")
@@ -218,7 +218,7 @@ async def test_one_input_and_its_effects_are_written_together_or_not_at_all(stor
             "s", SessionChanges(sentences=[SentenceRecord(2, "Lost.", "a")], inputs_received=3), owner="old"
         )
     record = await store.get("s")
-    assert record.inputs_received == 2 and sorted(record.sentences) == [0, 1]
+    assert record.inputs_received == 2 and sorted(record.sentences) == [1] and record.released == 2
 
 
 async def test_python_client_gets_each_utterance_end_once_across_resumes(redis_prefix):  # noqa: F811
