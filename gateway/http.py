@@ -31,7 +31,7 @@ from . import audio
 from .auth import AuthError, Principal, TokenSigner
 from .limits import LimitExceeded
 from .protocol import ErrorCode, ProtocolError
-from .segmenter import SentenceSegmenter
+from .segmenter import SentenceSegmenter, push_in_slices
 from .session import resolve_voice
 
 if TYPE_CHECKING:
@@ -184,9 +184,9 @@ async def pipelined_synthesis(
             await producer
 
 
-def _sentences(text: str, language: str) -> list[str]:
+async def _sentences(text: str, language: str) -> list[str]:
     segmenter = SentenceSegmenter("sentence", language=language)
-    units = segmenter.push(text) + segmenter.flush()
+    units = await push_in_slices(segmenter, text) + segmenter.flush()
     return [u for u in units if u.strip()]
 
 
@@ -248,7 +248,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             request_id=f"{request_id}/{i}",
             extra=extra,
         )
-        for i, text in enumerate(_sentences(body.input, body.language))
+        for i, text in enumerate(await _sentences(body.input, body.language))
     ]
     metrics = gateway.metrics
     stream_fmt = "pcm" if fmt == "wav" else fmt

@@ -21,11 +21,19 @@ moment each is certainly complete, never later:
 Units keep their text exactly; only the whitespace between units is dropped, and whitespace-only units
 are never emitted. pysbd only ever sees the unreleased tail (at most ``PYSBD_WINDOW`` characters of it,
 ending at the decision point), so cost stays proportional to the text, not to its square.
+
+Cost: each character is examined about once (at most twice, when a forced cut re-examines the rest of an
+over-long unit), and examining one costs at most one pysbd call on a bounded window: linear, but up to a
+pysbd call per two or three characters for text dense with candidates ("Dr. Dr. ...", "a\na\n..."),
+seconds for 100 KB. `push` does all of it at once; `append` + `advance(deadline)` do it in slices, and
+`push_in_slices` runs those on an event loop with the loop free between slices.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from typing import Literal
 
 import pysbd
@@ -49,6 +57,8 @@ PYSBD_WINDOW = 200
 # A unit that grows this long without a boundary is cut at its last clause mark, else its last
 # whitespace, else right there: it bounds both the latency of run-on text and the cost of judging it.
 MAX_UNIT_CHARS = 500
+# push_in_slices examines text for at most this long before it lets the event loop run again.
+SLICE_S = 0.005
 
 _LANGUAGE_NAMES = {
     "english": "en",
@@ -92,6 +102,7 @@ class SentenceSegmenter:
     def _reset_scan(self) -> None:
         self._scan = 0  # characters of _tail already examined
         self._token_start = 0  # start of the current (or last) non-whitespace token
+        self._has_word_char = False  # a letter or digit among the examined characters
         # A sentence-boundary candidate waiting for the next non-whitespace character:
         # (start of the whitespace run, start of the token before it), or None.
         self._pending: tuple[int, int] | None = None
@@ -106,19 +117,39 @@ class SentenceSegmenter:
         segmenter restores this one)."""
         return self._tail
 
+    @property
+    def examined_all(self) -> bool:
+        """Every character appended has been examined (`advance` has nothing left to do)."""
+        return self.granularity == "none" or self._scan >= len(self._tail)
+
     def push(self, text: str) -> list[str]:
         """Add text; return the units that are certainly complete now, in order."""
+        self.append(text)
+        return self.advance()
+
+    def append(self, text: str) -> None:
+        """Add text without examining it; `advance` examines it."""
         if not text:
-            return []
+            return
         if not self._tail:
             text = text.lstrip()
         self._tail += text
+
+    def advance(self, deadline: float | None = None) -> list[str]:
+        """Examine the text appended and not examined yet; return the units now certainly complete, in
+        order. With a `deadline` (a time.perf_counter() value), stop once it has passed, having examined
+        at least one character: `examined_all` says whether text is left for the next call. How the work
+        is sliced never changes the units."""
         if self.granularity == "none":
             return []
         released: list[str] = []
         tail = self._tail
         i = self._scan
+        examined = 0
         while i < len(tail):
+            if deadline is not None and examined and time.perf_counter() >= deadline:
+                break
+            examined += 1
             cut = self._examine(tail, i)
             if cut is None and i + 1 >= MAX_UNIT_CHARS:
                 cut = _forced_cut(tail[: i + 1])
@@ -134,7 +165,7 @@ class SentenceSegmenter:
             self._reset_scan()
             i = 0
         self._tail = tail
-        self._scan = len(tail)
+        self._scan = i
         return released
 
     def flush(self) -> list[str]:
@@ -169,7 +200,9 @@ class SentenceSegmenter:
                 return run_start, i
         if not prev or prev.isspace():
             self._token_start = i
-        if char in CJK_TERMINATORS and _has_word_char(tail[: i + 1]):
+        if char.isalnum():
+            self._has_word_char = True
+        elif char in CJK_TERMINATORS and self._has_word_char:
             return i + 1, i + 1
         if self.granularity == "clause":
             if char in CJK_CLAUSE_MARKS and i + 1 >= CJK_CLAUSE_MIN_CHARS:
@@ -252,5 +285,13 @@ def _is_list_marker(tail: str, token_start: int, token_end: int, next_start: int
 _LIST_MARKER = re.compile(r"\d{1,2}[.)]")
 
 
-def _has_word_char(text: str) -> bool:
-    return any(c.isalnum() for c in text)
+async def push_in_slices(segmenter: SentenceSegmenter, text: str) -> list[str]:
+    """`segmenter.push(text)` on an event loop: examined in slices of about SLICE_S, letting the loop run
+    between them, so text that is slow to split (a large input dense with abbreviations) never stalls
+    other sessions. Gives the same units as push; the caller must not touch the segmenter meanwhile."""
+    segmenter.append(text)
+    released = segmenter.advance(time.perf_counter() + SLICE_S)
+    while not segmenter.examined_all:
+        await asyncio.sleep(0)
+        released += segmenter.advance(time.perf_counter() + SLICE_S)
+    return released

@@ -61,7 +61,7 @@ from .protocol import (
     SessionStarted,
     parse_client_message,
 )
-from .segmenter import SentenceSegmenter
+from .segmenter import SentenceSegmenter, push_in_slices
 from .session_resume import SessionResumer
 from .session_state import (
     ClientGone,
@@ -526,7 +526,9 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         if self.admission is not None and message.text:
             await self.admission.charge_chars(self.principal, len(message.text), context_id=message.context_id)
         utterance = self._utterance(message.context_id)
-        self._release(utterance, utterance.segmenter.push(message.text))
+        # In slices: splitting a large input can take seconds, and other sessions share this loop. This
+        # session's next message waits (the reader handles one at a time), so its texts stay in order.
+        self._release(utterance, await push_in_slices(utterance.segmenter, message.text))
         self._record_open_text(utterance)
 
     def _record_open_text(self, utterance: Utterance) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from .protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
-from .segmenter import SentenceSegmenter
+from .segmenter import SentenceSegmenter, push_in_slices
 from .session_state import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
 from .store import MarkerRecord, ReplayOutOfRange, SessionRecord, replay_owed
 
@@ -174,7 +174,7 @@ class SessionResumer:
         for open_utterance in record.open_utterances.values():
             reopened = utterance(open_utterance.utterance, open_utterance.context_id)
             self._open[open_utterance.context_id] = reopened
-            self._release(reopened, reopened.segmenter.push(open_utterance.text))
+            self._release(reopened, await push_in_slices(reopened.segmenter, open_utterance.text))
         await self._commit(counted=False)
         self._fill_pipeline()
         self._queue_changed.set()

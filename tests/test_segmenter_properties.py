@@ -3,6 +3,7 @@ is lost, pysbd only sees a bounded tail, and the API behaves as the gateway expe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -75,6 +76,41 @@ def test_chunking_never_changes_units_and_nothing_is_lost(granularity: str) -> N
         assert_lossless(text, whole)
         if granularity == "none":
             assert len(whole) <= 1
+
+
+@pytest.mark.parametrize("granularity", ["sentence", "clause"])
+def test_slicing_the_work_never_changes_units(granularity: str) -> None:
+    """append + advance with a deadline already passed (one character examined per call) gives push's units."""
+    rng = random.Random(4321)
+    for _ in range(40):
+        text = generated_text(rng, rng.randint(1, 60))
+        whole, _ = feed([text], granularity)
+        segmenter = SentenceSegmenter(granularity=granularity)
+        units: list[str] = []
+        for piece in cut(text, rng):
+            segmenter.append(piece)
+            while not segmenter.examined_all:
+                units += segmenter.advance(deadline=0.0)
+        assert units + segmenter.flush() == whole, text
+
+
+async def test_push_in_slices_lets_the_loop_run_and_gives_push_units() -> None:
+    text = "Dr. " * 3000
+    expected = SentenceSegmenter().push(text)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    units = await segmenter_module.push_in_slices(SentenceSegmenter(), text)
+    ticker.cancel()
+    assert units == expected
+    assert ticks > 10  # the loop ran other tasks between slices
 
 
 def test_released_plus_buffered_is_the_input() -> None:
