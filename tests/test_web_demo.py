@@ -5,18 +5,24 @@ page the gateway serves at `/`, speaks a text, barges in on a second one and spe
 (clients/js/test/web_demo_check.mjs). The gateway runs the synthetic backend (deterministic tones, named
 as such, 3x faster than real time), so every sentence's expected length is known exactly: the AudioWorklet
 must receive exactly those samples, play all of them after resampling to the audio context's rate, and
-never underrun; after the interrupt nothing more may play. Screenshots of the last run go to
-web_demo/screenshots/latest/.
+never underrun; after the interrupt nothing more may play.
+
+The page is measured and screenshotted at desktop, small-laptop and phone (390 px) widths
+(clients/js/test/layout.mjs), and its errors (no gateway, a gateway that wants a key, no text) are driven
+at phone width (web_demo_errors.mjs). The screenshots go to pytest's temporary folder (their path is in
+each report).
 """
 
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+
 import pytest
 
-from tests.gateway_server import running_gateway
+from tests.gateway_server import free_port, running_gateway
 from tests.js_fixtures import (
     JS_CLIENT_DIR,
-    REPO,
     require_chromium,
     require_node,
     require_npm_packages,
@@ -29,7 +35,7 @@ VOICE = "tone-mid"
 TEXT = "Hello from the browser. The worklet plays every sample. Nothing should underrun here!"
 LONG_SENTENCE = "This is a longer sentence that keeps the speaker busy for a while."
 LONG_TEXT = " ".join([LONG_SENTENCE] * 8)
-SCREENSHOTS = REPO / "web_demo" / "screenshots" / "latest"
+API_KEY = "page-test-key"
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +51,39 @@ def browser_tools() -> None:
 
 
 @pytest.fixture(scope="module")
-def run(backend, browser_tools) -> dict:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+def screenshots(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("web-demo-screenshots")
+
+
+@pytest.fixture(scope="module")
+def run(backend, browser_tools, screenshots) -> dict:
     with running_gateway(backend=backend) as server:
         return run_node_json(
             JS_CLIENT_DIR / "test" / "web_demo_check.mjs",
             server.url,
-            str(SCREENSHOTS),
+            str(screenshots),
             VOICE,
             TEXT,
             LONG_TEXT,
             timeout=100,
         )
+
+
+@pytest.fixture(scope="module")
+def errors(backend, browser_tools, screenshots) -> dict:
+    """The page served by a gateway that wants an API key, and pointed (once) at a port where nothing listens."""
+    with running_gateway(backend=backend, api_keys=[API_KEY]) as server:
+        result = run_node_json(
+            JS_CLIENT_DIR / "test" / "web_demo_errors.mjs",
+            server.url,
+            f"http://127.0.0.1:{free_port()}",
+            str(screenshots),
+            API_KEY,
+            timeout=100,
+        )
+    assert result.get("failure") is None, result.get("failure")
+    assert result["pageErrors"] == []
+    return result
 
 
 def samples_of(backend: SyntheticSynthesizer, text: str) -> int:
@@ -132,10 +159,123 @@ def test_session_keeps_working_after_barge_in(backend, run):
     assert player["underruns"] == 0 and player["bufferedFrames"] == 0
 
 
-def test_screenshots_saved(run):
-    for name in ("web-demo-played.png", "web-demo-interrupted.png"):
-        path = SCREENSHOTS / name
-        assert path.stat().st_size > 20_000, f"{path} is missing or blank"
+def png_size(path: str | Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk."""
+    header = Path(path).read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", header[16:24])
+
+
+def assert_layout_sound(report: dict) -> None:
+    """What layout.mjs measured where the screenshot was taken: nothing wider than the viewport, no text
+    cut, every control whole, tall enough to tap and clear of the others."""
+    width = report["viewport"]["width"]
+    assert report["scrollWidth"] <= width, f"the page scrolls sideways: {report['scrollWidth']} px in {width}"
+    assert report["outside"] == [], "elements stick out of the viewport"
+    assert report["clipped"] == [], "text cut off by its box"
+    assert report["selectsCut"] == [], "a select's chosen option does not fit"
+    assert report["small"] == [], "controls too small to tap"
+    assert report["overlapping"] == [], "controls cover each other"
+    assert report["controls"] >= 8
+
+
+@pytest.mark.parametrize("width", [1280, 960, 390])
+def test_layout_at_desktop_laptop_and_phone_widths(run, width):
+    assert run.get("failure") is None, run.get("failure")
+    report = run["layout"][str(width)]
+    assert report["viewport"]["width"] == width
+    assert_layout_sound(report)
+    # The full-page screenshot is as wide as the viewport: nothing made the page wider.
+    shot_width, shot_height = png_size(report["screenshot"])
+    assert shot_width == width and shot_height >= report["viewport"]["height"]
+    assert Path(report["screenshot"]).stat().st_size > 20_000, "blank screenshot"
+
+
+def test_phone_width_keeps_every_step_usable(run):
+    """Barge-in, the next utterance and the mu-law session ran at 390 px: every click found its control
+    visible and unobstructed (playwright refuses otherwise), and the run went to the end."""
+    assert run.get("failure") is None, run.get("failure")
+    assert run["mulaw"]["utterance"]["outcome"] == "played"
+    # The page after the barge-in (dropped sentences, the barge-in mark) fits too.
+    interrupted = run["layoutInterrupted"]
+    assert_layout_sound(interrupted)
+    assert png_size(interrupted["screenshot"])[0] == 390
+
+
+def test_received_and_played_counters_use_one_unit(backend, run):
+    """Both counters show seconds of audio at the audio context's rate, so once everything has played
+    they read the same (they used to show stream-rate samples against context-rate frames: 2x apart)."""
+    played = run["played"]
+    counters = played["counters"]
+    total = sum(samples_of(backend, s["text"]) for s in played["utterance"]["sentences"])
+    assert counters["received"] == counters["played"]
+    assert counters["played"].endswith(" s")
+    assert abs(float(counters["played"][:-2]) - total / played["streamRate"]) <= 0.01
+    # After the barge-in only what played counts as played; what was dropped was still received.
+    later = run["later"]["counters"]
+    assert float(later["received"][:-2]) > float(later["played"][:-2])
+
+
+def test_sentence_numbers_restart_with_each_utterance(run):
+    first = run["played"]
+    assert [row[0] for row in first["rows"]] == ["1", "2", "3"]
+    assert [s["number"] for s in first["utterance"]["sentences"]] == [1, 2, 3]
+    # The barged-in utterance and the one after it count from 1 again (the session's indices go on).
+    second = run["beforeInterrupt"]
+    assert second["rows"][0][0] == "1" and second["utterance"]["sentences"][0]["index"] >= 3
+    third = run["afterBargeIn"]
+    assert [row[:2] for row in third["rows"]] == [["1", "And we are back."]]
+    assert third["utterance"]["sentences"][0]["index"] > 3
+
+
+def assert_notice_in_view(step: dict, kind: str) -> None:
+    """The error is on show, inside the part of the page the user sees, in the error colours."""
+    notice = step["snapshot"]["notice"]
+    assert notice is not None and notice["kind"] == kind
+    layout = step["layout"]
+    assert layout["notice"] is not None and layout["notice"]["inView"], layout["notice"]
+    assert layout["notice"]["text"] == notice["text"]
+    assert layout["notice"]["color"] == "rgb(254, 242, 242)"
+    assert_layout_sound(layout)
+    assert png_size(layout["screenshot"]) == (390, 844)
+
+
+def test_unreachable_gateway_is_shown_where_the_user_looks(errors):
+    on_load, on_speak = errors["unreachableOnLoad"], errors["unreachableOnSpeak"]
+    assert_notice_in_view(on_load, "unreachable")
+    assert "Cannot reach the gateway at http://127.0.0.1:" in on_load["snapshot"]["notice"]["text"]
+    assert on_load["snapshot"]["status"] == "error"
+    # Speak tries the WebSocket, fails the same way, and the notice is in view beside the Speak button.
+    assert_notice_in_view(on_speak, "unreachable")
+    assert on_speak["snapshot"]["sessionId"] is None
+
+
+def test_401_asks_for_the_key_and_retries_with_it(errors):
+    on_load = errors["authOnLoad"]
+    assert_notice_in_view(on_load, "auth")
+    assert "needs an API key" in on_load["snapshot"]["notice"]["text"]
+    assert on_load["layout"]["focused"] == "api-key"  # the key field has the cursor
+    # Speak without a key: the WebSocket is refused and the page still asks for the key.
+    assert_notice_in_view(errors["authOnSpeak"], "auth")
+    assert errors["authOnSpeak"]["snapshot"]["sessionId"] is None
+    # A wrong key is refused, and said so.
+    assert_notice_in_view(errors["wrongKey"], "auth")
+    assert "refused this API key" in errors["wrongKey"]["snapshot"]["notice"]["text"]
+    # The right key: the notice goes, the voices load, and the Speak that was refused plays.
+    right = errors["rightKey"]["snapshot"]
+    assert right["notice"] is None and right["status"] == "live"
+    assert errors["voiceOptions"] == ["tone-low", "tone-mid", "tone-high"]
+    assert right["utterance"]["outcome"] == "played"
+    assert [s["text"].strip() for s in right["utterance"]["sentences"]] == ["Spoken once the key is given."]
+
+
+def test_empty_text_is_refused_visibly(errors):
+    empty = errors["empty"]
+    assert_notice_in_view(empty, "empty")
+    assert empty["textInvalid"] == "true"
+    # Nothing was sent: the last utterance is still the one spoken before.
+    assert empty["snapshot"]["utterance"]["contextId"] == errors["rightKey"]["snapshot"]["utterance"]["contextId"]
+    assert errors["afterTyping"]["notice"] is None
 
 
 def test_mulaw_8k_is_decoded_and_resampled_in_the_browser(backend, run):

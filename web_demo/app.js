@@ -23,9 +23,12 @@ const ui = {
   sampleRate: $("sample-rate"),
   preroll: $("preroll"),
   apiKey: $("api-key"),
+  apiKeyField: $("api-key-field"),
+  notice: $("notice"),
+  noticeText: $("notice-text"),
+  noticeAction: $("notice-action"),
   speak: $("speak"),
   interrupt: $("interrupt"),
-  hint: $("hint"),
   playerState: $("player-state"),
   ttfa: $("m-ttfa"),
   firstByte: $("m-first-byte"),
@@ -45,6 +48,10 @@ const state = {
   player: null,
   utterance: null, // the utterance being spoken (see newUtterance)
   utteranceCount: 0,
+  notice: null, // the kind of error on show (see showNotice)
+  noticeAction: null,
+  retrySpeak: false, // Speak failed for want of a key or a gateway: retried once that is fixed
+  keyTried: null, // the API key the last gateway check used
 };
 
 const chart = new TimelineChart($("chart"));
@@ -78,8 +85,61 @@ function logSeparator(text) {
   ui.events.prepend(item);
 }
 
+// ------------------------------------------------------------------------------------------ errors
+// One error at a time, shown beside the controls that fix it (below the API key field, above Speak) and
+// scrolled into view; the status pill and the event log only repeat it. Kinds: "empty" (no text),
+// "auth" (401: the key field asks for a key), "unreachable", "error" (anything else the gateway said).
+
+function showNotice(kind, text, action = null) {
+  state.notice = kind;
+  state.noticeAction = action?.run ?? null;
+  ui.noticeText.textContent = text;
+  ui.noticeAction.hidden = !action;
+  ui.noticeAction.textContent = action?.label ?? "";
+  ui.notice.hidden = false;
+  ui.notice.scrollIntoView({ block: "nearest" });
+}
+
+function clearNotice(...kinds) {
+  if (state.notice === null || (kinds.length && !kinds.includes(state.notice))) return;
+  state.notice = null;
+  ui.notice.hidden = true;
+  ui.apiKeyField.classList.remove("needs-key");
+}
+
+// fetch() rejects with a TypeError when nothing answers; the client's own connection failures carry the
+// code "connection_failed". Errors the gateway sent carry its codes.
+function unreachable(error) {
+  return error instanceof TypeError || error?.code === "connection_failed";
+}
+
+function reportFailure(error, what) {
+  logEvent(`${what}: ${error.message}`, "error");
+  if (error?.code === "unauthorized") {
+    setStatus("error", "API key needed");
+    showNotice(
+      "auth",
+      ui.apiKey.value
+        ? "The gateway refused this API key (401). Enter a valid key in the API key field and press Enter: the page retries with it."
+        : "This gateway needs an API key (401). Enter it in the API key field and press Enter: the page retries with it.",
+    );
+    ui.apiKeyField.classList.add("needs-key");
+    ui.apiKey.focus({ preventScroll: true });
+  } else if (unreachable(error)) {
+    setStatus("error", "gateway unreachable");
+    showNotice("unreachable", `Cannot reach the gateway at ${gatewayUrl}. Is voxgate serve running there?`, {
+      label: "Retry",
+      run: retryGateway,
+    });
+  } else {
+    setStatus("error", "error");
+    showNotice("error", `${what} failed: ${error.message}`);
+  }
+}
+
 const ms = (value) => (value === null || value === undefined ? "–" : `${Math.round(value)} ms`);
 const count = (value) => (value ?? 0).toLocaleString("en-US");
+const seconds = (frames, rate) => `${(rate ? frames / rate : 0).toFixed(2)} s`;
 
 function selectedMode() {
   return document.querySelector('input[name="mode"]:checked').value;
@@ -96,9 +156,13 @@ function settings() {
 
 // ------------------------------------------------------------------------------------------ session
 
-async function loadVoices() {
+// Load the gateway's voices (and its backend's name): the page's first contact, repeated when the user
+// gives a key or asks to retry. Returns whether the gateway answered.
+async function loadGateway() {
+  const apiKey = ui.apiKey.value || null;
+  state.keyTried = ui.apiKey.value;
   try {
-    const voices = await listVoices(gatewayUrl, { apiKey: ui.apiKey.value || null });
+    const voices = await listVoices(gatewayUrl, { apiKey });
     ui.voice.replaceChildren(
       ...voices.data.map((voice) => {
         const option = new Option(voice.name, voice.id);
@@ -108,10 +172,30 @@ async function loadVoices() {
       }),
     );
     setStatus("idle", "ready");
+    clearNotice("auth", "unreachable");
+    loadBackendInfo(apiKey);
+    return true;
   } catch (error) {
-    setStatus("error", "gateway unreachable");
-    logEvent(`voices: ${error.message}`, "error");
+    reportFailure(error, "voices");
+    return false;
   }
+}
+
+function loadBackendInfo(apiKey) {
+  fetch(new URL("/v1/models", gatewayUrl), { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} })
+    .then((response) => (response.ok ? response.json() : null))
+    .then((models) => {
+      const model = models?.data?.[0];
+      if (model) ui.backendInfo.textContent = `${model.id} · ${model.backend} backend`;
+    })
+    .catch(() => {});
+}
+
+// After a new key or a Retry: check the gateway again, then speak if Speak was what failed.
+async function retryGateway() {
+  if (!(await loadGateway()) || !state.retrySpeak) return;
+  state.retrySpeak = false;
+  await speak();
 }
 
 async function ensurePlayer() {
@@ -129,7 +213,10 @@ async function ensurePlayer() {
         renderSentenceRow(sentence);
       }
     });
-    state.player.on("underrun", ({ tag }) => logEvent(`underrun in sentence ${tag.split(":")[1]}`, "warn"));
+    state.player.on("underrun", ({ tag }) => {
+      const sentence = state.utterance?.byTag.get(tag);
+      logEvent(sentence ? `underrun in sentence ${sentence.number}` : "underrun", "warn");
+    });
     state.player.on("drained", () => {
       if (state.utterance?.finished) finishUtterance("played");
     });
@@ -150,6 +237,7 @@ async function ensureClient() {
   const client = await VoxgateClient.connect(gatewayUrl, { ...wanted, autoResume: true });
   state.client = client;
   state.clientKey = key;
+  clearNotice("auth", "unreachable", "error");
   setStatus("live", `session ${client.sessionId.slice(0, 8)}`);
   ui.rates.textContent = `stream ${client.format} @ ${client.sampleRate} Hz → audio context @ ${state.player.sampleRate} Hz (resampled in the worklet)`;
   logEvent(`session.started: voice ${client.voice}, ${client.format} ${client.sampleRate} Hz`);
@@ -164,7 +252,8 @@ function wireClient(client) {
     const utterance = state.utterance;
     if (!utterance || message.context_id !== utterance.contextId) return;
     const sentence = {
-      index: message.sentence_index,
+      index: message.sentence_index, // the session's count
+      number: utterance.sentences.length + 1, // this utterance's count, as the page shows it
       tag: tag(message.sentence_index),
       text: message.sentence_text,
       textReadyAt: utterance.textReadyAt(message.sentence_text),
@@ -214,7 +303,10 @@ function wireClient(client) {
     logEvent(`context.cancelled (${message.context_id})`, "warn");
     if (state.utterance && message.context_id === state.utterance.contextId) state.utterance.cancelAcknowledged = true;
   });
-  client.on("error", (message) => logEvent(`error ${message.code}: ${message.message}`, "error"));
+  client.on("error", (message) => {
+    logEvent(`error ${message.code}: ${message.message}`, "error");
+    if (!message.retryable) showNotice("error", `The gateway answered ${message.code}: ${message.message}`);
+  });
   client.on("reconnecting", ({ code, sentence_index, bytes_received }) => {
     setStatus("busy", "reconnecting");
     logEvent(`connection lost (${code}); resuming at sentence ${sentence_index}, byte ${bytes_received}`, "warn");
@@ -227,6 +319,7 @@ function wireClient(client) {
     if (state.client === client) {
       setStatus(code === 1000 ? "idle" : "error", code === 1000 ? "session closed" : `closed (${code})`);
       state.client = null;
+      if (code !== 1000) showNotice("error", `The connection to the gateway closed (code ${code}). Speak opens a new session.`);
     }
   });
 }
@@ -269,9 +362,13 @@ function newUtterance(contextId, text) {
 async function speak() {
   const text = ui.text.value.trim();
   if (!text) {
-    ui.hint.textContent = "Type something to speak.";
+    ui.text.setAttribute("aria-invalid", "true");
+    showNotice("empty", "There is nothing to speak: type some text in the Text box first.");
+    ui.text.focus({ preventScroll: true });
     return;
   }
+  ui.text.removeAttribute("aria-invalid");
+  clearNotice("empty");
   if (state.utterance && !state.utterance.outcome) await interrupt();
   ui.speak.disabled = true;
   try {
@@ -296,8 +393,8 @@ async function speak() {
     }
     if (!utterance.abort.signal.aborted) client.done({ contextId });
   } catch (error) {
-    setStatus("error", "error");
-    logEvent(error.message, "error");
+    state.retrySpeak = error?.code === "unauthorized" || unreachable(error);
+    reportFailure(error, "speak");
     ui.interrupt.disabled = true;
   } finally {
     ui.speak.disabled = false;
@@ -340,8 +437,12 @@ function renderStats(stats) {
   ui.buffered.textContent = `${Math.round(stats.bufferedMs)} ms`;
   ui.underruns.textContent = count(stats.underruns);
   ui.underruns.parentElement.classList.toggle("alert", stats.underruns > 0);
-  ui.received.textContent = count(stats.samplesReceived);
-  ui.played.textContent = count(stats.framesPlayed);
+  // Both in seconds of audio at the audio context's rate: what reached the worklet (after resampling)
+  // and what it played, so the two agree once everything has played.
+  ui.received.textContent = seconds(stats.framesQueued, stats.contextRate);
+  ui.played.textContent = seconds(stats.framesPlayed, stats.contextRate);
+  ui.received.title = `${count(stats.framesQueued)} frames at ${stats.contextRate} Hz (${count(stats.samplesReceived)} samples at the stream's rate)`;
+  ui.played.title = `${count(stats.framesPlayed)} frames at ${stats.contextRate} Hz`;
   const utterance = state.utterance;
   if (utterance) {
     const played = utterance.sentences.filter((s) => s.playAt !== null).length;
@@ -350,22 +451,22 @@ function renderStats(stats) {
 }
 
 function renderSentenceRow(sentence) {
-  let row = document.getElementById(`sentence-${sentence.index}`);
+  let row = document.getElementById(`sentence-${sentence.number}`);
   if (!row) {
     row = document.createElement("tr");
-    row.id = `sentence-${sentence.index}`;
+    row.id = `sentence-${sentence.number}`;
     for (let i = 0; i < 6; i++) row.append(document.createElement("td"));
     ui.rows.append(row);
   }
   const cells = row.children;
   const durationMs = (sentence.samples / sentence.sampleRate) * 1000;
-  cells[0].textContent = sentence.index;
+  cells[0].textContent = sentence.number;
   cells[1].textContent = sentence.text;
   cells[1].title = sentence.text;
   cells[2].textContent = ms(sentence.textReadyAt);
   cells[3].textContent = ms(sentence.firstAudioAt);
   const dropped = sentence.playAt === null && state.utterance?.outcome === "interrupted";
-  cells[4].textContent = dropped ? "not played" : ms(sentence.playAt);
+  cells[4].textContent = dropped ? "dropped" : ms(sentence.playAt);
   row.classList.toggle("dropped", dropped);
   cells[5].textContent = `${(durationMs / 1000).toFixed(2)} s${sentence.done ? "" : " …"}`;
 }
@@ -392,21 +493,27 @@ ui.format.addEventListener("change", () => {
   // G.711 is a telephony format: the gateway sends it at 8 kHz unless told otherwise.
   if (ui.format.value !== "pcm" && !ui.sampleRate.value) ui.sampleRate.value = "8000";
 });
-ui.apiKey.addEventListener("change", loadVoices);
+ui.text.addEventListener("input", () => {
+  ui.text.removeAttribute("aria-invalid");
+  clearNotice("empty");
+});
+ui.noticeAction.addEventListener("click", () => state.noticeAction?.());
+// A new key is tried when the field is left or Enter is pressed (Enter tries the same key again).
+ui.apiKey.addEventListener("change", () => {
+  if (ui.apiKey.value !== state.keyTried) retryGateway();
+});
+ui.apiKey.addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.ctrlKey && !event.metaKey) {
+    event.preventDefault();
+    retryGateway();
+  }
+});
 window.addEventListener("keydown", (event) => {
   if (event.key === "Escape") interrupt();
   if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) speak();
 });
 
-fetch(new URL("/v1/models", gatewayUrl), { headers: ui.apiKey.value ? { Authorization: `Bearer ${ui.apiKey.value}` } : {} })
-  .then((response) => (response.ok ? response.json() : null))
-  .then((models) => {
-    const model = models?.data?.[0];
-    if (model) ui.backendInfo.textContent = `${model.id} · ${model.backend} backend`;
-  })
-  .catch(() => {});
-
-loadVoices();
+loadGateway();
 requestAnimationFrame(animate);
 
 // A read-only view of the page's state for automated checks.
@@ -417,6 +524,7 @@ window.voxgateDemo = {
     const utterance = state.utterance;
     return {
       status: ui.status.dataset.state,
+      notice: ui.notice.hidden ? null : { kind: state.notice, text: ui.noticeText.textContent },
       sessionId: state.client?.sessionId ?? null,
       streamRate: state.client?.sampleRate ?? null,
       format: state.client?.format ?? null,
@@ -432,8 +540,8 @@ window.voxgateDemo = {
         outcome: utterance.outcome,
         cancelAcknowledged: utterance.cancelAcknowledged,
         serverSentences: utterance.serverSentences ?? null,
-        sentences: utterance.sentences.map(({ index, text, bytes, samples, totalBytes, done, firstAudioAt, playAt, textReadyAt }) => ({
-          index, text, bytes, samples, totalBytes: totalBytes ?? null, done, firstAudioAt, playAt, textReadyAt,
+        sentences: utterance.sentences.map(({ index, number, text, bytes, samples, totalBytes, done, firstAudioAt, playAt, textReadyAt }) => ({
+          index, number, text, bytes, samples, totalBytes: totalBytes ?? null, done, firstAudioAt, playAt, textReadyAt,
         })),
       },
     };

@@ -60,7 +60,9 @@ export class TimelineChart {
     const x = (t) => left + (Math.max(0, t) / this.span) * plotWidth;
 
     // Grid and time axis.
-    const step = NICE_STEPS_MS.find((candidate) => this.span / candidate <= 8) ?? 120000;
+    // At most one label per 70 px (a phone gets fewer), never more than 8.
+    const ticks = Math.max(2, Math.min(8, Math.floor(plotWidth / 70)));
+    const step = NICE_STEPS_MS.find((candidate) => this.span / candidate <= ticks) ?? 120000;
     g.font = "11px Inter, system-ui, sans-serif";
     g.textBaseline = "top";
     g.textAlign = "center";
@@ -86,7 +88,7 @@ export class TimelineChart {
       g.fillStyle = COLORS.muted;
       g.textAlign = "right";
       g.textBaseline = "middle";
-      g.fillText(`S${s.index}`, left - 8, y + barHeight / 2);
+      g.fillText(`S${s.number}`, left - 8, y + barHeight / 2);
 
       const firstAudio = s.firstAudioAt ?? (live ? nowMs : null);
       if (s.textReadyAt !== null && firstAudio !== null && firstAudio > s.textReadyAt) {

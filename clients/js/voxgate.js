@@ -9,7 +9,7 @@
 //   client.on("audio", (chunk) => play(chunk.samples, chunk.sampleRate));
 //   const result = await client.speak("Hello there. How are you?");
 //
-// Protocol: ../../shared/design/protocol.md (in the repository: the WebSocket `/v1/audio/speech/stream`).
+// Protocol: ../../docs/protocol.md (the WebSocket `/v1/audio/speech/stream`).
 
 import { Emitter } from "./emitter.js";
 
@@ -273,20 +273,23 @@ export class VoxgateClient extends Emitter {
           resolve();
         }
       };
+      // Failures of the connection itself (nothing listening, no answer, closed before the session
+      // started) carry the code "connection_failed"; a refusal the gateway sent carries its own code.
+      const failed = (message) => new VoxgateError(message, { code: "connection_failed", retryable: true });
       const timeoutMs = this.options.connectTimeoutMs ?? 10000;
-      const timer = setTimeout(() => settle(new VoxgateError(`no answer from ${target} within ${timeoutMs} ms`)), timeoutMs);
+      const timer = setTimeout(() => settle(failed(`no answer from ${target} within ${timeoutMs} ms`)), timeoutMs);
       removers.push(
         this.on("session.started", () => settle()),
         this.on("error", (message) => settle(VoxgateError.fromMessage(message))),
       );
       socket.onopen = () => socket.send(JSON.stringify(firstMessage));
-      socket.onerror = (event) => settle(new VoxgateError(`cannot connect to ${target}: ${event?.message || "socket error"}`));
+      socket.onerror = (event) => settle(failed(`cannot connect to ${target}: ${event?.message || "socket error"}`));
       socket.onmessage = (event) => {
         if (socket === this.socket) this.#onFrame(event.data);
       };
       socket.onclose = (event) => {
         const code = event?.code ?? 1006;
-        settle(new VoxgateError(`connection closed before the session started (code ${code}${event?.reason ? `: ${event.reason}` : ""})`));
+        settle(failed(`connection closed before the session started (code ${code}${event?.reason ? `: ${event.reason}` : ""})`));
         if (established && socket === this.socket) this.#onSocketClosed(code, event?.reason ?? "");
         else if (!this.resuming) this.closed = true;
       };

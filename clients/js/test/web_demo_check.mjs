@@ -1,12 +1,19 @@
 // Loads the web demo from a running gateway in headless Chromium (Debian's /usr/bin/chromium driven by
-// playwright-core, no browser download), speaks a text, barges in on a second one, and prints what the
-// page and its AudioWorklet reported as JSON. tests/test_web_demo.py checks the numbers.
+// playwright-core, no browser download), speaks a text, measures and screenshots the page at desktop and
+// phone widths (layout.mjs), barges in on a second text and speaks a third at phone width, and prints
+// what the page and its AudioWorklet reported as JSON. tests/test_web_demo.py checks the numbers.
 // Usage: node web_demo_check.mjs <gateway base url> <screenshot dir> <voice> <text> <long text>
 
+import { launchChromium } from "./chromium.mjs";
+import { checkLayout } from "./layout.mjs";
 
 const [baseUrl, screenshotDir, voice, text, longText] = process.argv.slice(2);
-
-import { launchChromium } from "./chromium.mjs";
+// Desktop, a small laptop (the two-column layout at its narrowest), a phone.
+const WIDTHS = [
+  { width: 1280, height: 1000 },
+  { width: 960, height: 800 },
+  { width: 390, height: 844 },
+];
 
 const browser = await launchChromium();
 
@@ -18,7 +25,13 @@ try {
   });
   page.on("pageerror", (error) => output.pageErrors.push(String(error)));
 
-  const snapshot = () => page.evaluate(() => window.voxgateDemo.snapshot());
+  // The page's own snapshot, plus what it shows: the counter cards and the sentence table.
+  const snapshot = () =>
+    page.evaluate(() => ({
+      ...window.voxgateDemo.snapshot(),
+      counters: { received: document.querySelector("#m-received").textContent, played: document.querySelector("#m-played").textContent },
+      rows: [...document.querySelectorAll("#sentence-rows tr")].map((row) => [...row.cells].map((cell) => cell.textContent)),
+    }));
   const waitFor = (predicate, timeout = 30000) =>
     page.waitForFunction(predicate, null, { timeout, polling: 50 });
 
@@ -40,7 +53,13 @@ try {
   // The last stats message is posted on drain; give it a moment to land.
   await page.waitForTimeout(150);
   output.played = await snapshot();
-  await page.screenshot({ path: `${screenshotDir}/web-demo-played.png`, fullPage: true });
+  output.layout = {};
+  for (const size of WIDTHS) {
+    output.layout[size.width] = await checkLayout(page, { ...size, screenshot: `${screenshotDir}/web-demo-${size.width}.png` });
+  }
+
+  // The rest runs at phone width (the viewport is left at the last size): every click below must find
+  // its control visible and unobstructed there.
 
   // 2. Barge in: simulate an LLM streaming a long text, interrupt once audio is playing.
   await page.click('label:has(input[name="mode"][value="llm"])');
@@ -62,7 +81,7 @@ try {
   await waitFor(() => window.voxgateDemo.snapshot().utterance?.cancelAcknowledged, 5000);
   await page.waitForTimeout(600);
   output.later = await snapshot();
-  await page.screenshot({ path: `${screenshotDir}/web-demo-interrupted.png`, fullPage: true });
+  output.layoutInterrupted = await checkLayout(page, { width: 390, height: 844, screenshot: `${screenshotDir}/web-demo-interrupted-390.png` });
 
   // 3. The session stays usable after the barge-in: a short utterance plays to the end.
   await page.click('label:has(input[name="mode"][value="text"])');
