@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from tts_backend.base import Synthesizer
 from tts_backend.registry import create_backend
 
-from .auth import AuthError, Authenticator, api_key_authenticator
+from .auth import AuthError, Authenticator, api_key_authenticator, authorization_scheme
 from .http import ApiError, router
 from .limits import Admission
 from .metrics import GatewayMetrics
@@ -163,12 +163,21 @@ def create_app(
         return await api_error(request, ApiError(ErrorCode.invalid_message, f"invalid request: {details}"))
 
     async def speech_stream(websocket: WebSocket) -> None:
-        await websocket.accept()
         try:
             principal = await gateway.authenticate(websocket)
         except AuthError as exc:
-            await _refuse(websocket, ProtocolError(ErrorCode.unauthorized, str(exc), close=CloseCode.policy), gateway.metrics)
+            error = ProtocolError(ErrorCode.unauthorized, str(exc), close=CloseCode.policy)
+            if authorization_scheme(websocket) == "api-key":
+                # Baseten-style clients (LiveKit's Baseten plugin) retry anything that fails after the
+                # upgrade and stop only on a 4xx answer to it, so they are refused there, as Baseten does.
+                # Others get the protocol's error on an accepted socket: browsers cannot read the status.
+                gateway.metrics.errors_total.labels(error.code.value).inc()
+                await websocket.send_denial_response(JSONResponse(error.to_message().model_dump(exclude_none=True), 401))
+                return
+            await websocket.accept()
+            await _refuse(websocket, error, gateway.metrics)
             return
+        await websocket.accept()
         if not gateway.ready:
             reason = "the gateway is shutting down" if gateway.draining else "the speech backend is not ready"
             await _refuse(

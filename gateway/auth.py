@@ -3,7 +3,8 @@
 An authenticator is any `async (connection) -> Principal` that raises `AuthError` to refuse. The default
 (`api_key_authenticator`) accepts everyone when no API keys are configured (the CLI allows that only on
 loopback, or with --insecure-no-auth); with `api_keys` set it wants a credential as
-`Authorization: Bearer <credential>`, `X-API-Key: <credential>`, or, for browsers (which cannot set
+`Authorization: Bearer <credential>`, `Authorization: Api-Key <credential>` (Baseten's scheme, which
+LiveKit's Baseten plugin sends), `X-API-Key: <credential>`, or, for browsers (which cannot set
 WebSocket headers), the query parameter `api_key` (alias `token`). A credential is either an API key or a
 short-lived token minted by `POST /v1/tokens` (`TokenSigner`): an HMAC-signed expiry and key fingerprint,
 so a backend can hand a browser something that stops working on its own and never reveals the key. A
@@ -50,10 +51,18 @@ def key_fingerprint(key: str) -> str:
     return hashlib.sha256(b"voxgate-key\0" + key.encode()).hexdigest()[:16]
 
 
+AUTH_SCHEMES = ("bearer", "api-key")
+
+
+def authorization_scheme(connection: HTTPConnection) -> str | None:
+    """The scheme of the Authorization header, lower-cased ("bearer", "api-key", ...), or None."""
+    scheme, _, _ = connection.headers.get("authorization", "").strip().partition(" ")
+    return scheme.lower() or None
+
+
 def presented_credential(connection: HTTPConnection) -> str | None:
-    header = connection.headers.get("authorization", "")
-    if header.lower().startswith("bearer "):
-        return header[7:].strip() or None
+    if authorization_scheme(connection) in AUTH_SCHEMES:
+        return connection.headers["authorization"].strip().partition(" ")[2].strip() or None
     query = connection.query_params
     return connection.headers.get("x-api-key") or query.get("api_key") or query.get("token")
 
@@ -131,7 +140,8 @@ def api_key_authenticator(settings: GatewaySettings) -> Authenticator:
         credential = presented_credential(connection)
         if not credential:
             raise AuthError(
-                "a valid API key or token is required (Authorization: Bearer <key>, X-API-Key, or ?api_key=)"
+                "a valid API key or token is required (Authorization: Bearer <key> or Api-Key <key>, X-API-Key,"
+                " or ?api_key=)"
             )
         if credential.startswith(TOKEN_PREFIX):
             return Principal(key_id=signer.verify(credential), via_token=True)

@@ -27,6 +27,13 @@ def _option(text: str) -> tuple[str, Any]:
         return key.replace("-", "_"), value
 
 
+def _voice_alias(text: str) -> tuple[str, str]:
+    name, sep, voice = text.partition("=")
+    if not sep or not name.strip() or not voice.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VOICE, got {text!r}")
+    return name.strip(), voice.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="voxgate", description="Real-time streaming TTS gateway")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra backend option (JSON value or string); repeatable, e.g. -o noise_scale=0.667",
     )
     serve.add_argument("--served-model-name", help="model id shown by /v1/models")
+    serve.add_argument(
+        "--voice-alias", dest="voice_aliases", action="append", type=_voice_alias, metavar="NAME=VOICE",
+        help="speak requests for voice NAME with the backend's VOICE (repeatable), e.g. --voice-alias alloy=joe",
+    )
+    serve.add_argument(
+        "--no-voice-fallback", dest="voice_fallback", action="store_const", const=False,
+        help="refuse unknown voice names (unknown_voice) instead of speaking them with the default voice",
+    )
     serve.add_argument("--lookahead-sentences", type=int, help="sentences synthesized ahead (default 2)")
     serve.add_argument("--config-timeout", dest="config_timeout_s", type=float, help="seconds to wait for session.config")
     serve.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, help="idle seconds before a session closes")
@@ -78,6 +93,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     }
     if args.option:
         overrides["backend_options"] = dict(args.option)
+    if args.voice_aliases:
+        overrides["voice_aliases"] = dict(args.voice_aliases)
     return GatewaySettings(**overrides)
 
 

@@ -29,10 +29,10 @@ from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRe
 
 from . import audio
 from .auth import AuthError, Principal, TokenSigner
+from .compat import option_warnings, resolve_voice
 from .limits import LimitExceeded
 from .protocol import ErrorCode, ProtocolError
 from .segmenter import SentenceSegmenter, push_in_slices
-from .session import resolve_voice
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -42,6 +42,7 @@ router = APIRouter()
 # Raw formats carry no header, so clients assume a rate: OpenAI documents `pcm` as 24 kHz, telephony
 # formats are 8 kHz. `wav` states its rate in its header and stays at the backend's own.
 DEFAULT_RATES = {"pcm": 24000, "mulaw": 8000, "alaw": 8000}
+WARNINGS_HEADER = "X-Voxgate-Warnings"
 BACKEND_METRICS_TIMEOUT_S = 3.0  # a scrape waits this long for the backend's metrics, then goes without
 
 log = logging.getLogger(__name__)
@@ -207,9 +208,15 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             param="input",
         )
     try:
-        voice = resolve_voice(backend, settings, body.voice_id)
+        choice = resolve_voice(backend, settings, body.voice_id)
     except ProtocolError as exc:
         raise ApiError(exc.code, exc.message, param="voice") from None
+    voice = choice.voice
+    # What the request gets differently than asked (a fallback voice, options the backend ignores), for
+    # clients that look: a JSON list of {code, message, field}, ASCII-escaped to be a valid header value.
+    warnings = [w.model_dump(exclude_none=True)
+                for w in (*choice.warnings, *option_warnings(backend, body.model_dump()))]
+    warning_headers = {WARNINGS_HEADER: json.dumps(warnings)} if warnings else {}
     fmt = (body.response_format or ("pcm" if body.sse else "wav")).lower()
     if fmt not in audio.FORMATS:
         raise ApiError(
@@ -291,9 +298,10 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             usage = {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}
             yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n".encode()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **warning_headers})
 
-    headers = {"X-Sample-Rate": str(rate)}
+    headers = {"X-Sample-Rate": str(rate), **warning_headers}
     if fmt == "wav" and body.stream_format != "audio" and not body.stream:
         # A complete file with true sizes: made whole, then sent.
         try:

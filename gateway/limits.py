@@ -467,7 +467,7 @@ def header_timeout_protocol(timeout_s: float, send_buffer_bytes: int = 0) -> typ
 def abortable_ws_protocol() -> type:
     """uvicorn's WebSocket protocol, exposing `scope["voxgate.abort"]`: drops the TCP connection. A client
     that reads nothing cannot be sent a close frame (the send waits for buffer space that never comes),
-    so the slow-consumer deadline ends it this way."""
+    so the slow-consumer deadline ends it this way. An upgrade refused with an HTTP answer ends quietly."""
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
     class AbortableWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -476,5 +476,12 @@ def abortable_ws_protocol() -> type:
             scope = getattr(self, "scope", None)
             if scope is not None:  # the app's task has not started yet: it sees this
                 scope["voxgate.abort"] = self.transport.abort
+
+        async def send(self, message) -> None:  # type: ignore[override]
+            await super().send(message)
+            if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+                # An upgrade refused with an HTTP answer (app.py, Api-Key clients) is complete once sent;
+                # uvicorn 0.54 does not note that, then logs an error and writes a 500 to the closed socket.
+                self.handshake_complete = True
 
     return AbortableWebSocketProtocol

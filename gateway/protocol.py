@@ -1,4 +1,4 @@
-"""Typed messages of the streaming protocol (version 1, ../shared/design/protocol.md).
+"""Typed messages of the streaming protocol (version 1, docs/protocol.md).
 
 Client messages are parsed through one discriminated union on `type`; server messages are pydantic
 models serialized with `encode()`, which leaves out unset optional fields so that clients written for
@@ -16,6 +16,10 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, Va
 
 STREAMING_FORMATS = ("pcm", "mulaw", "alaw")
 GRANULARITIES = ("sentence", "clause", "none")
+# The output rate unless the client asks for `sample_rate`: clients of vLLM-Omni (and OpenAI's `pcm`)
+# assume 24 kHz for raw audio, whatever the backend's own rate; telephony formats default to 8 kHz.
+DEFAULT_SAMPLE_RATE = 24000
+TELEPHONY_SAMPLE_RATE = 8000
 
 
 class ErrorCode(str, enum.Enum):
@@ -37,6 +41,7 @@ class ErrorCode(str, enum.Enum):
     overloaded = "overloaded"
     idle_timeout = "idle_timeout"
     slow_consumer = "slow_consumer"
+    voice_cloning_unsupported = "voice_cloning_unsupported"
     internal = "internal"
 
 
@@ -70,6 +75,7 @@ class ProtocolError(Exception):
         close: CloseCode | None = None,
         context_id: str | None = None,
         sentence_index: int | None = None,
+        message_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -77,6 +83,7 @@ class ProtocolError(Exception):
         self.close = close
         self.context_id = context_id
         self.sentence_index = sentence_index
+        self.message_type = message_type  # the `type` of the client message it refuses, when known
 
     def to_message(self) -> "ErrorMessage":
         return ErrorMessage(
@@ -96,8 +103,9 @@ class _ClientMessage(BaseModel):
 
 
 class SessionConfig(_ClientMessage):
-    """`session.config`. Unknown fields are rejected; vLLM-Omni's voice-clone fields are accepted and
-    passed to the backend, which refuses them if it cannot clone."""
+    """`session.config`. Unknown fields are rejected. Every field that vLLM-Omni's or Baseten's clients send
+    is accepted; those the backend cannot honour (voice cloning, word timestamps, ...) are named in
+    session.started's `warnings` (gateway/compat.py) rather than refused."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -120,6 +128,11 @@ class SessionConfig(_ClientMessage):
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
+    # Word timestamps: vLLM-Omni's `word_timestamps`, Baseten's `timestamp_type` ("word", "char") and
+    # where they travel (`timestamp_transport_strategy`: "sync" in audio.done, "async" interleaved).
+    word_timestamps: bool | None = None
+    timestamp_type: str | None = None
+    timestamp_transport_strategy: Literal["sync", "async"] | None = None
 
     @model_validator(mode="after")
     def _defaults_and_streaming_rules(self) -> "SessionConfig":
@@ -195,8 +208,29 @@ class Ping(_ClientMessage):
     id: Any = None
 
 
+class VoiceList(_ClientMessage):
+    """Before session.config (Baseten's Qwen3-TTS servers): answered with the voices."""
+
+    type: Literal["voice.list"]
+
+
+class VoiceAdd(_ClientMessage):
+    """Before session.config: register a cloned voice from reference audio. Its fields differ between
+    servers (name, consent, audio_data, audio_format, ref_text, speaker_description, ...), so any are
+    accepted; it is as large as a session.config may be."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["voice.add"]
+    name: str | None = None
+
+
+# Messages answered before session.config, and as large as it may be.
+HANDSHAKE_MESSAGES = (SessionConfig, VoiceAdd)
+
 ClientMessage = Annotated[
-    Union[SessionConfig, InputText, InputFlush, InputDone, InputCancel, SessionResume, SessionClose, Ping],
+    Union[SessionConfig, InputText, InputFlush, InputDone, InputCancel, SessionResume, SessionClose, Ping,
+          VoiceList, VoiceAdd],
     Field(discriminator="type"),
 ]
 CLIENT_TYPES = (
@@ -208,6 +242,8 @@ CLIENT_TYPES = (
     "session.resume",
     "session.close",
     "ping",
+    "voice.list",
+    "voice.add",
 )
 _client_adapter: TypeAdapter[Any] = TypeAdapter(ClientMessage)
 
@@ -255,7 +291,7 @@ def parse_client_message(raw: str) -> Any:
     try:
         return _client_adapter.validate_python(data)
     except ValidationError as exc:
-        raise ProtocolError(ErrorCode.invalid_message, f"invalid {kind}: {_describe(exc)}") from None
+        raise ProtocolError(ErrorCode.invalid_message, f"invalid {kind}: {_describe(exc)}", message_type=kind) from None
 
 
 # ----------------------------------------------------------------------------------------- server messages
@@ -266,6 +302,15 @@ class _ServerMessage(BaseModel):
         return self.model_dump_json(exclude_none=True)
 
 
+class ConfigWarning(BaseModel):
+    """Something of a request the gateway does differently than asked (an unknown voice spoken by the
+    default one, an option this backend cannot honour); the request goes ahead."""
+
+    code: str  # stable: voice_fallback, voice_cloning_unsupported, timestamps_unsupported, option_ignored
+    message: str
+    field: str | None = None  # the request field it concerns
+
+
 class SessionStarted(_ServerMessage):
     type: Literal["session.started"] = "session.started"
     session_id: str
@@ -273,7 +318,17 @@ class SessionStarted(_ServerMessage):
     format: str
     voices: list[str]
     voice: str
+    warnings: list[ConfigWarning] | None = None  # ext: left out when there are none
     inputs_received: int | None = None  # ext, answering session.resume: client inputs handled
+
+
+class VoiceListed(_ServerMessage):
+    """Answer to voice.list, in the shape Baseten's servers give: preset voice ids, and the voices cloned
+    by voice.add (none: no backend here clones yet)."""
+
+    type: Literal["voice.list"] = "voice.list"
+    voices: list[str]
+    uploaded_voices: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class AudioStart(_ServerMessage):

@@ -40,11 +40,15 @@ from tts_backend.base import Synthesizer
 
 from . import audio
 from .auth import Principal
+from .compat import option_warnings, resolve_voice
 from .limits import Admission
 from .logs import session_id_var
 from .metrics import GatewayMetrics
 from .protocol import (
+    DEFAULT_SAMPLE_RATE,
+    HANDSHAKE_MESSAGES,
     STREAMING_FORMATS,
+    TELEPHONY_SAMPLE_RATE,
     CloseCode,
     ContextCancelled,
     ErrorCode,
@@ -59,6 +63,9 @@ from .protocol import (
     SessionConfig,
     SessionResume,
     SessionStarted,
+    VoiceAdd,
+    VoiceList,
+    VoiceListed,
     parse_client_message,
 )
 from .segmenter import SentenceSegmenter, push_in_slices
@@ -264,7 +271,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 close=CloseCode.too_big,
             )
         message = parse_client_message(raw)
-        if size > self.settings.max_message_bytes and not isinstance(message, SessionConfig):
+        if size > self.settings.max_message_bytes and not isinstance(message, HANDSHAKE_MESSAGES):
             raise ProtocolError(
                 ErrorCode.message_too_large,
                 f"{message.type} message of {size} bytes exceeds the {self.settings.max_message_bytes}-byte limit",
@@ -334,15 +341,25 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             except ClientGone:
                 return False
             except ProtocolError as error:
+                if error.close is None and error.message_type == "session.config":
+                    error.close = CloseCode.policy  # a refused first config ends the connection (below)
                 if error.close is not None:
                     raise
                 await self._report(error)
                 continue
             try:
                 if isinstance(message, SessionConfig):
-                    await self._apply_config(message)
+                    try:
+                        await self._apply_config(message)
+                    except ProtocolError as error:
+                        # As vLLM-Omni does: a session that cannot start is answered and closed at once,
+                        # not left waiting for another config while the client's text is refused.
+                        error.close = error.close or CloseCode.policy
+                        raise
                     return True
-                if isinstance(message, Ping):
+                if isinstance(message, (VoiceList, VoiceAdd)):
+                    await self._on_voice_message(message)
+                elif isinstance(message, Ping):
                     await self._send_json(Pong(id=message.id))
                 elif isinstance(message, SessionResume):
                     await self._resume(message)
@@ -358,9 +375,20 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                     raise
                 await self._report(error)
 
+    async def _on_voice_message(self, message: VoiceList | VoiceAdd) -> None:
+        """Baseten's voice catalogue messages: voice.list is answered with the voices; voice.add is
+        refused while no backend can clone a voice (the cloning itself is not built yet)."""
+        if isinstance(message, VoiceList):
+            await self._send_json(VoiceListed(voices=[v.id for v in self.backend.voices()]))
+            return
+        raise ProtocolError(
+            ErrorCode.voice_cloning_unsupported,
+            f"voice.add: the {self.backend.name} backend cannot clone voices; use one of its voices"
+            f" ({', '.join(v.id for v in self.backend.voices())})",
+        )
 
     def _resolve(self, message: SessionConfig) -> ResolvedConfig:
-        voice = resolve_voice(self.backend, self.settings, message.voice)
+        choice = resolve_voice(self.backend, self.settings, message.voice)
         fmt = message.response_format or "pcm"
         if fmt not in audio.FORMATS:
             raise ProtocolError(
@@ -375,7 +403,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             )
         rate = message.sample_rate
         if rate is None:
-            rate = 8000 if fmt in ("mulaw", "alaw") else self.backend.sample_rate
+            rate = TELEPHONY_SAMPLE_RATE if fmt in ("mulaw", "alaw") else DEFAULT_SAMPLE_RATE
         if rate not in audio.SAMPLE_RATES and rate != self.backend.sample_rate:
             raise ProtocolError(
                 ErrorCode.unsupported_format,
@@ -383,11 +411,12 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             )
         return ResolvedConfig(
             message=message,
-            voice=voice,
+            voice=choice.voice,
             response_format=fmt,
             stream_audio=message.stream_audio,
             source_rate=self.backend.sample_rate,
             output_rate=rate,
+            warnings=(*choice.warnings, *option_warnings(self.backend, message.model_dump())),
         )
 
     async def _apply_config(self, message: SessionConfig) -> None:
@@ -411,6 +440,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 format=resolved.response_format,
                 voices=[v.id for v in self.backend.voices()],
                 voice=resolved.voice,
+                warnings=list(resolved.warnings) or None,
             )
         )
 
@@ -486,6 +516,8 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             await self._apply_config(message)
         elif isinstance(message, SessionClose):
             await self._on_close()
+        elif isinstance(message, (VoiceList, VoiceAdd)):
+            await self._on_voice_message(message)
         elif isinstance(message, SessionResume):
             raise ProtocolError(ErrorCode.invalid_message, "session.resume is only valid as a connection's first message")
 
@@ -653,15 +685,3 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             await self._send_text_locked(ContextCancelled(context_id=context_id, sentence_index=first_unsent).encode())
         self._fill_pipeline()
         self._queue_changed.set()
-
-
-def resolve_voice(backend: Synthesizer, settings: GatewaySettings, voice: str | None) -> str:
-    """The backend's id for a requested voice (case-insensitive); the configured default when None."""
-    voice = voice or settings.voice or backend.default_voice
-    for known in backend.voices():
-        if known.id == voice or known.id.lower() == voice.lower():
-            return known.id
-    if backend.has_voice(voice):
-        return voice
-    names = ", ".join(v.id for v in backend.voices())
-    raise ProtocolError(ErrorCode.unknown_voice, f"unknown voice {voice!r}; available: {names}")

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import SessionConfig
+from .protocol import ConfigWarning, SessionConfig
 from .segmenter import SentenceSegmenter
 from .store import MarkerRecord
 
@@ -30,6 +30,7 @@ class ResolvedConfig:
     stream_audio: bool
     source_rate: int
     output_rate: int
+    warnings: tuple[ConfigWarning, ...] = ()  # told in session.started; not part of the recorded config
 
     def snapshot(self) -> dict[str, Any]:
         data = self.message.model_dump(exclude_none=True)

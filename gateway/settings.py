@@ -32,6 +32,13 @@ class GatewaySettings(BaseSettings):
         default_factory=dict, description="extra keyword options for the backend constructor"
     )
     served_model_name: str = Field("voxgate", description="model id reported by /v1/models and accepted in requests")
+    voice_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="requested voice name -> the backend's voice (e.g. voices of other servers: alloy, Vivian)",
+    )
+    voice_fallback: bool = Field(
+        True, description="an unknown voice name gets the default voice and a warning; off: refused (unknown_voice)"
+    )
 
     # --- protocol limits (protocol.md, "Errors and limits")
     config_timeout_s: float = Field(10.0, description="time allowed to receive session.config")

@@ -36,7 +36,10 @@ class Framework:
 
 FRAMEWORKS = {
     "pipecat": Framework("pipecat", ("pipecat-ai==1.14.0",), "import pipecat, voxgate_pipecat"),
-    "livekit": Framework("livekit", ("livekit-agents==1.8.9",), "import livekit.agents, voxgate_livekit"),
+    "livekit": Framework(
+        "livekit", ("livekit-agents==1.8.9", "livekit-plugins-baseten==1.8.9"),
+        "import livekit.agents, livekit.plugins.baseten, voxgate_livekit",
+    ),
 }
 # Bump when the build recipe changes, so cached venvs of an older recipe are rebuilt.
 _RECIPE = 1

@@ -36,7 +36,8 @@ def scenario_results(framework: str, plan: Callable[[str], dict]) -> Iterator[tu
     Yields the observations by scenario name and the main gateway's recording backend."""
     prepare_all()  # both framework venvs at once, cached across runs
     backend = RecordingBackend(SyntheticSynthesizer(speed=4.0))
-    with running_gateway(backend) as server, running_gateway(
+    # Strict voices, so that an unknown voice is a refusal the frameworks must not retry.
+    with running_gateway(backend, voice_fallback=False) as server, running_gateway(
         RecordingBackend(SyntheticSynthesizer(speed=4.0)), session_ttl_s=0.0
     ) as forgetful:
         script = SCRIPTS / f"{framework}_scenarios.py"

@@ -213,6 +213,7 @@ class RecordingBackend(Synthesizer):
         self.inner = inner
         self.name = inner.name
         self.sample_rate = inner.sample_rate
+        self.honours = inner.honours
         self.fail_on = fail_on
         self.records: list[StreamRecord] = []
 

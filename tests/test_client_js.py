@@ -31,7 +31,7 @@ def backend() -> SyntheticSynthesizer:
 def observed(backend) -> dict:
     require_node()
     require_npm_packages()
-    with running_gateway(backend=backend) as server:
+    with running_gateway(backend=backend, voice_fallback=False) as server:  # strict: unknown voices refused
         return run_node_json(JS_CLIENT_DIR / "test" / "client_scenarios.mjs", server.url, VOICE)
 
 

@@ -34,7 +34,8 @@ def expected_pcm(sentences: list[str], voice: str = VOICE) -> bytes:
 
 @pytest.fixture(scope="module")
 def gateway():
-    with running_gateway(backend="synthetic") as server:
+    # Strict voices: an unknown name is refused rather than spoken by the default voice.
+    with running_gateway(backend="synthetic", voice_fallback=False) as server:
         yield server
 
 

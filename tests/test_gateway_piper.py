@@ -102,10 +102,12 @@ def test_piper_stream_stops_promptly_when_closed(piper):
 
 
 async def test_gateway_streams_piper_audio_byte_identical_to_the_backend(piper):
-    """Audio integrity with the real default voice (Piper is deterministic here: noise scales 0)."""
+    """Audio integrity with the real default voice (Piper is deterministic here: noise scales 0), at the
+    voice's own rate (the default, 24 kHz, is resampled: test_client_compat.py)."""
     with running_gateway("piper") as server:
         async with websockets.connect(server.ws_url) as ws:
-            await ws.send(json.dumps({"type": "session.config", "voice": "joe", "stream_audio": True}))
+            await ws.send(json.dumps({"type": "session.config", "voice": "joe", "stream_audio": True,
+                                      "sample_rate": 22050}))
             for word in TEXT.split(" "):
                 await ws.send(json.dumps({"type": "input.text", "text": word + " "}))
             await ws.send(json.dumps({"type": "input.done"}))

@@ -92,6 +92,11 @@ class Synthesizer(abc.ABC):
 
     name: str = "backend"
     sample_rate: int = 24000
+    # The optional parts of a SynthesisRequest this backend acts on, of: "language", "instructions",
+    # "max_new_tokens", "chunk_schedule", "seed", "speed", "voice_design" (a voice made from the
+    # instructions), "voice_cloning" (a voice from reference audio). The gateway tells a client which of
+    # its options take no effect here, instead of ignoring them silently.
+    honours: frozenset[str] = frozenset()
 
     async def start(self) -> None:
         """Load models, warm up. `ready` is true once this returns."""

@@ -62,6 +62,7 @@ class PiperSynthesizer(Synthesizer):
     """
 
     name = "piper"
+    honours = frozenset({"speed"})
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ class Qwen3Synthesizer(Synthesizer):
     """
 
     name = "qwen3"
+    honours = frozenset({"language", "instructions", "max_new_tokens", "chunk_schedule", "seed"})
 
     def __init__(
         self,
@@ -131,6 +132,7 @@ class Qwen3Synthesizer(Synthesizer):
         else:
             self._voices = [Voice(id=_VOICE_DESIGN_VOICE, name="designed", language="en",
                                   description="Qwen3-TTS VoiceDesign: describe the voice in the instructions")]
+            self.honours = self.honours | {"voice_design"}
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load_model)

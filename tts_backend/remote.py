@@ -64,6 +64,7 @@ class RemoteSynthesizer(Synthesizer):
         self.name = f"remote:{info.get('name', '?')}"
         self.sample_rate = int(info["sample_rate"])
         self._voices = [Voice(**v) for v in info.get("voices", [])]
+        self.honours = frozenset(info.get("honours", ()))  # a worker too old to say honours nothing
 
     async def start(self) -> None:
         deadline = time.monotonic() + self.connect_timeout_s

@@ -31,6 +31,7 @@ class SyntheticSynthesizer(Synthesizer):
     """
 
     name = "synthetic"
+    honours = frozenset({"seed"})
 
     def __init__(
         self,

@@ -74,6 +74,7 @@ class WorkerServer:
             "streams": self.streams_in_flight,
             "default_voice": self.backend.default_voice,
             "voices": [dataclasses.asdict(v) for v in self.backend.voices()],
+            "honours": sorted(self.backend.honours),
         }
 
     async def metrics(self) -> dict:
