@@ -456,12 +456,13 @@ class RedisSessionStore(SessionStore):
         owed = replay_owed(record, sentence_index, byte_offset)
         entries = []
         if owed:
-            # The owed bytes are the log's newest, from position `start`: the entry holding that byte (the
-            # last one starting at or before it) and every later one.
+            # The owed bytes are the log's newest as `record` knows it, from position `start`: the entry
+            # holding that byte (the last one starting at or before it) and every later one up to the end
+            # `record` saw (a live owner may have appended more since).
             start, log_key = record.log_end - owed, self.keys(session_id)[KEY["log"] - 1]
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.xrevrange(log_key, f"{start}-1", "-", count=1)
-                pipe.xrange(log_key, f"({start}-1", "+")
+                pipe.xrange(log_key, f"({start}-1", f"{record.log_end - 1}-1")
                 first, rest = await pipe.execute()
             entries = first + rest
         log = [ReplayPiece(int(fields[b"i"]), int(fields[b"o"]), fields[b"d"]) for _, fields in entries]

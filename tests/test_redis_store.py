@@ -159,3 +159,18 @@ async def test_unreachable_redis_fails_at_start_with_a_clear_error():
     store = create_store("redis", ttl_s=1, replay_log_bytes=1, redis_url="redis://127.0.0.1:1/0")
     with pytest.raises(RuntimeError, match="does not answer"):
         await store.start()
+
+
+async def test_a_resume_check_reads_the_log_as_its_record_saw_it(redis_prefix):  # noqa: F811
+    """A resume checks its position before it takes the session over, while the owner may still be
+    appending: the replay holds exactly the bytes the record it read knows of, not the newer ones."""
+    store = RedisSessionStore(REDIS_URL, key_prefix=redis_prefix)
+    await store.start()
+    try:
+        await filled(store, owner="a")
+        record = await store.get("s1")
+        await store.append_audio("s1", 2, b"n" * 30, owner="a")  # the live owner goes on
+        pieces = await store.replay("s1", 2, 200, record=record)
+        assert [(p.sentence_index, p.offset, len(p.data)) for p in pieces] == [(2, 200, 100)]
+    finally:
+        await store.stop()

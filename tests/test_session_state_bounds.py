@@ -60,7 +60,7 @@ async def test_a_text_and_cancel_flood_leaves_few_sentence_records(store, redis_
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
 async def test_a_pruned_session_resumes_byte_exact_where_its_log_reaches(store, redis_prefix):  # noqa: F811
-    """A replay log of 40 KB (about 0.8 s of audio) over 12 sentences of about 1.5 s: the records of the
+    """A replay log of 40 KB (under 1 s of audio) over 12 sentences of 150 KB each: the records of the
     early sentences are pruned, the session still resumes byte-exactly from a position the log holds, a
     position before it is resume_out_of_range, and the next sentence index is still right."""
     text = " ".join(f"Sentence number {n} is spoken a little while here." for n in range(12))
