@@ -404,9 +404,12 @@ async def health() -> dict[str, str]:
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     gateway = gateway_of(request)
-    is_ready = gateway.ready
+    store_problem = await gateway.store.unavailable()
+    is_ready = gateway.ready and store_problem is None
     body: dict[str, Any] = {"status": "ready" if is_ready else "not_ready", "backend": gateway.backend.name,
                             "draining": gateway.draining}
+    if store_problem is not None:
+        body["store"] = store_problem
     if gateway.backend_error is not None:
         body.update(status="failed", error=f"the backend failed to start: {gateway.backend_error}")
     return JSONResponse(body, status_code=200 if is_ready else 503)

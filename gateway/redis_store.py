@@ -41,6 +41,9 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from .store import (
@@ -56,6 +59,8 @@ from .store import (
     replay_owed,
     select_replay,
 )
+
+UNAVAILABLE_AFTER_S = 2.0  # /ready: a store that does not answer a PING this fast is reported unreachable
 
 KEY_NAMES = ("meta", "lease", "text", "state", "bytes", "markers", "open", "log", "logend")
 KEY = {name: position for position, name in enumerate(KEY_NAMES, start=1)}  # Lua KEYS[] positions
@@ -291,8 +296,13 @@ class RedisSessionStore(SessionStore):
     async def start(self) -> None:
         # Hundreds of sessions write at once: callers wait for one of a bounded set of connections (a
         # plain pool raises "Too many connections" past its limit instead).
+        # After a Redis restart every pooled connection is dead, and the first command on each finds out:
+        # a connection error is retried once, at once, on a new connection (a dead connection never
+        # delivered the command, so no write is applied twice). Timeouts are not retried: a command that
+        # timed out may have run.
         pool = aioredis.BlockingConnectionPool.from_url(
-            self.redis_url, max_connections=self.max_connections, timeout=10
+            self.redis_url, max_connections=self.max_connections, timeout=10,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._redis = aioredis.Redis(connection_pool=pool)
         try:
@@ -319,6 +329,14 @@ class RedisSessionStore(SessionStore):
         if self._redis is not None:
             await self._redis.aclose(close_connection_pool=True)
             self._redis = None
+
+    async def unavailable(self) -> str | None:
+        try:
+            await asyncio.wait_for(self.redis.ping(), UNAVAILABLE_AFTER_S)
+        except Exception as exc:  # noqa: BLE001 - any failure means sessions cannot be served
+            reason = f"no answer within {UNAVAILABLE_AFTER_S:g} s" if isinstance(exc, asyncio.TimeoutError) else exc
+            return f"the Redis session store is unreachable: {reason}"  # not the URL: it may hold a password
+        return None
 
     @property
     def redis(self) -> aioredis.Redis:

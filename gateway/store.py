@@ -188,6 +188,10 @@ class SessionStore(abc.ABC):
     async def stop(self) -> None:
         """Close connections."""
 
+    async def unavailable(self) -> str | None:
+        """Why the store cannot serve sessions right now (for /ready); None when it can."""
+        return None
+
     @abc.abstractmethod
     async def create(
         self, session_id: str, config: dict[str, Any], *, owner: str | None = None, key_id: str | None = None

@@ -3,8 +3,13 @@ answers, except in CI, where a missing Redis fails the tests. Every test gets it
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import subprocess
+import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -39,3 +44,48 @@ def redis_prefix():
     keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
     if keys:
         client.delete(*keys)
+
+
+class PrivateRedis:
+    """A redis-server of the test's own on a free loopback port (never the shared one), which the test may
+    stop and start again on the same port: a Redis restart."""
+
+    def __init__(self) -> None:
+        from tests.gateway_server import free_port
+
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                if client.ping():
+                    return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[PrivateRedis]:
+    """A started PrivateRedis, stopped on exit; skipped without the redis-server binary."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = PrivateRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
