@@ -49,6 +49,7 @@ async def test_remote_streams_what_the_backend_makes(synthetic_worker):
     try:
         assert remote.ready and remote.sample_rate == 24000
         assert {v.id for v in remote.voices()} == {"tone-low", "tone-mid", "tone-high"}
+        assert remote.honours == SyntheticSynthesizer.honours  # so the gateway's warnings are the worker's
         request = SynthesisRequest(text="Hello there, this is a test.", voice="tone-mid", seed=3)
         audio = b"".join([c.pcm async for c in remote.synthesize(request)])
         assert audio == SyntheticSynthesizer().render(request).tobytes()
