@@ -1,9 +1,11 @@
 """Checkpoint folder -> modules, tensor by tensor, refusing anything that does not match exactly.
 
-A Qwen3-TTS folder holds `model.safetensors` (talker + code predictor, bf16) and `speech_tokenizer/model.safetensors`
-(codec, fp32). Every tensor is mapped by name onto a module parameter; a missing, unexpected, mis-shaped or
-wrong-dtype tensor is an error that names the tensor and the file, so a wrong or truncated download fails loudly
-at start-up instead of producing noise.
+A Qwen3-TTS folder holds `model.safetensors` (talker + code predictor, released in bf16) and
+`speech_tokenizer/model.safetensors` (codec, released in fp32). Every tensor is mapped by name onto a module
+parameter; a missing, unexpected or mis-shaped tensor, or one that is not floating point in bf16, fp16 or fp32,
+is an error that names the tensor and the file, so a wrong or truncated download fails loudly at start-up
+instead of producing noise. The floating-point width is the storer's choice (a fine-tune saved in fp32, an
+fp16 export): values are cast to the module's dtype as they are copied.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+# What a checkpoint's weights may be stored in; each is cast to the module's dtype on load.
+CHECKPOINT_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class CheckpointError(ValueError):
@@ -74,15 +80,15 @@ def load_tensors_strict(
     file: str | Path,
     name_map: Mapping[str, str],
     *,
-    stored_dtype: torch.dtype | None,
+    stored_dtypes: tuple[torch.dtype, ...] | None = CHECKPOINT_FLOAT_DTYPES,
     ignore: Callable[[str], bool] = lambda name: False,
 ) -> None:
     """Copy every tensor of `tensors` into `module`, by name, or raise CheckpointError naming what is wrong.
 
     name_map: checkpoint tensor name -> name in `module.state_dict()`. It must cover the module's whole state
       (parameters and persistent buffers); the checkpoint must hold every key of the map.
-    stored_dtype: the dtype every mapped tensor must have in the file (bf16 for the model, fp32 for the codec);
-      None skips the dtype check. Values are converted to the module's own dtype on copy.
+    stored_dtypes: the dtypes a mapped tensor may have in the file; None skips the dtype check. Values are
+      converted to the module's own dtype on copy.
     ignore: checkpoint names that may be present and are deliberately not loaded (e.g. the codec's encoder).
     """
     source = tensors if isinstance(tensors, SafetensorsFile) else _InMemoryTensors(tensors)
@@ -108,8 +114,9 @@ def load_tensors_strict(
         got = source.shape(name)
         if got != want:
             problems.append(f"tensor {name!r} has shape {list(got)}, expected {list(want)}")
-        if stored_dtype is not None and source.dtype(name) != stored_dtype:
-            problems.append(f"tensor {name!r} has dtype {source.dtype(name)}, expected {stored_dtype}")
+        if stored_dtypes is not None and source.dtype(name) not in stored_dtypes:
+            expected = ", ".join(str(d) for d in stored_dtypes)
+            problems.append(f"tensor {name!r} has dtype {source.dtype(name)}, expected one of {expected}")
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -166,7 +173,8 @@ def check_model_folder(folder: str | Path) -> Path:
 def load_model_weights(
     folder: str | Path, cfg, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
 ) -> ModelWeights:
-    """Talker and code predictor from `<folder>/model.safetensors` (stored bf16), cast to `dtype` on `device`."""
+    """Talker and code predictor from `<folder>/model.safetensors` (bf16, fp16 or fp32), cast to `dtype` on
+    `device`."""
     path = Path(folder) / MODEL_FILE
     if cfg.tts_model_type == "base":
         raise CheckpointError(f"{path}: Base (voice clone) checkpoints are not supported; use CustomVoice or "
@@ -174,12 +182,12 @@ def load_model_weights(
     with torch.device("meta"):
         weights = ModelWeights(cfg)
     weights = weights.to_empty(device=device).to(dtype)
-    load_tensors_strict(weights, SafetensorsFile(path), path, model_name_map(weights), stored_dtype=torch.bfloat16)
+    load_tensors_strict(weights, SafetensorsFile(path), path, model_name_map(weights))
     return weights.eval()
 
 
 def load_codec_decoder(folder: str | Path, device: torch.device | str = "cpu"):
-    """The 12 Hz codec decoder of a checkpoint, in float32 as stored.
+    """The 12 Hz codec decoder of a checkpoint, in float32 (the file's bf16 or fp16 is cast up).
 
     folder: the model folder (holding `speech_tokenizer/`) or the speech tokenizer folder itself. The Mimi encoder
     and the RVQ input projections in the file are recognised and skipped (`is_ignored_codec_tensor`).
@@ -195,5 +203,5 @@ def load_codec_decoder(folder: str | Path, device: torch.device | str = "cpu"):
     decoder = CodecDecoder(CodecDecoderConfig.from_json(config_path))
     weights = tokenizer_dir / "model.safetensors"
     load_tensors_strict(decoder, SafetensorsFile(weights), weights, codec_checkpoint_name_map(decoder),
-                        stored_dtype=torch.float32, ignore=is_ignored_codec_tensor)
+                        ignore=is_ignored_codec_tensor)
     return decoder.to(device).eval()
