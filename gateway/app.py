@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from tts_backend.base import Synthesizer
+from tts_backend.base import Synthesizer, UnknownVoiceError
 from tts_backend.registry import create_backend
 
 from .auth import AuthError, Authenticator, api_key_authenticator, authorization_scheme
@@ -58,16 +58,38 @@ class Gateway:
     started_at: float = field(default_factory=time.time)
     draining: bool = False  # set while shutting down (issue 5): /ready says no, new sessions are refused
     backend_error: BaseException | None = None
+    store_error: BaseException | None = None  # the session store could not start (Redis unreachable)
     sessions: set[StreamingSession] = field(default_factory=set)
 
     @property
     def ready(self) -> bool:
         """The backend is loaded and warm, and the gateway is not shutting down."""
-        return self.backend.ready and self.backend_error is None and not self.draining
+        return self.backend.ready and self.failure is None and not self.draining
 
     @property
     def default_voice(self) -> str:
         return self.settings.voice or self.backend.default_voice
+
+    @property
+    def failure(self) -> str | None:
+        """Why this gateway will never serve (its store or backend failed to start), in one line; None
+        while it is starting or serving."""
+        if self.store_error is not None:
+            return f"the {self.settings.store} session store cannot start: {self.store_error}"
+        if self.backend_error is None:
+            return None
+        if isinstance(self.backend_error, UnknownVoiceError):
+            return str(self.backend_error)
+        return f"the {self.backend.name} backend failed to start: {self.backend_error}"
+
+    def check_default_voice(self) -> None:
+        """A --voice the started backend does not have fails start-up, rather than every session."""
+        voice = self.settings.voice
+        if voice is not None and not self.backend.has_voice(voice):
+            available = ", ".join(v.id for v in self.backend.voices())
+            self.backend_error = UnknownVoiceError(
+                f"unknown voice {voice!r} (--voice, VOXGATE_VOICE); the {self.backend.name} backend has: {available}"
+            )
 
 
 async def _refuse(websocket: WebSocket, error: ProtocolError, metrics: GatewayMetrics) -> None:
@@ -113,7 +135,13 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await gateway.store.start()
+        try:
+            await gateway.store.start()
+        except Exception as exc:  # noqa: BLE001 - reported in one line (/health, voxgate serve's exit), not a traceback
+            gateway.store_error = exc
+            log.error("%s", gateway.failure)
+            yield
+            return
         await gateway.admission.start()
         # The backend loads in the background: /health answers at once, /ready once it is warm.
         starting = asyncio.create_task(gateway.backend.start(), name="backend-start")
@@ -123,7 +151,10 @@ def create_app(
                 return
             if task.exception() is not None:
                 gateway.backend_error = task.exception()
-                log.error("the %s backend failed to start: %r", gateway.backend.name, gateway.backend_error)
+            else:
+                gateway.check_default_voice()
+            if gateway.backend_error is not None:
+                log.error("%s", gateway.failure)
             elif freeze_gc_when_ready:
                 # A full collection scans every tracked object; with the model, torch and the tokenizer
                 # loaded that is millions, and each pause stops the event loop (and an in-process engine
@@ -179,7 +210,8 @@ def create_app(
             return
         await websocket.accept()
         if not gateway.ready:
-            reason = "the gateway is shutting down" if gateway.draining else "the speech backend is not ready"
+            reason = ("the gateway is shutting down" if gateway.draining
+                      else gateway.failure or "the speech backend is not ready")
             await _refuse(
                 websocket,
                 ProtocolError(ErrorCode.overloaded, f"{reason}; retry shortly", close=CloseCode.try_again_later),

@@ -6,13 +6,20 @@ Flags override environment variables (VOXGATE_*), which override the defaults in
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import json
+import socket
 import sys
 from typing import Any
 
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
+from tts_backend.base import SynthesisError
+
 from .limits import abortable_ws_protocol, header_timeout_protocol
-from .settings import GatewaySettings
+from .settings import GatewaySettings, settings_error_line
 
 WS_FRAME_MARGIN = 64 * 1024  # the transport accepts a little more than the largest message we answer
 
@@ -74,12 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--sessions-per-minute", type=int, help="new sessions per API key per minute (0 = unlimited)")
     serve.add_argument("--chars-per-minute", type=int, help="characters per API key per minute (0 = unlimited)")
     serve.add_argument("--store", choices=["memory", "redis"], help="session store")
-    serve.add_argument("--redis-url", help="Redis URL for --store redis")
+    serve.add_argument("--redis-url", help="Redis URL; given alone it selects --store redis")
     serve.add_argument("--redis-key-prefix", help="prefix of every Redis key (default voxgate:)")
     serve.add_argument("--session-ttl", dest="session_ttl_s", type=float, help="seconds a disconnected session stays resumable")
     serve.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds open utterances get on SIGTERM")
     serve.add_argument("--log-level", help="debug, info, warning, error")
-    serve.add_argument("--log-format", choices=["json", "text"], help="json (default): one object per line")
+    serve.add_argument("--log-format", choices=["auto", "json", "text"],
+                       help="auto (default): text on a terminal, else json (one object per line)")
 
     commands.add_parser("worker", help="run a synthesis worker (see `voxgate worker --help`)", add_help=False)
     return parser
@@ -136,16 +144,40 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound here rather than by uvicorn so that a port in use is one plain line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT sockets
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"voxgate: port {port} on {host} is already in use (another voxgate serve?);"
+                             " stop that process or pick another port with --port") from None
+        raise SystemExit(f"voxgate: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(settings: GatewaySettings) -> None:
+    """Run the gateway until SIGTERM/SIGINT. Anything that keeps it from serving - a backend that cannot
+    be built or fails to start, an unknown --voice, a port in use - ends the process with a non-zero exit
+    and one line on stderr, so a supervisor restarts it and a person sees why."""
     import uvicorn
 
     from .app import create_app
     from .drain import CLOSE_GRACE_S, DrainingServer
-
     from .logs import log_config
 
     check_binding(settings)
-    app = create_app(settings, freeze_gc_when_ready=True)
+    try:
+        app = create_app(settings, freeze_gc_when_ready=True)
+    except (SynthesisError, ValueError) as exc:  # the backend cannot even be built (options, missing torch)
+        raise SystemExit(f"voxgate: {exc}") from None
+    gateway = app.state.gateway
+    sock = listening_socket(settings.host, settings.port)
     # timeout_graceful_shutdown: after the drain, uvicorn waits for leftover connections this long at most.
     config = uvicorn.Config(
         app,
@@ -153,7 +185,9 @@ def serve(settings: GatewaySettings) -> None:
         timeout_graceful_shutdown=CLOSE_GRACE_S,
         **uvicorn_options(settings),
     )
-    DrainingServer(config, app.state.gateway, settings.drain_timeout_s).run()
+    DrainingServer(config, gateway, settings.drain_timeout_s).run(sockets=[sock])
+    if gateway.failure is not None:
+        raise SystemExit(f"voxgate: {gateway.failure}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
-    serve(settings_from_args(args))
+    try:
+        settings = settings_from_args(args)
+    except (ValidationError, SettingsError) as exc:
+        raise SystemExit(f"voxgate: {settings_error_line(exc)}") from None
+    serve(settings)
     return 0
 
 

@@ -18,6 +18,8 @@ from types import FrameType
 
 import uvicorn
 
+from .web import web_root
+
 log = logging.getLogger("voxgate")
 
 CLOSE_GRACE_S = 5.0  # after handing sessions over, how long their sockets may take to close
@@ -42,8 +44,18 @@ async def drain(gateway, timeout_s: float, poll_s: float = 0.05) -> None:
     log.info("drain finished: %d session(s) handed over, %d left", len(handing), len(gateway.sessions))
 
 
+def startup_line(host: str, port: int, backend: str) -> str:
+    """Where a person points a browser: the page's URL first (a wildcard host is reached on loopback here)."""
+    local = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
+    base = f"http://{local}:{port}"
+    page = f"open {base}/ for the web demo" if web_root() is not None else "no web demo in this install"
+    return (f"Voxgate is up: {page}; WebSocket ws://{local}:{port}/v1/audio/speech/stream; "
+            f"OpenAI-style HTTP {base}/v1; backend {backend} (ready when {base}/ready answers 200)")
+
+
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM drains the gateway before uvicorn's shutdown starts.
+    """uvicorn, but the first SIGTERM drains the gateway before uvicorn's shutdown starts, and a backend
+    that fails to start stops the server (`voxgate serve` then exits non-zero).
 
     The signal handler only sets a flag, which a task started with the server polls - the way uvicorn
     itself polls `should_exit` - so nothing is scheduled from inside a signal handler."""
@@ -55,6 +67,12 @@ class DrainingServer(uvicorn.Server):
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
         self._drain_requested = False
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            port = sockets[0].getsockname()[1] if sockets else self.config.port
+            log.info("%s", startup_line(self.config.host, port, self.gateway.settings.backend))
 
     async def serve(self, sockets=None) -> None:
         watcher = asyncio.create_task(self._drain_when_asked(), name="drain-on-sigterm")
@@ -72,6 +90,9 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_when_asked(self) -> None:
         while not self._drain_requested:
+            if self.gateway.failure is not None:  # nothing to drain: no session was ever admitted
+                self.should_exit = True
+                return
             await asyncio.sleep(self.POLL_S)
         try:
             await drain(self.gateway, self.drain_timeout_s)

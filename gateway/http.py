@@ -198,7 +198,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     settings, backend = gateway.settings, gateway.backend
     gateway.metrics.http_requests_total.labels("sse" if body.sse else "audio").inc()
     if not gateway.ready:
-        raise ApiError(ErrorCode.overloaded, "the speech backend is not ready; retry shortly", retry_after="5")
+        reason = gateway.failure or "the speech backend is not ready"
+        raise ApiError(ErrorCode.overloaded, f"{reason}; retry shortly", retry_after="5")
     if not body.input.strip():
         raise ApiError(ErrorCode.invalid_message, "input must contain text", param="input")
     if len(body.input) > settings.max_http_input_chars:
@@ -367,11 +368,16 @@ async def mint_token(request: Request, body: TokenRequest | None = None,
 @router.get("/v1/audio/voices")
 async def list_voices(request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
     gateway = gateway_of(request)
-    voices = gateway.backend.voices()
+    try:  # a backend still loading (or failed) may not know its voices yet: an empty list, not a 500
+        voices = gateway.backend.voices()
+        default = gateway.default_voice if voices else None
+    except Exception:  # noqa: BLE001 - the catalogue must answer whatever state the backend is in
+        log.warning("the %s backend cannot list its voices", gateway.backend.name, exc_info=True)
+        voices, default = [], None
     return {
         "object": "list",
         "voices": [v.id for v in voices],
-        "default": gateway.default_voice,
+        "default": default,
         "data": [
             {"id": v.id, "object": "voice", "name": v.name, "language": v.language, "description": v.description}
             for v in voices
@@ -397,8 +403,13 @@ async def list_models(request: Request, principal: Principal = Depends(require_a
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 unless the store or the backend failed to start (`voxgate serve` then exits; an app
+    embedding the gateway may not)."""
+    failure = gateway_of(request).failure
+    if failure is not None:
+        return JSONResponse({"status": "failed", "error": failure}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/ready")
@@ -410,8 +421,8 @@ async def ready(request: Request) -> JSONResponse:
                             "draining": gateway.draining}
     if store_problem is not None:
         body["store"] = store_problem
-    if gateway.backend_error is not None:
-        body.update(status="failed", error=f"the backend failed to start: {gateway.backend_error}")
+    if gateway.failure is not None:
+        body.update(status="failed", error=gateway.failure)
     return JSONResponse(body, status_code=200 if is_ready else 503)
 
 

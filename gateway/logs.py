@@ -12,14 +12,17 @@ import contextvars
 import json
 import logging
 import re
+import sys
 import time
 from typing import Any
 
 session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("voxgate_session_id", default=None)
 
 _SECRETS = re.compile(r"(?i)((?:api_key|token)=)[^&\s\"']+|(bearer\s+)[^\s\"']+")
-# LogRecord attributes that are not user-supplied `extra` fields.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+# LogRecord attributes that are not user-supplied `extra` fields; uvicorn's `color_message` (the message with
+# terminal colour codes) is for terminals, not for a JSON line.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName", "color_message"}
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def redact(text: str) -> str:
@@ -38,7 +41,7 @@ class JsonFormatter(logging.Formatter):
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": redact(record.getMessage()),
+            "message": _ANSI_ESCAPE.sub("", redact(record.getMessage())),
         }
         session_id = getattr(record, "session_id", None) or session_id_var.get()
         if session_id:
@@ -58,8 +61,16 @@ class RedactingFormatter(logging.Formatter):
         return redact(super().format(record))
 
 
-def log_config(level: str, fmt: str = "json") -> dict[str, Any]:
+def resolve_format(fmt: str) -> str:
+    """`auto`: text for a person at a terminal, JSON for a collector reading a pipe or file."""
+    if fmt == "auto":
+        return "text" if sys.stderr.isatty() else "json"
+    return fmt
+
+
+def log_config(level: str, fmt: str = "auto") -> dict[str, Any]:
     """A logging.config dict for uvicorn's `log_config`: the gateway's and uvicorn's loggers, one format."""
+    fmt = resolve_format(fmt)
     formatter = (
         {"()": "gateway.logs.JsonFormatter"}
         if fmt == "json"

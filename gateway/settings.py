@@ -6,10 +6,11 @@ Values come from (highest priority first) `voxgate serve` flags, environment var
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Any, Literal, get_origin
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -59,7 +60,7 @@ class GatewaySettings(BaseSettings):
 
     # --- session store (resume, issue 5)
     store: Literal["memory", "redis"] = Field("memory", description="where session state lives")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for store=redis")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for store=redis; set alone, it selects store=redis")
     session_ttl_s: float = Field(120.0, description="keep a disconnected session this long for session.resume")
     replay_log_bytes: int = Field(4 * MIB, description="recent audio kept per session for replay on resume")
     replay_log_s: float = Field(300.0, description="oldest audio kept in the replay log, in seconds")
@@ -107,4 +108,36 @@ class GatewaySettings(BaseSettings):
     )
 
     # --- logs
-    log_format: Literal["json", "text"] = Field("json", description="json: one object per line; text: plain")
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto", description="json: one object per line; text: for people; auto: text on a terminal, else json"
+    )
+
+    @model_validator(mode="after")
+    def _redis_url_selects_redis(self) -> GatewaySettings:
+        """A Redis URL given without a store means the Redis store, rather than a URL silently unused."""
+        if "redis_url" in self.model_fields_set and "store" not in self.model_fields_set:
+            self.store = "redis"
+        return self
+
+
+def settings_error_line(error: ValidationError | SettingsError) -> str:
+    """One line for a person about settings that cannot be used: which variable, what it needs. Values are
+    not repeated (they may be API keys)."""
+    if isinstance(error, SettingsError):  # a list or dict variable that is not JSON
+        match = re.search(r'field "(\w+)"', str(error))
+        fields = [match.group(1)] if match else []
+        problems = [" is not valid JSON"] if match else [str(error)]
+    else:
+        fields = [str(e["loc"][0]) if e["loc"] else "" for e in error.errors()]
+        problems = [": " + e["msg"][:1].lower() + e["msg"][1:] for e in error.errors()]
+    parts = []
+    for field, problem in zip(fields, problems):
+        info = GatewaySettings.model_fields.get(field)
+        if info is None:
+            parts.append(problem)
+            continue
+        kind = {list: ("a JSON list", '["a", "b"]'), dict: ("a JSON object", '{"name": "value"}')}.get(
+            get_origin(info.annotation) or info.annotation)
+        hint = f"; it takes {kind[0]}, e.g. VOXGATE_{field.upper()}='{kind[1]}'" if kind else ""
+        parts.append(f"VOXGATE_{field.upper()}{problem}{hint}")
+    return "invalid settings: " + "; ".join(parts or [str(error)])

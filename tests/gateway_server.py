@@ -122,8 +122,7 @@ def running_gateway(
     def startup_failure() -> str | None:
         if not thread.is_alive():
             return "the gateway server thread exited during startup"
-        error = app.state.gateway.backend_error
-        return None if error is None else f"the backend failed to start: {error!r}"
+        return app.state.gateway.failure
 
     try:
         wait_until_ready(url, ready_timeout_s, startup_failure, ready_path)

@@ -8,6 +8,7 @@ that (and a warm-up request) are done.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -71,6 +72,9 @@ class Qwen3Synthesizer(Synthesizer):
     ) -> None:
         if not model:
             raise SynthesisError("the qwen3 backend needs --model PATH (a Qwen3-TTS checkpoint folder)")
+        if importlib.util.find_spec("torch") is None:
+            raise SynthesisError("the qwen3 backend needs torch, which is not installed: pip install -e '.[qwen3]'"
+                                 " (on a GPU host, install the CUDA build of torch first)")
         self.model_path = model
         self.device = device
         self.dtype = dtype
