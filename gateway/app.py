@@ -22,6 +22,7 @@ from tts_backend.base import Synthesizer, UnknownVoiceError
 from tts_backend.registry import create_backend
 
 from .auth import AuthError, Authenticator, api_key_authenticator, authorization_scheme
+from .compat import resolve_voice
 from .http import ApiError, router
 from .limits import Admission
 from .metrics import GatewayMetrics
@@ -84,12 +85,12 @@ class Gateway:
 
     def check_default_voice(self) -> None:
         """A --voice the started backend does not have fails start-up, rather than every session."""
-        voice = self.settings.voice
-        if voice is not None and not self.backend.has_voice(voice):
-            available = ", ".join(v.id for v in self.backend.voices())
-            self.backend_error = UnknownVoiceError(
-                f"unknown voice {voice!r} (--voice, VOXGATE_VOICE); the {self.backend.name} backend has: {available}"
-            )
+        if self.settings.voice is None:
+            return
+        try:
+            resolve_voice(self.backend, self.settings, None)
+        except ProtocolError as unknown:
+            self.backend_error = UnknownVoiceError(f"--voice / VOXGATE_VOICE: {unknown}")
 
 
 async def _refuse(websocket: WebSocket, error: ProtocolError, metrics: GatewayMetrics) -> None:

@@ -57,7 +57,7 @@ def test_a_backend_that_fails_at_start_up_stops_the_server():
 
 def test_an_unknown_voice_stops_the_server():
     result = run_serve("--port", str(free_port()), "--backend", "synthetic", "--voice", "no-such-voice")
-    assert_one_clear_line(result, "unknown voice 'no-such-voice'", "tone-mid")
+    assert_one_clear_line(result, "--voice", "'no-such-voice'", "tone-mid")
 
 
 def test_qwen3_without_a_model_is_one_line():
