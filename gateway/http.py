@@ -185,8 +185,8 @@ async def pipelined_synthesis(
             await producer
 
 
-async def _sentences(text: str, language: str) -> list[str]:
-    segmenter = SentenceSegmenter("sentence", language=language)
+async def _sentences(text: str, language: str, max_chars: int) -> list[str]:
+    segmenter = SentenceSegmenter("sentence", language=language, max_unit_chars=max_chars)
     units = await push_in_slices(segmenter, text) + segmenter.flush()
     return [u for u in units if u.strip()]
 
@@ -256,7 +256,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             request_id=f"{request_id}/{i}",
             extra=extra,
         )
-        for i, text in enumerate(await _sentences(body.input, body.language))
+        for i, text in enumerate(await _sentences(body.input, body.language, settings.max_synthesis_chars))
     ]
     metrics = gateway.metrics
     stream_fmt = "pcm" if fmt == "wav" else fmt

@@ -17,6 +17,11 @@ moment each is certainly complete, never later:
   CJK character is a syllable or more). Shorter clauses stay with what follows, so the voice is never
   asked to speak two words on their own.
 - ``none`` releases text only on ``flush()``.
+- No unit is longer than ``max_unit_chars`` (``MAX_UNIT_CHARS`` by default; the gateway passes its
+  ``max_synthesis_chars``): each unit is one synthesis call, and a backend's cost and memory grow with it.
+  A unit that grows that long without a boundary is cut at its last clause mark, else at its last
+  whitespace; flushed text over the limit is cut into pieces after the last sentence end that fits, else
+  the last clause mark, else the last whitespace. Only a single word longer than the limit is cut inside.
 
 Units keep their text exactly; only the whitespace between units is dropped, and whitespace-only units
 are never emitted. pysbd only ever sees the unreleased tail (at most ``PYSBD_WINDOW`` characters of it,
@@ -54,8 +59,9 @@ CJK_CLAUSE_MIN_CHARS = 12
 # pysbd's decisions are local (a few words either side, plus quote/bracket pairing within the sentence);
 # a sentence longer than this is judged on its last PYSBD_WINDOW characters only.
 PYSBD_WINDOW = 200
-# A unit that grows this long without a boundary is cut at its last clause mark, else its last
-# whitespace, else right there: it bounds both the latency of run-on text and the cost of judging it.
+# The default longest unit: a unit that grows this long without a boundary is cut at its last clause mark,
+# else its last whitespace, else right there. It bounds the latency of run-on text, the cost of judging it
+# and the size of one synthesis call.
 MAX_UNIT_CHARS = 500
 # push_in_slices examines text for at most this long before it lets the event loop run again.
 SLICE_S = 0.005
@@ -90,10 +96,14 @@ def pysbd_language(language: str | None) -> str:
 class SentenceSegmenter:
     """Turns a stream of text pieces into speakable units. One instance per utterance (or context)."""
 
-    def __init__(self, granularity: Granularity = "sentence", language: str = "en") -> None:
+    def __init__(self, granularity: Granularity = "sentence", language: str = "en",
+                 max_unit_chars: int = MAX_UNIT_CHARS) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, not {granularity!r}")
+        if max_unit_chars < 1:
+            raise ValueError(f"max_unit_chars must be positive, not {max_unit_chars}")
         self.granularity = granularity
+        self.max_unit_chars = max_unit_chars
         self.language = pysbd_language(language)
         self._pysbd = pysbd.Segmenter(language=self.language, clean=False)
         self._tail = ""  # text not yet released; never starts with whitespace
@@ -151,7 +161,7 @@ class SentenceSegmenter:
                 break
             examined += 1
             cut = self._examine(tail, i)
-            if cut is None and i + 1 >= MAX_UNIT_CHARS:
+            if cut is None and i + 1 >= self.max_unit_chars:
                 cut = _forced_cut(tail[: i + 1])
             if cut is None:
                 i += 1
@@ -169,11 +179,12 @@ class SentenceSegmenter:
         return released
 
     def flush(self) -> list[str]:
-        """Release everything buffered as one unit; the utterance may continue afterwards."""
+        """Release everything buffered: one unit, or several if it is longer than max_unit_chars. The
+        utterance may continue afterwards."""
         unit = self._tail.strip()
         self._tail = ""
         self._reset_scan()
-        return [unit] if unit else []
+        return split_to_fit(unit, self.max_unit_chars) if unit else []
 
     # -- decisions -------------------------------------------------------------------------------------
 
@@ -267,6 +278,35 @@ def _forced_cut(unit: str) -> tuple[int, int]:
     if last_space > 0:
         return last_space, last_space
     return len(unit), len(unit)
+
+
+_CLOSERS = re.escape(CLOSING_QUOTES)
+# Where a piece of flushed text may end: after a sentence's end, after a clause mark, after a word.
+_SENTENCE_END = re.compile(f"[{re.escape(''.join(sorted(SENTENCE_TERMINATORS)))}][{_CLOSERS}]*(?=\\s)"
+                           f"|[{''.join(sorted(CJK_TERMINATORS))}][{_CLOSERS}]*")
+_CLAUSE_END = re.compile(f"[{re.escape(''.join(sorted(CLAUSE_MARKS | DASHES)))}][{_CLOSERS}]*(?=\\s)"
+                         f"|[{''.join(sorted(CJK_CLAUSE_MARKS))}]")
+_WORD_END = re.compile(r"\S(?=\s)")
+
+
+def split_to_fit(text: str, limit: int) -> list[str]:
+    """`text` (stripped) in pieces of at most `limit` characters, in order, whitespace between them dropped:
+    each cut after the last sentence end that fits, else the last clause mark, else the last word; only a
+    word longer than `limit` is cut inside. Linear in the text."""
+    pieces = []
+    while len(text) > limit:
+        window = text[: limit + 1]  # whitespace just past the limit lets a piece end exactly at it
+        end = limit
+        for boundary in (_SENTENCE_END, _CLAUSE_END, _WORD_END):
+            ends = [m.end() for m in boundary.finditer(window) if m.end() <= limit]
+            if ends:
+                end = ends[-1]
+                break
+        pieces.append(text[:end].rstrip())
+        text = text[end:].lstrip()
+    if text:
+        pieces.append(text)
+    return pieces
 
 
 def _is_list_marker(tail: str, token_start: int, token_end: int, next_start: int) -> bool:

@@ -529,10 +529,17 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             utterance = Utterance(
                 context_id=context_id,
                 number=self._utterance_count,
-                segmenter=SentenceSegmenter(self.config.message.split_granularity, language=self.config.message.language),
+                segmenter=self._new_segmenter(),
             )
             self._open[context_id] = utterance
         return utterance
+
+    def _new_segmenter(self) -> SentenceSegmenter:
+        """The segmenter of a new utterance: the session's granularity and language, and units no longer
+        than one synthesis call may be."""
+        assert self.config is not None
+        return SentenceSegmenter(self.config.message.split_granularity, language=self.config.message.language,
+                                 max_unit_chars=self.settings.max_synthesis_chars)
 
     def _buffered_chars(self) -> int:
         return self._pending_chars + sum(u.segmenter.buffered_chars for u in self._open.values())

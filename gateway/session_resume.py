@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from .protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
-from .segmenter import SentenceSegmenter, push_in_slices
+from .segmenter import push_in_slices
 from .session_state import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
 from .store import MarkerRecord, ReplayOutOfRange, SessionRecord, replay_owed
 
@@ -102,10 +102,7 @@ class SessionResumer:
 
         def utterance(number: int, context_id: str | None) -> Utterance:
             if number not in utterances:
-                utterances[number] = Utterance(
-                    context_id, number,
-                    SentenceSegmenter(self.config.message.split_granularity, language=self.config.message.language),
-                )
+                utterances[number] = Utterance(context_id, number, self._new_segmenter())
             return utterances[number]
 
         for sentence in sentences:

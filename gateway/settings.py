@@ -48,6 +48,10 @@ class GatewaySettings(BaseSettings):
     max_message_bytes: int = Field(128 * KIB, description="largest message other than session.config")
     max_buffered_chars: int = Field(100_000, description="text accepted but not yet spoken, per session")
     max_http_input_chars: int = Field(100_000, description="largest `input` of POST /v1/audio/speech")
+    max_synthesis_chars: int = Field(
+        300, ge=16, description="longest text of one synthesis call; longer text is split at a sentence end, clause mark"
+        " or word (WebSocket, every granularity, and HTTP). Piper's memory grows with it: up to ~1.3 MB per character"
+    )
 
     # --- streaming behaviour
     lookahead_sentences: int = Field(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -112,3 +113,123 @@ async def test_a_slow_to_split_http_input_does_not_stall_other_sessions():
         seen.assert_responsive()
     assert response.status_code == 200 and response.content
     assert spoken_words(backend) == SLOW_TO_SPLIT.split()
+
+
+# ------------------------------------------------------------------------------ bounded synthesis units
+
+CAP = 120
+LONG_WORD = "Pneumono" + "x" * 250  # one word over the cap: the only place a cut may fall inside a word
+# Run-on text: no sentence ends, a clause mark now and then, and one over-long word.
+RUN_ON = " ".join(f"word{i}," if i % 9 == 8 else f"word{i}" for i in range(300)) + f" {LONG_WORD} and the end. Done."
+WORDS = set(RUN_ON.split())
+
+
+def assert_bounded_and_whole(texts: list[str], source: str) -> None:
+    """Every text sent to the backend fits the cap; together they are the source, cut only between words
+    (or inside the one word longer than the cap)."""
+    assert texts and max(len(t) for t in texts) <= CAP, max(len(t) for t in texts)
+    assert "".join("".join(t.split()) for t in texts) == "".join(source.split())
+    assert all(word in WORDS for t in texts if "xx" not in t for word in t.split())
+
+
+async def test_every_synthesis_call_fits_the_cap_websocket_every_granularity():
+    backend = RecordingBackend(SyntheticSynthesizer(chars_per_second=2000))
+    half = RUN_ON.index(" ", len(RUN_ON) // 2)  # flushed between two words
+    with running_gateway(backend, max_synthesis_chars=CAP) as server:
+        for granularity in ("none", "sentence", "clause"):
+            first = len(backend.records)
+            async with websockets.connect(server.ws_url, max_size=None) as ws:
+                await ws.send(json.dumps({**CONFIG, "split_granularity": granularity}))
+                await receive_until(ws, "session.started")
+                await ws.send(json.dumps({"type": "input.text", "text": RUN_ON[:half]}))
+                await ws.send(json.dumps({"type": "input.flush"}))
+                await ws.send(json.dumps({"type": "input.text", "text": RUN_ON[half:]}))
+                await ws.send(json.dumps({"type": "input.done"}))
+                messages = await receive_until(ws, "session.done", timeout=60)
+            assert not [m for m in messages if isinstance(m, dict) and m["type"] == "error"]
+            texts = [r.text for r in backend.records[first:]]
+            assert [m["sentence_text"] for m in messages if isinstance(m, dict) and m["type"] == "audio.start"] == texts
+            assert_bounded_and_whole(texts, RUN_ON)
+
+
+async def test_every_synthesis_call_fits_the_cap_http_every_format():
+    backend = RecordingBackend(SyntheticSynthesizer(chars_per_second=2000))
+    with running_gateway(backend, max_synthesis_chars=CAP) as server:
+        async with httpx.AsyncClient(timeout=60) as client:
+            for extra in ({"response_format": "wav"}, {"response_format": "pcm"}, {"stream_format": "sse"}):
+                first = len(backend.records)
+                response = await client.post(server.url + "/v1/audio/speech",
+                                             json={"input": RUN_ON, "voice": "tone-mid", **extra})
+                assert response.status_code == 200 and response.content
+                assert_bounded_and_whole([r.text for r in backend.records[first:]], RUN_ON)
+
+
+class PeakRss:
+    """This process's resident memory (the gateway runs in it), sampled every 10 ms from /proc in a thread:
+    the peak growth over the baseline at entry; `exceeded` is set as soon as the growth passes `limit_mb`."""
+
+    def __init__(self, limit_mb: float) -> None:
+        self.limit_mb = limit_mb
+        self.exceeded = asyncio.Event()
+        self.growth_mb = 0.0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss_mb() -> float:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS in /proc/self/status")
+
+    def _sample(self, loop: asyncio.AbstractEventLoop, baseline: float) -> None:
+        while not self._stop.wait(0.01):
+            self.growth_mb = max(self.growth_mb, self.rss_mb() - baseline)
+            if self.growth_mb > self.limit_mb:
+                loop.call_soon_threadsafe(self.exceeded.set)
+                return
+
+    async def __aenter__(self) -> "PeakRss":
+        self._thread = threading.Thread(
+            target=self._sample, args=(asyncio.get_running_loop(), self.rss_mb()), name="rss", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def first_of(*aws):
+    """Wait for the first of several awaitables; cancel the rest. Returns the finished task."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return done.pop()
+
+
+async def test_piper_gets_bounded_pieces_of_a_huge_flush():
+    # 100k characters of run-on words with split_granularity none, then input.flush: Piper used to get all
+    # of it in one call, +570 MB of RSS here in two seconds, and no audio for minutes. Now each call is at
+    # most 100 characters (about +60 MB for Piper); the limit leaves room for the allocator's arenas.
+    text = "word " * 20_000
+    with running_gateway("piper", max_synthesis_chars=100) as server:
+        async with websockets.connect(server.ws_url, max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.config", "stream_audio": True, "split_granularity": "none"}))
+            await receive_until(ws, "session.started")
+            async with PeakRss(limit_mb=300) as rss:
+                await ws.send(json.dumps({"type": "input.text", "text": text}))
+                await ws.send(json.dumps({"type": "input.flush"}))
+
+                async def four_pieces_spoken() -> list:
+                    return [await receive_until(ws, "audio.done", timeout=120) for _ in range(4)]
+
+                finished = await first_of(four_pieces_spoken(), rss.exceeded.wait())
+                assert not rss.exceeded.is_set(), f"RSS grew by {rss.growth_mb:.0f} MB"
+            spoken = [m for piece in finished.result() for m in piece if isinstance(m, dict)]
+    starts = [m for m in spoken if m["type"] == "audio.start"]
+    assert len(starts) == 4 and all(len(m["sentence_text"]) <= 100 for m in starts)
+    assert all(m["total_bytes"] > 0 and not m["error"] for m in spoken if m["type"] == "audio.done")

@@ -177,6 +177,15 @@ def test_run_on_text_is_cut_at_a_clause_mark() -> None:
     assert_lossless(text, units)
 
 
+def test_a_long_flush_is_cut_after_a_sentence_end_else_a_clause_else_a_word() -> None:
+    segmenter = SentenceSegmenter("none", max_unit_chars=20)
+    segmenter.push("One two. Three four, five six seven eight nine ten Supercalifragilistic")
+    assert segmenter.flush() == ["One two.", "Three four,", "five six seven eight", "nine ten", "Supercalifragilistic"]
+    segmenter.push("x" * 45)
+    assert segmenter.flush() == ["x" * 20, "x" * 20, "x" * 5]  # a word longer than the limit: cut inside
+    assert segmenter_module.split_to_fit("你好。再见！好的，是的", 5) == ["你好。", "再见！", "好的，是的"]
+
+
 def test_flush_releases_the_tail_and_the_utterance_continues() -> None:
     segmenter = SentenceSegmenter()
     assert segmenter.push("Hello there.") == []
