@@ -164,6 +164,20 @@ def config_message(**overrides: Any) -> str:
     return json.dumps({"type": "session.config", "voice": VOICE, "response_format": "pcm", "stream_audio": True, **overrides})
 
 
+async def start_session(ws, listener: Listener, text: str, *, done: bool = True) -> None:
+    await ws.send(config_message())
+    await listener.receive(ws, "session.started")
+    await ws.send(json.dumps({"type": "input.text", "text": text}))
+    if done:
+        await ws.send(json.dumps({"type": "input.done"}))
+
+
+async def receive_into_sentence(ws, listener: Listener, index: int, min_bytes: int = 4 * 1920) -> None:
+    """Until `min_bytes` of sentence `index` arrived (mid-sentence)."""
+    while not (listener.open_sentence == index and len(listener.audio[index]) >= min_bytes):
+        listener.feed(await asyncio.wait_for(ws.recv(), 30))
+
+
 async def uninterrupted_pcm(ws_url: str, text: str) -> bytes:
     """The reference: the same text on one connection that nobody interrupts."""
     listener = Listener()

@@ -5,14 +5,21 @@ for byte."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 import websockets
 
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
-from tests.resume_fixtures import PACED, Listener, config_message, gateways, uninterrupted_pcm
+from tests.resume_fixtures import (
+    PACED,
+    Listener,
+    config_message,
+    gateways,
+    receive_into_sentence,
+    start_session,
+    uninterrupted_pcm,
+)
 
 TEXT = (
     "The first sentence is spoken without any trouble at all. "
@@ -20,20 +27,6 @@ TEXT = (
     "A third sentence was probably synthesized ahead already. "
     "And the fourth one closes the turn."
 )
-
-
-async def start_session(ws, listener: Listener, text: str, *, done: bool = True) -> None:
-    await ws.send(config_message())
-    await listener.receive(ws, "session.started")
-    await ws.send(json.dumps({"type": "input.text", "text": text}))
-    if done:
-        await ws.send(json.dumps({"type": "input.done"}))
-
-
-async def receive_into_sentence(ws, listener: Listener, index: int, min_bytes: int = 4 * 1920) -> None:
-    """Until `min_bytes` of sentence `index` arrived (mid-sentence)."""
-    while not (listener.open_sentence == index and len(listener.audio[index]) >= min_bytes):
-        listener.feed(await asyncio.wait_for(ws.recv(), 30))
 
 
 async def resume(url: str, listener: Listener):

@@ -13,8 +13,8 @@ import websockets
 
 from tests.gateway_server import running_gateway
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
-from tests.resume_fixtures import PACED, Listener, config_message, gateways, uninterrupted_pcm
-from tests.test_resume_replicas import TEXT, receive_into_sentence, start_session
+from tests.resume_fixtures import PACED, Listener, gateways, receive_into_sentence, start_session, uninterrupted_pcm
+from tests.test_resume_replicas import TEXT
 
 KEY_A = "k-tenant-a-0123456789"
 KEY_B = "k-tenant-b-9876543210"

@@ -15,7 +15,7 @@ import websockets
 
 from tests.gateway_server import running_gateway
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
-from tests.resume_fixtures import Listener, config_message, uninterrupted_pcm
+from tests.resume_fixtures import Listener, config_message, start_session, uninterrupted_pcm
 
 # ~99 KB of short sentences: one input.text releases about 9,000 sentences.
 FLOOD_TEXT = "Go on now. " * 9000
@@ -69,9 +69,7 @@ async def test_a_pruned_session_resumes_byte_exact_where_its_log_reaches(store, 
         reference = await uninterrupted_pcm(server.ws_url, text)
         listener = Listener()
         async with websockets.connect(server.ws_url, max_size=None) as ws:
-            await ws.send(config_message())
-            await listener.receive(ws, "session.started")
-            await ws.send(json.dumps({"type": "input.text", "text": text}))
+            await start_session(ws, listener, text, done=False)
             await ws.send(json.dumps({"type": "input.flush"}))
             while listener.last_done < 11:
                 await listener.receive(ws, "audio.done")
@@ -145,10 +143,7 @@ async def test_a_resume_reads_only_the_part_of_the_log_it_replays(redis_prefix):
                              session_lease_s=60) as server:
             listener = Listener()
             async with websockets.connect(server.ws_url, max_size=None) as ws:
-                await ws.send(config_message())
-                await listener.receive(ws, "session.started")
-                await ws.send(json.dumps({"type": "input.text", "text": text}))
-                await ws.send(json.dumps({"type": "input.done"}))
+                await start_session(ws, listener, text)
                 await listener.receive(ws, "session.done")
             logged = sum(map(len, listener.audio.values()))
             assert logged > 3_000_000
