@@ -2,8 +2,10 @@
 
 `session_id_var` is set by a session once it has an id; asyncio tasks copy the context they are created
 in, so every line a session's reader, sender and synthesis tasks log carries it. Credentials never reach
-the output: `api_key=` / `token=` query values (uvicorn logs request paths) and bearer tokens are masked
-in every message. Text content is logged only at debug level (`text_for_log`).
+the output: the values of query parameters that authenticate (uvicorn logs request paths) and bearer
+tokens are masked in every message and field. A parameter's name is compared as the query parser reads it
+(percent-decoded, `+` as a space, any case), so `?api%5Fkey=` is masked as `?api_key=` is. Text content
+is logged only at debug level (`text_for_log`).
 """
 
 from __future__ import annotations
@@ -15,19 +17,33 @@ import re
 import sys
 import time
 from typing import Any
+from urllib.parse import unquote_plus
 
 session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("voxgate_session_id", default=None)
 
-_SECRETS = re.compile(r"(?i)((?:api_key|token)=)[^&\s\"']+|(bearer\s+)[^\s\"']+")
+CREDENTIAL_PARAMETERS = frozenset({"api_key", "token"})  # the query names gateway.auth reads a credential from
+# name=value: a name as it may stand in a query string (percent escapes included), the value up to the
+# next parameter or whitespace; plus bearer credentials.
+_PARAMETER = re.compile(r"([^\s?&=;\"'/]+)=([^&\s]*)")
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"']+")
 # LogRecord attributes that are not user-supplied `extra` fields; uvicorn's `color_message` (the message with
 # terminal colour codes) is for terminals, not for a JSON line.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName", "color_message"}
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
+def _mask_parameter(match: re.Match[str]) -> str:
+    name, value = match.group(1), match.group(2)
+    if value and unquote_plus(name).strip().lower() in CREDENTIAL_PARAMETERS:
+        return f"{name}=[redacted]"
+    return match.group(0)
+
+
 def redact(text: str) -> str:
     """Mask credentials in a log message."""
-    return _SECRETS.sub(lambda m: (m.group(1) or m.group(2)) + "[redacted]", text)
+    if "=" in text:
+        text = _PARAMETER.sub(_mask_parameter, text)
+    return _BEARER.sub(lambda m: m.group(1) + "[redacted]", text)
 
 
 def text_for_log(logger: logging.Logger, text: str) -> str:
@@ -41,14 +57,18 @@ class JsonFormatter(logging.Formatter):
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": _ANSI_ESCAPE.sub("", redact(record.getMessage())),
+            "message": redact(_ANSI_ESCAPE.sub("", record.getMessage())),
         }
         session_id = getattr(record, "session_id", None) or session_id_var.get()
         if session_id:
             entry["session_id"] = session_id
         for name, value in vars(record).items():
             if name not in _STANDARD and name not in entry:
-                entry[name] = value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+                if isinstance(value, str):
+                    value = redact(value)
+                elif not isinstance(value, (int, float, bool, type(None))):
+                    value = redact(repr(value))
+                entry[name] = value
         if record.exc_info:
             entry["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(entry, ensure_ascii=False)

@@ -68,3 +68,46 @@ async def test_serve_logs_json_lines_without_keys_or_text():
     session_lines = [e for e in entries if e.get("session_id") == session_id]
     assert {e["message"] for e in session_lines} >= {"session started", "session ended"}
     assert any("api_key=[redacted]" in e["message"] for e in entries)  # uvicorn's access line, masked
+
+
+def test_redaction_reads_names_as_the_query_parser_does():
+    assert redact("GET /v1/models?api%5Fkey=sk-1 HTTP/1.1") == "GET /v1/models?api%5Fkey=[redacted] HTTP/1.1"
+    assert redact("GET /x?a=1&t%6Fken=vxt1.a.b&b=2") == "GET /x?a=1&t%6Fken=[redacted]&b=2"
+    assert redact("GET /x?%61pi%5fkey=sk%2D1") == "GET /x?%61pi%5fkey=[redacted]"
+    assert redact("GET /x?API_KEY=sk-1") == "GET /x?API_KEY=[redacted]"
+    assert redact("GET /x?apikey=1&tokens=2") == "GET /x?apikey=1&tokens=2"  # names the gateway does not read
+
+
+async def test_percent_encoded_credential_names_never_reach_the_access_log():
+    """`?api%5Fkey=` and `?t%6Fken=` authenticate (the query parser decodes the name), so their values are
+    credentials too: masked in uvicorn's access lines, over HTTP and WebSocket."""
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--backend", "synthetic", "--port", str(port),
+         "--api-key", KEY, "--log-level", "info"],
+        stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
+    encoded_key = KEY.replace("-", "%2D")  # the value percent-encoded too: the same key once decoded
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_ready(url, 60, lambda: None if gateway.poll() is None else f"voxgate serve exited ({gateway.returncode})")
+        async with httpx.AsyncClient() as client:
+            for query in (f"api%5Fkey={KEY}", f"%61pi_key={encoded_key}"):
+                assert (await client.get(f"{url}/v1/models?{query}")).status_code == 200, query
+            minted = await client.post(f"{url}/v1/tokens", headers={"X-API-Key": KEY}, json={})
+            token = minted.json()["token"]
+            assert (await client.get(f"{url}/v1/models?t%6Fken={token}")).status_code == 200
+        for query in (f"api%5Fkey={KEY}", f"t%6Fken={token}"):
+            async with websockets.connect(f"ws://127.0.0.1:{port}/v1/audio/speech/stream?{query}") as ws:
+                await ws.send(json.dumps({"type": "session.config", "voice": "tone-mid"}))
+                await receive_until(ws, "session.started")
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        _, stderr = gateway.communicate(timeout=30)
+    messages = [json.loads(line)["message"] for line in stderr.splitlines() if line.strip()]
+    assert KEY not in stderr and encoded_key not in stderr and token not in stderr
+    assert token.split(".")[-1] not in stderr  # not even the token's signature
+    masked = [m for m in messages if "=[redacted]" in m]
+    assert len([m for m in masked if "/v1/models" in m]) == 3, messages
+    assert len([m for m in masked if "WebSocket" in m]) == 2, messages
