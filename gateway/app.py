@@ -16,7 +16,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from tts_backend.base import Synthesizer, UnknownVoiceError
 from tts_backend.registry import create_backend
@@ -99,6 +100,23 @@ async def _refuse(websocket: WebSocket, error: ProtocolError, metrics: GatewayMe
     await websocket.close(int(error.close or CloseCode.policy), reason=error.code.value)
 
 
+def add_docs_pages(app: FastAPI) -> None:
+    """/docs and /redoc, whose pages fetch /openapi.json with their own query string (a browser can
+    only pass the key as ?api_key=)."""
+
+    def schema_url(request: Request) -> str:
+        query = request.url.query
+        return "/openapi.json" + (f"?{query}" if query else "")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger(request: Request) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=schema_url(request), title=f"{app.title} - API")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        return get_redoc_html(openapi_url=schema_url(request), title=f"{app.title} - API")
+
+
 def create_app(
     settings: GatewaySettings | None = None,
     backend: Synthesizer | None = None,
@@ -177,9 +195,13 @@ def create_app(
             await gateway.admission.stop()
             await gateway.store.stop()
 
-    app = FastAPI(title="Voxgate", version="0.1.0", lifespan=lifespan)
+    # The API docs are off unless asked for.
+    app = FastAPI(title="Voxgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if settings.api_docs else None)
     app.state.gateway = gateway
     app.include_router(router)
+    if settings.api_docs:
+        add_docs_pages(app)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -189,9 +211,11 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in exc.errors()
-        )
+        errors = exc.errors()
+        if any(e["type"] == "json_invalid" for e in errors):
+            reasons = "; ".join(str(e.get("ctx", {}).get("error", e["msg"])) for e in errors)
+            return await api_error(request, ApiError(ErrorCode.invalid_json, f"the body is not valid JSON: {reasons}"))
+        details = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in errors)
         return await api_error(request, ApiError(ErrorCode.invalid_message, f"invalid request: {details}"))
 
     async def speech_stream(websocket: WebSocket) -> None:

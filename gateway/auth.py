@@ -9,7 +9,8 @@ WebSocket headers), the query parameter `api_key` (alias `token`). A credential 
 short-lived token minted by `POST /v1/tokens` (`TokenSigner`): an HMAC-signed expiry and key fingerprint,
 so a backend can hand a browser something that stops working on its own and never reveals the key. A
 token counts against the limits of the key that minted it. With `allowed_origins` set, a browser's
-`Origin` must be one of them.
+`Origin` must be one of them. Without keys and without that list (the default loopback mode), only pages
+served from loopback may connect: any web site could otherwise use a gateway on the visitor's machine.
 
 Keys are compared in constant time and never logged: a principal carries only a fingerprint of its key.
 """
@@ -19,11 +20,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from starlette.requests import HTTPConnection
 
@@ -58,6 +61,26 @@ def authorization_scheme(connection: HTTPConnection) -> str | None:
     """The scheme of the Authorization header, lower-cased ("bearer", "api-key", ...), or None."""
     scheme, _, _ = connection.headers.get("authorization", "").strip().partition(" ")
     return scheme.lower() or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_origin(origin: str) -> bool:
+    try:
+        parts = urlsplit(origin)
+    except ValueError:
+        return False
+    host = parts.hostname
+    if parts.scheme not in ("http", "https") or not host:
+        return False
+    return is_loopback(host) or host.endswith(".localhost")  # browsers resolve *.localhost to loopback
 
 
 def presented_credential(connection: HTTPConnection) -> str | None:
@@ -129,12 +152,18 @@ def api_key_authenticator(settings: GatewaySettings) -> Authenticator:
     """The default hook: API keys or minted tokens, plus the allowed-origins list."""
     keys = [(k.encode(), key_fingerprint(k)) for k in settings.api_keys]
     origins = set(settings.allowed_origins)
+    loopback_pages_only = not keys and not origins and not settings.insecure_no_auth
     signer = TokenSigner.from_settings(settings)
 
     async def authenticate(connection: HTTPConnection) -> Principal:
         origin = connection.headers.get("origin")
         if origins and origin is not None and origin not in origins:
             raise AuthError(f"origin {origin!r} is not allowed")
+        if loopback_pages_only and origin is not None and not is_loopback_origin(origin):
+            raise AuthError(
+                f"origin {origin!r} is not allowed: without API keys only loopback pages may connect"
+                " (allow a site with --allowed-origin)"
+            )
         if not keys:
             return Principal()
         credential = presented_credential(connection)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import ipaddress
 import json
 import socket
 import sys
@@ -18,6 +17,7 @@ from pydantic_settings import SettingsError
 
 from tts_backend.base import SynthesisError
 
+from .auth import is_loopback
 from .limits import abortable_ws_protocol, header_timeout_protocol
 from .settings import GatewaySettings, settings_error_line
 
@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a non-loopback --host without API keys (anyone who can reach it may use it)",
     )
     serve.add_argument("--allowed-origin", dest="allowed_origins", action="append",
-                       help="browser Origin allowed to open WebSockets; repeatable (default: any)")
+                       help="browser Origin allowed; repeatable (default: any with keys, loopback pages without)")
+    serve.add_argument("--api-docs", action="store_const", const=True,
+                       help="serve /docs, /redoc and /openapi.json (behind the key when keys are set)")
     serve.add_argument("--max-sessions-per-key", type=int, help="concurrent sessions per API key (0 = unlimited)")
     serve.add_argument("--sessions-per-minute", type=int, help="new sessions per API key per minute (0 = unlimited)")
     serve.add_argument("--chars-per-minute", type=int, help="characters per API key per minute (0 = unlimited)")
@@ -134,15 +136,6 @@ def check_binding(settings: GatewaySettings) -> None:
         " the speech backend. Set API keys (--api-key KEY or VOXGATE_API_KEYS='[\"KEY\"]'), or pass"
         " --insecure-no-auth (VOXGATE_INSECURE_NO_AUTH=1) if something in front of the gateway authenticates."
     )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

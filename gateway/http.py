@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
@@ -31,13 +32,34 @@ from . import audio
 from .auth import AuthError, Principal, TokenSigner
 from .compat import option_warnings, resolve_voice
 from .limits import LimitExceeded
-from .protocol import ErrorCode, ProtocolError
+from .protocol import ErrorCode, ProtocolError, loads_client_json
 from .segmenter import SentenceSegmenter, push_in_slices
 
 if TYPE_CHECKING:
     from .app import Gateway
 
-router = APIRouter()
+
+class _StrictJsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads_client_json(await self.body())
+        return self._json
+
+
+class StrictJsonRoute(APIRoute):
+    """Request bodies parsed as the WebSocket's messages are (`loads_client_json`): no NaN or Infinity,
+    bounded nesting; a refused body is FastAPI's json_invalid validation error."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(_StrictJsonRequest(request.scope, request.receive, request._send))
+
+        return strict
+
+
+router = APIRouter(route_class=StrictJsonRoute)
 
 # Raw formats carry no header, so clients assume a rate: OpenAI documents `pcm` as 24 kHz, telephony
 # formats are 8 kHz. `wav` states its rate in its header and stays at the backend's own.
@@ -110,12 +132,20 @@ async def require_auth(request: Request) -> Principal:
 # ----------------------------------------------------------------------------------------- speech
 
 
+class VoiceRef(BaseModel):
+    """OpenAI's object form of `voice` (custom voices): `{"id": "..."}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+
+
 class SpeechRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     model: str | None = None
     input: str
-    voice: str | dict[str, Any] | None = Field(None, validation_alias=AliasChoices("voice", "speaker"))
+    voice: str | VoiceRef | None = Field(None, validation_alias=AliasChoices("voice", "speaker"))
     response_format: str | None = None
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream: bool | None = None
@@ -132,9 +162,7 @@ class SpeechRequest(BaseModel):
 
     @property
     def voice_id(self) -> str | None:
-        if isinstance(self.voice, dict):
-            return self.voice.get("id")
-        return self.voice
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
     @property
     def sse(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 from typing import Annotated, Any, Literal, Union
 
@@ -268,11 +269,61 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
+MAX_JSON_DEPTH = 64  # no client message nests deeper; pydantic and json.dumps recurse per level
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # e.g. 1e400: parsed as inf, which no JSON reply could carry back
+        raise ValueError(f"number {text[:32]} is out of range")
+    return value
+
+
+def _nesting_depth(value: Any) -> int:
+    """Deepest nesting of lists and objects, found without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_JSON_DEPTH:
+                break
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def loads_client_json(raw: str | bytes) -> Any:
+    """Client JSON, strictly: RFC 8259 numbers only (no NaN, Infinity or overflowing floats, which
+    Python would accept and echo back as invalid JSON) and at most MAX_JSON_DEPTH levels of nesting.
+    Raises json.JSONDecodeError for all of it, so both transports answer invalid_json."""
+    try:
+        text = raw.decode("utf-8", "surrogatepass") if isinstance(raw, (bytes, bytearray)) else raw
+    except UnicodeDecodeError as exc:
+        raise json.JSONDecodeError(f"not UTF-8 ({exc.reason})", "", exc.start) from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except json.JSONDecodeError:
+        raise
+    except RecursionError:
+        raise json.JSONDecodeError(f"nested deeper than {MAX_JSON_DEPTH} levels", text, 0) from None
+    except ValueError as exc:
+        raise json.JSONDecodeError(str(exc), text, 0) from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _nesting_depth(data) > MAX_JSON_DEPTH:
+        raise json.JSONDecodeError(f"nested deeper than {MAX_JSON_DEPTH} levels", text, 0)
+    return data
+
 
 def parse_client_message(raw: str) -> Any:
     """Parse one text frame. Raises ProtocolError (invalid_json, invalid_message, unknown_type)."""
     try:
-        data = json.loads(raw)
+        data = loads_client_json(raw)
     except ValueError as exc:
         raise ProtocolError(ErrorCode.invalid_json, f"message is not valid JSON: {exc}") from None
     # JSON escapes can smuggle unpaired UTF-16 surrogates into strings: not text, and unencodable in any

@@ -83,7 +83,11 @@ class GatewaySettings(BaseSettings):
         None, description="HMAC secret for POST /v1/tokens tokens; default derived from api_keys (same on every replica)"
     )
     max_token_ttl_s: float = Field(3600.0, gt=0, description="longest lifetime of a minted token")
-    allowed_origins: list[str] = Field(default_factory=list, description="browser Origins allowed; empty = any")
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="browser Origins allowed; empty = any with API keys, only loopback pages without them",
+    )
+    api_docs: bool = Field(False, description="serve /docs, /redoc and /openapi.json (behind the key when keys are set)")
     max_sessions: int = Field(0, ge=0, description="concurrent WebSocket sessions per process; 0 = unlimited")
     max_sessions_per_key: int = Field(
         0, ge=0, description="concurrent sessions per API key, across replicas with store=redis; 0 = unlimited"

@@ -124,3 +124,26 @@ def test_voxgate_serve_refuses_a_public_host_without_keys():
     assert result.returncode != 0
     assert "refusing to serve 0.0.0.0 without authentication" in result.stderr
     assert "--insecure-no-auth" in result.stderr
+
+
+async def test_without_keys_only_loopback_pages_may_connect():
+    """The default loopback mode (no keys): any web page the user visits could otherwise open the local
+    gateway from the browser. Loopback pages (the gateway's own web demo) still connect."""
+    with running_gateway("synthetic") as server:
+        for origin in ("https://evil.example", "http://192.168.1.5:8000", "null", "http://127.0.0.1.evil.example"):
+            assert not await speaks(server.ws_url, origin=origin), origin
+            response = httpx.post(server.url + "/v1/audio/speech", json={"input": "Hi.", "voice": "tone-mid"},
+                                  headers={"Origin": origin})
+            assert response.status_code == 401 and response.json()["error"]["code"] == "unauthorized", origin
+        port = server.settings.port
+        for origin in (f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"http://[::1]:{port}", "http://demo.localhost"):
+            assert await speaks(server.ws_url, origin=origin), origin
+        assert await speaks(server.ws_url)  # no Origin: not a browser
+        assert httpx.get(server.url + "/", headers={"Origin": "https://evil.example"}).status_code == 200  # the page itself
+
+
+async def test_without_keys_allowed_origins_decide():
+    with running_gateway("synthetic", allowed_origins=["https://app.example"]) as server:
+        assert await speaks(server.ws_url, origin="https://app.example")
+        assert not await speaks(server.ws_url, origin="https://evil.example")
+        assert not await speaks(server.ws_url, origin=f"http://127.0.0.1:{server.settings.port}")  # not listed
