@@ -7,6 +7,7 @@ tests and embedders can run several apps in one process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -14,7 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request, WebSocket
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -28,6 +29,7 @@ from .http import ApiError, router
 from .limits import Admission
 from .metrics import GatewayMetrics
 from .protocol import CloseCode, ErrorCode, ProtocolError
+from .request_guard import RequestGuard
 from .session import StreamingSession
 from .settings import GatewaySettings
 from .store import SessionStore, create_store
@@ -95,9 +97,12 @@ class Gateway:
 
 
 async def _refuse(websocket: WebSocket, error: ProtocolError, metrics: GatewayMetrics) -> None:
+    """Tell a connection why it is refused and close it. A client that reads nothing is dropped by the
+    WebSocket protocol's write deadline (gateway.limits), which ends these writes."""
     metrics.errors_total.labels(error.code.value).inc()
-    await websocket.send_text(error.to_message().encode())
-    await websocket.close(int(error.close or CloseCode.policy), reason=error.code.value)
+    with contextlib.suppress(WebSocketDisconnect):
+        await websocket.send_text(error.to_message().encode())
+        await websocket.close(int(error.close or CloseCode.policy), reason=error.code.value)
 
 
 def add_docs_pages(app: FastAPI) -> None:
@@ -195,11 +200,12 @@ def create_app(
             await gateway.admission.stop()
             await gateway.store.stop()
 
-    # The API docs are off unless asked for.
+    # The API docs are off unless asked for; with keys set, the key guards them (RequestGuard).
     app = FastAPI(title="Voxgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if settings.api_docs else None)
     app.state.gateway = gateway
     app.include_router(router)
+    app.add_middleware(RequestGuard, gateway=gateway)
     if settings.api_docs:
         add_docs_pages(app)
 

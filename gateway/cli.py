@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="browser Origin allowed; repeatable (default: any with keys, loopback pages without)")
     serve.add_argument("--api-docs", action="store_const", const=True,
                        help="serve /docs, /redoc and /openapi.json (behind the key when keys are set)")
+    serve.add_argument("--max-http-body-bytes", type=int, help="largest HTTP request body (default 1 MiB)")
+    serve.add_argument("--http-body-timeout", dest="http_body_timeout_s", type=float,
+                       help="seconds a client gets to send an HTTP request body (default 30)")
     serve.add_argument("--max-sessions-per-key", type=int, help="concurrent sessions per API key (0 = unlimited)")
     serve.add_argument("--sessions-per-minute", type=int, help="new sessions per API key per minute (0 = unlimited)")
     serve.add_argument("--chars-per-minute", type=int, help="characters per API key per minute (0 = unlimited)")
@@ -118,7 +121,9 @@ def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
         "ws_max_size": settings.max_config_bytes + WS_FRAME_MARGIN,
         "ws_per_message_deflate": False,  # audio barely compresses; deflate would only cost CPU and latency
         "http": header_timeout_protocol(settings.header_timeout_s, settings.send_buffer_bytes),
-        "ws": abortable_ws_protocol(),
+        # The session's own slow-consumer deadline goes first; this one ends every other wait to write.
+        "ws": abortable_ws_protocol(settings.max_unsent_bytes, settings.close_timeout_s,
+                                    settings.slow_consumer_timeout_s + settings.close_timeout_s),
     }
 
 

@@ -41,6 +41,7 @@ log = logging.getLogger("voxgate.limits")
 SLOT_TTL_S = 30.0  # a replica's claim on a concurrent-session slot in Redis, renewed every third of it
 MONITOR_WINDOW_S = 5.0  # the real-time measure looks at this much recent synthesis
 MONITOR_MIN_AUDIO_S = 1.0  # ... and judges only with at least this much audio made in the window
+REFUSAL_LINGER_S = 2.0  # a refused HTTP request's client may read the refusal while its body is discarded
 TRIM_INTERVAL_S = 30.0  # how often freed session memory is handed back to the OS (see Admission._trim_forever)
 
 
@@ -442,7 +443,7 @@ def header_timeout_protocol(timeout_s: float, send_buffer_bytes: int = 0) -> typ
                 self.transport.close()
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(_LingeringCloseTransport(transport, self))
             sock = transport.get_extra_info("socket")
             if send_buffer_bytes and sock is not None:
                 with contextlib.suppress(OSError):
@@ -457,6 +458,11 @@ def header_timeout_protocol(timeout_s: float, send_buffer_bytes: int = 0) -> typ
             self._disarm()
             super().on_headers_complete()
 
+        def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:
+                return  # the rest of a refused request's body
+            super().data_received(data)
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
@@ -464,13 +470,105 @@ def header_timeout_protocol(timeout_s: float, send_buffer_bytes: int = 0) -> typ
     return HeaderTimeoutProtocol
 
 
-def abortable_ws_protocol() -> type:
-    """uvicorn's WebSocket protocol, exposing `scope["voxgate.abort"]`: drops the TCP connection. A client
-    that reads nothing cannot be sent a close frame (the send waits for buffer space that never comes),
-    so the slow-consumer deadline ends it this way. An upgrade refused with an HTTP answer ends quietly."""
+class _LingeringCloseTransport:
+    """An HTTP connection's transport whose `close()`, once a response went out before the request's body
+    was read (a refusal: 401, 413, 408), lingers: the response leaves with a FIN, and what comes of the
+    body is read and thrown away for REFUSAL_LINGER_S before the connection closes. Closing a socket with
+    unread data resets the connection, and the client would meet the reset instead of the refusal."""
+
+    def __init__(self, transport: asyncio.Transport, protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self.lingering = False
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        if self.lingering:
+            return
+        refused_unread = cycle is not None and cycle.response_complete and cycle.more_body
+        if not refused_unread or self._transport.is_closing() or not self._transport.can_write_eof():
+            self._transport.close()
+            return
+        self.lingering = True
+        self._transport.write_eof()
+        self._transport.resume_reading()
+        self._protocol.loop.call_later(REFUSAL_LINGER_S, self._transport.close)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+class _BoundedCloseTransport:
+    """A connection's transport whose `close()` has a deadline: asyncio's close waits, without limit, for
+    the unsent data to go out, so a client that reads nothing would keep the connection (and the data)
+    forever. `grace_s` after a close with data still unsent, the connection is dropped."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, grace_s: float) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._grace_s = grace_s
+        self._abort_timer: asyncio.TimerHandle | None = None
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._abort_timer is None and self._transport.get_write_buffer_size():
+            self._abort_timer = self._loop.call_later(self._grace_s, self._transport.abort)
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+def abortable_ws_protocol(max_unsent_bytes: int, close_timeout_s: float, write_stall_s: float) -> type:
+    """uvicorn's WebSocket protocol, bounded for clients that stop reading:
+    - `scope["voxgate.abort"]` drops the TCP connection. A client that reads nothing cannot be sent a
+      close frame (the send waits for buffer space that never comes), so the session's deadlines end it
+      this way;
+    - the close handshake takes `close_timeout_s` at most, and a close with data still unsent is
+      followed by an abort `close_timeout_s` later (`_BoundedCloseTransport`);
+    - a connection whose unsent data passes `max_unsent_bytes` while its client keeps sending is dropped:
+      every ping is answered by a pong that uvicorn writes whether or not the client reads, before and
+      after authentication (a session's own writes wait for buffer space, so they stay far below it);
+    - a connection that accepts none of its unsent data for `write_stall_s` is dropped, whatever waits
+      to write to it (a refusal, session.started, an error): every such wait ends;
+    - an upgrade refused with an HTTP answer ends quietly."""
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
     class AbortableWebSocketProtocol(WebSocketsSansIOProtocol):
+        _stall_timer: asyncio.TimerHandle | None = None
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.close_timeout = close_timeout_s  # uvicorn's wait for the client's answer to our close frame
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(_BoundedCloseTransport(transport, self.loop, close_timeout_s))
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stall_timer is None:
+                self._stall_timer = self.loop.call_later(write_stall_s, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._cancel_stall_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_stall_timer()
+            super().connection_lost(exc)
+
+        def _cancel_stall_timer(self) -> None:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+
+        def _stalled(self) -> None:
+            self._stall_timer = None
+            log.info("dropping a WebSocket connection that accepted nothing for %g s", write_stall_s)
+            self.transport.abort()
+
         def handle_connect(self, event) -> None:  # type: ignore[override]
             super().handle_connect(event)
             scope = getattr(self, "scope", None)
@@ -483,5 +581,13 @@ def abortable_ws_protocol() -> type:
                 # An upgrade refused with an HTTP answer (app.py, Api-Key clients) is complete once sent;
                 # uvicorn 0.54 does not note that, then logs an error and writes a 500 to the closed socket.
                 self.handshake_complete = True
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            unsent = self.transport.get_write_buffer_size()
+            if unsent > max_unsent_bytes and not self.transport.is_closing():
+                log.info("dropping a WebSocket connection whose client sends but reads nothing (%d bytes unsent)",
+                         unsent)
+                self.transport.abort()
 
     return AbortableWebSocketProtocol

@@ -41,6 +41,7 @@ class ErrorCode(str, enum.Enum):
     synthesis_failed = "synthesis_failed"
     overloaded = "overloaded"
     idle_timeout = "idle_timeout"
+    request_timeout = "request_timeout"
     slow_consumer = "slow_consumer"
     voice_cloning_unsupported = "voice_cloning_unsupported"
     internal = "internal"

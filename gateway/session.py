@@ -81,7 +81,7 @@ from .session_state import (
     sent_marker,
 )
 from .settings import GatewaySettings
-from .speech_pipeline import SpeechPipeline
+from .speech_pipeline import SpeechPipeline, abort_transport
 from .store import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges, SessionStore
 
 log = logging.getLogger("voxgate.session")
@@ -219,8 +219,12 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             except Exception as exc:  # the store is unreachable: the session expires there on its own
                 log.warning("could not detach session %s: %r", self.session_id, exc)
         if self.ws.application_state == WebSocketState.CONNECTED:
-            with contextlib.suppress(Exception):  # bounded: a socket that accepts nothing cannot hold us
-                await asyncio.wait_for(self.ws.close(CloseCode.normal), self.settings.slow_consumer_timeout_s)
+            try:  # bounded: a socket that accepts nothing cannot hold us
+                await asyncio.wait_for(self.ws.close(CloseCode.normal), self.settings.close_timeout_s)
+            except asyncio.TimeoutError:
+                abort_transport(self.ws)
+            except Exception:  # noqa: BLE001 - the client is gone already
+                pass
 
     @property
     def busy(self) -> bool:
@@ -311,14 +315,26 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         await self._send_json(error.to_message())
 
     async def _fail(self, error: ProtocolError) -> None:
-        """A fatal error: tell the client and close with the error's close code."""
+        """A fatal error: tell the client and close with the error's close code. A client that reads
+        nothing cannot be told (the writes wait for buffer space, or for the send lock of a sender that
+        waits for it): after close_timeout_s the connection is dropped, so the session ends anyway."""
         self.metrics.errors_total.labels(error.code.value).inc()
         if self.ws.application_state != WebSocketState.CONNECTED:
             return
-        with contextlib.suppress(Exception):
+
+        async def tell_and_close() -> None:
             async with self._send_lock:
                 await self.ws.send_text(error.to_message().encode())
                 await self.ws.close(int(error.close or CloseCode.policy), reason=error.code.value)
+
+        try:
+            await asyncio.wait_for(tell_and_close(), self.settings.close_timeout_s)
+        except asyncio.TimeoutError:
+            log.info("session %s: the client reads nothing; dropping the connection (%s)", self.session_id,
+                     error.code.value)
+            abort_transport(self.ws)
+        except Exception:  # noqa: BLE001 - the client is gone already
+            pass
 
     # -------------------------------------------------------------- handshake
 

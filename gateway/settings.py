@@ -111,6 +111,19 @@ class GatewaySettings(BaseSettings):
     max_active_synthesis: int = Field(0, ge=0, description="refuse new sessions while this many streams synthesize; 0 = off")
     max_open_contexts: int = Field(256, ge=1, description="contexts of one session taking text at the same time")
     header_timeout_s: float = Field(10.0, gt=0, description="time a client gets to send its request headers (slowloris)")
+    max_http_body_bytes: int = Field(
+        1 * MIB, gt=0, description="largest HTTP request body; refused (413) as soon as more arrives"
+    )
+    http_body_timeout_s: float = Field(
+        30.0, gt=0, description="time a client gets to send a whole HTTP request body (slowloris); then 408"
+    )
+    max_unsent_bytes: int = Field(
+        1 * MIB, gt=0,
+        description="drop a WebSocket whose unsent data passes this while its client keeps sending (pongs it never reads)",
+    )
+    close_timeout_s: float = Field(
+        5.0, gt=0, description="time a fatal error and the close handshake may take; then the TCP connection is dropped"
+    )
     send_buffer_bytes: int = Field(
         256 * KIB, ge=0, description="kernel send buffer per connection (bounds what a non-reading client holds); 0 = OS default"
     )

@@ -170,7 +170,7 @@ class SpeechPipeline:
         try:
             await asyncio.wait_for(self._fail(error), 1.0)
         except asyncio.TimeoutError:  # counted by _fail already
-            _abort_transport(self.ws)
+            abort_transport(self.ws)
 
     async def _send_loop(self) -> None:
         while True:
@@ -330,7 +330,7 @@ class SpeechPipeline:
             await self.store.delete(self.session_id, owner=self.owner)
 
 
-def _abort_transport(websocket: WebSocket) -> None:
+def abort_transport(websocket: WebSocket) -> None:
     """Drop the TCP connection under a WebSocket whose peer reads nothing (a close frame could never be
     written); the server's WebSocket protocol puts the means in the scope (gateway.limits)."""
     abort = websocket.scope.get("voxgate.abort")

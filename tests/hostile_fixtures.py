@@ -3,22 +3,32 @@ frame are built by hand (RFC 6455), so a test can send what no well-behaved libr
 in the wrong order, invalid UTF-8, oversized lengths, floods of control frames) and can stop reading.
 
 Also a well-behaved reference session (`good_session`) whose audio must be byte-exact whatever the
-hostile clients do meanwhile."""
+hostile clients do meanwhile; a gateway in its own process (`served_gateway`) whose memory a test can
+measure (`MemoryWatch`), raw HTTP requests whose body a test pours as it likes (`RawHttp`), and a probe of
+the event loop's responsiveness while an attack runs (`HealthProbe`)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import socket
 import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import websockets
 
-from tests.gateway_server import audio_by_sentence, receive_until
+from tests.gateway_server import audio_by_sentence, free_port, receive_until
+from tests.resume_fixtures import GatewayProcess, wait_ready
 
 OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 
@@ -175,3 +185,148 @@ async def good_session(ws_url: str, rounds: int = 1) -> list[tuple[list[str], di
         await ws.send(json.dumps({"type": "session.close"}))
         await receive_until(ws, "session.done")
     return results
+
+
+# ------------------------------------------------------------------------------------ a gateway process
+
+
+@contextlib.contextmanager
+def served_gateway(*flags: str, env: dict[str, str] | None = None) -> Iterator[GatewayProcess]:
+    """`voxgate serve --backend synthetic` in a process of its own (so that its RSS is the gateway's
+    alone), with `flags` and `env` (VOXGATE_* settings); stopped on exit."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix=f"voxgate-{port}-", suffix=".log", delete=False)
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--backend", "synthetic",
+               "--log-level", "warning", *flags]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    gateway = GatewayProcess(port, process, log.name)
+    try:
+        wait_ready(gateway)
+        yield gateway
+    finally:
+        gateway.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(gateway.log_path)
+
+
+class MemoryWatch:
+    """The resident memory of a process: `start()` takes the current RSS and resets the kernel's peak
+    (VmHWM), `growth` is how far the peak rose above that since, however briefly."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.before = 0
+
+    def _status(self, field_name: str) -> int:
+        with open(f"/proc/{self.pid}/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(field_name)
+
+    def start(self) -> None:
+        with open(f"/proc/{self.pid}/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM to the current RSS
+        self.before = self._status("VmRSS")
+
+    @property
+    def growth(self) -> int:
+        return self._status("VmHWM") - self.before
+
+
+class HealthProbe:
+    """Asks /health, one request after another, while an attack runs; `worst` is the slowest answer
+    (a request that has not come back yet counts with its time so far)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.worst = 0.0
+        self.answered = 0
+        self._asked_at: float | None = None  # the request in flight
+        self._task: asyncio.Task | None = None
+        self._first = asyncio.Event()
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            while True:
+                self._asked_at = time.monotonic()
+                response = await client.get(self.url + "/health")
+                assert response.status_code == 200
+                self.worst = max(self.worst, time.monotonic() - self._asked_at)
+                self._asked_at = None
+                self.answered += 1
+                self._first.set()
+                await asyncio.sleep(0.02)
+
+    async def __aenter__(self) -> "HealthProbe":
+        self._task = asyncio.create_task(self._run())
+        await asyncio.wait_for(self._first.wait(), 10)  # connected and answered before the attack starts
+        self.worst = 0.0
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        assert self._task is not None
+        if self._task.done():
+            self._task.result()  # a failed probe fails the test
+        if self._asked_at is not None:
+            self.worst = max(self.worst, time.monotonic() - self._asked_at)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+# ------------------------------------------------------------------------------------ raw HTTP
+
+
+@dataclass
+class RawHttp:
+    """An HTTP/1.1 request over a plain connection: the head is sent at once, the body as the test likes;
+    `poured` counts the body bytes the socket took."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    poured: int = 0
+
+    @classmethod
+    async def send_head(cls, port: int, method: str, path: str, headers: dict[str, str]) -> "RawHttp":
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", *(f"{k}: {v}" for k, v in headers.items())]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        await writer.drain()
+        return cls(reader, writer)
+
+    async def pour(self, total: int, *, chunked: bool = False, piece: int = 64 * 1024) -> None:
+        """Send up to `total` body bytes (as chunks of a chunked body if `chunked`, never terminated),
+        stopping quietly when the server drops the connection."""
+        data = b"x" * piece
+        framed = f"{piece:x}\r\n".encode() + data + b"\r\n" if chunked else data
+        try:
+            while self.poured < total:
+                self.writer.write(framed)
+                await self.writer.drain()
+                self.poured += piece
+        except (ConnectionError, OSError):
+            pass
+
+    async def response(self, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers with lower-case names, body) of the response."""
+        async def read() -> tuple[int, dict[str, str], bytes]:
+            head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+            status_line, *header_lines = head.strip().split("\r\n")
+            headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+            body = await self.reader.readexactly(int(headers.get("content-length", "0")))
+            return int(status_line.split()[1]), headers, body
+
+        return await asyncio.wait_for(read(), timeout)
+
+    async def closed_by_server(self, timeout: float = 10.0) -> bool:
+        """True once the server has ended the connection (EOF or reset)."""
+        try:
+            while await asyncio.wait_for(self.reader.read(65536), timeout):
+                pass
+        except (ConnectionError, OSError):
+            pass
+        return True
+
+    def close(self) -> None:
+        self.writer.transport.abort()

@@ -1,6 +1,7 @@
 """Issue 12's small ones, over both transports of a real gateway: JSON nested without bound is
 `invalid_json` (never `internal` or a 1011 with a traceback), NaN and Infinity are refused and never
-echoed back, an HTTP `voice` of the wrong type is a 400, and the API docs are off unless asked for."""
+echoed back, an HTTP `voice` of the wrong type is a 400, and the API docs are off unless asked for (and
+then behind the key when keys are set)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import websockets
 
 from tests.gateway_server import receive_until, running_gateway
 
+KEY = "sk-strict-inputs"
 CONFIG = {"type": "session.config", "voice": "tone-mid"}
 
 
@@ -89,3 +91,18 @@ DOCS = ("/docs", "/redoc", "/openapi.json")
 def test_api_docs_are_off_by_default(server):
     for path in DOCS:
         assert httpx.get(server.url + path).status_code == 404, path
+
+
+def test_api_docs_when_asked_for_are_behind_the_key():
+    with running_gateway("synthetic", api_docs=True, api_keys=[KEY]) as server:
+        for path in DOCS:
+            assert httpx.get(server.url + path).status_code == 401, path
+            assert httpx.get(server.url + path + "?api_key=wrong").status_code == 401, path
+        schema = httpx.get(server.url + "/openapi.json", headers={"X-API-Key": KEY})
+        assert schema.status_code == 200 and "/v1/audio/speech" in schema.json()["paths"]
+        # The page is opened in a browser with ?api_key=, and fetches the schema with it.
+        page = httpx.get(server.url + f"/docs?api_key={KEY}")
+        assert page.status_code == 200 and f"/openapi.json?api_key={KEY}" in page.text
+    with running_gateway("synthetic", api_docs=True) as server:  # no keys: open, as the rest of the API
+        assert httpx.get(server.url + "/openapi.json").status_code == 200
+        assert httpx.get(server.url + "/redoc").status_code == 200
