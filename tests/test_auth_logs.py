@@ -3,12 +3,14 @@ API key (not even from a `?api_key=` request path) nor the text spoken at info l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import websockets
@@ -37,17 +39,38 @@ def test_json_formatter_carries_extras_and_exceptions():
     assert entry["level"] == "error" and entry["logger"] == "voxgate.test"
 
 
-async def test_serve_logs_json_lines_without_keys_or_text():
-    port = free_port()
+@dataclass
+class ServedWithLogs:
+    port: int
+    stderr: str = ""  # everything the gateway logged, once it has stopped
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def served_with_logs() -> Iterator[ServedWithLogs]:
+    """`voxgate serve --api-key KEY --log-level info`; its stderr is captured once it has stopped (SIGTERM)."""
+    served = ServedWithLogs(free_port())
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--backend", "synthetic", "--port", str(port),
+        [sys.executable, "-m", "gateway.cli", "serve", "--backend", "synthetic", "--port", str(served.port),
          "--api-key", KEY, "--log-level", "info"],
         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=os.getcwd()),
     )
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_ready(url, 60, lambda: None if gateway.poll() is None else f"voxgate serve exited ({gateway.returncode})")
+        wait_until_ready(served.url, 60,
+                         lambda: None if gateway.poll() is None else f"voxgate serve exited ({gateway.returncode})")
+        yield served
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        _, served.stderr = gateway.communicate(timeout=30)
+
+
+async def test_serve_logs_json_lines_without_keys_or_text():
+    with served_with_logs() as served:
+        url, port = served.url, served.port
         async with websockets.connect(f"ws://127.0.0.1:{port}/v1/audio/speech/stream?api_key={KEY}") as ws:
             await ws.send(json.dumps({"type": "session.config", "voice": "tone-mid", "stream_audio": True}))
             session_id = (await receive_until(ws, "session.started"))[-1]["session_id"]
@@ -57,10 +80,7 @@ async def test_serve_logs_json_lines_without_keys_or_text():
         async with websockets.connect(f"ws://127.0.0.1:{port}/v1/audio/speech/stream?api_key=wrong-{KEY}") as ws:
             await receive_until(ws, "error")
         httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
-        time.sleep(0.3)
-    finally:
-        gateway.send_signal(signal.SIGTERM)
-        _, stderr = gateway.communicate(timeout=30)
+    stderr = served.stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
     entries = [json.loads(line) for line in lines]  # every line is one JSON object
     assert KEY not in stderr
@@ -81,17 +101,9 @@ def test_redaction_reads_names_as_the_query_parser_does():
 async def test_percent_encoded_credential_names_never_reach_the_access_log():
     """`?api%5Fkey=` and `?t%6Fken=` authenticate (the query parser decodes the name), so their values are
     credentials too: masked in uvicorn's access lines, over HTTP and WebSocket."""
-    port = free_port()
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--backend", "synthetic", "--port", str(port),
-         "--api-key", KEY, "--log-level", "info"],
-        stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=os.getcwd()),
-    )
     encoded_key = KEY.replace("-", "%2D")  # the value percent-encoded too: the same key once decoded
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_ready(url, 60, lambda: None if gateway.poll() is None else f"voxgate serve exited ({gateway.returncode})")
+    with served_with_logs() as served:
+        url, port = served.url, served.port
         async with httpx.AsyncClient() as client:
             for query in (f"api%5Fkey={KEY}", f"%61pi_key={encoded_key}"):
                 assert (await client.get(f"{url}/v1/models?{query}")).status_code == 200, query
@@ -102,9 +114,7 @@ async def test_percent_encoded_credential_names_never_reach_the_access_log():
             async with websockets.connect(f"ws://127.0.0.1:{port}/v1/audio/speech/stream?{query}") as ws:
                 await ws.send(json.dumps({"type": "session.config", "voice": "tone-mid"}))
                 await receive_until(ws, "session.started")
-    finally:
-        gateway.send_signal(signal.SIGTERM)
-        _, stderr = gateway.communicate(timeout=30)
+    stderr = served.stderr
     messages = [json.loads(line)["message"] for line in stderr.splitlines() if line.strip()]
     assert KEY not in stderr and encoded_key not in stderr and token not in stderr
     assert token.split(".")[-1] not in stderr  # not even the token's signature

@@ -8,6 +8,7 @@ as the refusal arriving long before the body is sent and the peak RSS rising by 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -50,8 +51,6 @@ async def refused_while_pouring(gateway, headers: dict[str, str], chunked: bool)
         await pouring
         request.close()
     assert health.worst < MAX_STALL_S, health.worst
-    import json
-
     return status, json.loads(body)["error"], poured_then, memory.growth
 
 
