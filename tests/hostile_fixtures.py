@@ -305,6 +305,7 @@ class RawHttp:
                 self.writer.write(framed)
                 await self.writer.drain()
                 self.poured += piece
+                await asyncio.sleep(0)  # drain() does not yield while the socket takes all: let the reader run
         except (ConnectionError, OSError):
             pass
 
