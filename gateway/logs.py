@@ -2,8 +2,8 @@
 
 `session_id_var` is set by a session once it has an id; asyncio tasks copy the context they are created
 in, so every line a session's reader, sender and synthesis tasks log carries it. Credentials never reach
-the output: the values of query parameters that authenticate (uvicorn logs request paths) and bearer
-tokens are masked in every message and field. A parameter's name is compared as the query parser reads it
+the output: the values of query parameters that authenticate (uvicorn logs request paths) and
+Authorization credentials are masked in every message and field. A parameter's name is compared as the query parser reads it
 (percent-decoded, `+` as a space, any case), so `?api%5Fkey=` is masked as `?api_key=` is. Text content
 is logged only at debug level (`text_for_log`).
 """
@@ -23,9 +23,9 @@ session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("vox
 
 CREDENTIAL_PARAMETERS = frozenset({"api_key", "token"})  # the query names gateway.auth reads a credential from
 # name=value: a name as it may stand in a query string (percent escapes included), the value up to the
-# next parameter or whitespace; plus bearer credentials.
+# next parameter or whitespace; plus Authorization credentials.
 _PARAMETER = re.compile(r"([^\s?&=;\"'/]+)=([^&\s]*)")
-_BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"']+")
+_SCHEME = re.compile(r"(?i)((?:bearer|api-key)\s+)[^\s\"']+")  # Authorization schemes gateway.auth reads
 # LogRecord attributes that are not user-supplied `extra` fields; uvicorn's `color_message` (the message with
 # terminal colour codes) is for terminals, not for a JSON line.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName", "color_message"}
@@ -43,7 +43,7 @@ def redact(text: str) -> str:
     """Mask credentials in a log message."""
     if "=" in text:
         text = _PARAMETER.sub(_mask_parameter, text)
-    return _BEARER.sub(lambda m: m.group(1) + "[redacted]", text)
+    return _SCHEME.sub(lambda m: m.group(1) + "[redacted]", text)
 
 
 def text_for_log(logger: logging.Logger, text: str) -> str:

@@ -96,6 +96,7 @@ def test_redaction_reads_names_as_the_query_parser_does():
     assert redact("GET /x?%61pi%5fkey=sk%2D1") == "GET /x?%61pi%5fkey=[redacted]"
     assert redact("GET /x?API_KEY=sk-1") == "GET /x?API_KEY=[redacted]"
     assert redact("GET /x?apikey=1&tokens=2") == "GET /x?apikey=1&tokens=2"  # names the gateway does not read
+    assert redact("Authorization: Api-Key sk-1") == "Authorization: Api-Key [redacted]"
 
 
 async def test_percent_encoded_credential_names_never_reach_the_access_log():
