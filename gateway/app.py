@@ -32,7 +32,8 @@ from .protocol import CloseCode, ErrorCode, ProtocolError
 from .request_guard import RequestGuard
 from .session import StreamingSession
 from .settings import GatewaySettings
-from .store import SessionStore, create_store
+from .store import SessionStore
+from .stores import create_store
 from .web import mount_web_demo
 
 log = logging.getLogger("voxgate")

@@ -423,28 +423,3 @@ class MemorySessionStore(SessionStore):
         if record is not None and (owner is None or record.owner in (None, owner)):
             self._drop(session_id)
 
-
-def create_store(
-    kind: str,
-    *,
-    ttl_s: float,
-    replay_log_bytes: int,
-    redis_url: str | None = None,
-    replay_log_s: float = 300.0,
-    key_prefix: str = "voxgate:",
-    lease_s: float = 10.0,
-) -> SessionStore:
-    if kind == "memory":
-        return MemorySessionStore(ttl_s=ttl_s, replay_log_bytes=replay_log_bytes, replay_log_s=replay_log_s)
-    if kind == "redis":
-        from .redis_store import RedisSessionStore
-
-        return RedisSessionStore(
-            redis_url=redis_url or "redis://127.0.0.1:6379/0",
-            ttl_s=ttl_s,
-            replay_log_bytes=replay_log_bytes,
-            replay_log_s=replay_log_s,
-            key_prefix=key_prefix,
-            lease_s=lease_s,
-        )
-    raise ValueError(f"unknown session store {kind!r}; choose memory or redis")

@@ -9,7 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.redis_store import RedisSessionStore
-from gateway.store import LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange, create_store
+from gateway.store import LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
+from gateway.stores import create_store
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
 
 
