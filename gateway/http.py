@@ -2,12 +2,13 @@
 
 `POST /v1/audio/speech` accepts what the OpenAI SDK sends (`client.audio.speech.create`, also through
 `with_streaming_response`) plus vLLM-Omni's fields. The body is split into sentences and synthesized
-with the same look-ahead as the WebSocket, so the first sentence's audio leaves before the last is made:
-- `pcm` (24 kHz unless `sample_rate` says otherwise, as OpenAI documents), `mulaw`, `alaw` (8 kHz): raw
-  audio, streamed as it is produced;
-- `wav`: a complete file, or with `stream_format: "audio"` streamed behind a header of unknown length;
+with the same look-ahead as the WebSocket, so the first sentence's audio leaves before the last is made.
+The body is one file in `response_format`, streamed as it is encoded (gateway/encoders.py):
+- `mp3` (the default, as OpenAI's), `opus` (Ogg), `aac` (ADTS), `flac`;
+- `wav`: a header of unknown length, then PCM;
+- `pcm` (24 kHz unless `sample_rate` says otherwise, as OpenAI documents), `mulaw`, `alaw` (8 kHz): raw;
 - `stream_format: "sse"` (or vLLM's `stream: true` alone): Server-Sent Events as OpenAI documents them,
-  `speech.audio.delta` with base64 audio, then `speech.audio.done` with usage.
+  `speech.audio.delta` with base64 pieces of that file (`pcm` by default), then `speech.audio.done`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
 
-from . import audio
+from . import audio, encoders
 from .auth import AuthError, Principal, TokenSigner
 from .compat import option_warnings, resolve_voice
 from .limits import LimitExceeded
@@ -246,11 +247,11 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     warnings = [w.model_dump(exclude_none=True)
                 for w in (*choice.warnings, *option_warnings(backend, body.model_dump()))]
     warning_headers = {WARNINGS_HEADER: json.dumps(warnings)} if warnings else {}
-    fmt = (body.response_format or ("pcm" if body.sse else "wav")).lower()
-    if fmt not in audio.FORMATS:
+    fmt = (body.response_format or ("pcm" if body.sse else "mp3")).lower()
+    if fmt not in encoders.FORMATS:
         raise ApiError(
             ErrorCode.unsupported_format,
-            f"response_format {fmt!r} is not supported; choose one of {', '.join(audio.FORMATS)}",
+            f"response_format {fmt!r} is not supported; choose one of {', '.join(encoders.FORMATS)}",
             param="response_format",
         )
     rate = body.sample_rate or DEFAULT_RATES.get(fmt, backend.sample_rate)
@@ -260,6 +261,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
             param="sample_rate",
         )
+    rate = encoders.coded_rate(fmt, rate)
     try:  # last: a request refused for another reason uses none of the key's allowance
         await gateway.admission.admit_request(principal, len(body.input))
     except LimitExceeded as exc:
@@ -287,34 +289,29 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         for i, text in enumerate(await _sentences(body.input, body.language, settings.max_synthesis_chars))
     ]
     metrics = gateway.metrics
-    stream_fmt = "pcm" if fmt == "wav" else fmt
 
     async def encoded() -> AsyncIterator[bytes]:
-        """The encoded audio stream (wav: its PCM body), recording time to first audio."""
-        encoder = audio.StreamEncoder(stream_fmt, backend.sample_rate, rate)
+        """The response's audio file, piece by piece as it is made, recording time to first audio."""
+        encoder = encoders.AudioFileEncoder(fmt, backend.sample_rate, rate)
         first = True
         async with contextlib.aclosing(pipelined_synthesis(backend, requests, settings.lookahead_sentences)) as pcm_stream:
             async for pcm in pcm_stream:
-                data = encoder.encode(pcm)
+                data = await encoder.encode(pcm)
                 if data:
                     if first:
                         metrics.ttfa_seconds.labels("http").observe(time.monotonic() - arrived)
                         first = False
                     metrics.audio_bytes_total.labels("http").inc(len(data))
                     yield data
-        tail = encoder.flush()
+        tail = await encoder.finish()
         if tail:
             metrics.audio_bytes_total.labels("http").inc(len(tail))
             yield tail
 
     if body.sse:
         async def events() -> AsyncIterator[bytes]:
-            total = 0
-            header = audio.wav_header(rate) if fmt == "wav" else b""
             try:
                 async for data in encoded():
-                    data, header = header + data, b""
-                    total += len(data)
                     event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
                     yield f"data: {json.dumps(event)}\n\n".encode()
             except Exception as exc:
@@ -330,23 +327,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **warning_headers})
 
-    headers = {"X-Sample-Rate": str(rate), **warning_headers}
-    if fmt == "wav" and body.stream_format != "audio" and not body.stream:
-        # A complete file with true sizes: made whole, then sent.
-        try:
-            pcm = b"".join([chunk async for chunk in encoded()])
-        except Exception as exc:
-            raise ApiError.from_synthesis_failure(exc) from None
-        return Response(audio.wav_bytes(pcm, rate), media_type=audio.content_type("wav"), headers=headers)
-
-    async def body_stream() -> AsyncIterator[bytes]:
-        if fmt == "wav":
-            yield audio.wav_header(rate)
-        async for data in encoded():
-            yield data
-
     # Fail before the status line if the first sentence cannot be made (e.g. the backend refuses it).
-    stream = body_stream()
+    stream = encoded()
     try:
         first = await stream.__anext__()
     except StopAsyncIteration:
@@ -361,7 +343,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             async for data in stream:
                 yield data
 
-    return StreamingResponse(rest(), media_type=audio.content_type(fmt, rate), headers=headers)
+    return StreamingResponse(rest(), media_type=encoders.content_type(fmt, rate),
+                             headers={"X-Sample-Rate": str(rate), **warning_headers})
 
 
 # ----------------------------------------------------------------------------------------- tokens

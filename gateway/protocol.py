@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-STREAMING_FORMATS = ("pcm", "mulaw", "alaw")
 GRANULARITIES = ("sentence", "clause", "none")
 # The output rate unless the client asks for `sample_rate`: clients of vLLM-Omni (and OpenAI's `pcm`)
 # assume 24 kHz for raw audio, whatever the backend's own rate; telephony formats default to 8 kHz.
@@ -399,7 +398,7 @@ class AudioDone(_ServerMessage):
     total_bytes: int
     error: bool = False
     context_id: str | None = None
-    duration_ms: float
+    duration_ms: float | None = None  # None (left out): unknown, for compressed audio replayed after a resume
     cancelled: bool | None = None
 
 

@@ -38,7 +38,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from tts_backend.base import Synthesizer
 
-from . import audio
+from . import audio, encoders
 from .auth import Principal
 from .compat import option_warnings, resolve_voice
 from .limits import Admission
@@ -47,7 +47,6 @@ from .metrics import GatewayMetrics
 from .protocol import (
     DEFAULT_SAMPLE_RATE,
     HANDSHAKE_MESSAGES,
-    STREAMING_FORMATS,
     TELEPHONY_SAMPLE_RATE,
     CloseCode,
     ContextCancelled,
@@ -406,16 +405,10 @@ class StreamingSession(SpeechPipeline, SessionResumer):
     def _resolve(self, message: SessionConfig) -> ResolvedConfig:
         choice = resolve_voice(self.backend, self.settings, message.voice)
         fmt = message.response_format or "pcm"
-        if fmt not in audio.FORMATS:
+        if fmt not in encoders.FORMATS:
             raise ProtocolError(
                 ErrorCode.unsupported_format,
-                f"response_format {fmt!r} is not supported; choose one of {', '.join(audio.FORMATS)}",
-            )
-        if message.stream_audio and fmt not in STREAMING_FORMATS:
-            raise ProtocolError(
-                ErrorCode.unsupported_format,
-                f"stream_audio needs one of {', '.join(STREAMING_FORMATS)}; {fmt!r} is sent whole per sentence"
-                " with stream_audio false",
+                f"response_format {fmt!r} is not supported; choose one of {', '.join(encoders.FORMATS)}",
             )
         rate = message.sample_rate
         if rate is None:
@@ -425,6 +418,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 ErrorCode.unsupported_format,
                 f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
             )
+        rate = encoders.coded_rate(fmt, rate)
         return ResolvedConfig(
             message=message,
             voice=choice.voice,

@@ -67,7 +67,7 @@ class SentenceJob:
     started_sending: bool = False
     finished: bool = False
     bytes_sent: int = 0
-    source_samples: int = 0  # backend samples received, for duration_ms
+    source_samples: int | None = 0  # backend samples received, for duration_ms; None: unknown
     queued_bytes: int = 0  # PCM made but not yet taken by the sender (back-pressure)
 
     @property

@@ -26,7 +26,7 @@ from starlette.websockets import WebSocket
 
 from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, UnknownVoiceError
 
-from . import audio
+from . import audio, encoders
 from .protocol import AudioDone, AudioStart, CloseCode, ErrorCode, ProtocolError, SessionDone, UtteranceDone
 from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, sent_marker
 
@@ -202,7 +202,7 @@ class SpeechPipeline:
             total_bytes=job.bytes_sent,
             error=error,
             context_id=job.utterance.context_id,
-            duration_ms=round(job.source_samples * 1000 / job.config.source_rate, 1),
+            duration_ms=None if job.source_samples is None else round(job.source_samples * 1000 / job.config.source_rate, 1),
             cancelled=True if cancelled else None,
         )
 
@@ -234,9 +234,16 @@ class SpeechPipeline:
 
     async def _send_sentence(self, job: SentenceJob) -> None:
         config = job.config
-        encoder = audio.StreamEncoder(config.response_format if config.stream_audio else "pcm", config.source_rate, config.output_rate)
-        # Whole samples per frame, at most max_frame_ms of audio.
-        frame_bytes = max(1, config.output_rate * self.settings.max_frame_ms // 1000) * encoder.bytes_per_sample
+        fmt = config.response_format
+        # One file per sentence (raw formats: the samples), made as the audio arrives; streamed piece by
+        # piece, or sent whole at the end (a whole wav gets its true sizes, so it is built from the PCM).
+        whole_wav = fmt == "wav" and not config.stream_audio
+        encoder = encoders.AudioFileEncoder("pcm" if whole_wav else fmt, config.source_rate, config.output_rate,
+                                            serial=job.index)
+        # Frames of at most max_frame_ms of audio, whole samples for the raw formats (compressed audio of that
+        # length is smaller than its PCM, so a compressed piece rarely needs splitting).
+        bytes_per_sample = encoder.bytes_per_sample or 2
+        frame_bytes = max(1, config.output_rate * self.settings.max_frame_ms // 1000) * bytes_per_sample
         async with self._send_lock:
             if job.cancelled:
                 return
@@ -244,7 +251,7 @@ class SpeechPipeline:
                 AudioStart(
                     sentence_index=job.index,
                     sentence_text=job.text,
-                    format=config.response_format,
+                    format=fmt,
                     sample_rate=config.output_rate,
                     context_id=job.utterance.context_id,
                 ).encode()
@@ -254,9 +261,9 @@ class SpeechPipeline:
             for piece in job.replay:
                 if not await self._send_frames(job, piece, frame_bytes, record=False):
                     return
-            if not job.needs_synthesis:
-                bps = encoder.bytes_per_sample
-                job.source_samples = job.bytes_sent // bps * config.source_rate // config.output_rate
+            if not job.needs_synthesis:  # the duration of compressed audio is not known from its size
+                job.source_samples = (job.bytes_sent // bytes_per_sample * config.source_rate // config.output_rate
+                                      if encoder.bytes_per_sample else None)
         if job.needs_synthesis:
             await self.store.set_sentence_state(self.session_id, job.index, "speaking", owner=self.owner)
         whole: list[bytes] = []
@@ -272,27 +279,23 @@ class SpeechPipeline:
                 break
             self._take_audio(job, len(item))
             job.source_samples += len(item) // 2
-            encoded = encoder.encode(item)
+            encoded = await encoder.encode(item)
             if config.stream_audio:
                 if encoded and not await self._send_new_audio(job, encoded, frame_bytes):
                     return
             else:
                 whole.append(encoded)
-        tail = encoder.flush() if job.needs_synthesis else b""
-        if config.stream_audio:
-            if tail and not await self._send_new_audio(job, tail, frame_bytes):
-                return
-        elif failure is None and job.needs_synthesis:
-            pcm = b"".join(whole) + tail
-            if config.response_format == "wav":
-                data = audio.wav_bytes(pcm, config.output_rate)
-            elif config.response_format == "pcm":
-                data = pcm
+        if job.needs_synthesis and (config.stream_audio or failure is None):
+            tail = await encoder.finish()
+            if config.stream_audio:
+                if tail and not await self._send_new_audio(job, tail, frame_bytes):
+                    return
             else:
-                file_encoder = audio.StreamEncoder(config.response_format, config.output_rate, config.output_rate)
-                data = file_encoder.encode(pcm) + file_encoder.flush()
-            if data and not await self._send_new_audio(job, data, max(len(data), 1)):
-                return
+                data = b"".join(whole) + tail
+                if whole_wav:
+                    data = audio.wav_bytes(data, config.output_rate)
+                if data and not await self._send_new_audio(job, data, max(len(data), 1)):
+                    return
         async with self._send_lock:
             if job.cancelled:
                 return

@@ -128,7 +128,8 @@ async def test_gateway_streams_piper_audio_byte_identical_to_the_backend(piper):
 def test_http_speech_with_piper(piper):
     with running_gateway("piper") as server:
         wav = httpx.post(server.url + "/v1/audio/speech",
-                         json={"model": "voxgate", "input": "Hello from Piper.", "voice": "joe"}, timeout=60)
+                         json={"model": "voxgate", "input": "Hello from Piper.", "voice": "joe", "response_format": "wav"},
+                         timeout=60)
         pcm = httpx.post(server.url + "/v1/audio/speech",
                          json={"input": "Hello from Piper.", "voice": "joe", "response_format": "pcm"}, timeout=60)
     native = asyncio.run(synthesize(piper, "Hello from Piper."))

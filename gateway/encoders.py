@@ -1,0 +1,193 @@
+"""Compressed output formats: mp3, opus (in Ogg), aac (in ADTS) and flac, encoded with PyAV as audio arrives.
+
+One `AudioFileEncoder` makes one file: it is fed s16le mono PCM at the backend's rate in chunks of any
+size (resampled by gateway.audio.StreamEncoder) and returns the file's bytes as the muxer produces them, so
+the concatenation of everything `encode` and `finish` return is one valid file that a browser or ffmpeg
+plays from its first bytes. It is also how the raw and WAV formats are made, so callers treat all formats
+alike: raw formats are the samples themselves, and `wav` is a header of unknown length followed by PCM.
+
+Choices that keep a stream playable while it is being made, and cheap:
+- mp3 is plain MPEG frames (no ID3 tag, no Xing header: both need the end of the file or a seek), so the
+  files of consecutive sentences concatenate into one valid mp3 stream; aac in ADTS likewise.
+- Ogg pages are cut every `OGG_PAGE_MS` of audio instead of the muxer's default second, so opus audio
+  leaves within that time of being made. The muxer is bit-exact and the Ogg serial number is the caller's
+  `serial` (a sentence's index), so the same audio gives the same bytes: a resumed sentence's re-encoded
+  bytes continue the ones logged before.
+- flac has no 8 KiB padding block; its header says "length unknown" as a non-seekable output must.
+- Opus codes at 8, 12, 16, 24 or 48 kHz only: any other rate is resampled to 48 kHz (`coded_rate`).
+The codecs cost 0.4-0.7 ms of CPU per 100 ms of audio (bench/encode_cost.py; README, "Output formats"):
+too much to run on the event loop for every stream, so `encode`/`finish` of the compressed formats run
+on a small thread pool (PyAV releases the GIL while a codec runs); raw formats and WAV, microseconds,
+run inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import av
+import numpy as np
+
+from . import audio
+
+OGG_PAGE_MS = 60
+
+
+@dataclass(frozen=True)
+class _Codec:
+    muxer: str
+    codec: str
+    mime: str
+    bit_rate: int | None = None  # bits per second; None for lossless
+    rates: tuple[int, ...] | None = None  # the only rates the codec takes; None: any
+    muxer_options: dict[str, str] = field(default_factory=dict)
+    codec_options: dict[str, str] = field(default_factory=dict)
+
+
+CODECS: dict[str, _Codec] = {
+    # LAME quality 5: a quarter less CPU than the default, the same SNR on the tests' signals.
+    "mp3": _Codec("mp3", "libmp3lame", "audio/mpeg", bit_rate=64000,
+                  muxer_options={"id3v2_version": "0", "write_id3v1": "0", "write_xing": "0"},
+                  codec_options={"compression_level": "5"}),
+    "opus": _Codec("ogg", "libopus", "audio/ogg; codecs=opus", bit_rate=32000, rates=(8000, 12000, 16000, 24000, 48000),
+                   muxer_options={"page_duration": str(OGG_PAGE_MS * 1000)},
+                   codec_options={"application": "audio", "frame_duration": "20"}),
+    "aac": _Codec("adts", "aac", "audio/aac", bit_rate=64000),
+    "flac": _Codec("flac", "flac", "audio/flac", muxer_options={"metadata_header_padding": "0"}),
+}
+COMPRESSED_FORMATS: tuple[str, ...] = tuple(CODECS)
+FORMATS: tuple[str, ...] = audio.FORMATS + COMPRESSED_FORMATS  # every response_format the gateway makes
+OPUS_FALLBACK_RATE = 48000
+# One stream's calls are awaited in turn, so a stream never has two calls in flight; the pool bounds how
+# many codecs run at once (one per core), and a backlog waits here rather than on the event loop.
+_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="voxgate-encode")
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise audio.UnsupportedFormatError(f"response_format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def coded_rate(fmt: str, rate: int) -> int:
+    """The rate a stream of `fmt` asked to be at `rate` is coded at: `rate`, unless the codec cannot take it
+    (opus: 22050 and 44100 become 48000, the rate opus decoders play at anyway)."""
+    codec = CODECS.get(fmt)
+    if codec is None or codec.rates is None or rate in codec.rates:
+        return rate
+    return OPUS_FALLBACK_RATE
+
+
+def content_type(fmt: str, sample_rate: int | None = None) -> str:
+    codec = CODECS.get(fmt)
+    return codec.mime if codec is not None else audio.content_type(fmt, sample_rate)
+
+
+class _Sink:
+    """The muxer's output: a write-only, non-seekable file object whose bytes are taken as they come."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self._parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        data = b"".join(self._parts)
+        self._parts.clear()
+        return data
+
+
+class _Muxed:
+    """One PyAV output container with one mono audio stream, fed s16 samples at `rate`."""
+
+    def __init__(self, codec: _Codec, rate: int, serial: int) -> None:
+        self._sink = _Sink()
+        options = {"fflags": "+bitexact", "flush_packets": "1", **codec.muxer_options}
+        if codec.muxer == "ogg":
+            options["serial_offset"] = str(serial)
+        self._container = av.open(self._sink, mode="w", format=codec.muxer, container_options=options)
+        self._stream = self._container.add_stream(codec.codec, rate=rate, options=dict(codec.codec_options))
+        context = self._stream.codec_context
+        context.layout = "mono"
+        if codec.bit_rate is not None:
+            context.bit_rate = codec.bit_rate
+        self._rate = rate
+        self._samples = 0
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        if len(samples):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.int16).reshape(1, -1),
+                                               format="s16", layout="mono")
+            frame.sample_rate = self._rate
+            frame.pts = self._samples
+            self._samples += len(samples)
+            self._container.mux(self._stream.encode(frame))
+        return self._sink.take()
+
+    def finish(self) -> bytes:
+        """The codec's held-back audio and the container's trailer; the container is closed."""
+        self._container.mux(self._stream.encode(None))
+        self._container.close()
+        return self._sink.take()
+
+
+class AudioFileEncoder:
+    """One file (or raw stream) of `response_format` at `target_rate`, from s16le mono PCM at `source_rate`.
+
+    `encode` returns the bytes made so far (maybe none: codecs and resampler hold a little back), `finish`
+    the rest; the encoder is then spent. Await one call before making the next. An encoder abandoned before
+    `finish` is released with its last reference (a call still running on the pool holds one).
+    `serial` tells consecutive Ogg files apart (see the module doc). `output_rate` is the rate the audio is
+    coded at (see `coded_rate`).
+    """
+
+    def __init__(self, response_format: str, source_rate: int, target_rate: int | None = None, *, serial: int = 0) -> None:
+        self.response_format = check_format(response_format)
+        codec = CODECS.get(response_format)
+        if codec is None:
+            raw = "pcm" if response_format == "wav" else response_format
+            self._samples = audio.StreamEncoder(raw, source_rate, target_rate)
+            self._muxed = None
+            self._header = audio.wav_header(self._samples.output_rate) if response_format == "wav" else b""
+            self.bytes_per_sample: int | None = self._samples.bytes_per_sample
+        else:
+            rate = coded_rate(response_format, target_rate or source_rate)
+            self._samples = audio.StreamEncoder("pcm", source_rate, rate)
+            self._muxed = _Muxed(codec, rate, serial)
+            self._header = b""
+            self.bytes_per_sample = None  # compressed: no fixed size per sample
+        self.output_rate = self._samples.output_rate
+
+    async def encode(self, pcm_s16le: bytes) -> bytes:
+        return await self._run(self.encode_now, pcm_s16le)
+
+    async def finish(self) -> bytes:
+        return await self._run(self.finish_now)
+
+    def encode_now(self, pcm_s16le: bytes) -> bytes:
+        """`encode` on the caller's thread."""
+        return self._emit(self._samples.encode(pcm_s16le))
+
+    def finish_now(self) -> bytes:
+        """`finish` on the caller's thread."""
+        data = self._emit(self._samples.flush())
+        if self._muxed is not None:
+            data += self._muxed.finish()
+        return data
+
+    async def _run(self, method, *args) -> bytes:
+        if self._muxed is None:
+            return method(*args)
+        return await asyncio.get_running_loop().run_in_executor(_POOL, method, *args)
+
+    def _emit(self, data: bytes) -> bytes:
+        if self._muxed is not None:
+            data = self._muxed.encode(np.frombuffer(data, dtype="<i2"))
+        if self._header:
+            data, self._header = self._header + data, b""
+        return data
