@@ -2,7 +2,7 @@
 
 import { chromium } from "playwright-core";
 
-export function launchChromium() {
+function launchChromium() {
   return chromium.launch({
     executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
     headless: true,
@@ -19,4 +19,21 @@ export function launchChromium() {
       "--autoplay-policy=no-user-gesture-required",
     ],
   });
+}
+
+/**
+ * Run `check(browser, output)` in a fresh Chromium, then print `output` as JSON: with `failure` (and a
+ * non-zero exit status) when the check threw, so the Python side sees what got done before it failed.
+ */
+export async function runBrowserCheck(check, output = {}) {
+  const browser = await launchChromium();
+  try {
+    await check(browser, output);
+  } catch (error) {
+    output.failure = String(error.stack || error);
+    process.exitCode = 1;
+  } finally {
+    await browser.close();
+  }
+  process.stdout.write(JSON.stringify(output));
 }

@@ -1,12 +1,10 @@
 // The underrun counter must count: against a backend slower than real time, the demo's worklet runs
 // dry inside sentences. Prints the page's snapshot as JSON. Usage: node underrun_check.mjs <url> <voice> <text>
 
-import { launchChromium } from "./chromium.mjs";
+import { runBrowserCheck } from "./chromium.mjs";
 
 const [baseUrl, voice, text] = process.argv.slice(2);
-const browser = await launchChromium();
-const output = {};
-try {
+await runBrowserCheck(async (browser, output) => {
   const page = await browser.newPage();
   page.on("pageerror", (error) => (output.pageError = String(error)));
   await page.goto(baseUrl + "/");
@@ -22,10 +20,4 @@ try {
   });
   await page.waitForTimeout(150);
   output.snapshot = await page.evaluate(() => window.voxgateDemo.snapshot());
-} catch (error) {
-  output.failure = String(error.stack || error);
-  process.exitCode = 1;
-} finally {
-  await browser.close();
-}
-process.stdout.write(JSON.stringify(output));
+}, {});

@@ -4,7 +4,7 @@
 // what the page and its AudioWorklet reported as JSON. tests/test_web_demo.py checks the numbers.
 // Usage: node web_demo_check.mjs <gateway base url> <screenshot dir> <voice> <text> <long text>
 
-import { launchChromium } from "./chromium.mjs";
+import { runBrowserCheck } from "./chromium.mjs";
 import { checkLayout } from "./layout.mjs";
 
 const [baseUrl, screenshotDir, voice, text, longText] = process.argv.slice(2);
@@ -15,10 +15,7 @@ const WIDTHS = [
   { width: 390, height: 844 },
 ];
 
-const browser = await launchChromium();
-
-const output = { consoleErrors: [], pageErrors: [] };
-try {
+await runBrowserCheck(async (browser, output) => {
   const page = await browser.newPage({ viewport: { width: 1280, height: 1000 }, deviceScaleFactor: 1 });
   page.on("console", (message) => {
     if (message.type() === "error") output.consoleErrors.push(message.text());
@@ -99,10 +96,4 @@ try {
   await waitFor(() => window.voxgateDemo.snapshot().utterance?.contextId === "utt-4" && window.voxgateDemo.snapshot().utterance.outcome === "played");
   await page.waitForTimeout(150);
   output.mulaw = await snapshot();
-} catch (error) {
-  output.failure = String(error.stack || error);
-  process.exitCode = 1;
-} finally {
-  await browser.close();
-}
-process.stdout.write(JSON.stringify(output));
+}, { consoleErrors: [], pageErrors: [] });

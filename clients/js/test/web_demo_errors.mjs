@@ -7,15 +7,13 @@
 // a screenshot. Prints JSON for tests/test_web_demo.py.
 // Usage: node web_demo_errors.mjs <page url> <dead gateway url> <screenshot dir> <api key>
 
-import { launchChromium } from "./chromium.mjs";
+import { runBrowserCheck } from "./chromium.mjs";
 import { checkView } from "./layout.mjs";
 
 const [pageUrl, deadGateway, screenshotDir, apiKey] = process.argv.slice(2);
 const PHONE = { width: 390, height: 844 };
 
-const browser = await launchChromium();
-const output = { pageErrors: [] };
-try {
+await runBrowserCheck(async (browser, output) => {
   const open = async () => {
     const page = await browser.newPage({ viewport: PHONE, deviceScaleFactor: 1 });
     page.on("pageerror", (error) => output.pageErrors.push(String(error)));
@@ -71,10 +69,4 @@ try {
   await page.fill("#text", "Some text.");
   await waitFor(page, () => window.voxgateDemo.snapshot().notice === null);
   output.afterTyping = await snapshot(page);
-} catch (error) {
-  output.failure = String(error.stack || error);
-  process.exitCode = 1;
-} finally {
-  await browser.close();
-}
-process.stdout.write(JSON.stringify(output));
+}, { pageErrors: [] });
