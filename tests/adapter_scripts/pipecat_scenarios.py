@@ -13,6 +13,8 @@ import asyncio
 import hashlib
 import time
 
+from loguru import logger
+
 from pipecat.frames.frames import (
     EndFrame,
     ErrorFrame,
@@ -38,17 +40,28 @@ from voxgate_pipecat import VoxgateTTSService
 
 
 class RecordingTTS(VoxgateTTSService):
-    """The service under test, noting the gateway's sentence announcements and cancel timings."""
+    """The service under test, noting the gateway's sentence announcements, the text it was given and cancel
+    timings. With `hold_context_cancelled` set, a context.cancelled from the gateway waits for that event
+    before the service sees it (a barge-in whose confirmation is slow to come)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.sentences: dict[str, list[str]] = {}
         self.cancel_sent_at: dict[str, float] = {}
+        self.texts: dict[str, list[str]] = {}
+        self.hold_context_cancelled: asyncio.Event | None = None
 
     async def _handle_event(self, event):
         if isinstance(event, vg.AudioStart) and event.context_id is not None:
             self.sentences.setdefault(event.context_id, []).append(event.sentence_text)
+        if isinstance(event, vg.ContextCancelled) and self.hold_context_cancelled is not None:
+            await self.hold_context_cancelled.wait()
         await super()._handle_event(event)
+
+    async def run_tts(self, text: str, context_id: str):
+        self.texts.setdefault(context_id, []).append(text)
+        async for frame in super().run_tts(text, context_id):
+            yield frame
 
     async def on_audio_context_interrupted(self, context_id: str):
         self.cancel_sent_at[context_id] = time.monotonic()
@@ -216,15 +229,63 @@ async def scenario_interrupt(url: str, long_turn: str, next_turn: str) -> dict:
 
 
 async def scenario_pipeline_cancel(url: str, long_turn: str) -> dict:
-    """The whole pipeline is cancelled (CancelFrame) mid-turn: it ends at once and the gateway stops."""
+    """The whole pipeline is cancelled (CancelFrame) mid-turn: it ends at once, the gateway stops, and the
+    session is closed (session.close answered), not left open on the gateway."""
     h = Harness(url)
     await h.__aenter__()
     await h.speak_turn(long_turn)
     await asyncio.wait_for(h.collector.first_audio.wait(), 20)
-    cancelled_at = time.monotonic()
-    await h.worker.cancel()
-    await asyncio.wait_for(h.run_task, 20)
-    return {"cancelled_at": cancelled_at, "finished_after_s": time.monotonic() - cancelled_at, "errors": h.errors}
+    session = h.tts.session
+    logged: list[str] = []  # Pipecat logs (rather than raises) what fails while a processor cancels
+    sink = logger.add(lambda message: logged.append(message.record["message"]), level="ERROR")
+    try:
+        cancelled_at = time.monotonic()
+        await h.worker.cancel()
+        await asyncio.wait_for(h.run_task, 20)
+    finally:
+        logger.remove(sink)
+    return {
+        "cancelled_at": cancelled_at,
+        "finished_after_s": time.monotonic() - cancelled_at,
+        "session_closed": session.closed,
+        "logged_errors": logged,
+        "errors": h.errors,
+    }
+
+
+async def scenario_barge_in_then_next_turn(url: str, long_turn: str, next_turn: str) -> dict:
+    """The next turn's text comes while the barge-in's context.cancelled is still on its way (held here until
+    the text has gone through): the service must take all of it and speak it."""
+    async with Harness(url) as h:
+        release = asyncio.Event()
+        h.tts.hold_context_cancelled = release
+        await h.speak_turn(long_turn)
+        await asyncio.wait_for(h.collector.first_audio.wait(), 20)
+        await h.worker.queue_frame(InterruptionFrame())
+        for _ in range(1000):  # input.cancel is being sent; its answer will be held
+            if h.tts.cancel_sent_at:
+                break
+            await asyncio.sleep(0.01)
+        earlier = set(h.tts.texts)
+        await h.speak_turn(next_turn)
+        expected = " ".join(next_turn.split())
+
+        def taken() -> str:  # the text run_tts got for contexts opened since the barge-in
+            return " ".join("".join(t for c, texts in h.tts.texts.items() if c not in earlier for t in texts).split())
+
+        for _ in range(1000):  # every token of the next turn reached run_tts
+            if taken() == expected:
+                break
+            await asyncio.sleep(0.01)
+        text_taken_while_cancelling = taken() == expected
+        release.set()
+        next_audio = await h.spoken_turn(1) if text_taken_while_cancelling else None
+        return {
+            "cancel_sent": bool(h.tts.cancel_sent_at),
+            "text_taken_while_cancelling": text_taken_while_cancelling,
+            "next": next_audio,
+            "errors": h.errors,
+        }
 
 
 async def scenario_resume(url: str, text: str, next_turn: str) -> dict:
@@ -301,6 +362,7 @@ SCENARIOS = {
     "sentence_mode_16k": scenario_sentence_mode_16k,
     "voice_change": scenario_voice_change,
     "pipeline_cancel": scenario_pipeline_cancel,
+    "barge_in_then_next_turn": scenario_barge_in_then_next_turn,
     "speak_frame": scenario_speak_frame,
 }
 

@@ -142,7 +142,9 @@ class VoxgateTTSService(WebsocketTTSService):
         self._config_dirty = False
         # Contexts this service cancelled, with the audio bytes that still arrived for each before the
         # gateway confirmed (context.cancelled): the barge-in cost, reported by `on_context_cancelled`.
-        self._cancelling: dict[str, int] = {}
+        # Not named `_cancelling`: Pipecat's FrameProcessor owns that name, a flag it sets on CancelFrame
+        # and reads in queue_frame (a non-empty dict there dropped every frame queued during a barge-in).
+        self._late_bytes_of_cancelled: dict[str, int] = {}
         # Contexts the gateway holds open for this service: text sent, no utterance.done or context.cancelled
         # yet. A pipeline cancel stops these whether or not Pipecat still lists an audio context for them.
         self._open_contexts: set[str] = set()
@@ -233,7 +235,7 @@ class VoxgateTTSService(WebsocketTTSService):
 
     async def _disconnect_websocket(self):
         session, self._session = self._session, None
-        self._cancelling.clear()
+        self._late_bytes_of_cancelled.clear()
         self._open_contexts.clear()
         try:
             await self.stop_all_metrics()
@@ -269,8 +271,8 @@ class VoxgateTTSService(WebsocketTTSService):
     async def _handle_event(self, event: vg.Event):
         context_id = getattr(event, "context_id", None)
         if isinstance(event, vg.AudioChunk):
-            if context_id in self._cancelling:
-                self._cancelling[context_id] += len(event.data)
+            if context_id in self._late_bytes_of_cancelled:
+                self._late_bytes_of_cancelled[context_id] += len(event.data)
             elif context_id is not None and self.audio_context_available(context_id):
                 frame = TTSAudioRawFrame(
                     audio=event.data, sample_rate=self.sample_rate, num_channels=1, context_id=context_id
@@ -283,7 +285,7 @@ class VoxgateTTSService(WebsocketTTSService):
                 await self.remove_audio_context(context_id)
         elif isinstance(event, vg.ContextCancelled):
             self._open_contexts.discard(context_id)
-            late_bytes = self._cancelling.pop(context_id, 0)
+            late_bytes = self._late_bytes_of_cancelled.pop(context_id, 0)
             await self._call_event_handler("on_context_cancelled", context_id, late_bytes)
         elif isinstance(event, vg.Error):
             await self._handle_gateway_error(event)
@@ -342,11 +344,11 @@ class VoxgateTTSService(WebsocketTTSService):
         """Barge-in: the gateway stops generating this context at once and drops its unsent audio."""
         await self.stop_all_metrics()
         if self._session is not None and not self._session.closed:
-            self._cancelling[context_id] = 0
+            self._late_bytes_of_cancelled[context_id] = 0
             try:
                 await self._session.cancel(context_id=context_id)
             except voxgate_client.VoxgateError as e:
-                self._cancelling.pop(context_id, None)
+                self._late_bytes_of_cancelled.pop(context_id, None)
                 logger.warning(f"{self}: input.cancel for {context_id} failed: {e}")
         await super().on_audio_context_interrupted(context_id)
 
