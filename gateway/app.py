@@ -251,7 +251,7 @@ def create_app(
             )
             return
         try:
-            async with gateway.admission.session(principal):
+            async with gateway.admission.session(principal) as claim:
                 session = StreamingSession(
                     websocket,
                     settings=settings,
@@ -259,6 +259,7 @@ def create_app(
                     store=gateway.store,
                     metrics=gateway.metrics,
                     admission=gateway.admission,
+                    admission_claim=claim,
                     principal=principal,
                 )
                 gateway.sessions.add(session)

@@ -19,8 +19,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,7 +32,7 @@ from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRe
 from . import audio, encoders
 from .auth import AuthError, Principal, TokenSigner
 from .compat import option_warnings, resolve_voice
-from .limits import LimitExceeded
+from .limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
 from .protocol import ErrorCode, ProtocolError, loads_client_json
 from .segmenter import SentenceSegmenter, push_in_slices
 
@@ -61,11 +61,13 @@ class StrictJsonRoute(APIRoute):
 
 
 router = APIRouter(route_class=StrictJsonRoute)
+T = TypeVar("T")
 
 # Raw formats carry no header, so clients assume a rate: OpenAI documents `pcm` as 24 kHz, telephony
 # formats are 8 kHz. `wav` states its rate in its header and stays at the backend's own.
 DEFAULT_RATES = {"pcm": 24000, "mulaw": 8000, "alaw": 8000}
 WARNINGS_HEADER = "X-Voxgate-Warnings"
+CLIENT_LEFT = 499  # nginx's status for "client closed request": logged, never delivered
 BACKEND_METRICS_TIMEOUT_S = 3.0  # a scrape waits this long for the backend's metrics, then goes without
 
 log = logging.getLogger(__name__)
@@ -171,15 +173,19 @@ class SpeechRequest(BaseModel):
 
 
 async def pipelined_synthesis(
-    backend: Synthesizer, requests: list[SynthesisRequest], lookahead: int
+    backend: Synthesizer, requests: list[SynthesisRequest], lookahead: int,
+    monitor: SynthesisMonitor | None = None, claim: AdmissionClaim | None = None,
 ) -> AsyncIterator[bytes]:
     """PCM of each request in order. One producer synthesizes the requests one after another, running
     up to `lookahead` requests ahead of the one being read, so the next sentence is made while this one
-    is sent and the head sentence never competes with its successors for the backend."""
+    is sent and the head sentence never competes with its successors for the backend. While it runs it
+    is one stream of `monitor` (with each pull's audio and time), replacing the request's admission
+    `claim`."""
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
     end = object()
     reading = 0
     advanced = asyncio.Event()
+    bytes_per_second = 2 * backend.sample_rate
 
     async def produce() -> None:
         for j, request in enumerate(requests):
@@ -188,15 +194,33 @@ async def pipelined_synthesis(
                 await advanced.wait()
             try:
                 async with contextlib.aclosing(backend.synthesize(request)) as stream:
-                    async for chunk in stream:
+                    while True:
+                        pulled_at = time.monotonic()
+                        try:
+                            chunk = await anext(stream)
+                        except StopAsyncIteration:
+                            break
                         if chunk.pcm:
+                            if monitor is not None:
+                                monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
                             queues[j].put_nowait(chunk.pcm)
             except Exception as exc:
                 queues[j].put_nowait(exc)
                 return
             queues[j].put_nowait(end)
 
-    producer = asyncio.create_task(produce(), name="http-synthesis")
+    async def produce_as_a_stream() -> None:
+        if claim is not None:
+            claim.release()
+        if monitor is None:
+            return await produce()
+        monitor.stream_started()
+        try:
+            await produce()
+        finally:
+            monitor.stream_ended()
+
+    producer = asyncio.create_task(produce_as_a_stream(), name="http-synthesis")
     try:
         for i in range(len(requests)):
             reading = i
@@ -218,6 +242,32 @@ async def _sentences(text: str, language: str, max_chars: int) -> list[str]:
     segmenter = SentenceSegmenter("sentence", language=language, max_unit_chars=max_chars)
     units = await push_in_slices(segmenter, text) + segmenter.flush()
     return [u for u in units if u.strip()]
+
+
+class _ClientLeft(Exception):
+    """The HTTP client disconnected before its response started."""
+
+
+async def _until_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelled at once if the client disconnects meanwhile (then raises _ClientLeft): the
+    work done before a response starts (its first audio, or a whole file) stops with the client."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    listener = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, listener):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.gather(task, listener, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientLeft()
+    return task.result()
 
 
 @router.post("/v1/audio/speech")
@@ -263,7 +313,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         )
     rate = encoders.coded_rate(fmt, rate)
     try:  # last: a request refused for another reason uses none of the key's allowance
-        await gateway.admission.admit_request(principal, len(body.input))
+        claim = await gateway.admission.admit_request(principal, len(body.input))
     except LimitExceeded as exc:
         raise ApiError.from_limit(exc) from None
 
@@ -289,12 +339,13 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         for i, text in enumerate(await _sentences(body.input, body.language, settings.max_synthesis_chars))
     ]
     metrics = gateway.metrics
+    synthesis = pipelined_synthesis(backend, requests, settings.lookahead_sentences, gateway.admission.monitor, claim)
 
     async def encoded() -> AsyncIterator[bytes]:
         """The response's audio file, piece by piece as it is made, recording time to first audio."""
         encoder = encoders.AudioFileEncoder(fmt, backend.sample_rate, rate)
         first = True
-        async with contextlib.aclosing(pipelined_synthesis(backend, requests, settings.lookahead_sentences)) as pcm_stream:
+        async with contextlib.aclosing(synthesis) as pcm_stream:
             async for pcm in pcm_stream:
                 data = await encoder.encode(pcm)
                 if data:
@@ -330,9 +381,10 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     # Fail before the status line if the first sentence cannot be made (e.g. the backend refuses it).
     stream = encoded()
     try:
-        first = await stream.__anext__()
-    except StopAsyncIteration:
-        first = b""
+        first = await _until_client_leaves(request, anext(stream, b""))
+    except _ClientLeft:
+        await stream.aclose()
+        return Response(status_code=CLIENT_LEFT)
     except Exception as exc:
         raise ApiError.from_synthesis_failure(exc) from None
 

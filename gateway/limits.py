@@ -2,8 +2,9 @@
 
 One `Admission` per app instance. It answers, in this order:
 - overload (`overloaded`, retryable): the backend says it is near capacity (`Synthesizer.load()`), or the
-  gateway's own measure says streams are no longer made in real time (`SynthesisMonitor`), or too many
-  streams are synthesizing at once. New sessions are refused early so that the open ones keep real time;
+  gateway's own measure says streams are no longer made in real time (`SynthesisMonitor`, WebSocket and
+  HTTP alike), or too many streams are synthesizing at once, counting work admitted whose synthesis has
+  not started yet (`AdmissionClaim`). New sessions are refused early so that the open ones keep real time;
 - `max_sessions` open WebSocket sessions in this process (`too_many_sessions`);
 - per API key: concurrent sessions (`too_many_sessions`), new sessions per minute and characters per
   minute (`rate_limited`, with the seconds to wait).
@@ -98,6 +99,23 @@ class SynthesisMonitor:
         if audio < MONITOR_MIN_AUDIO_S or pull <= 0:
             return None
         return audio / pull
+
+
+class AdmissionClaim:
+    """A session or HTTP request admitted under `max_active_synthesis` whose synthesis has not started yet:
+    it counts against the cap (so arrivals at the same moment cannot all pass it) until `release()` -
+    called when its first synthesis starts (its stream counts from then on) or when it ends - or until
+    `admission_hold_s` has passed (a session that says nothing for that long holds nothing)."""
+
+    def __init__(self, waiting: dict["AdmissionClaim", float] | None = None) -> None:
+        self._waiting = waiting
+        if waiting is not None:
+            waiting[self] = time.monotonic()
+
+    def release(self) -> None:
+        if self._waiting is not None:
+            self._waiting.pop(self, None)
+            self._waiting = None
 
 
 # ------------------------------------------------------------------------------------ counters
@@ -279,6 +297,7 @@ class Admission:
         self._ended_since_trim = 0
         self._peak_since_trim = 0
         self._trimmer: asyncio.Task | None = None
+        self._claims: dict[AdmissionClaim, float] = {}  # admitted, synthesis not started yet -> since when
 
     async def start(self) -> None:
         await self.counters.start()
@@ -307,8 +326,10 @@ class Admission:
     def _key(principal: Principal) -> str:
         return principal.key_id or "anonymous"
 
-    def check_overload(self) -> None:
-        """Raises LimitExceeded(overloaded) when another session would push synthesis past real time."""
+    def check_overload(self) -> AdmissionClaim:
+        """Raises LimitExceeded(overloaded) when more work would push synthesis past real time; else the
+        new work's claim on the active-synthesis cap, taken at once (to release when its synthesis starts
+        or it ends)."""
         settings, reason = self.settings, None
         load = self.backend.load() if self.backend is not None else 0.0
         speed = self.monitor.realtime_speed()
@@ -316,13 +337,24 @@ class Admission:
             reason = f"the speech backend is at {load:.0%} of its real-time capacity"
         elif settings.overload_min_realtime and speed is not None and speed < settings.overload_min_realtime:
             reason = f"speech is being made at {speed:.2f}x real time"
-        elif settings.max_active_synthesis and self.monitor.active_streams >= settings.max_active_synthesis:
-            reason = f"{self.monitor.active_streams} streams are being synthesized"
+        elif settings.max_active_synthesis:
+            waiting = self.waiting_claims()
+            if self.monitor.active_streams + waiting >= settings.max_active_synthesis:
+                reason = (f"{self.monitor.active_streams} streams are being synthesized and {waiting} more were"
+                          " just admitted")
         if reason is not None:
             raise LimitExceeded(
                 ErrorCode.overloaded, f"the gateway is overloaded ({reason}); retry shortly",
                 retry_after_s=2.0, close=CloseCode.try_again_later,
             )
+        return AdmissionClaim(self._claims if settings.max_active_synthesis else None)
+
+    def waiting_claims(self) -> int:
+        """Work admitted whose synthesis has not started, within admission_hold_s of its admission."""
+        expired = time.monotonic() - self.settings.admission_hold_s
+        for claim in [c for c, since in self._claims.items() if since <= expired]:
+            claim.release()
+        return len(self._claims)
 
     async def _take_rate(self, principal: Principal, kind: str, limit: int, cost: int, context_id: str | None = None,
                          close: CloseCode | None = None) -> None:
@@ -355,10 +387,19 @@ class Admission:
             ) from None
 
     @contextlib.asynccontextmanager
-    async def session(self, principal: Principal) -> AsyncIterator[None]:
-        """Hold a session slot for the body. Raises LimitExceeded (overloaded, too_many_sessions,
+    async def session(self, principal: Principal) -> AsyncIterator[AdmissionClaim]:
+        """Hold a session slot for the body, which gets the session's claim on the active-synthesis cap
+        (released at the latest when the body ends). Raises LimitExceeded (overloaded, too_many_sessions,
         rate_limited), fatal with close code 1013."""
-        self.check_overload()
+        claim = self.check_overload()
+        try:
+            async with self._session_slot(principal):
+                yield claim
+        finally:
+            claim.release()
+
+    @contextlib.asynccontextmanager
+    async def _session_slot(self, principal: Principal) -> AsyncIterator[None]:
         max_sessions, per_key = self.settings.max_sessions, self.settings.max_sessions_per_key
         if max_sessions and self.open_sessions >= max_sessions:
             raise LimitExceeded(
@@ -389,11 +430,17 @@ class Admission:
             if slot is not None:
                 await self.counters.release_slot(slot)
 
-    async def admit_request(self, principal: Principal, chars: int) -> None:
-        """An HTTP speech request: one session and `chars` characters."""
-        self.check_overload()
-        await self._take_rate(principal, "sessions", self.settings.sessions_per_minute, 1)
-        await self.charge_chars(principal, chars)
+    async def admit_request(self, principal: Principal, chars: int) -> AdmissionClaim:
+        """An HTTP speech request: one session and `chars` characters. Returns its claim on the
+        active-synthesis cap, to release when its synthesis starts or the request ends."""
+        claim = self.check_overload()
+        try:
+            await self._take_rate(principal, "sessions", self.settings.sessions_per_minute, 1)
+            await self.charge_chars(principal, chars)
+        except BaseException:
+            claim.release()
+            raise
+        return claim
 
     async def charge_chars(self, principal: Principal, chars: int, context_id: str | None = None) -> None:
         """Count text about to be accepted; raises LimitExceeded(rate_limited) (nothing counted) if over."""

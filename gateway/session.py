@@ -41,7 +41,7 @@ from tts_backend.base import Synthesizer
 from . import audio, encoders
 from .auth import Principal
 from .compat import option_warnings, resolve_voice
-from .limits import Admission
+from .limits import Admission, AdmissionClaim
 from .logs import session_id_var
 from .metrics import GatewayMetrics
 from .protocol import (
@@ -102,6 +102,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         store: SessionStore,
         metrics: GatewayMetrics,
         admission: Admission | None = None,
+        admission_claim: AdmissionClaim | None = None,
         principal: Principal | None = None,
     ) -> None:
         self.ws = websocket
@@ -110,6 +111,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         self.store = store
         self.metrics = metrics
         self.admission = admission
+        self.admission_claim = admission_claim  # released when this session's first synthesis starts
         self.principal = principal or Principal()
 
         self.session_id: str | None = None

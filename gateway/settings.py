@@ -108,7 +108,14 @@ class GatewaySettings(BaseSettings):
     overload_min_realtime: float = Field(
         1.0, ge=0, description="refuse new sessions while streams are made slower than this times real time; 0 = off"
     )
-    max_active_synthesis: int = Field(0, ge=0, description="refuse new sessions while this many streams synthesize; 0 = off")
+    max_active_synthesis: int = Field(
+        0, ge=0, description="refuse new sessions and HTTP speech while this many streams synthesize (counting those"
+        " admitted and not started yet); 0 = off"
+    )
+    admission_hold_s: float = Field(
+        5.0, gt=0, description="work admitted under max_active_synthesis counts against it until its synthesis starts,"
+        " or for this long"
+    )
     max_open_contexts: int = Field(256, ge=1, description="contexts of one session taking text at the same time")
     header_timeout_s: float = Field(10.0, gt=0, description="time a client gets to send its request headers (slowloris)")
     max_http_body_bytes: int = Field(

@@ -89,6 +89,8 @@ class SpeechPipeline:
         bytes_per_second = 2 * self.backend.sample_rate
         try:
             async with contextlib.aclosing(self.backend.synthesize(request)) as stream:
+                if self.admission_claim is not None:  # from now on the session's streams count, not its claim
+                    self.admission_claim.release()
                 if monitor is not None:
                     monitor.stream_started()
                 try:

@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 import websockets
 
-from tests.gateway_server import RecordingBackend, receive_until, running_gateway
+from tests.gateway_server import RecordingBackend, open_session, receive_until, running_gateway
 from tts_backend.synthetic import SyntheticSynthesizer
 
 CONFIG = {"type": "session.config", "voice": "tone-mid", "stream_audio": True}
@@ -233,3 +234,122 @@ async def test_piper_gets_bounded_pieces_of_a_huge_flush():
     starts = [m for m in spoken if m["type"] == "audio.start"]
     assert len(starts) == 4 and all(len(m["sentence_text"]) <= 100 for m in starts)
     assert all(m["total_bytes"] > 0 and not m["error"] for m in spoken if m["type"] == "audio.done")
+
+
+# ------------------------------------------------------------------------------ HTTP speech is real work
+
+PACED_TEXT = " ".join(f"Sentence number {i} is here to keep the voice busy for a while." for i in range(40))
+
+
+async def test_a_long_wav_response_is_streamed_in_bounded_memory():
+    # 30k characters: 94 MB of wav. It used to be made whole before it was sent (the 100k-character
+    # version held 313 MB of audio and peaked at +1.2 GB); streamed, the gateway holds a few sentences.
+    with running_gateway("synthetic") as server:
+        async with httpx.AsyncClient(timeout=120) as client, PeakRss(limit_mb=100) as rss:
+            received = 0
+            async with client.stream("POST", server.url + "/v1/audio/speech", json={
+                    "input": "Words and more words. " * 1364, "voice": "tone-mid", "response_format": "wav"}) as response:
+                assert response.status_code == 200
+                async for data in response.aiter_bytes():  # read and dropped: only the gateway holds audio
+                    received += len(data)
+                    if rss.exceeded.is_set():
+                        break
+            assert not rss.exceeded.is_set(), f"RSS grew by {rss.growth_mb:.0f} MB"
+        assert received > 90_000_000
+
+
+async def raw_speech_request(port: int, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /v1/audio/speech HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    await writer.drain()
+    return reader, writer
+
+
+async def assert_synthesis_stops_when_the_client_leaves(backend: RecordingBackend, body: dict, chunks_first: int):
+    """Send `body` from a raw socket, reset the connection once the backend's first stream produced
+    `chunks_first` chunks: within a second no stream may be left open, and none may start after."""
+    with running_gateway(backend) as server:
+        reader, writer = await raw_speech_request(server.settings.port, body)
+        while not (backend.records and backend.records[0].chunks >= chunks_first):
+            await asyncio.sleep(0.01)
+        writer.transport.abort()  # the client goes away (a reset: nothing more is read or sent)
+        left = time.monotonic()
+        while any(r.closed is None and r.finished is None for r in backend.records):
+            assert time.monotonic() - left < 10, "synthesis ran on after the client left"
+            await asyncio.sleep(0.01)
+        stopped = max(r.closed or r.finished for r in backend.records)
+        assert stopped - left < 1.0
+        started = len(backend.records)
+        await asyncio.sleep(0.5)
+        assert len(backend.records) == started  # nothing new started either
+        assert server.gateway.admission.monitor.active_streams == 0
+
+
+@pytest.mark.parametrize("shape", [{"response_format": "wav"}, {"response_format": "pcm"}, {"stream_format": "sse"}])
+async def test_http_synthesis_stops_when_the_client_leaves(shape):
+    backend = RecordingBackend(SyntheticSynthesizer(speed=1.0))  # real time: the text takes minutes to say
+    await assert_synthesis_stops_when_the_client_leaves(backend, {"input": PACED_TEXT, "voice": "tone-mid", **shape}, 2)
+
+
+async def test_http_synthesis_stops_when_the_client_leaves_before_the_first_audio():
+    # The response starts with the first audio; until then the gateway itself watches for the client.
+    backend = RecordingBackend(SyntheticSynthesizer(speed=1.0, first_chunk_delay_s=5.0))
+    await assert_synthesis_stops_when_the_client_leaves(backend, {"input": PACED_TEXT, "voice": "tone-mid"}, 0)
+
+
+async def test_http_synthesis_counts_as_an_active_stream():
+    with running_gateway("synthetic", backend_options={"speed": 1.0}, max_active_synthesis=1) as server:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", server.url + "/v1/audio/speech",
+                                     json={"input": PACED_TEXT, "voice": "tone-mid", "response_format": "pcm"}) as busy:
+                assert busy.status_code == 200
+                audio = busy.aiter_bytes()  # kept: closing it would close the response
+                await anext(audio)
+                assert server.gateway.admission.monitor.active_streams == 1
+                ws, error, code = await open_session(server.ws_url, CONFIG)
+                assert ws is None and error["code"] == "overloaded" and code == 1013
+                refused = await client.post(server.url + "/v1/audio/speech", json={"input": "Hi.", "voice": "tone-mid"})
+                assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+        assert (await client_speaks(server)) > 0  # the stream ended with its request: admitted again
+
+
+async def client_speaks(server) -> int:
+    async with httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(server.url + "/v1/audio/speech",
+                                     json={"input": "Hi.", "voice": "tone-mid", "response_format": "pcm"})
+        assert response.status_code == 200
+        return len(response.content)
+
+
+async def test_forty_simultaneous_arrivals_against_a_cap_of_four():
+    sentence = "A sentence long enough to keep one stream busy for a few seconds."
+
+    async def websocket_arrival(url: str) -> str:
+        ws, first, code = await open_session(url, CONFIG)
+        if ws is None:
+            assert first["code"] == "overloaded" and first["retryable"] and code == 1013, (first, code)
+            return "refused"
+        async with ws:
+            await ws.send(json.dumps({"type": "input.text", "text": sentence}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            await receive_until(ws, "session.done", timeout=60)
+        return "admitted"
+
+    async def http_arrival(client: httpx.AsyncClient, url: str) -> str:
+        response = await client.post(url + "/v1/audio/speech",
+                                     json={"input": sentence, "voice": "tone-mid", "response_format": "pcm"})
+        if response.status_code == 503:
+            assert response.json()["error"]["code"] == "overloaded" and int(response.headers["Retry-After"]) >= 1
+            return "refused"
+        assert response.status_code == 200 and response.content
+        return "admitted"
+
+    with running_gateway("synthetic", backend_options={"speed": 1.0}, max_active_synthesis=4) as server:
+        limits = httpx.Limits(max_connections=40)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            outcomes = await asyncio.gather(*[websocket_arrival(server.ws_url) for _ in range(20)],
+                                            *[http_arrival(client, server.url) for _ in range(20)])
+    assert outcomes.count("admitted") == 4, outcomes
+    assert outcomes.count("refused") == 36
