@@ -146,34 +146,31 @@ class ServeOutput:
         self.process.wait(15)
 
 
-def test_logs_are_json_without_escape_codes_when_not_a_terminal_and_the_first_line_names_the_page():
-    server = ServeOutput("--backend", "synthetic", tty=False)
+def startup_lines(*args: str, tty: bool) -> tuple[int, list[str]]:
+    """`voxgate serve ARGS`'s port and its stderr lines up to the start-up line, with stderr a terminal or a pipe."""
+    server = ServeOutput("--backend", "synthetic", *args, tty=tty)
     try:
-        lines = server.until("Voxgate is up")
+        return server.port, server.until("Voxgate is up")
     finally:
         server.stop()
+
+
+def test_logs_are_json_without_escape_codes_when_not_a_terminal_and_the_first_line_names_the_page():
+    port, lines = startup_lines(tty=False)
     entries = [json.loads(line) for line in lines]  # every line is one JSON object
     assert all("\x1b" not in line and "\\u001b" not in line for line in lines), lines
-    assert f"http://127.0.0.1:{server.port}/ for the web demo" in entries[-1]["message"]
+    assert f"http://127.0.0.1:{port}/ for the web demo" in entries[-1]["message"]
 
 
 def test_logs_are_text_on_a_terminal():
-    server = ServeOutput("--backend", "synthetic", tty=True)
-    try:
-        lines = server.until("Voxgate is up")
-    finally:
-        server.stop()
+    port, lines = startup_lines(tty=True)
     assert not any(line.lstrip().startswith("{") for line in lines), lines
-    assert f"open http://127.0.0.1:{server.port}/ for the web demo" in lines[-1]
+    assert f"open http://127.0.0.1:{port}/ for the web demo" in lines[-1]
     assert " INFO " in lines[-1]
 
 
 def test_log_format_flag_wins_over_the_terminal_check():
-    server = ServeOutput("--backend", "synthetic", "--log-format", "text", tty=False)
-    try:
-        lines = server.until("Voxgate is up")
-    finally:
-        server.stop()
+    _, lines = startup_lines("--log-format", "text", tty=False)
     assert not lines[-1].startswith("{") and "open http://127.0.0.1" in lines[-1]
 
 
