@@ -4,7 +4,8 @@
 in, so every line a session's reader, sender and synthesis tasks log carries it. Credentials never reach
 the output: the values of query parameters that authenticate (uvicorn logs request paths) and
 Authorization credentials are masked in every message and field. A parameter's name is compared as the query parser reads it
-(percent-decoded, `+` as a space, any case), so `?api%5Fkey=` is masked as `?api_key=` is. Text content
+(percent-decoded, `+` as a space, any case), so `?api%5Fkey=` is masked as `?api_key=` is. The password of
+a URL (`redis://user:PASSWORD@host`, `?password=`) is masked too: `--redis-url` may hold one. Text content
 is logged only at debug level (`text_for_log`).
 """
 
@@ -25,6 +26,9 @@ CREDENTIAL_PARAMETERS = frozenset({"api_key", "token"})  # the query names gatew
 # name=value: a name as it may stand in a query string (percent escapes included), the value up to the
 # next parameter or whitespace; plus Authorization credentials.
 _PARAMETER = re.compile(r"([^\s?&=;\"'/]+)=([^&\s]*)")
+_MASKED_PARAMETERS = CREDENTIAL_PARAMETERS | {"password"}  # password=: a Redis URL's, in its query
+# scheme://userinfo@: the userinfo of a URL (user:password, or a lone name that may be a password).
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s/?#\"']*)@")
 _SCHEME = re.compile(r"(?i)((?:bearer|api-key)\s+)[^\s\"']+")  # Authorization schemes gateway.auth reads
 # LogRecord attributes that are not user-supplied `extra` fields; uvicorn's `color_message` (the message with
 # terminal colour codes) is for terminals, not for a JSON line.
@@ -34,15 +38,22 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 def _mask_parameter(match: re.Match[str]) -> str:
     name, value = match.group(1), match.group(2)
-    if value and unquote_plus(name).strip().lower() in CREDENTIAL_PARAMETERS:
+    if value and unquote_plus(name).strip().lower() in _MASKED_PARAMETERS:
         return f"{name}=[redacted]"
     return match.group(0)
 
 
+def _mask_userinfo(match: re.Match[str]) -> str:
+    user, has_password, _ = match.group(2).partition(":")
+    return f"{match.group(1)}{user}:[redacted]@" if has_password else f"{match.group(1)}[redacted]@"
+
+
 def redact(text: str) -> str:
-    """Mask credentials in a log message."""
+    """Mask credentials in a log message (or in an error that names a URL)."""
     if "=" in text:
         text = _PARAMETER.sub(_mask_parameter, text)
+    if "@" in text:
+        text = _URL_USERINFO.sub(_mask_userinfo, text)
     return _SCHEME.sub(lambda m: m.group(1) + "[redacted]", text)
 
 

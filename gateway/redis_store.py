@@ -46,6 +46,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
+from .logs import redact
 from .store import (
     LeaseLost,
     MarkerRecord,
@@ -310,7 +311,8 @@ class RedisSessionStore(SessionStore):
         except Exception as exc:
             await self._redis.aclose(close_connection_pool=True)
             self._redis = None
-            raise RuntimeError(f"the Redis session store at {self.redis_url} does not answer: {exc}") from exc
+            # The URL may hold a password: the error reaches the log, /health and voxgate serve's exit line.
+            raise RuntimeError(redact(f"the Redis session store at {self.redis_url} does not answer: {exc}")) from exc
         self._write = self._redis.register_script(_WRITE)
         self._append = self._redis.register_script(_APPEND)
         self._renew = self._redis.register_script(_RENEW)

@@ -102,6 +102,25 @@ def test_a_redis_url_alone_reaches_redis_in_a_real_process():
     assert_one_clear_line(result, "the redis session store cannot start", "127.0.0.1:1")
 
 
+@pytest.mark.parametrize("userinfo", [":hunter2-pw", "voxgate:hunter2-pw", "voxgate:hunter2%40pw", "voxgate:hunter2@pw"])
+@pytest.mark.parametrize("given_by", ["flag", "env"])
+def test_an_unreachable_redis_url_with_a_password_is_logged_without_it(userinfo, given_by):
+    """The start fails on an unreachable Redis (the log line, and the exit line naming the URL), and the
+    password is in neither: a --redis-url often carries one."""
+    url = f"redis://{userinfo}@127.0.0.1:1/0"
+    args = ["--backend", "synthetic", "--port", str(free_port())]
+    if given_by == "flag":
+        result = run_serve(*args, "--redis-url", url)
+    else:
+        result = run_serve(*args, "--store", "redis", env={"VOXGATE_REDIS_URL": url})
+    line = assert_one_clear_line(result, "the redis session store cannot start", "127.0.0.1:1/0", "[redacted]")
+    logged = [json.loads(entry) for entry in result.stderr.splitlines() if entry.startswith("{")]
+    assert any("session store cannot start" in entry["message"] for entry in logged), result.stderr
+    for secret in ("hunter2", "pw@127"):
+        assert secret not in result.stderr + result.stdout, result.stderr
+    assert line.count("voxgate:[redacted]@") + line.count("//:[redacted]@") == 1, line
+
+
 # ----------------------------------------------------------------------------------- what it prints
 
 
