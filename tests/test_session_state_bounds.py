@@ -96,6 +96,28 @@ async def test_a_pruned_session_resumes_byte_exact_where_its_log_reaches(store, 
                 assert error["code"] == "resume_out_of_range", error
 
 
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_cancelled_utterance_ends_leave_no_record(store, redis_prefix):  # noqa: F811
+    """An input.done cancelled before its end went out is never sent: its record goes at once."""
+    with running_gateway(backend="synthetic", store=store, redis_key_prefix=redis_prefix) as server:
+        listener = Listener()
+        async with websockets.connect(server.ws_url, max_size=None) as ws:
+            await ws.send(config_message())
+            await listener.receive(ws, "session.started")
+            for _ in range(20):
+                await ws.send(json.dumps({"type": "input.text", "text": "Go on now. " * 50, "context_id": "c"}))
+                await ws.send(json.dumps({"type": "input.done", "context_id": "c"}))
+                await ws.send(json.dumps({"type": "input.cancel", "context_id": "c"}))
+                await listener.receive(ws, "context.cancelled")
+            records, _ = marker_records(server, listener.session_id)
+            await ws.send(json.dumps({"type": "input.text", "text": "The end.", "context_id": "d"}))
+            await ws.send(json.dumps({"type": "input.done", "context_id": "d"}))
+            done = await listener.receive(ws, "utterance.done")
+    assert not any(m["type"] == "utterance.done" and m["context_id"] == "c" for m in listener.messages)
+    assert records == 0  # before: 20 records of ends that were never sent
+    assert done == {"type": "utterance.done", "context_id": "d", "total_sentences": 1}
+
+
 class CountingProxy:
     """A TCP proxy in front of Redis, in threads of its own (the gateway under test starts while the test's
     loop waits), that counts the bytes Redis sends back."""
