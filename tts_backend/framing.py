@@ -14,8 +14,11 @@ worker notices end-of-file and stops its stream within one chunk, which frees th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import struct
+
+from .base import SynthesisError, SynthesisRequest
 
 JSON = b"J"
 AUDIO = b"A"
@@ -58,3 +61,24 @@ def decode_json(payload: bytes) -> dict:
     if not isinstance(message, dict) or "op" not in message:
         raise ProtocolError("JSON frame without an op")
     return message
+
+
+# The request travels as its dataclass's fields; this module is the one both sides of the socket import
+# (a gateway's remote backend and the worker, which imports the backend registry that names the remote).
+
+
+def request_to_json(request: SynthesisRequest) -> dict:
+    data = dataclasses.asdict(request)
+    if data["chunk_schedule"] is not None:
+        data["chunk_schedule"] = list(data["chunk_schedule"])
+    return data
+
+
+def request_from_json(data: dict) -> SynthesisRequest:
+    fields = {f.name for f in dataclasses.fields(SynthesisRequest)}
+    unknown = set(data) - fields
+    if unknown:
+        raise SynthesisError(f"unknown request fields: {sorted(unknown)}")
+    if data.get("chunk_schedule") is not None:
+        data = {**data, "chunk_schedule": tuple(data["chunk_schedule"])}
+    return SynthesisRequest(**data)

@@ -19,7 +19,6 @@ from .base import (
     UnknownVoiceError,
     Voice,
 )
-from .worker import request_to_json
 
 _ERRORS = {"unknown_voice": UnknownVoiceError, "overloaded": BackendOverloadedError}
 
@@ -133,7 +132,7 @@ class RemoteSynthesizer(Synthesizer):
         except OSError as exc:
             raise SynthesisError(f"worker unreachable at {self.socket_path}: {exc}") from exc
         try:
-            writer.write(framing.encode_json({"op": "synthesize", "request": request_to_json(request)}))
+            writer.write(framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request)}))
             await writer.drain()
             while True:
                 frame = await framing.read_frame(reader)

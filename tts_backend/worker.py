@@ -21,30 +21,12 @@ from .base import (
     BackendMetric,
     BackendOverloadedError,
     SynthesisError,
-    SynthesisRequest,
     Synthesizer,
     UnknownVoiceError,
 )
 from .registry import create_backend
 
 log = logging.getLogger(__name__)
-
-
-def request_to_json(request: SynthesisRequest) -> dict:
-    data = dataclasses.asdict(request)
-    if data["chunk_schedule"] is not None:
-        data["chunk_schedule"] = list(data["chunk_schedule"])
-    return data
-
-
-def request_from_json(data: dict) -> SynthesisRequest:
-    fields = {f.name for f in dataclasses.fields(SynthesisRequest)}
-    unknown = set(data) - fields
-    if unknown:
-        raise SynthesisError(f"unknown request fields: {sorted(unknown)}")
-    if data.get("chunk_schedule") is not None:
-        data = {**data, "chunk_schedule": tuple(data["chunk_schedule"])}
-    return SynthesisRequest(**data)
 
 
 def error_code(exc: BaseException) -> str:
@@ -151,7 +133,7 @@ class WorkerServer:
 
     async def _stream_inner(self, data: dict, writer: asyncio.StreamWriter) -> None:
         try:
-            request = request_from_json(data)
+            request = framing.request_from_json(data)
             stream = self.backend.synthesize(request)
             try:
                 async for chunk in stream:
