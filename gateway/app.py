@@ -1,7 +1,7 @@
 """The FastAPI application factory: routes, lifespan (backend and store start/stop), per-app state.
 
-Everything mutable belongs to one `Gateway` object per app (backend, store, metrics, admission), so
-tests and embedders can run several apps in one process.
+Everything mutable belongs to one `Gateway` object per app (gateway/state.py: backend, store, metrics,
+admission), so tests and embedders can run several apps in one process.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import asyncio
 import contextlib
 import gc
 import logging
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
@@ -20,11 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from tts_backend.base import Synthesizer, UnknownVoiceError
+from tts_backend.base import Synthesizer
 from tts_backend.registry import create_backend
 
 from .auth import AuthError, Authenticator, api_key_authenticator, authorization_scheme
-from .compat import resolve_voice
 from .http import ApiError, router
 from .limits import Admission
 from .metrics import GatewayMetrics
@@ -32,6 +29,7 @@ from .protocol import CloseCode, ErrorCode, ProtocolError
 from .request_guard import RequestGuard
 from .session import StreamingSession
 from .settings import GatewaySettings
+from .state import Gateway
 from .store import SessionStore
 from .stores import create_store
 from .web import mount_web_demo
@@ -50,51 +48,6 @@ def backend_options(settings: GatewaySettings) -> dict[str, Any]:
         options["device"] = settings.device
     options.update(settings.backend_options)
     return options
-
-
-@dataclass
-class Gateway:
-    settings: GatewaySettings
-    backend: Synthesizer
-    store: SessionStore
-    metrics: GatewayMetrics
-    authenticate: Authenticator
-    admission: Admission
-    started_at: float = field(default_factory=time.time)
-    draining: bool = False  # set while shutting down (issue 5): /ready says no, new sessions are refused
-    backend_error: BaseException | None = None
-    store_error: BaseException | None = None  # the session store could not start (Redis unreachable)
-    sessions: set[StreamingSession] = field(default_factory=set)
-
-    @property
-    def ready(self) -> bool:
-        """The backend is loaded and warm, and the gateway is not shutting down."""
-        return self.backend.ready and self.failure is None and not self.draining
-
-    @property
-    def default_voice(self) -> str:
-        return self.settings.voice or self.backend.default_voice
-
-    @property
-    def failure(self) -> str | None:
-        """Why this gateway will never serve (its store or backend failed to start), in one line; None
-        while it is starting or serving."""
-        if self.store_error is not None:
-            return f"the {self.settings.store} session store cannot start: {self.store_error}"
-        if self.backend_error is None:
-            return None
-        if isinstance(self.backend_error, UnknownVoiceError):
-            return str(self.backend_error)
-        return f"the {self.backend.name} backend failed to start: {self.backend_error}"
-
-    def check_default_voice(self) -> None:
-        """A --voice the started backend does not have fails start-up, rather than every session."""
-        if self.settings.voice is None:
-            return
-        try:
-            resolve_voice(self.backend, self.settings, None)
-        except ProtocolError as unknown:
-            self.backend_error = UnknownVoiceError(f"--voice / VOXGATE_VOICE: {unknown}")
 
 
 async def _refuse(websocket: WebSocket, error: ProtocolError, metrics: GatewayMetrics) -> None:

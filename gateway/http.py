@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,9 +35,7 @@ from .compat import option_warnings, resolve_voice
 from .limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
 from .protocol import ErrorCode, ProtocolError, loads_client_json
 from .segmenter import SentenceSegmenter, push_in_slices
-
-if TYPE_CHECKING:
-    from .app import Gateway
+from .state import Gateway
 
 
 class _StrictJsonRequest(Request):
@@ -119,7 +117,7 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-def gateway_of(request: Request) -> "Gateway":
+def gateway_of(request: Request) -> Gateway:
     return request.app.state.gateway
 
 

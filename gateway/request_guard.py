@@ -14,7 +14,6 @@ A refusal closes the connection (`Connection: close`): the rest of the body is n
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
@@ -23,9 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .auth import AuthError
 from .http import ApiError
 from .protocol import ErrorCode
-
-if TYPE_CHECKING:
-    from .app import Gateway
+from .state import Gateway
 
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -83,7 +80,7 @@ def _too_large(limit: int) -> ApiError:
 class RequestGuard:
     """The ASGI middleware (see the module's docstring)."""
 
-    def __init__(self, app: ASGIApp, gateway: "Gateway") -> None:
+    def __init__(self, app: ASGIApp, gateway: Gateway) -> None:
         self.app = app
         self.gateway = gateway
 
