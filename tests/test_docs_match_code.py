@@ -1,0 +1,126 @@
+"""README.md and docs/protocol.md say what the code does: every setting in README's settings table with its
+flag and default, every error code and close code in the protocol's "Errors and limits".
+
+These read the documents as a person does (the table's rows, the paragraph's backticked codes) and compare
+them with the code's own lists, in both directions.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import build_parser
+from gateway.protocol import CloseCode, ErrorCode
+from gateway.settings import GatewaySettings
+
+ROOT = Path(__file__).resolve().parent.parent
+UNITS = {"KiB": 1024, "MiB": 1024 * 1024}
+
+
+def settings_rows() -> list[tuple[str, str, str]]:
+    """(flag, variable, default) cells of README's settings table."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## `voxgate serve`: flags and settings", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].startswith("`VOXGATE_"):
+            rows.append((cells[0], cells[1], cells[2]))
+    return rows
+
+
+def variables(cell: str) -> list[str]:
+    return re.findall(r"`VOXGATE_([A-Z0-9_]+)`", cell)
+
+
+def documented_value(cell: str):
+    """The value a default cell states: a number (with KiB/MiB), on/off, `{}`, a word in backticks; or
+    None when it says in words what an unset default (None, an empty list) means: `–`, "none", "backend's
+    first", ... A setting with a value must state it, and one without must not seem to have one."""
+    cell = cell.strip()
+    if match := re.fullmatch(r"`?(-?\d+(?:\.\d+)?)`?\s*(KiB|MiB)?(\s*\(.*\))?", cell):
+        return float(match.group(1)) * UNITS.get(match.group(2) or "", 1)
+    if cell in ("on", "off"):
+        return cell == "on"
+    if match := re.fullmatch(r"`([^`]*)`", cell):
+        return match.group(1)
+    return None
+
+
+def comparable(value):
+    """A setting's default as documented_value reads its cell."""
+    if isinstance(value, bool) or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if value == {}:
+        return "{}"
+    assert value in (None, []), f"no way to document the default {value!r}"
+    return None
+
+
+def serve_flags() -> dict[tuple[str, ...], str]:
+    """`voxgate serve`'s options (each with its spellings, e.g. ("--option", "-o")) -> the setting it sets."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    dests = {"option": "backend_options"}  # -o KEY=VALUE pairs are gathered into backend_options
+    return {tuple(action.option_strings): dests.get(action.dest, action.dest)
+            for action in serve._actions if action.option_strings and action.dest != "help"}
+
+
+def test_every_setting_is_in_the_readme_table_and_every_row_is_a_setting():
+    documented = [name.lower() for _, cell, _ in settings_rows() for name in variables(cell)]
+    fields = set(GatewaySettings.model_fields)
+    assert len(documented) == len(set(documented)), f"settings in two rows: {sorted(documented)}"
+    assert sorted(fields - set(documented)) == [], "settings missing from README's table"
+    assert sorted(set(documented) - fields) == [], "README's table names settings that do not exist"
+
+
+def test_every_readme_default_is_the_settings_default():
+    wrong = []
+    for _, variable_cell, default_cell in settings_rows():
+        names = [n.lower() for n in variables(variable_cell)]
+        defaults = [d.strip() for d in default_cell.split(" / ")] if len(names) > 1 else [default_cell]
+        assert len(defaults) == len(names), f"{variable_cell}: {len(names)} settings, {len(defaults)} defaults"
+        for name, cell in zip(names, defaults):
+            field = GatewaySettings.model_fields[name]
+            actual = field.get_default(call_default_factory=True)
+            if comparable(actual) != documented_value(cell):
+                wrong.append(f"VOXGATE_{name.upper()}: README says {cell!r}, the default is {actual!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_serve_flag_is_in_the_readme_table_on_the_row_of_its_setting():
+    rows = {}
+    for flag_cell, variable_cell, _ in settings_rows():
+        for flag in re.findall(r"`(--?[a-z][a-z-]*)", flag_cell):
+            rows[flag] = [n.lower() for n in variables(variable_cell)]
+    wrong = []
+    for spellings, setting in serve_flags().items():
+        documented = [flag for flag in spellings if flag in rows]
+        if not documented:
+            wrong.append(f"{'/'.join(spellings)} (sets {setting}) is not in README's table")
+        wrong += [f"{flag} sets {setting}, its row documents {rows[flag]}" for flag in documented
+                  if rows[flag] != [setting]]
+    taken = {flag for spellings in serve_flags() for flag in spellings}
+    wrong += [f"README lists {flag}, which voxgate serve does not take" for flag in rows if flag not in taken]
+    assert not wrong, "\n".join(wrong)
+
+
+def errors_section() -> str:
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    return text.split("## Errors and limits", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_protocol_lists_every_error_code_and_nothing_else():
+    section = errors_section()
+    listed = section.split("Every error carries a stable `code`:", 1)[1].split("`retryable`", 1)[0]
+    documented = set(re.findall(r"`([a-z_]+)`", listed))
+    assert documented == {code.value for code in ErrorCode}
+
+
+@pytest.mark.parametrize("code", [int(c) for c in CloseCode])
+def test_the_protocol_lists_every_close_code(code):
+    assert re.search(rf"\b{code} [a-z]", errors_section()), f"close code {code} is not in docs/protocol.md"
