@@ -62,6 +62,7 @@ class CloseCode(enum.IntEnum):
     policy = 1008
     too_big = 1009
     internal = 1011
+    service_restart = 1012  # drain: the server is going away; resume the session elsewhere
     try_again_later = 1013
 
 

@@ -86,9 +86,6 @@ from .store import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, Sessi
 log = logging.getLogger("voxgate.session")
 
 
-SERVICE_RESTART = 1012  # WebSocket close code: the server is going away; resume elsewhere
-
-
 # ------------------------------------------------------------------------------------------ session
 
 
@@ -253,7 +250,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             self._stopping = True
             if self.ws.application_state == WebSocketState.CONNECTED:
                 with contextlib.suppress(Exception):
-                    await self.ws.close(SERVICE_RESTART, reason=self.session_id or "")
+                    await self.ws.close(CloseCode.service_restart, reason=self.session_id or "")
 
     # -------------------------------------------------------------- socket I/O
 
