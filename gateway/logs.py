@@ -24,11 +24,14 @@ session_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("vox
 
 CREDENTIAL_PARAMETERS = frozenset({"api_key", "token"})  # the query names gateway.auth reads a credential from
 # name=value: a name as it may stand in a query string (percent escapes included), the value up to the
-# next parameter or whitespace; plus Authorization credentials.
-_PARAMETER = re.compile(r"([^\s?&=;\"'/]+)=([^&\s]*)")
+# next parameter or whitespace; plus Authorization credentials. A name starts only where a run of name
+# characters starts (the lookbehind): without it, a long run not followed by '=' is scanned again from each
+# of its positions, and a request path of 48 KB kept the event loop busy for 20 s.
+_PARAMETER = re.compile(r"(?<![^\s?&=;\"'/])([^\s?&=;\"'/]+)=([^&\s]*)")
 _MASKED_PARAMETERS = CREDENTIAL_PARAMETERS | {"password"}  # password=: a Redis URL's, in its query
 # scheme://userinfo@: the userinfo of a URL (user:password, or a lone name that may be a password).
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)([^\s/?#\"']*)@")
+# The scheme starts where a run of scheme characters starts (not at every '.', '+' or '-' inside one: see above).
+_URL_USERINFO = re.compile(r"(?i)(?<![a-z0-9+.-])([a-z][a-z0-9+.-]*://)([^\s/?#\"']*)@")
 _SCHEME = re.compile(r"(?i)((?:bearer|api-key)\s+)[^\s\"']+")  # Authorization schemes gateway.auth reads
 # LogRecord attributes that are not user-supplied `extra` fields; uvicorn's `color_message` (the message with
 # terminal colour codes) is for terminals, not for a JSON line.

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import websockets
 
 from gateway.logs import JsonFormatter, redact
 from tests.gateway_server import free_port, receive_until, wait_until_ready
+from tests.hostile_fixtures import HealthProbe, RawHttp, served_gateway
 
 KEY = "sk-very-secret-4242"
 SPOKEN = "Zebra quartz lullaby, the secret sentence."
@@ -122,3 +124,39 @@ async def test_percent_encoded_credential_names_never_reach_the_access_log():
     masked = [m for m in messages if "=[redacted]" in m]
     assert len([m for m in masked if "/v1/models" in m]) == 3, messages
     assert len([m for m in masked if "WebSocket" in m]) == 2, messages
+
+
+# Text shaped to make a backtracking pattern retry from every position: a long run of characters that may
+# start a query name or a URL scheme, not followed by what would complete it. 48 KB each.
+HOSTILE_LOG_TEXTS = {
+    "a query name without '='": "GET /health?" + "a" * 48_000 + "&b=1 HTTP/1.1",
+    "a dotted scheme without '://'": "GET /health?x=" + "a." * 24_000 + "@ HTTP/1.1",
+    "a dashed scheme without '://'": "GET /health?" + "a-" * 24_000 + "@b=1 HTTP/1.1",
+}
+
+
+def test_redaction_takes_time_linear_in_the_text():
+    """A log line is masked on the event loop, and a request's path is attacker's text: masking 48 KB
+    takes milliseconds (0.02 s here), not the seconds (8-40 s) a pattern that backtracks over each
+    position of a long run takes."""
+    for shape, text in HOSTILE_LOG_TEXTS.items():
+        started = time.perf_counter()
+        redact(text)
+        assert time.perf_counter() - started < 0.5, shape
+
+
+async def test_a_long_request_path_does_not_stall_the_gateway():
+    """uvicorn's access line of one request with a 48 KB query, without any key, is masked by the same
+    event loop that answers everyone: /health keeps answering while it is logged."""
+    with served_gateway("--log-level", "info", "--api-key", KEY) as gateway:
+        async with HealthProbe(gateway.url) as probe:
+            for text in HOSTILE_LOG_TEXTS.values():
+                method, target, _ = text.split(" ")
+                request = await RawHttp.send_head(gateway.port, method, target, {"Connection": "close"})
+                try:
+                    status, _, _ = await request.response(timeout=60)
+                finally:
+                    request.close()
+                assert status == 200
+    print(f"slowest /health answer while three 48 KB request lines were logged: {probe.worst:.3f} s")
+    assert probe.worst < 2.0
