@@ -1,0 +1,114 @@
+"""Audio in, log-mel frames out: the front end the aligner was trained with (Whisper's, at 128 mel bins).
+
+16 kHz mono, 25 ms Hann window (n_fft 400), 10 ms hop, centred STFT with reflection at the edges, power spectrum,
+Slaney-scale triangular filters normalised to equal area over 0-8 kHz, log10 floored at 1e-10, each clip's
+values floored at its own maximum minus 8, then (x + 4) / 4.
+
+A batch is padded with zeros to its longest clip before the STFT, as the reference's feature extractor does,
+so a shorter clip's last frames see the zeros instead of the reflection, and it keeps ceil(n / 160) frames where
+alone it would keep floor(n / 160). The aligner reproduces that exactly: parity with the reference is what proves
+this model, and the differences are a frame at the clip's end.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+SAMPLE_RATE = 16000
+N_FFT = 400
+HOP = 160
+MEL_FMAX = 8000.0
+
+# Slaney's mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above.
+_LINEAR_HZ_PER_MEL = 200.0 / 3
+_LOG_START_HZ = 1000.0
+_LOG_START_MEL = _LOG_START_HZ / _LINEAR_HZ_PER_MEL
+_MELS_PER_LOG_HZ = 27.0 / math.log(6.4)
+
+
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    hz = np.asarray(hz, dtype=np.float64)
+    mel = hz / _LINEAR_HZ_PER_MEL
+    high = hz >= _LOG_START_HZ
+    return np.where(high, _LOG_START_MEL + np.log(np.maximum(hz, 1e-300) / _LOG_START_HZ) * _MELS_PER_LOG_HZ, mel)
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    mel = np.asarray(mel, dtype=np.float64)
+    hz = mel * _LINEAR_HZ_PER_MEL
+    high = mel >= _LOG_START_MEL
+    return np.where(high, _LOG_START_HZ * np.exp((mel - _LOG_START_MEL) / _MELS_PER_LOG_HZ), hz)
+
+
+@lru_cache(maxsize=4)
+def mel_filters(num_mel_bins: int) -> torch.Tensor:
+    """[n_fft/2 + 1, num_mel_bins] float32: triangles between consecutive mel-spaced edges, each scaled by
+    2 / (its width in Hz) so every filter has the same area."""
+    fft_hz = np.linspace(0, SAMPLE_RATE // 2, N_FFT // 2 + 1)
+    edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(MEL_FMAX), num_mel_bins + 2))
+    widths = np.diff(edges)
+    offsets = edges[None, :] - fft_hz[:, None]  # [freq, edge]
+    rising = -offsets[:, :-2] / widths[:-1]
+    falling = offsets[:, 2:] / widths[1:]
+    bank = np.maximum(0.0, np.minimum(rising, falling))
+    bank *= 2.0 / (edges[2 : num_mel_bins + 2] - edges[:num_mel_bins])
+    return torch.from_numpy(bank).float()
+
+
+def log_mel_batch(clips: list[np.ndarray], num_mel_bins: int) -> tuple[torch.Tensor, list[int]]:
+    """16 kHz float clips -> (features [B, num_mel_bins, F] float32, valid frames of each clip).
+
+    F = floor(longest / HOP); clip b's frames beyond its valid count are padding (never read by the model)."""
+    if not clips:
+        raise ValueError("no audio to align")
+    longest = max(len(c) for c in clips)
+    if longest < N_FFT // 2 + 1:
+        raise ValueError(f"audio too short to align: {longest} samples at {SAMPLE_RATE} Hz")
+    waves = torch.zeros(len(clips), longest, dtype=torch.float32)
+    for b, clip in enumerate(clips):
+        waves[b, : len(clip)] = torch.from_numpy(np.asarray(clip, dtype=np.float32))
+    spec = torch.stft(waves, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)  # [B, freq, F+1]
+    power = spec[..., :-1].abs() ** 2
+    mel = mel_filters(num_mel_bins).T @ power  # [B, mels, F]
+    log = torch.clamp(mel, min=1e-10).log10()
+    floor = log.amax(dim=(1, 2), keepdim=True) - 8.0
+    features = (torch.maximum(log, floor) + 4.0) / 4.0
+    frames = features.shape[-1]
+    valid = [min(-(-len(c) // HOP), frames) for c in clips]
+    return features, valid
+
+
+def to_16k(pcm: np.ndarray, sample_rate: int) -> np.ndarray:
+    """Mono float32 in [-1, 1] at 16 kHz; int16 input is scaled, other rates resampled (soxr HQ, as the reference
+    does through librosa). Like the reference, a clip that peaks above 1 is scaled down to peak at 1."""
+    audio = np.asarray(pcm)
+    if audio.ndim != 1:
+        raise ValueError(f"expected mono audio, got shape {audio.shape}")
+    if audio.dtype == np.int16:
+        audio = audio.astype(np.float32) / 32768.0
+    audio = audio.astype(np.float32, copy=False)
+    if sample_rate != SAMPLE_RATE:
+        import soxr
+
+        audio = soxr.resample(audio, sample_rate, SAMPLE_RATE, quality="HQ").astype(np.float32, copy=False)
+    peak = float(np.max(np.abs(audio))) if audio.size else 0.0
+    if peak > 1.0:
+        audio = audio / peak
+    return np.clip(audio, -1.0, 1.0)
+
+
+def encoder_tokens(frames: int, chunk_frames: int) -> int:
+    """Audio-encoder outputs for `frames` mel frames: each full chunk gives conv_len(chunk_frames), the tail
+    chunk conv_len(its frames); three stride-2 convolutions (kernel 3, padding 1) each map n to (n - 1) // 2 + 1."""
+    full, tail = divmod(frames, chunk_frames)
+    return full * conv_len(chunk_frames) + (conv_len(tail) if tail else 0)
+
+
+def conv_len(n: int) -> int:
+    for _ in range(3):
+        n = (n - 1) // 2 + 1
+    return n
