@@ -2,9 +2,10 @@
 
 Runs in the qwen-asr venv (tests/reference_env.py), never in Voxgate's environment.
 argv: spec.json out.pt. spec = {"checkpoint", "windowed", "cases": [{"name", "audio": [file.npy...], "texts",
-"languages"}]}; each case is one call of Qwen3ForcedAligner.align over its clips (16 kHz float32).
+"languages"}]}; each clip (16 kHz float32) is aligned by its own call of Qwen3ForcedAligner.align (a batch of
+one: the reference's batched call pads the features of its clips to the longest, which Voxgate does not do).
 out = {name: {"items": [[(text, start, end)...] per clip], "classes": [[int...] per clip],
-"logits": [tensor [slots, K] per clip], "input_ids": [[int...] per clip], "features": tensor, "feature_mask": tensor},
+"logits": [tensor [slots, K] per clip], "input_ids": [[int...] per clip], "features": [tensor [M, F] per clip]},
 "words": {text: [word...]} for spec["words"] ([text, language] pairs), "repair": [[int...]] for spec["repair"] (the
 reference's monotonic repair of each sequence)}
 
@@ -52,20 +53,16 @@ thinker.register_forward_hook(capture, with_kwargs=True)
 ts = aligner.timestamp_token_id
 out = {}
 for case in spec["cases"]:
-    clips = [(np.load(path).astype(np.float32), 16000) for path in case["audio"]]
-    results = aligner.align(audio=clips, text=case["texts"], language=case["languages"])
-    ids = seen["kwargs"]["input_ids"]
-    logits = seen["logits"]
-    rows = {"items": [[(it.text, it.start_time, it.end_time) for it in r] for r in results],
-            "classes": [], "logits": [], "input_ids": [],
-            "features": seen["kwargs"]["input_features"].clone(),
-            "feature_mask": seen["kwargs"]["feature_attention_mask"].clone()}
-    for b in range(ids.shape[0]):
-        slots = ids[b] == ts
-        rows["classes"].append(logits[b][slots].argmax(-1).tolist())
-        rows["logits"].append(logits[b][slots].clone())
-        mask = seen["kwargs"]["attention_mask"][b].bool()
-        rows["input_ids"].append(ids[b][mask].tolist())
+    rows = {"items": [], "classes": [], "logits": [], "input_ids": [], "features": []}
+    for path, text, language in zip(case["audio"], case["texts"], case["languages"]):
+        (result,) = aligner.align(audio=[(np.load(path).astype(np.float32), 16000)], text=[text], language=[language])
+        ids, logits = seen["kwargs"]["input_ids"][0], seen["logits"][0]
+        slots = ids == ts
+        rows["items"].append([(it.text, it.start_time, it.end_time) for it in result])
+        rows["classes"].append(logits[slots].argmax(-1).tolist())
+        rows["logits"].append(logits[slots].clone())
+        rows["input_ids"].append(ids.tolist())
+        rows["features"].append(seen["kwargs"]["input_features"][0].clone())
     out[case["name"]] = rows
 text_processor = aligner.aligner_processor
 out["words"] = {text: text_processor.encode_timestamp(text, lang)[0] for text, lang in spec.get("words", [])}

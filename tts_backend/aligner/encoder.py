@@ -113,9 +113,10 @@ class AudioEncoder(nn.Module):
             return conv_len(clip_frames)
         return conv_len(self.cfg.chunk_frames) * (self.cfg.n_window_infer // self.cfg.chunk_frames)
 
-    def forward(self, features: torch.Tensor, frames: list[int]) -> list[torch.Tensor]:
-        """features [B, M, F] (see features.log_mel_batch), valid frames per clip -> per clip [N_b, output_dim]."""
-        fronts = [self.front_end(features[b, :, :n]) for b, n in enumerate(frames)]
+    def forward(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each clip's log-mel [M, T_b] (features.log_mel) -> its encoder outputs [N_b, output_dim]."""
+        fronts = [self.front_end(mel) for mel in mels]
+        frames = [mel.shape[1] for mel in mels]
         lengths = [f.shape[0] for f in fronts]
         N = max(lengths)
         x = torch.zeros(len(fronts), N, self.cfg.d_model, dtype=fronts[0].dtype, device=fronts[0].device)

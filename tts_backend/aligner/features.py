@@ -4,10 +4,10 @@
 Slaney-scale triangular filters normalised to equal area over 0-8 kHz, log10 floored at 1e-10, each clip's
 values floored at its own maximum minus 8, then (x + 4) / 4.
 
-A batch is padded with zeros to its longest clip before the STFT, as the reference's feature extractor does,
-so a shorter clip's last frames see the zeros instead of the reflection, and it keeps ceil(n / 160) frames where
-alone it would keep floor(n / 160). The aligner reproduces that exactly: parity with the reference is what proves
-this model, and the differences are a frame at the clip's end.
+Each clip gets its features on its own, as the reference computes a batch of one. (The reference's batched
+call pads every clip with zeros to the longest before the STFT, so a shorter clip's last frame sees those zeros
+and it keeps one more frame; its word times then depend on which other sentences share its batch. Voxgate
+batches sentences of unrelated sessions, so a sentence's times must not depend on them.)
 """
 
 from __future__ import annotations
@@ -59,27 +59,15 @@ def mel_filters(num_mel_bins: int) -> torch.Tensor:
     return torch.from_numpy(bank).float()
 
 
-def log_mel_batch(clips: list[np.ndarray], num_mel_bins: int) -> tuple[torch.Tensor, list[int]]:
-    """16 kHz float clips -> (features [B, num_mel_bins, F] float32, valid frames of each clip).
-
-    F = floor(longest / HOP); clip b's frames beyond its valid count are padding (never read by the model)."""
-    if not clips:
-        raise ValueError("no audio to align")
-    longest = max(len(c) for c in clips)
-    if longest < N_FFT // 2 + 1:
-        raise ValueError(f"audio too short to align: {longest} samples at {SAMPLE_RATE} Hz")
-    waves = torch.zeros(len(clips), longest, dtype=torch.float32)
-    for b, clip in enumerate(clips):
-        waves[b, : len(clip)] = torch.from_numpy(np.asarray(clip, dtype=np.float32))
-    spec = torch.stft(waves, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)  # [B, freq, F+1]
+def log_mel(clip: np.ndarray, num_mel_bins: int) -> torch.Tensor:
+    """A 16 kHz float clip -> features [num_mel_bins, n // HOP] float32."""
+    if len(clip) < N_FFT // 2 + 1:
+        raise ValueError(f"audio too short to align: {len(clip)} samples at {SAMPLE_RATE} Hz")
+    wave = torch.from_numpy(np.asarray(clip, dtype=np.float32))
+    spec = torch.stft(wave, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)  # [freq, n//HOP + 1]
     power = spec[..., :-1].abs() ** 2
-    mel = mel_filters(num_mel_bins).T @ power  # [B, mels, F]
-    log = torch.clamp(mel, min=1e-10).log10()
-    floor = log.amax(dim=(1, 2), keepdim=True) - 8.0
-    features = (torch.maximum(log, floor) + 4.0) / 4.0
-    frames = features.shape[-1]
-    valid = [min(-(-len(c) // HOP), frames) for c in clips]
-    return features, valid
+    log = torch.clamp(mel_filters(num_mel_bins).T @ power, min=1e-10).log10()  # [mels, frames]
+    return (torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0
 
 
 def to_16k(pcm: np.ndarray, sample_rate: int) -> np.ndarray:

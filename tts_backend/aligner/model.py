@@ -20,7 +20,7 @@ from tts_backend.qwen3.tokenizer import TextTokenizer
 from .config import AlignerConfig
 from .decoder import TextDecoder
 from .encoder import AudioEncoder
-from .features import encoder_tokens, log_mel_batch, to_16k
+from .features import encoder_tokens, log_mel, to_16k
 from .words import prompt_text, split_words, word_times
 
 WordTime = tuple[str, float, float]  # (word, start_s, end_s)
@@ -65,11 +65,11 @@ class ForcedAligner(nn.Module):
     def timestamp_classes(self, clips: list[np.ndarray], word_lists: list[list[str]]) -> list[list[int]]:
         """16 kHz float clips and their words -> the head's class at each `<timestamp>` slot, per clip."""
         cfg = self.cfg
-        features, frames = log_mel_batch(clips, cfg.audio.num_mel_bins)
-        audio = self.thinker.audio_tower(features.to(self.device, self.dtype), frames)
+        mels = [log_mel(clip, cfg.audio.num_mel_bins).to(self.device, self.dtype) for clip in clips]
+        audio = self.thinker.audio_tower(mels)
         rows = []
-        for words, n_frames, embeds in zip(word_lists, frames, audio):
-            tokens = encoder_tokens(n_frames, cfg.audio.chunk_frames)
+        for words, mel, embeds in zip(word_lists, mels, audio):
+            tokens = encoder_tokens(mel.shape[1], cfg.audio.chunk_frames)
             if tokens != embeds.shape[0]:  # the two counts come from the same rule; a mismatch is a bug here
                 raise AssertionError(f"{tokens} audio placeholders for {embeds.shape[0]} encoder outputs")
             rows.append(self.tokenizer.encode(prompt_text(words, tokens)))
@@ -95,10 +95,13 @@ class ForcedAligner(nn.Module):
 
     def align(self, requests: list[AlignRequest]) -> list[list[WordTime]]:
         """Word times of each sentence, seconds from the start of its audio, non-decreasing. A sentence without a
-        word to time (punctuation only) gives []; it still rides in the batch, whose padding it shares."""
+        word to time (punctuation only) gives []. A sentence's times do not depend on the others in its batch."""
         word_lists = [split_words(r.text, r.language) for r in requests]
-        if not any(word_lists):
-            return [[] for _ in requests]
-        clips = [to_16k(r.audio, r.sample_rate) for r in requests]
-        classes = self.timestamp_classes(clips, word_lists)
-        return [word_times(words, row, self.cfg.timestamp_segment_time) for words, row in zip(word_lists, classes)]
+        todo = [i for i, words in enumerate(word_lists) if words]
+        results: list[list[WordTime]] = [[] for _ in requests]
+        if todo:
+            clips = [to_16k(requests[i].audio, requests[i].sample_rate) for i in todo]
+            classes = self.timestamp_classes(clips, [word_lists[i] for i in todo])
+            for i, row in zip(todo, classes):
+                results[i] = word_times(word_lists[i], row, self.cfg.timestamp_segment_time)
+        return results
