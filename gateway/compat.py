@@ -107,8 +107,24 @@ def option_warnings(backend: Synthesizer, options: dict[str, Any]) -> list[Confi
             ignored(name, f"the {backend.name} backend does not use it")
     if options.get("speed", 1.0) not in (None, 1.0) and "speed" not in honours:
         ignored("speed", f"the {backend.name} backend speaks at its own pace")
-    if options.get("word_timestamps") or options.get("timestamp_type"):
-        name = "timestamp_type" if options.get("timestamp_type") else "word_timestamps"
-        ignored(name, f"the {backend.name} backend gives no timestamps; audio.done carries none",
-                code="timestamps_unsupported")
+    timestamp_type = options.get("timestamp_type")
+    if options.get("word_timestamps") or timestamp_type:
+        name = "timestamp_type" if timestamp_type else "word_timestamps"
+        if "word_timestamps" not in honours:
+            ignored(name, f"the {backend.name} backend gives no timestamps; audio.done carries none",
+                    code="timestamps_unsupported")
+        elif timestamp_type == "char":
+            ignored(name, f"the {backend.name} backend times words, not characters; word timestamps are sent"
+                    " instead", code="timestamps_unsupported")
+        elif timestamp_type not in (None, "word"):
+            ignored(name, f"unknown timestamp type {timestamp_type!r} (known: word, char); word timestamps are"
+                    " sent instead")
     return warnings
+
+
+def timestamp_transport(backend: Synthesizer, options: dict[str, Any]) -> str | None:
+    """How a request's word timestamps travel: None (not asked for, or the backend gives none), "sync" (with
+    the sentence's audio.done; the default, as Baseten's servers) or "async" (as soon as the audio is out)."""
+    if not (options.get("word_timestamps") or options.get("timestamp_type")) or "word_timestamps" not in backend.honours:
+        return None
+    return options.get("timestamp_transport_strategy") or "sync"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,22 +46,26 @@ class _Codec:
     rates: tuple[int, ...] | None = None  # the only rates the codec takes; None: any
     muxer_options: dict[str, str] = field(default_factory=dict)
     codec_options: dict[str, str] = field(default_factory=dict)
+    # The container cannot say how long the encoder's priming is (mp3 without a LAME tag, ADTS), so
+    # decoders play it: the decoded audio starts that much late.
+    plays_priming: bool = False
 
 
 CODECS: dict[str, _Codec] = {
     # LAME quality 5: a quarter less CPU than the default, the same SNR on the tests' signals.
     "mp3": _Codec("mp3", "libmp3lame", "audio/mpeg", bit_rate=64000,
                   muxer_options={"id3v2_version": "0", "write_id3v1": "0", "write_xing": "0"},
-                  codec_options={"compression_level": "5"}),
+                  codec_options={"compression_level": "5"}, plays_priming=True),
     "opus": _Codec("ogg", "libopus", "audio/ogg; codecs=opus", bit_rate=32000, rates=(8000, 12000, 16000, 24000, 48000),
                    muxer_options={"page_duration": str(OGG_PAGE_MS * 1000)},
                    codec_options={"application": "audio", "frame_duration": "20"}),
-    "aac": _Codec("adts", "aac", "audio/aac", bit_rate=64000),
+    "aac": _Codec("adts", "aac", "audio/aac", bit_rate=64000, plays_priming=True),
     "flac": _Codec("flac", "flac", "audio/flac", muxer_options={"metadata_header_padding": "0"}),
 }
 COMPRESSED_FORMATS: tuple[str, ...] = tuple(CODECS)
 FORMATS: tuple[str, ...] = audio.FORMATS + COMPRESSED_FORMATS  # every response_format the gateway makes
 OPUS_FALLBACK_RATE = 48000
+OPUS_PRE_SKIP = 312  # libopus's priming at 48 kHz (its lookahead), written in every stream's OpusHead
 # One stream's calls are awaited in turn, so a stream never has two calls in flight; the pool bounds how
 # many codecs run at once (one per core), and a backlog waits here rather than on the event loop.
 _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="voxgate-encode")
@@ -118,6 +123,27 @@ class _Muxed:
             context.bit_rate = codec.bit_rate
         self._rate = rate
         self._samples = 0
+        self._ogg = codec.muxer == "ogg"
+        self._plays_priming = codec.plays_priming
+        self.decoded_samples = 0  # how much audio the bytes returned so far decode to (see AudioFileEncoder)
+        self.priming = 0  # samples of priming a decoder plays before the audio (see AudioFileEncoder)
+
+    def _mux(self, packets) -> None:
+        if not self._ogg:  # these muxers write each packet at once (flush_packets)
+            for packet in packets:
+                if packet.pts is not None and packet.pts < 0 and self._plays_priming:
+                    self.priming = max(self.priming, -packet.pts)
+                if packet.pts is not None and packet.duration:
+                    # Packet times count from the first input sample: the encoder's priming has negative ones.
+                    end = packet.pts + packet.duration
+                    self.decoded_samples = min(self._samples, max(self.decoded_samples, end))
+        self._container.mux(packets)
+
+    def _take(self) -> bytes:
+        data = self._sink.take()
+        if self._ogg:  # Ogg holds packets until a page is full: read the written pages' granule positions
+            self.decoded_samples = min(self._samples, max(self.decoded_samples, _ogg_opus_samples(data, self._rate)))
+        return data
 
     def encode(self, samples: np.ndarray) -> bytes:
         if len(samples):
@@ -126,14 +152,33 @@ class _Muxed:
             frame.sample_rate = self._rate
             frame.pts = self._samples
             self._samples += len(samples)
-            self._container.mux(self._stream.encode(frame))
-        return self._sink.take()
+            self._mux(self._stream.encode(frame))
+        return self._take()
 
     def finish(self) -> bytes:
         """The codec's held-back audio and the container's trailer; the container is closed."""
-        self._container.mux(self._stream.encode(None))
+        self._mux(self._stream.encode(None))
         self._container.close()
-        return self._sink.take()
+        data = self._take()
+        self.decoded_samples = self._samples
+        return data
+
+
+_OGG_PAGE = struct.Struct("<4sBBqIII")  # capture pattern, version, header type, granule position, ...
+
+
+def _ogg_opus_samples(data: bytes, rate: int) -> int:
+    """The audio (samples at `rate`) that the last Ogg Opus page in `data` completes, or -1 if none does.
+    An Opus granule position counts 48 kHz samples including the pre-skip (RFC 7845), which is the
+    encoder's priming and which decoders drop."""
+    end = -1
+    at = data.find(b"OggS")
+    while at >= 0 and at + _OGG_PAGE.size <= len(data):
+        _, version, _, granule, _, _, _ = _OGG_PAGE.unpack_from(data, at)
+        if version == 0 and granule > 0:
+            end = max(end, (granule - OPUS_PRE_SKIP) * rate // 48000)
+        at = data.find(b"OggS", at + 4)
+    return end
 
 
 class AudioFileEncoder:
@@ -162,6 +207,22 @@ class AudioFileEncoder:
             self._header = b""
             self.bytes_per_sample = None  # compressed: no fixed size per sample
         self.output_rate = self._samples.output_rate
+        self._raw_samples = 0
+
+    @property
+    def decoded_samples(self) -> int:
+        """How many samples (at `output_rate`) of audio the bytes returned so far decode to, counted from
+        the first sample fed in: a codec's priming (encoder delay) is not counted, as decoders that honour
+        it drop it (opus pre-skip); see `priming` for the codecs whose decoders play it. Audio a codec still holds back, and
+        for Ogg the packets of an unfinished page, are not counted either."""
+        return self._muxed.decoded_samples if self._muxed is not None else self._raw_samples
+
+    @property
+    def priming(self) -> int:
+        """Samples (at `output_rate`) that a decoder plays before the first sample fed in: the encoder's
+        priming where the container cannot tell the decoder to drop it (mp3 without a LAME tag: 1104 at
+        24 kHz; aac in ADTS: 1024). Known once the first packet is out; 0 for every other format."""
+        return self._muxed.priming if self._muxed is not None else 0
 
     async def encode(self, pcm_s16le: bytes) -> bytes:
         return await self._run(self.encode_now, pcm_s16le)
@@ -186,6 +247,7 @@ class AudioFileEncoder:
         return await asyncio.get_running_loop().run_in_executor(_POOL, method, *args)
 
     def _emit(self, data: bytes) -> bytes:
+        self._raw_samples += len(data) // 2
         if self._muxed is not None:
             data = self._muxed.encode(np.frombuffer(data, dtype="<i2"))
         if self._header:

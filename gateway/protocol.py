@@ -393,6 +393,30 @@ class AudioStart(_ServerMessage):
     context_id: str | None = None
 
 
+TIMESTAMP_TYPES = ("word", "char")
+
+
+class SpokenWord(BaseModel):
+    """A word and where it is spoken, in seconds from the start of its sentence's audio as shipped."""
+
+    word: str
+    start: float
+    end: float
+    sentence_index: int | None = None  # only in context.cancelled's spoken_words, which span sentences
+
+
+class WordAlignment(BaseModel):
+    """The shape Baseten's servers give (and LiveKit's Baseten client reads): three parallel lists."""
+
+    words: list[str]
+    word_start_times_seconds: list[float]
+    word_end_times_seconds: list[float]
+
+
+class TimestampInfo(BaseModel):
+    word_alignment: WordAlignment
+
+
 class AudioDone(_ServerMessage):
     type: Literal["audio.done"] = "audio.done"
     sentence_index: int
@@ -401,6 +425,16 @@ class AudioDone(_ServerMessage):
     context_id: str | None = None
     duration_ms: float | None = None  # None (left out): unknown, for compressed audio replayed after a resume
     cancelled: bool | None = None
+    timestamp_info: TimestampInfo | None = None  # timestamp_transport_strategy "sync": the sentence's words
+
+
+class AudioWords(_ServerMessage):
+    """ext (timestamp_transport_strategy "async"): words whose audio has just gone out in full."""
+
+    type: Literal["audio.words"] = "audio.words"
+    sentence_index: int
+    context_id: str | None = None
+    words: list[SpokenWord]
 
 
 class UtteranceDone(_ServerMessage):
@@ -413,6 +447,9 @@ class ContextCancelled(_ServerMessage):
     type: Literal["context.cancelled"] = "context.cancelled"
     context_id: str | None = None
     sentence_index: int | None = None
+    # ext, with timestamps on: the words of the cut utterance whose audio went out in full, in order
+    spoken_text: str | None = None
+    spoken_words: list[SpokenWord] | None = None
 
 
 class SessionDone(_ServerMessage):

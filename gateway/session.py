@@ -40,7 +40,7 @@ from tts_backend.base import Synthesizer
 
 from . import audio, encoders
 from .auth import Principal
-from .compat import option_warnings, resolve_voice
+from .compat import option_warnings, resolve_voice, timestamp_transport
 from .limits import Admission, AdmissionClaim
 from .logs import session_id_var
 from .metrics import GatewayMetrics
@@ -62,6 +62,7 @@ from .protocol import (
     SessionConfig,
     SessionResume,
     SessionStarted,
+    SpokenWord,
     VoiceAdd,
     VoiceList,
     VoiceListed,
@@ -418,6 +419,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
             )
         rate = encoders.coded_rate(fmt, rate)
+        options = message.model_dump()
         return ResolvedConfig(
             message=message,
             voice=choice.voice,
@@ -425,7 +427,8 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             stream_audio=message.stream_audio,
             source_rate=self.backend.sample_rate,
             output_rate=rate,
-            warnings=(*choice.warnings, *option_warnings(self.backend, message.model_dump())),
+            warnings=(*choice.warnings, *option_warnings(self.backend, options)),
+            timestamps=timestamp_transport(self.backend, options),
         )
 
     async def _apply_config(self, message: SessionConfig) -> None:
@@ -661,10 +664,20 @@ class StreamingSession(SpeechPipeline, SessionResumer):
 
     # -------------------------------------------------------------- cancel
 
+    @staticmethod
+    def _spoken_before_cut(utterances: list[Utterance], current, stopped: list[SentenceJob]) -> list[SpokenWord]:
+        """The words of the cut utterances whose audio went out in full: those of their sentences sent
+        whole, then those of the sentence cut while being sent, from the bytes it had sent."""
+        spoken = [word for utterance in utterances for word in utterance.spoken]
+        if isinstance(current, SentenceJob) and current in stopped and current.started_sending:
+            spoken.extend(w.model_copy(update={"sentence_index": current.index}) for w in current.spoken_words())
+        return spoken
+
     async def _on_cancel(self, context_id: str | None) -> None:
         """Barge-in: everything of this context (its open utterance and any finished ones still queued)
         stops now. Answered by context.cancelled even when nothing was left to cancel."""
         open_utterance = self._open.pop(context_id, None)
+        cut = {open_utterance.number: open_utterance} if open_utterance is not None else {}
         if open_utterance is not None:
             open_utterance.cancelled = True
             self._staged.open_text[context_id] = None
@@ -674,6 +687,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             for item in items:
                 if isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.context_id == context_id:
                     item.utterance.cancelled = True
+                    cut[item.utterance.number] = item.utterance
             stopped = [item for item in items if isinstance(item, SentenceJob) and item.cancelled and not item.finished]
             for job in stopped:
                 self._stop_job(job)
@@ -698,6 +712,10 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 # Its audio.start went out: close it, with the bytes actually sent.
                 await self._send_text_locked(self._audio_done(current, error=False, cancelled=True).encode())
             first_unsent = stopped[0].index if stopped else None
-            await self._send_text_locked(ContextCancelled(context_id=context_id, sentence_index=first_unsent).encode())
+            cancelled = ContextCancelled(context_id=context_id, sentence_index=first_unsent)
+            if self.config is not None and self.config.timestamps is not None:
+                cancelled.spoken_words = self._spoken_before_cut([cut[n] for n in sorted(cut)], current, stopped)
+                cancelled.spoken_text = " ".join(w.word for w in cancelled.spoken_words)
+            await self._send_text_locked(cancelled.encode())
         self._fill_pipeline()
         self._queue_changed.set()

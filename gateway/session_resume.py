@@ -136,7 +136,9 @@ class SessionResumer:
                 first_of_utterance=False,
                 replay=logged,
                 skip_bytes=delivered + sum(map(len, logged)),
-                needs_synthesis=sentence.state != "done",
+                # With timestamps a sentence logged whole is made again too, for its word timings; its bytes are
+                # all dropped (skip_bytes), as the backend is deterministic, which resume relies on anyway.
+                needs_synthesis=sentence.state != "done" or self.config.timestamps is not None,
             )
             job.bytes_sent = delivered
             self._pending_chars += len(job.text)

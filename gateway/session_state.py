@@ -7,7 +7,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import ConfigWarning, SessionConfig
+from tts_backend.base import WordTiming
+
+from . import audio
+from .protocol import ConfigWarning, SessionConfig, SpokenWord
 from .segmenter import SentenceSegmenter
 from .store import MarkerRecord
 
@@ -31,6 +34,8 @@ class ResolvedConfig:
     source_rate: int
     output_rate: int
     warnings: tuple[ConfigWarning, ...] = ()  # told in session.started; not part of the recorded config
+    # Word timestamps: None (off, or the backend gives none), "sync" (in audio.done) or "async" (audio.words)
+    timestamps: str | None = None
 
     def snapshot(self) -> dict[str, Any]:
         data = self.message.model_dump(exclude_none=True)
@@ -47,6 +52,7 @@ class Utterance:
     segmenter: SentenceSegmenter
     sentences: int = 0
     cancelled: bool = False
+    spoken: list[SpokenWord] = field(default_factory=list)  # words of its sentences fully sent (timestamps on)
 
 
 @dataclass(eq=False)
@@ -69,10 +75,48 @@ class SentenceJob:
     bytes_sent: int = 0
     source_samples: int | None = 0  # backend samples received, for duration_ms; None: unknown
     queued_bytes: int = 0  # PCM made but not yet taken by the sender (back-pressure)
+    # Word timestamps (config.timestamps set): the backend's timings so far, how many were told in
+    # audio.words, and for compressed formats the audio (output samples) the bytes sent so far decode to.
+    words: list[WordTiming] = field(default_factory=list)
+    words_told: int = 0
+    coded_samples_sent: int = 0
+    time_offset_samples: int = 0  # output samples a decoder plays before the audio (mp3/aac priming)
+
+    def spoken_words(self, everything: bool = False) -> list[SpokenWord]:
+        """Its words whose audio went out in full (`everything`: all of them, the sentence is sent). A word
+        is out once the output samples sent reach its end: end * output_rate <= sent * source_rate."""
+        config = self.config
+        if everything:
+            count = len(self.words)
+        else:
+            if config.response_format in audio.FORMATS:  # raw: bytes are samples (after a wav header)
+                header = len(audio.wav_header(config.output_rate)) if config.response_format == "wav" else 0
+                width = 1 if config.response_format in ("mulaw", "alaw") else 2
+                sent = max(0, self.bytes_sent - header) // width
+            else:
+                sent = self.coded_samples_sent
+            reach = sent * config.source_rate
+            count = 0
+            while count < len(self.words) and self.words[count].end * config.output_rate <= reach:
+                count += 1
+        rate = config.source_rate
+        offset = self.time_offset_samples / config.output_rate
+        return [SpokenWord(word=w.word, start=round(offset + w.start / rate, 6), end=round(offset + w.end / rate, 6))
+                for w in self.words[:count]]
+
 
     @property
     def cancelled(self) -> bool:
         return self.utterance.cancelled
+
+
+def add_word_timings(job: SentenceJob, words) -> None:
+    """Keep a backend's WordTimings for `job`, never going back in time (a backend that does is clamped)."""
+    for word in words:
+        floor = job.words[-1].start if job.words else 0
+        start = max(word.start, floor)
+        end = max(word.end, start, job.words[-1].end if job.words else 0)
+        job.words.append(WordTiming(word.word, start, end))
 
 
 @dataclass(eq=False)

@@ -12,6 +12,10 @@ send lock, and the store, and writes to the socket only through the session's `_
   frames (each recorded in the store before it goes out), `audio.done`; for an utterance end
   `utterance.done`/`session.done`. Only one sentence is ever being sent, so two sentences' frames never
   interleave. Resumed sentences replay logged bytes first and drop re-synthesized bytes already delivered.
+- Word timestamps (session.config `timestamp_type`): the backend's timings are kept on the sentence as
+  they arrive; a word is told (`audio.words`, "async") once the bytes sent of its sentence decode past its
+  end, and all of a sentence's words go in its `audio.done` ("sync"). Each utterance keeps the words sent
+  in full, which `context.cancelled` reports as `spoken_text`/`spoken_words`.
 - The watchdog (`_watch_consumer`) ends a session whose client stopped reading.
 """
 
@@ -27,8 +31,19 @@ from starlette.websockets import WebSocket
 from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, UnknownVoiceError
 
 from . import audio, encoders
-from .protocol import AudioDone, AudioStart, CloseCode, ErrorCode, ProtocolError, SessionDone, UtteranceDone
-from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, sent_marker
+from .protocol import (
+    AudioDone,
+    AudioStart,
+    AudioWords,
+    CloseCode,
+    ErrorCode,
+    ProtocolError,
+    SessionDone,
+    TimestampInfo,
+    UtteranceDone,
+    WordAlignment,
+)
+from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, add_word_timings, sent_marker
 
 log = logging.getLogger("voxgate.session")
 
@@ -84,6 +99,7 @@ class SpeechPipeline:
             utterance_key=f"{self.session_id}/{job.utterance.number}",
             request_id=f"{self.session_id}/{job.index}",
             extra=config.message.backend_extra(),
+            word_timestamps=config.timestamps is not None,
         )
         monitor = self.admission.monitor if self.admission is not None else None
         bytes_per_second = 2 * self.backend.sample_rate
@@ -104,6 +120,8 @@ class SpeechPipeline:
                             chunk = await anext(stream)
                         except StopAsyncIteration:
                             break
+                        if chunk.words and not job.finished:
+                            add_word_timings(job, chunk.words)
                         if chunk.pcm and not job.finished:
                             if monitor is not None:
                                 monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
@@ -199,6 +217,12 @@ class SpeechPipeline:
             self._fill_pipeline()
 
     def _audio_done(self, job: SentenceJob, *, error: bool, cancelled: bool = False) -> AudioDone:
+        timestamp_info = None
+        if job.config.timestamps == "sync" and not error:
+            words = job.spoken_words(everything=not cancelled)
+            timestamp_info = TimestampInfo(word_alignment=WordAlignment(
+                words=[w.word for w in words], word_start_times_seconds=[w.start for w in words],
+                word_end_times_seconds=[w.end for w in words]))
         return AudioDone(
             sentence_index=job.index,
             total_bytes=job.bytes_sent,
@@ -206,12 +230,25 @@ class SpeechPipeline:
             context_id=job.utterance.context_id,
             duration_ms=None if job.source_samples is None else round(job.source_samples * 1000 / job.config.source_rate, 1),
             cancelled=True if cancelled else None,
+            timestamp_info=timestamp_info,
         )
 
-    async def _send_frames(self, job: SentenceJob, data: bytes, frame_bytes: int, *, record: bool = True) -> bool:
+    async def _tell_words_locked(self, job: SentenceJob, *, everything: bool = False) -> None:
+        """"async" timestamps: tell the words of `job` whose audio has gone out in full since last told."""
+        if job.config.timestamps != "async":
+            return
+        words = job.spoken_words(everything=everything)[job.words_told:]
+        if words:
+            job.words_told += len(words)
+            await self._send_text_locked(AudioWords(sentence_index=job.index, context_id=job.utterance.context_id,
+                                                    words=words).encode())
+
+    async def _send_frames(self, job: SentenceJob, data: bytes, frame_bytes: int, *, record: bool = True,
+                           decoded: int | None = None) -> bool:
         """Send encoded audio, split into frames, each recorded in the store before it goes on the socket
         (so the store holds every byte a client can have; `record` False for replayed audio). False if the
-        sentence was cancelled meanwhile."""
+        sentence was cancelled meanwhile. `decoded`: compressed audio, the encoder's `decoded_samples`
+        once all of `data` is out (word timestamps)."""
         for start in range(0, len(data), frame_bytes):
             frame = data[start : start + frame_bytes]
             if record:
@@ -223,16 +260,24 @@ class SpeechPipeline:
                 if job.bytes_sent == 0 and job.first_of_utterance:
                     self.metrics.ttfa_seconds.labels("websocket").observe(time.monotonic() - job.released_at)
                 job.bytes_sent += len(frame)
+                if decoded is not None and start + frame_bytes >= len(data):
+                    job.coded_samples_sent = decoded
+                await self._tell_words_locked(job)
             self.metrics.audio_bytes_total.labels("websocket").inc(len(frame))
         return True
 
-    async def _send_new_audio(self, job: SentenceJob, data: bytes, frame_bytes: int) -> bool:
+    async def _send_new_audio(self, job: SentenceJob, data: bytes, frame_bytes: int,
+                              encoder: encoders.AudioFileEncoder) -> bool:
         """Send freshly encoded audio, minus the bytes a resumed sentence already delivered or replayed."""
+        job.time_offset_samples = encoder.priming
+        decoded = None if encoder.bytes_per_sample else encoder.decoded_samples
         if job.skip_bytes:
             dropped = min(job.skip_bytes, len(data))
             job.skip_bytes -= dropped
             data = data[dropped:]
-        return not data or await self._send_frames(job, data, frame_bytes)
+            if not data and decoded is not None:  # the client has these bytes already
+                job.coded_samples_sent = decoded
+        return not data or await self._send_frames(job, data, frame_bytes, decoded=decoded)
 
     async def _send_sentence(self, job: SentenceJob) -> None:
         config = job.config
@@ -283,26 +328,31 @@ class SpeechPipeline:
             job.source_samples += len(item) // 2
             encoded = await encoder.encode(item)
             if config.stream_audio:
-                if encoded and not await self._send_new_audio(job, encoded, frame_bytes):
+                if encoded and not await self._send_new_audio(job, encoded, frame_bytes, encoder):
                     return
             else:
                 whole.append(encoded)
         if job.needs_synthesis and (config.stream_audio or failure is None):
             tail = await encoder.finish()
             if config.stream_audio:
-                if tail and not await self._send_new_audio(job, tail, frame_bytes):
+                if tail and not await self._send_new_audio(job, tail, frame_bytes, encoder):
                     return
             else:
                 data = b"".join(whole) + tail
                 if whole_wav:
                     data = audio.wav_bytes(data, config.output_rate)
-                if data and not await self._send_new_audio(job, data, max(len(data), 1)):
+                if data and not await self._send_new_audio(job, data, max(len(data), 1), encoder):
                     return
         async with self._send_lock:
             if job.cancelled:
                 return
             job.finished = True
             self._pending_chars -= len(job.text)
+            if config.timestamps is not None:
+                job.utterance.spoken.extend(w.model_copy(update={"sentence_index": job.index})
+                                            for w in job.spoken_words(everything=failure is None))
+                if failure is None:
+                    await self._tell_words_locked(job, everything=True)
             if failure is not None:
                 error = _synthesis_error(failure, job)
                 self.metrics.errors_total.labels(error.code.value).inc()

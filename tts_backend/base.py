@@ -6,11 +6,23 @@ GPU engine in this process, and a worker process reached over a local socket all
 
 Cancellation is cooperative and prompt: a backend must stop producing within one chunk when the consumer
 stops iterating (``aclose()`` on the iterator, or cancellation of the task that iterates it).
+
+Word timings (issue 16) are opt-in per request: with `SynthesisRequest.word_timestamps` set, a backend
+that has "word_timestamps" in `honours` attaches `WordTiming`s to the chunks it yields, as soon as it
+knows them: all at once with the first chunk (Piper, the synthetic backend), or in a chunk with no audio
+after the sentence's last one (an aligner that needs the whole sentence). Times are sample positions in
+the request's own audio (sample 0 is the first sample it yields), at the backend's `sample_rate`; the
+gateway maps them to the audio as shipped. Each word of the request's text appears once, in text order,
+with start <= end and times that never go back. Without the flag a backend does no timing work at all.
+
+What a "word" is: `split_words` below, the one definition every backend uses, so that the gateway and
+clients can rebuild the text from the words (joined by single spaces).
 """
 
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -50,6 +62,8 @@ class SynthesisRequest:
     # A caller-chosen id for logs and tracing; never affects the audio.
     request_id: str = ""
     extra: dict = field(default_factory=dict)
+    # Attach WordTimings to the chunks (backends with "word_timestamps" in `honours`; others ignore it).
+    word_timestamps: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,8 +93,58 @@ class BackendMetric:
 
 
 @dataclass(frozen=True)
+class WordTiming:
+    """One word of a request's text and where it is spoken, in samples of the request's audio at the
+    backend's rate: [start, end)."""
+
+    word: str
+    start: int
+    end: int
+
+    def to_json(self) -> list:
+        return [self.word, self.start, self.end]
+
+    @classmethod
+    def from_json(cls, data: list) -> "WordTiming":
+        word, start, end = data
+        if not isinstance(word, str) or not 0 <= int(start) <= int(end):
+            raise ValueError(f"bad word timing {data!r}")
+        return cls(word, int(start), int(end))
+
+
+_TOKEN = re.compile(r"\S+")
+_SPOKEN = re.compile(r"\w", re.UNICODE)
+
+
+def split_words(text: str) -> list[tuple[str, int, int]]:
+    """The words of a text as (word, start, end) character spans: whitespace-separated tokens as written,
+    punctuation and all ("$3.50", "Hello,"). A token with no letter or digit ("-", "...") is not spoken on
+    its own, so it joins the word before it ("Hello -"), or the one after it at the start of the text."""
+    words: list[list] = []
+    leading: tuple[int, int] | None = None  # unspoken tokens before the first word
+    for match in _TOKEN.finditer(text):
+        start, end = match.span()
+        if _SPOKEN.search(match.group()) is None:
+            if words:
+                words[-1][2] = end
+            elif leading is None:
+                leading = (start, end)
+            else:
+                leading = (leading[0], end)
+            continue
+        words.append([None, leading[0] if leading and not words else start, end])
+    spans = [(text[a:b], a, b) for _, a, b in words]
+    if not spans and leading is not None:  # nothing but punctuation: one silent "word"
+        spans = [(text[leading[0]:leading[1]], *leading)]
+    return spans
+
+
+@dataclass(frozen=True)
 class AudioChunk:
-    pcm: bytes  # s16le mono at the backend's sample_rate; always a whole number of samples
+    pcm: bytes  # s16le mono at the backend's sample_rate; always a whole number of samples; may be empty
+    # Word timings that became known with this chunk (only when the request asked for them); they may
+    # concern audio of earlier chunks or of chunks still to come.
+    words: tuple[WordTiming, ...] = ()
 
     @property
     def num_samples(self) -> int:
@@ -94,7 +158,8 @@ class Synthesizer(abc.ABC):
     sample_rate: int = 24000
     # The optional parts of a SynthesisRequest this backend acts on, of: "language", "instructions",
     # "max_new_tokens", "chunk_schedule", "seed", "speed", "voice_design" (a voice made from the
-    # instructions), "voice_cloning" (a voice from reference audio). The gateway tells a client which of
+    # instructions), "voice_cloning" (a voice from reference audio), "word_timestamps" (WordTimings when
+    # the request asks, see the module doc). The gateway tells a client which of
     # its options take no effect here, instead of ignoring them silently.
     honours: frozenset[str] = frozenset()
 

@@ -1,7 +1,7 @@
 """The small framed protocol between a gateway and a `voxgate worker` over a local (Unix) socket.
 
 Each frame: a 4-byte big-endian length of what follows, one type byte, the payload.
-  b"J"  a JSON object (control: info, synthesize, done, error)
+  b"J"  a JSON object (control: info, synthesize, words, done, error)
   b"A"  s16le PCM audio of the request in flight
 One connection carries one request (or one info query). Closing the connection cancels the request: the
 worker notices end-of-file and stops its stream within one chunk, which frees the engine slot.
@@ -9,6 +9,8 @@ worker notices end-of-file and stops its stream within one chunk, which frees th
   client -> worker   {"op": "info"}                         -> {"op": "info", ...}
   client -> worker   {"op": "synthesize", "request": {...}} -> A frames..., then {"op": "done"}
                                                                or {"op": "error", "code": ..., "message": ...}
+With "word_timestamps" in the request, {"op": "words", "words": [[word, start, end], ...]} frames (a
+chunk's WordTimings, in the backend's samples) come before that chunk's A frame.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def decode_json(payload: bytes) -> dict:
 
 def request_to_json(request: SynthesisRequest) -> dict:
     data = dataclasses.asdict(request)
+    if not data["word_timestamps"]:  # left out unless asked, so that a worker older than the field still serves
+        del data["word_timestamps"]
     if data["chunk_schedule"] is not None:
         data["chunk_schedule"] = list(data["chunk_schedule"])
     return data

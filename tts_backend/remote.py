@@ -18,6 +18,7 @@ from .base import (
     Synthesizer,
     UnknownVoiceError,
     Voice,
+    WordTiming,
 )
 
 _ERRORS = {"unknown_voice": UnknownVoiceError, "overloaded": BackendOverloadedError}
@@ -143,6 +144,13 @@ class RemoteSynthesizer(Synthesizer):
                     yield AudioChunk(payload)
                     continue
                 message = framing.decode_json(payload)
+                if message["op"] == "words":
+                    try:
+                        words = tuple(WordTiming.from_json(w) for w in message["words"])
+                    except (KeyError, TypeError, ValueError) as exc:
+                        raise framing.ProtocolError(f"bad words frame: {exc}") from exc
+                    yield AudioChunk(b"", words)
+                    continue
                 if message["op"] == "done":
                     return
                 if message["op"] == "error":

@@ -3,6 +3,9 @@
 It exists for gateway tests and load benchmarks (named as such wherever it is used): it needs no model,
 its output for a given (text, voice, seed) is byte-for-byte reproducible, and its pacing can be set to
 mimic an engine that produces audio faster than real time after a first-chunk latency.
+
+Word timings are exact by construction: the audio of a text is spread evenly over its characters, so
+the word at characters [a, b) of a text of L characters in n samples is samples [a*n//L, b*n//L).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from .base import AudioChunk, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice
+from .base import AudioChunk, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice, WordTiming, split_words
 
 _VOICES = {
     "tone-low": 140.0,
@@ -31,7 +34,7 @@ class SyntheticSynthesizer(Synthesizer):
     """
 
     name = "synthetic"
-    honours = frozenset({"seed"})
+    honours = frozenset({"seed", "word_timestamps"})
 
     def __init__(
         self,
@@ -78,8 +81,15 @@ class SyntheticSynthesizer(Synthesizer):
         self._rendered[key] = samples
         return samples
 
+    def word_timings(self, text: str, num_samples: int) -> tuple[WordTiming, ...]:
+        """Where each word of `text` (as rendered: stripped) lies in its `num_samples` of audio."""
+        text = text.strip()
+        return tuple(WordTiming(word, a * num_samples // len(text), b * num_samples // len(text))
+                     for word, a, b in split_words(text))
+
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         samples = self.render(request)
+        words = self.word_timings(request.text, len(samples)) if request.word_timestamps else ()
         if self.first_chunk_delay_s:
             await asyncio.sleep(self.first_chunk_delay_s)
         for start in range(0, len(samples), self.chunk_samples):
@@ -88,4 +98,4 @@ class SyntheticSynthesizer(Synthesizer):
                 await asyncio.sleep(len(piece) / self.sample_rate / self.speed)
             else:
                 await asyncio.sleep(0)  # a cancellation point between chunks, like a real engine
-            yield AudioChunk(piece.tobytes())
+            yield AudioChunk(piece.tobytes(), words if start == 0 else ())

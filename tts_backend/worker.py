@@ -137,7 +137,10 @@ class WorkerServer:
             stream = self.backend.synthesize(request)
             try:
                 async for chunk in stream:
-                    writer.write(framing.encode(framing.AUDIO, chunk.pcm))
+                    if chunk.words:  # before the chunk's audio, as the backend gave them
+                        writer.write(framing.encode_json({"op": "words", "words": [w.to_json() for w in chunk.words]}))
+                    if chunk.pcm:
+                        writer.write(framing.encode(framing.AUDIO, chunk.pcm))
                     await writer.drain()  # a slow reader slows the stream: back-pressure reaches the engine
             finally:
                 await stream.aclose()
