@@ -575,9 +575,11 @@ def abortable_ws_protocol(max_unsent_bytes: int, close_timeout_s: float, write_s
       this way;
     - the close handshake takes `close_timeout_s` at most, and a close with data still unsent is
       followed by an abort `close_timeout_s` later (`_BoundedCloseTransport`);
-    - a connection whose unsent data passes `max_unsent_bytes` while its client keeps sending is dropped:
-      every ping is answered by a pong that uvicorn writes whether or not the client reads, before and
-      after authentication (a session's own writes wait for buffer space, so they stay far below it);
+    - a connection is dropped once the replies its client's own frames made the protocol write (pongs,
+      which uvicorn writes whether or not the client reads, before and after authentication) pass
+      `max_unsent_bytes` while unsent data has been waiting all along: a ping flood that reads nothing.
+      The app's own writes do not count: one whole sentence may be a frame of megabytes (their bound is
+      the session's back-pressure), and a client that pings while it arrives is not flooding;
     - a connection that accepts none of its unsent data for `write_stall_s` is dropped, whatever waits
       to write to it (a refusal, session.started, an error): every such wait ends;
     - an upgrade refused with an HTTP answer ends quietly."""
@@ -585,6 +587,7 @@ def abortable_ws_protocol(max_unsent_bytes: int, close_timeout_s: float, write_s
 
     class AbortableWebSocketProtocol(WebSocketsSansIOProtocol):
         _stall_timer: asyncio.TimerHandle | None = None
+        _replies_unsent = 0  # bytes written in reply to the client's frames since nothing was unsent
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -630,11 +633,14 @@ def abortable_ws_protocol(max_unsent_bytes: int, close_timeout_s: float, write_s
                 self.handshake_complete = True
 
         def data_received(self, data: bytes) -> None:
-            super().data_received(data)
             unsent = self.transport.get_write_buffer_size()
-            if unsent > max_unsent_bytes and not self.transport.is_closing():
-                log.info("dropping a WebSocket connection whose client sends but reads nothing (%d bytes unsent)",
-                         unsent)
+            if unsent == 0:
+                self._replies_unsent = 0
+            super().data_received(data)
+            self._replies_unsent += max(0, self.transport.get_write_buffer_size() - unsent)
+            if self._replies_unsent > max_unsent_bytes and not self.transport.is_closing():
+                log.info("dropping a WebSocket connection whose client sends but reads nothing (%d bytes of"
+                         " replies unsent)", self._replies_unsent)
                 self.transport.abort()
 
     return AbortableWebSocketProtocol

@@ -126,7 +126,8 @@ class GatewaySettings(BaseSettings):
     )
     max_unsent_bytes: int = Field(
         1 * MIB, gt=0,
-        description="drop a WebSocket whose unsent data passes this while its client keeps sending (pongs it never reads)",
+        description="drop a WebSocket once the replies to its client's frames (pongs) waiting unsent pass this: a"
+        " client that pings but reads nothing; the gateway's own audio does not count",
     )
     close_timeout_s: float = Field(
         5.0, gt=0, description="time a fatal error and the close handshake may take; then the TCP connection is dropped"

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 import time
 
 import pytest
 
 from tests.gateway_server import running_gateway
-from tests.hostile_fixtures import OP_PING, HealthProbe, MemoryWatch, RawClient, RawHttp, served_gateway
+from tests.hostile_fixtures import (
+    OP_PING,
+    OP_PONG,
+    HealthProbe,
+    MemoryWatch,
+    RawClient,
+    RawHttp,
+    frame,
+    served_gateway,
+)
 
 KEY = "sk-transport-test-key"
 POURED = 50 * 1024 * 1024  # what each attack tries to send
@@ -186,3 +196,37 @@ async def test_a_fatal_error_for_a_client_that_reads_nothing_still_ends_the_sess
         await second.send_json(config)
         await second.read_json_until("session.started")
         second.close()
+
+
+# ---------------------------------------------------------------- the pong bound spares real clients
+
+
+async def test_a_client_that_pings_while_a_large_sentence_is_on_its_way_keeps_its_session():
+    """A sentence sent whole (stream_audio false) is one frame: 20 s of 48 kHz wav is 1.9 MB, most of it
+    waiting in the server's buffer while a slow link delivers it. A client that sends a keepalive ping
+    meanwhile is not a ping flood: it gets the whole sentence, its pong and audio.done. Before, the
+    unsent-bytes bound (1 MiB) counted the gateway's own audio and dropped the connection."""
+    sentence = "This sentence runs on for a long while without a single stop " * 4 + "and then it ends here."
+    assert len(sentence) < 300  # one synthesis unit (the default max_synthesis_chars)
+    with running_gateway("synthetic") as server:
+        client = await RawClient.connect(server.settings.port, rcvbuf=64 * 1024)
+        try:
+            await client.send_json({"type": "session.config", "voice": "tone-mid", "response_format": "wav",
+                                    "sample_rate": 48000})
+            await client.read_json_until("session.started")
+            await client.send_json({"type": "input.text", "text": sentence})
+            await client.send_json({"type": "input.done"})
+            await client.read_json_until("audio.start")
+            # The sentence's frame has been written: its first bytes are here, most of it is still unsent.
+            head = await asyncio.wait_for(client.reader.readexactly(2), 20)
+            assert head[0] & 0x0F == 0x2 and head[1] & 0x7F == 127, head  # binary, 64-bit length
+            (length,) = struct.unpack("!Q", await client.reader.readexactly(8))
+            assert length > 1024 * 1024
+            await client.send(frame(OP_PING, b"keepalive"))
+            audio = await asyncio.wait_for(client.reader.readexactly(length), 30)
+            pong = await client.read_frame()
+            assert (pong.opcode, pong.payload) == (OP_PONG, b"keepalive")
+            done = await client.read_json_until("audio.done")
+        finally:
+            client.close()
+    assert audio[:4] == b"RIFF" and done["total_bytes"] == length
