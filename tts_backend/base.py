@@ -15,6 +15,15 @@ the request's own audio (sample 0 is the first sample it yields), at the backend
 gateway maps them to the audio as shipped. Each word of the request's text appears once, in text order,
 with start <= end and times that never go back. Without the flag a backend does no timing work at all.
 
+Voice cloning (issue 15) is optional too: a backend that can clone has "voice_cloning" in `honours`
+(`can_clone`). `clone_voice` turns a `ReferenceAudio` (float32 mono samples at 24 kHz, decoded and
+resampled by the gateway, and the reference's transcript when known) into a voice prompt: bytes the
+backend computed once (for Qwen3 Base: the x-vector, the reference codes, the tokenized reference text),
+opaque to the gateway, which stores them in its voice registry and hands them back with every request
+that speaks with that voice (`SynthesisRequest.voice_prompt`). A backend must refuse, with
+`InvalidVoicePromptError`, a prompt it cannot read (one made by another model or version), so the bytes
+should carry what identifies their maker.
+
 What a "word" is: `split_words` below, the one definition every backend uses, so that the gateway and
 clients can rebuild the text from the words (joined by single spaces).
 """
@@ -37,6 +46,40 @@ class UnknownVoiceError(SynthesisError):
 
 class BackendOverloadedError(SynthesisError):
     """The backend cannot accept more work now; the same request may succeed later."""
+
+
+class VoiceCloningUnsupportedError(SynthesisError):
+    """This backend (or its checkpoint) cannot clone a voice from reference audio."""
+
+
+class InvalidReferenceAudioError(SynthesisError):
+    """The reference audio (or its transcript) cannot make a voice: too short, silent, no ref_text where
+    the in-context prompt needs one. The message says which."""
+
+
+class InvalidVoicePromptError(SynthesisError):
+    """A SynthesisRequest's voice_prompt was not made by this backend (another model, another version)."""
+
+
+# The one rate reference audio reaches a backend at: the Qwen3 speaker encoder's and tokenizer's.
+REFERENCE_SAMPLE_RATE = 24000
+
+
+@dataclass(frozen=True)
+class ReferenceAudio:
+    """A clip to clone a voice from: float32 little-endian mono samples in [-1, 1] at
+    REFERENCE_SAMPLE_RATE (bytes, so that it crosses the worker socket as it is), and what is said in it."""
+
+    samples: bytes
+    ref_text: str | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples) // 4
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_samples / REFERENCE_SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -64,6 +107,10 @@ class SynthesisRequest:
     extra: dict = field(default_factory=dict)
     # Attach WordTimings to the chunks (backends with "word_timestamps" in `honours`; others ignore it).
     word_timestamps: bool = False
+    # A cloned voice: what this backend's clone_voice returned. When set, it speaks instead of `voice`
+    # (which then only names the voice, for logs); a backend that cannot clone raises
+    # VoiceCloningUnsupportedError.
+    voice_prompt: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +233,23 @@ class Synthesizer(abc.ABC):
     def load(self) -> float:
         """Fraction of real-time capacity in use (0 idle, 1 saturated); used to refuse sessions early."""
         return 0.0
+
+    @property
+    def can_clone(self) -> bool:
+        return "voice_cloning" in self.honours
+
+    async def clone_voice(self, reference: ReferenceAudio, x_vector_only: bool = False) -> bytes:
+        """The voice prompt for `reference` (see the module doc), computed once; later requests carry it
+        as `voice_prompt`. x_vector_only: a prompt from the speaker embedding alone (no reference codes,
+        no ref_text needed; a weaker likeness). Runs the model off the event loop. Raises
+        VoiceCloningUnsupportedError (the default), InvalidReferenceAudioError, BackendOverloadedError."""
+        raise VoiceCloningUnsupportedError(f"the {self.name} backend cannot clone a voice from reference audio")
+
+    def refuse_voice_prompt(self, request: SynthesisRequest) -> None:
+        """For backends that cannot clone: a request with a voice prompt fails rather than speaking
+        with another voice."""
+        if request.voice_prompt is not None and not self.can_clone:
+            raise VoiceCloningUnsupportedError(f"the {self.name} backend cannot speak with a cloned voice")
 
     async def metrics(self) -> list[BackendMetric]:
         """The backend's own metrics for the gateway's /metrics (the GPU engine's batches and time shares,

@@ -9,6 +9,11 @@ worker notices end-of-file and stops its stream within one chunk, which frees th
   client -> worker   {"op": "info"}                         -> {"op": "info", ...}
   client -> worker   {"op": "synthesize", "request": {...}} -> A frames..., then {"op": "done"}
                                                                or {"op": "error", "code": ..., "message": ...}
+  client -> worker   {"op": "clone", "samples": base64, "ref_text": str|null, "x_vector_only": bool}
+                                                            -> {"op": "clone", "prompt": base64}
+                                                               or {"op": "error", ...}
+("samples": a ReferenceAudio's float32 24 kHz mono samples; "prompt": the backend's voice prompt; a
+request's "voice_prompt" travels in base64 too, and is left out when there is none.)
 With "word_timestamps" in the request, {"op": "words", "words": [[word, start, end], ...]} frames (a
 chunk's WordTimings, in the backend's samples) come before that chunk's A frame.
 """
@@ -16,11 +21,21 @@ chunk's WordTimings, in the backend's samples) come before that chunk's A frame.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import json
 import struct
 
-from .base import SynthesisError, SynthesisRequest
+from .base import (
+    BackendOverloadedError,
+    InvalidReferenceAudioError,
+    InvalidVoicePromptError,
+    SynthesisError,
+    SynthesisRequest,
+    UnknownVoiceError,
+    VoiceCloningUnsupportedError,
+)
 
 JSON = b"J"
 AUDIO = b"A"
@@ -65,6 +80,16 @@ def decode_json(payload: bytes) -> dict:
     return message
 
 
+# The errors a gateway tells apart, by their code on the socket (the worker sends them, remote.py raises them again).
+ERROR_CODES: dict[type[SynthesisError], str] = {
+    UnknownVoiceError: "unknown_voice",
+    BackendOverloadedError: "overloaded",
+    VoiceCloningUnsupportedError: "voice_cloning_unsupported",
+    InvalidReferenceAudioError: "invalid_reference_audio",
+    InvalidVoicePromptError: "invalid_voice_prompt",
+}
+
+
 # The request travels as its dataclass's fields; this module is the one both sides of the socket import
 # (a gateway's remote backend and the worker, which imports the backend registry that names the remote).
 
@@ -73,6 +98,10 @@ def request_to_json(request: SynthesisRequest) -> dict:
     data = dataclasses.asdict(request)
     if not data["word_timestamps"]:  # left out unless asked, so that a worker older than the field still serves
         del data["word_timestamps"]
+    if data["voice_prompt"] is None:  # likewise
+        del data["voice_prompt"]
+    else:
+        data["voice_prompt"] = base64.b64encode(data["voice_prompt"]).decode()
     if data["chunk_schedule"] is not None:
         data["chunk_schedule"] = list(data["chunk_schedule"])
     return data
@@ -85,4 +114,15 @@ def request_from_json(data: dict) -> SynthesisRequest:
         raise SynthesisError(f"unknown request fields: {sorted(unknown)}")
     if data.get("chunk_schedule") is not None:
         data = {**data, "chunk_schedule": tuple(data["chunk_schedule"])}
+    if data.get("voice_prompt") is not None:
+        data = {**data, "voice_prompt": decode_base64(data["voice_prompt"], "voice_prompt")}
     return SynthesisRequest(**data)
+
+
+def decode_base64(value: object, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{what} must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError(f"{what} is not valid base64: {exc}") from exc

@@ -204,6 +204,7 @@ class PiperSynthesizer(Synthesizer):
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         if self._executor is None:
             raise SynthesisError("the Piper backend is not started")
+        self.refuse_voice_prompt(request)
         loaded = self._find(request.voice)
         if not request.text.strip():
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import time
@@ -12,7 +13,7 @@ from . import framing
 from .base import (
     AudioChunk,
     BackendMetric,
-    BackendOverloadedError,
+    ReferenceAudio,
     SynthesisError,
     SynthesisRequest,
     Synthesizer,
@@ -21,7 +22,7 @@ from .base import (
     WordTiming,
 )
 
-_ERRORS = {"unknown_voice": UnknownVoiceError, "overloaded": BackendOverloadedError}
+_ERRORS = {code: kind for kind, code in framing.ERROR_CODES.items()}
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,10 @@ class RemoteSynthesizer(Synthesizer):
     async def _query_info(self) -> dict:
         return await self._query("info")
 
-    async def _query(self, op: str) -> dict:
+    async def _query(self, op: str, **fields) -> dict:
         reader, writer = await asyncio.open_unix_connection(self.socket_path)
         try:
-            writer.write(framing.encode_json({"op": op}))
+            writer.write(framing.encode_json({"op": op, **fields}))
             await writer.drain()
             frame = await framing.read_frame(reader)
             if frame is None or frame[0] != framing.JSON:
@@ -113,6 +114,20 @@ class RemoteSynthesizer(Synthesizer):
     def load(self) -> float:
         return float(self._info.get("load", 0.0)) if self._info else 1.0
 
+    async def clone_voice(self, reference: ReferenceAudio, x_vector_only: bool = False) -> bytes:
+        if not self.can_clone:  # as the worker said in its info
+            return await super().clone_voice(reference, x_vector_only)
+        try:
+            answer = await self._query("clone", samples=base64.b64encode(reference.samples).decode(),
+                                       ref_text=reference.ref_text, x_vector_only=x_vector_only)
+        except OSError as exc:
+            raise SynthesisError(f"worker unreachable at {self.socket_path}: {exc}") from exc
+        if answer.get("op") == "error":
+            raise _ERRORS.get(answer.get("code"), SynthesisError)(answer.get("message", "worker error"))
+        if answer.get("op") != "clone":
+            raise framing.ProtocolError(f"unexpected op {answer.get('op')!r}")
+        return framing.decode_base64(answer.get("prompt"), "prompt")
+
     async def metrics(self) -> list[BackendMetric]:
         """The worker's metrics (its backend's and its own), read at each call (the gateway's scrape bounds
         how long it waits). An unreachable worker, or one too old to know the op, reports none."""
@@ -126,7 +141,7 @@ class RemoteSynthesizer(Synthesizer):
             return []
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
-        if self._voices and not self.has_voice(request.voice):
+        if request.voice_prompt is None and self._voices and not self.has_voice(request.voice):
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
         try:
             reader, writer = await asyncio.open_unix_connection(self.socket_path)

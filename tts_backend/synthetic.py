@@ -88,6 +88,7 @@ class SyntheticSynthesizer(Synthesizer):
                      for word, a, b in split_words(text))
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        self.refuse_voice_prompt(request)
         samples = self.render(request)
         words = self.word_timings(request.text, len(samples)) if request.word_timestamps else ()
         if self.first_chunk_delay_s:

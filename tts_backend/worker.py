@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import gc
@@ -19,10 +20,9 @@ from typing import Any
 from . import framing
 from .base import (
     BackendMetric,
-    BackendOverloadedError,
+    ReferenceAudio,
     SynthesisError,
     Synthesizer,
-    UnknownVoiceError,
 )
 from .registry import create_backend
 
@@ -30,10 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def error_code(exc: BaseException) -> str:
-    if isinstance(exc, UnknownVoiceError):
-        return "unknown_voice"
-    if isinstance(exc, BackendOverloadedError):
-        return "overloaded"
+    for kind, code in framing.ERROR_CODES.items():
+        if isinstance(exc, kind):
+            return code
     if isinstance(exc, SynthesisError):
         return "synthesis_failed"
     return "internal"
@@ -66,6 +65,20 @@ class WorkerServer:
         metrics = [streams, *await self.backend.metrics()]
         return {"op": "metrics", "metrics": [m.to_json() for m in metrics]}
 
+    async def clone(self, message: dict) -> dict:
+        reference = ReferenceAudio(framing.decode_base64(message.get("samples"), "samples"),
+                                   message.get("ref_text"))
+        if reference.ref_text is not None and not isinstance(reference.ref_text, str):
+            raise framing.ProtocolError("ref_text must be a string or null")
+        try:
+            prompt = await self.backend.clone_voice(reference, bool(message.get("x_vector_only", False)))
+        except SynthesisError as exc:
+            return {"op": "error", "code": error_code(exc), "message": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - reported to the client, logged here
+            log.exception("cloning failed")
+            return {"op": "error", "code": "internal", "message": str(exc)}
+        return {"op": "clone", "prompt": base64.b64encode(prompt).decode()}
+
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
@@ -93,6 +106,9 @@ class WorkerServer:
                 await writer.drain()
             elif message["op"] == "metrics":
                 writer.write(framing.encode_json(await self.metrics()))
+                await writer.drain()
+            elif message["op"] == "clone":
+                writer.write(framing.encode_json(await self.clone(message)))
                 await writer.drain()
             elif message["op"] == "synthesize":
                 await self._synthesize(message.get("request") or {}, reader, writer)
