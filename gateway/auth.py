@@ -46,6 +46,9 @@ class Principal:
 
 
 Authenticator = Callable[[HTTPConnection], Awaitable[Principal]]
+# Where an HTTP request's principal is kept once gateway.request_guard has authenticated it (before its
+# body), so that the route's dependency does not run the hook a second time.
+PRINCIPAL_SCOPE_KEY = "voxgate.principal"
 
 
 def key_fingerprint(key: str) -> str:

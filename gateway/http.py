@@ -30,7 +30,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
 
 from . import audio, encoders
-from .auth import AuthError, Principal, TokenSigner
+from .auth import PRINCIPAL_SCOPE_KEY, AuthError, Principal, TokenSigner
 from .compat import option_warnings, resolve_voice
 from .limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
 from .protocol import ErrorCode, ProtocolError, loads_client_json
@@ -122,7 +122,11 @@ def gateway_of(request: Request) -> Gateway:
 
 
 async def require_auth(request: Request) -> Principal:
-    """The auth hook as a FastAPI dependency."""
+    """The auth hook as a FastAPI dependency: the principal RequestGuard found for an API route, else the
+    hook's answer."""
+    principal = request.scope.get(PRINCIPAL_SCOPE_KEY)
+    if principal is not None:
+        return principal
     gateway = gateway_of(request)
     try:
         return await gateway.authenticate(request)

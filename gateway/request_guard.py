@@ -19,7 +19,7 @@ from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .auth import AuthError
+from .auth import PRINCIPAL_SCOPE_KEY, AuthError
 from .http import ApiError
 from .protocol import ErrorCode
 from .state import Gateway
@@ -94,7 +94,7 @@ class RequestGuard:
         settings = self.gateway.settings
         if self._needs_key(scope["path"]):
             try:
-                await self.gateway.authenticate(HTTPConnection(scope))
+                scope[PRINCIPAL_SCOPE_KEY] = await self.gateway.authenticate(HTTPConnection(scope))
             except AuthError as exc:
                 await self._answer(ApiError(ErrorCode.unauthorized, str(exc)), scope, send)
                 return
