@@ -3,6 +3,12 @@
 `voxgate serve --backend qwen3 --model PATH [--device cuda]` builds this. start() loads the checkpoint,
 allocates the KV slots and captures the CUDA graphs on the engine thread; `ready` turns true only after
 that (and a warm-up request) are done.
+
+With `-o aligner=PATH` (a Qwen3-ForcedAligner checkpoint folder) it also times the words of a request that asks
+for them (`word_timestamps`): the audio streams out as usual, and once the sentence's last chunk has gone, the
+sentence is aligned (batched with the other sentences finishing then, on a thread of its own, see
+tts_backend/aligner/batcher.py) and the words come in one more chunk with no audio. The first audio is never
+held for them.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from .base import (
     Synthesizer,
     UnknownVoiceError,
     Voice,
+    WordTiming,
+    split_words,
 )
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,8 @@ class Qwen3Synthesizer(Synthesizer):
     frame_cap_chars_per_second: for random-weight checkpoints, whose EOS never comes naturally: cap each
       request at the frames its text takes at this speaking rate (bench/README.md: 15 characters/s).
     warmup: run one request through every stage before reporting ready.
+    aligner: a Qwen3-ForcedAligner checkpoint folder; when given, requests may ask for word timestamps.
+    aligner_max_batch: sentences aligned in one forward pass at most.
     """
 
     name = "qwen3"
@@ -69,6 +79,8 @@ class Qwen3Synthesizer(Synthesizer):
         warmup: bool = True,
         trim_leading_silence: bool = True,
         runner_options: dict | None = None,
+        aligner: str | None = None,
+        aligner_max_batch: int = 16,
     ) -> None:
         if not model:
             raise SynthesisError("the qwen3 backend needs --model PATH (a Qwen3-TTS checkpoint folder)")
@@ -91,6 +103,11 @@ class Qwen3Synthesizer(Synthesizer):
         self.warmup = bool(warmup)
         self.trim_leading_silence = bool(trim_leading_silence)
         self.runner_options = dict(runner_options or {})
+        self.aligner_path = aligner
+        self.aligner_max_batch = int(aligner_max_batch)
+        self.aligner_batcher = None
+        if aligner:
+            self.honours = self.honours | {"word_timestamps"}
         self.model = None
         self.engine = None
         self._voices: list[Voice] = []
@@ -105,6 +122,12 @@ class Qwen3Synthesizer(Synthesizer):
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = Qwen3TTS.from_pretrained(self.model_path, device=device, dtype=getattr(torch, self.dtype))
+        if self.aligner_path:
+            from .aligner.batcher import AlignmentBatcher
+            from .aligner.loader import load_aligner
+
+            aligner = load_aligner(self.aligner_path, device=device, dtype=getattr(torch, self.dtype))
+            self.aligner_batcher = AlignmentBatcher(aligner, self.aligner_max_batch)
 
     def _build(self) -> None:
         from .engine.engine import Engine, EngineConfig
@@ -174,6 +197,9 @@ class Qwen3Synthesizer(Synthesizer):
         self._ready = False
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        if self.aligner_batcher is not None:
+            await asyncio.to_thread(self.aligner_batcher.close)
+            self.aligner_batcher = None
 
     @property
     def ready(self) -> bool:
@@ -238,8 +264,35 @@ class Qwen3Synthesizer(Synthesizer):
             )
         except ValueError as exc:  # e.g. a chunk schedule outside 1..64 frames
             raise SynthesisError(str(exc)) from exc
+        timed = request.word_timestamps and self.aligner_batcher is not None
+        audio = bytearray()
         try:
             async for pcm in stream:
+                if timed:
+                    audio += pcm
                 yield AudioChunk(pcm)
         finally:
             stream.cancel()  # frees the slot at once if the consumer left early; no-op once finished
+        if timed:
+            yield AudioChunk(b"", words=await self._word_timings(request.text, bytes(audio)))
+
+    async def _word_timings(self, text: str, pcm: bytes) -> tuple[WordTiming, ...]:
+        """The sentence's words (base.split_words) with sample positions in its audio, from the aligner."""
+        import numpy as np
+
+        from .aligner.model import AlignRequest
+        from .aligner.words import times_of_spans
+
+        spans = split_words(text)
+        samples = len(pcm) // 2
+        if samples == 0:
+            return tuple(WordTiming(word, 0, 0) for word, _, _ in spans)
+        # No language: the gateway's words are whitespace tokens, and the aligner's own split (spaces, CJK
+        # characters) serves every language for them, Japanese and Korean included.
+        times = await self.aligner_batcher.align(AlignRequest(np.frombuffer(pcm, "<i2"), self.sample_rate, text))
+        # The aligner's times are non-decreasing (its monotonic repair); its last classes may pass the audio's end.
+        return tuple(
+            WordTiming(word, min(round(start_s * self.sample_rate), samples),
+                       min(round(end_s * self.sample_rate), samples))
+            for (word, _, _), (start_s, end_s) in zip(spans, times_of_spans([w for w, _, _ in spans], times))
+        )

@@ -53,6 +53,26 @@ def split_words(text: str, language: str | None = None) -> list[str]:
     return words
 
 
+def times_of_spans(spans: list[str], times: list[tuple[str, float, float]]) -> list[tuple[float, float]]:
+    """Aligner word times -> (start_s, end_s) of each span of the text (spans in order, together covering every
+    word, e.g. the whitespace-separated words a client sees). A span's start is its first aligned word's start,
+    its end its last one's end; a span with nothing to align (an underscore, a lone symbol) is the instant where
+    the previous span ended."""
+    out, used, last_end = [], 0, 0.0
+    for span in spans:
+        count = len(split_words(span))
+        mine = times[used:used + count]
+        used += count
+        if mine:
+            out.append((mine[0][1], mine[-1][2]))
+            last_end = mine[-1][2]
+        else:
+            out.append((last_end, last_end))
+    if used != len(times):
+        raise ValueError(f"spans cover {used} aligned words of {len(times)}")
+    return out
+
+
 def prompt_text(words: list[str], audio_tokens: int) -> str:
     return ("<|audio_start|>" + "<|audio_pad|>" * audio_tokens + "<|audio_end|>"
             + "".join(f"{w}<timestamp><timestamp>" for w in words))

@@ -1,0 +1,98 @@
+"""Sentences from many sessions -> one aligner batch at a time, on a thread of its own.
+
+`AlignmentBatcher.align(request)` is awaited by a backend once a sentence's audio is complete; the thread takes
+every request queued at that moment (up to `max_batch`) and aligns them in one forward pass, so sentences that
+finish together share one pass and none waits for a batch to fill. The event loop never runs the model.
+
+On a CUDA device the aligner runs on a CUDA stream of its own, so its kernels queue beside the speech engine's
+instead of behind them on the default stream; the engine's first audio of a new sentence is never ordered after
+an alignment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .model import AlignRequest, ForcedAligner, WordTime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    request: AlignRequest
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    if future.done():  # the awaiting task was cancelled (its session went away)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class AlignmentBatcher:
+    def __init__(self, aligner: ForcedAligner, max_batch: int = 16):
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.aligner = aligner
+        self.max_batch = max_batch
+        self.batches = 0  # forward passes run (for tests and metrics)
+        self.sentences = 0
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._stream = torch.cuda.Stream(aligner.device) if aligner.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="voxgate-aligner", daemon=True)
+        self._thread.start()
+
+    async def align(self, request: AlignRequest) -> list[WordTime]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.put(_Job(request, future, loop))
+        return await future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            jobs = [job]
+            while len(jobs) < self.max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)  # finish this batch, then stop
+                    break
+                jobs.append(nxt)
+            jobs = [j for j in jobs if not j.future.done()]
+            if not jobs:
+                continue
+            try:
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        results = self.aligner.align([j.request for j in jobs])
+                else:
+                    results = self.aligner.align([j.request for j in jobs])
+            except Exception as exc:  # one bad batch fails its own sentences, never the thread
+                log.exception("alignment of %d sentences failed", len(jobs))
+                for j in jobs:
+                    j.loop.call_soon_threadsafe(_settle, j.future, None, exc)
+                continue
+            self.batches += 1
+            self.sentences += len(jobs)
+            for j, result in zip(jobs, results):
+                j.loop.call_soon_threadsafe(_settle, j.future, result)
