@@ -344,3 +344,45 @@ async def test_a_worker_backend_carries_the_timings(tmp_path):
     held = len(client.audio[1]) // 2
     expected = exact_words(SENTENCES[0]) + [w for w in exact_words(SENTENCES[1]) if w[2] * RATE <= held + 1e-6]
     assert cancelled["spoken_text"] == " ".join(w for w, _, _ in expected)
+
+
+# ------------------------------------------------------------------------------------------ piper
+
+
+def test_written_words_take_the_spoken_words_espeak_merged_or_expanded():
+    from tts_backend.piper_words import assign
+
+    # Counts agree: each written word its own count ("$3.50" -> 5 spoken words).
+    assert assign([(1, 2), (5, 20), (1, 2)], [2, 4, 4, 4, 4, 4, 2]) == [1, 5, 1]
+    # "in the" spoken as one word "ɪnðə": it goes to one of them and the words after it stay in place.
+    assert assign([(1, 2), (1, 2), (3, 20), (1, 3)], [4, 12, 6, 2, 3]) == [1, 0, 3, 1]
+
+
+async def test_piper_times_every_written_word():
+    text = "It costs $3.50 - or so they say, in the 1990s, e.g. at 10:30 today."
+    with running_gateway("piper") as piper:
+        ws = await websockets.connect(piper.ws_url, max_size=None)
+        client = Client(ws)
+        await client.send(type="session.config", stream_audio=True, response_format="pcm", sample_rate=22050,
+                          timestamp_type="word")
+        started = await client.until("session.started")
+        assert "warnings" not in started
+        await client.send(type="input.text", text=text)
+        await client.send(type="input.done")
+        done = await client.until("audio.done")
+        await ws.close()
+    alignment = done["timestamp_info"]["word_alignment"]
+    words = [{"word": w, "start": s, "end": e} for w, s, e in zip(
+        alignment["words"], alignment["word_start_times_seconds"], alignment["word_end_times_seconds"])]
+    assert [w["word"] for w in words] == [w for w, _, _ in split_words(text)]
+    assert_monotonic(words)
+    assert words[-1]["end"] <= done["duration_ms"] / 1000 + 1e-4
+    lengths = {w["word"]: w["end"] - w["start"] for w in words}
+    # "$3.50" is spoken as five words, "10:30" as two: far longer than "so" or "it".
+    assert lengths["$3.50 -"] > 3 * lengths["so"] and lengths["10:30"] > 2 * lengths["It"]
+    # "in the" is one spoken word: one of the two has it all, and "1990s," right after keeps its own
+    # audio (speech, not a pause: the words after a merge are not shifted).
+    pcm = np.frombuffer(bytes(client.audio[0]), dtype="<i2").astype(float)
+    nineties = next(w for w in words if w["word"] == "1990s,")
+    inside = pcm[int(nineties["start"] * 22050) : int(nineties["end"] * 22050)]
+    assert np.sqrt(np.mean(inside**2)) > 1000

@@ -9,11 +9,18 @@ Determinism: VITS draws random noise for phoneme durations (`noise_w_scale`) and
 (`noise_scale`). With both at 0 (the default here) the same text always gives the same bytes, which is
 what the gateway's audio-integrity tests rely on; pass the voice's own values (0.8 and 0.667 for joe) for
 livelier prosody at the cost of reproducibility.
+
+Word timestamps: Piper 1.8 reports each phoneme's duration when the voice outputs it (the `w_ceil`
+tensor). Voices as published, the bundled joe among them, do not, so each voice is patched in memory at
+load (piper's own `add_alignment_output`, from its `[alignment]` extra, which needs the `onnx` package):
+the tensor is computed by every synthesis anyway, so marking it an output costs nothing measurable, and
+requests that do not ask for timestamps ignore it. tts_backend/piper_words.py maps phonemes to words.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .base import AudioChunk, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice
+from .piper_words import WordTimer
+
+log = logging.getLogger(__name__)
 
 _END = object()
 
@@ -62,7 +72,7 @@ class PiperSynthesizer(Synthesizer):
     """
 
     name = "piper"
-    honours = frozenset({"speed"})
+    honours = frozenset({"speed"})  # and "word_timestamps" once every voice loaded can align
 
     def __init__(
         self,
@@ -118,7 +128,7 @@ class PiperSynthesizer(Synthesizer):
         options.intra_op_num_threads = self.onnx_threads
         options.inter_op_num_threads = 1
         providers = ["CUDAExecutionProvider"] if self.use_cuda else ["CPUExecutionProvider"]
-        session = onnxruntime.InferenceSession(str(path), sess_options=options, providers=providers)
+        session = onnxruntime.InferenceSession(_with_alignments(path), sess_options=options, providers=providers)
         return PiperVoice(session=session, config=config)
 
     def _load_all(self) -> dict[str, _LoadedVoice]:
@@ -145,6 +155,8 @@ class PiperSynthesizer(Synthesizer):
         loop = asyncio.get_running_loop()
         self._voices = await loop.run_in_executor(self._executor, self._load_all)
         self.sample_rate = next(iter(self._voices.values())).sample_rate
+        if all(len(v.piper_voice.session.get_outputs()) > 1 for v in self._voices.values()):
+            self.honours = self.honours | {"word_timestamps"}
         # Warm up: the first ONNX run allocates; do it before /ready says yes.
         async for _ in self.synthesize(SynthesisRequest(text="Ready.", voice=self.default_voice)):
             pass
@@ -188,7 +200,7 @@ class PiperSynthesizer(Synthesizer):
 
     # ------------------------------------------------------------------ synthesis
 
-    def _sentences(self, loaded: _LoadedVoice, request: SynthesisRequest) -> Iterator[bytes]:
+    def _sentences(self, loaded: _LoadedVoice, request: SynthesisRequest) -> Iterator[AudioChunk]:
         from piper import SynthesisConfig
 
         length_scale = self.length_scale if self.length_scale is not None else loaded.piper_voice.config.length_scale
@@ -198,8 +210,20 @@ class PiperSynthesizer(Synthesizer):
             noise_w_scale=self.noise_w_scale,
             length_scale=length_scale / speed,
         )
-        for chunk in loaded.piper_voice.synthesize(request.text, config):
-            yield chunk.audio_int16_bytes
+        voice = loaded.piper_voice
+        if not (request.word_timestamps and "word_timestamps" in self.honours):
+            for chunk in voice.synthesize(request.text, config):
+                yield AudioChunk(chunk.audio_int16_bytes)
+            return
+        timer = WordTimer(voice, request.text)
+        for chunk in voice.synthesize(request.text, config, include_alignments=True):
+            alignments = chunk.phoneme_alignments
+            durations = None if alignments is None else [int(a.num_samples) for a in alignments]
+            pcm = chunk.audio_int16_bytes
+            yield AudioChunk(pcm, timer.feed(chunk.phonemes, durations, len(pcm) // 2))
+        rest = timer.rest()
+        if rest:
+            yield AudioChunk(b"", rest)
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         if self._executor is None:
@@ -214,12 +238,29 @@ class PiperSynthesizer(Synthesizer):
         try:
             while True:
                 # One Piper sentence per step; awaiting here is where cancellation lands.
-                pcm = await loop.run_in_executor(executor, next, sentences, _END)
-                if pcm is _END:
+                chunk = await loop.run_in_executor(executor, next, sentences, _END)
+                if chunk is _END:
                     return
-                if pcm:
-                    yield AudioChunk(pcm)
+                if chunk.pcm or chunk.words:
+                    yield chunk
         except RuntimeError as exc:
             if "cannot schedule new futures" in str(exc):
                 raise SynthesisError("the Piper backend is shutting down") from exc
             raise
+
+
+def _with_alignments(path: Path) -> str | bytes:
+    """The voice to load: in memory with its phoneme durations as a second output (see the module doc), or
+    the file as it is when it has them already or the `onnx` package is missing (no word timestamps)."""
+    try:
+        import onnx
+        from piper.patch_voice_with_alignment import add_alignment_output
+    except ImportError:
+        log.warning("the onnx package is missing (pip install 'piper-tts[alignment]'): Piper gives no word timestamps")
+        return str(path)
+    model = onnx.load(str(path))
+    try:
+        add_alignment_output(model)
+    except ValueError:  # patched already (or no duration tensor to expose)
+        return str(path)
+    return model.SerializeToString()
