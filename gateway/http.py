@@ -9,6 +9,10 @@ The body is one file in `response_format`, streamed as it is encoded (gateway/en
 - `pcm` (24 kHz unless `sample_rate` says otherwise, as OpenAI documents), `mulaw`, `alaw` (8 kHz): raw;
 - `stream_format: "sse"` (or vLLM's `stream: true` alone): Server-Sent Events as OpenAI documents them,
   `speech.audio.delta` with base64 pieces of that file (`pcm` by default), then `speech.audio.done`.
+Word timestamps (`timestamp_type: "word"` or `word_timestamps: true`), in seconds of the response's
+audio: with SSE a `speech.audio.words` event after the delta that completes the words; otherwise the
+header `X-Word-Timestamps`, which a header can only carry once all the audio is made, so such a body is
+sent whole, not streamed.
 """
 
 from __future__ import annotations
@@ -27,11 +31,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, Synthesizer, UnknownVoiceError
+from tts_backend.base import (
+    AudioChunk,
+    BackendOverloadedError,
+    SynthesisError,
+    SynthesisRequest,
+    Synthesizer,
+    UnknownVoiceError,
+    WordTiming,
+    split_words,
+)
 
 from . import audio, encoders
 from .auth import PRINCIPAL_SCOPE_KEY, AuthError, Principal, TokenSigner
-from .compat import option_warnings, resolve_voice
+from .compat import option_warnings, resolve_voice, timestamp_transport
 from .limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
 from .protocol import ErrorCode, ProtocolError, loads_client_json
 from .segmenter import SentenceSegmenter, push_in_slices
@@ -65,6 +78,10 @@ T = TypeVar("T")
 # formats are 8 kHz. `wav` states its rate in its header and stays at the backend's own.
 DEFAULT_RATES = {"pcm": 24000, "mulaw": 8000, "alaw": 8000}
 WARNINGS_HEADER = "X-Voxgate-Warnings"
+WORDS_HEADER = "X-Word-Timestamps"
+# Clients bound a response's header block (h11, under httpx and the OpenAI SDK: 16 KiB): a longer input
+# asks for its timestamps over SSE instead.
+MAX_WORDS_HEADER_BYTES = 12_000
 CLIENT_LEFT = 499  # nginx's status for "client closed request": logged, never delivered
 BACKEND_METRICS_TIMEOUT_S = 3.0  # a scrape waits this long for the backend's metrics, then goes without
 
@@ -164,6 +181,8 @@ class SpeechRequest(BaseModel):
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
+    timestamp_type: str | None = None  # "word" ("char": words, with a warning)
+    word_timestamps: bool | None = None  # vLLM-Omni's name for timestamp_type "word"
 
     @property
     def voice_id(self) -> str | None:
@@ -177,9 +196,10 @@ class SpeechRequest(BaseModel):
 async def pipelined_synthesis(
     backend: Synthesizer, requests: list[SynthesisRequest], lookahead: int,
     monitor: SynthesisMonitor | None = None, claim: AdmissionClaim | None = None,
-) -> AsyncIterator[bytes]:
-    """PCM of each request in order. One producer synthesizes the requests one after another, running
-    up to `lookahead` requests ahead of the one being read, so the next sentence is made while this one
+) -> AsyncIterator[AudioChunk]:
+    """The chunks of each request in order, their word timings moved onto the timeline of all the requests'
+    audio (a request's sample 0 follows the previous requests' last). One producer synthesizes the requests
+    one after another, running up to `lookahead` requests ahead of the one being read, so the next sentence is made while this one
     is sent and the head sentence never competes with its successors for the backend. While it runs it
     is one stream of `monitor` (with each pull's audio and time), replacing the request's admission
     `claim`."""
@@ -190,7 +210,9 @@ async def pipelined_synthesis(
     bytes_per_second = 2 * backend.sample_rate
 
     async def produce() -> None:
+        made = 0  # samples of audio made so far
         for j, request in enumerate(requests):
+            offset = made  # this request's sample 0 on the response's timeline
             while j > reading + lookahead:
                 advanced.clear()
                 await advanced.wait()
@@ -202,10 +224,14 @@ async def pipelined_synthesis(
                             chunk = await anext(stream)
                         except StopAsyncIteration:
                             break
-                        if chunk.pcm:
-                            if monitor is not None:
-                                monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
-                            queues[j].put_nowait(chunk.pcm)
+                        if chunk.pcm and monitor is not None:
+                            monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
+                        if chunk.words:
+                            words = tuple(WordTiming(w.word, w.start + offset, w.end + offset) for w in chunk.words)
+                            chunk = AudioChunk(chunk.pcm, words)
+                        if chunk.pcm or chunk.words:
+                            made += len(chunk.pcm) // 2
+                            queues[j].put_nowait(chunk)
             except Exception as exc:
                 queues[j].put_nowait(exc)
                 return
@@ -296,8 +322,18 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     voice = choice.voice
     # What the request gets differently than asked (a fallback voice, options the backend ignores), for
     # clients that look: a JSON list of {code, message, field}, ASCII-escaped to be a valid header value.
-    warnings = [w.model_dump(exclude_none=True)
-                for w in (*choice.warnings, *option_warnings(backend, body.model_dump()))]
+    options = body.model_dump()
+    warnings = [w.model_dump(exclude_none=True) for w in (*choice.warnings, *option_warnings(backend, options))]
+    timestamps = timestamp_transport(backend, options) is not None
+    if timestamps and not body.sse:
+        words = split_words(body.input)
+        if len(json.dumps([w for w, _, _ in words])) + 24 * len(words) > MAX_WORDS_HEADER_BYTES:
+            raise ApiError(
+                ErrorCode.text_too_long,
+                f"word timestamps of {len(words)} words do not fit in the {WORDS_HEADER} header; ask with"
+                ' stream_format "sse" to get them as speech.audio.words events',
+                param="timestamp_type",
+            )
     warning_headers = {WARNINGS_HEADER: json.dumps(warnings)} if warnings else {}
     fmt = (body.response_format or ("pcm" if body.sse else "mp3")).lower()
     if fmt not in encoders.FORMATS:
@@ -337,36 +373,47 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             utterance_key=request_id,
             request_id=f"{request_id}/{i}",
             extra=extra,
+            word_timestamps=timestamps,
         )
         for i, text in enumerate(await _sentences(body.input, body.language, settings.max_synthesis_chars))
     ]
     metrics = gateway.metrics
     synthesis = pipelined_synthesis(backend, requests, settings.lookahead_sentences, gateway.admission.monitor, claim)
 
-    async def encoded() -> AsyncIterator[bytes]:
-        """The response's audio file, piece by piece as it is made, recording time to first audio."""
+    async def encoded() -> AsyncIterator[tuple[bytes, list[dict[str, Any]]]]:
+        """The response's audio file, piece by piece as it is made, recording time to first audio; with
+        each piece the words whose audio it completes (`start`/`end` in seconds of the decoded file)."""
         encoder = encoders.AudioFileEncoder(fmt, backend.sample_rate, rate)
+        clock = _WordClock(encoder, backend.sample_rate)
         first = True
-        async with contextlib.aclosing(synthesis) as pcm_stream:
-            async for pcm in pcm_stream:
-                data = await encoder.encode(pcm)
+        async with contextlib.aclosing(synthesis) as chunks:
+            async for chunk in chunks:
+                clock.pending.extend(chunk.words)
+                data = await encoder.encode(chunk.pcm) if chunk.pcm else b""
+                words = clock.complete()
                 if data:
                     if first:
                         metrics.ttfa_seconds.labels("http").observe(time.monotonic() - arrived)
                         first = False
                     metrics.audio_bytes_total.labels("http").inc(len(data))
-                    yield data
+                if data or words:
+                    yield data, words
         tail = await encoder.finish()
         if tail:
             metrics.audio_bytes_total.labels("http").inc(len(tail))
-            yield tail
+        words = clock.complete(everything=True)
+        if tail or words:
+            yield tail, words
 
     if body.sse:
         async def events() -> AsyncIterator[bytes]:
             try:
-                async for data in encoded():
-                    event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
-                    yield f"data: {json.dumps(event)}\n\n".encode()
+                async for data, words in encoded():
+                    if data:
+                        event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
+                        yield f"data: {json.dumps(event)}\n\n".encode()
+                    if words:  # after the audio that completes them
+                        yield f"data: {json.dumps({'type': 'speech.audio.words', 'words': words})}\n\n".encode()
             except Exception as exc:
                 error = ApiError.from_synthesis_failure(exc)
                 metrics.errors_total.labels(error.code.value).inc()
@@ -380,8 +427,27 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **warning_headers})
 
+    if timestamps:  # the header needs every word's time: the whole file is made first
+        async def whole() -> tuple[bytes, list[dict[str, Any]]]:
+            parts, words = [], []
+            async for data, told in encoded():
+                parts.append(data)
+                words.extend(told)
+            return b"".join(parts), words
+
+        try:
+            data, words = await _until_client_leaves(request, whole())
+        except _ClientLeft:
+            return Response(status_code=CLIENT_LEFT)
+        except Exception as exc:
+            raise ApiError.from_synthesis_failure(exc) from None
+        alignment = {"words": [w["word"] for w in words], "word_start_times_seconds": [w["start"] for w in words],
+                     "word_end_times_seconds": [w["end"] for w in words]}
+        return Response(data, media_type=encoders.content_type(fmt, rate),
+                        headers={"X-Sample-Rate": str(rate), WORDS_HEADER: json.dumps(alignment), **warning_headers})
+
     # Fail before the status line if the first sentence cannot be made (e.g. the backend refuses it).
-    stream = encoded()
+    stream = (data async for data, _ in encoded())
     try:
         first = await _until_client_leaves(request, anext(stream, b""))
     except _ClientLeft:
@@ -399,6 +465,33 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
 
     return StreamingResponse(rest(), media_type=encoders.content_type(fmt, rate),
                              headers={"X-Sample-Rate": str(rate), **warning_headers})
+
+
+class _WordClock:
+    """Which word timings (backend samples on the response's timeline) the encoded bytes so far complete."""
+
+    def __init__(self, encoder: encoders.AudioFileEncoder, source_rate: int) -> None:
+        self.encoder = encoder
+        self.source_rate = source_rate
+        self.pending: list[WordTiming] = []
+        self._last: tuple[int, int] = (0, 0)  # the previous word's start and end: times never go back
+
+    def complete(self, *, everything: bool = False) -> list[dict[str, Any]]:
+        encoder, rate = self.encoder, self.encoder.output_rate
+        reach = encoder.decoded_samples * self.source_rate
+        count = len(self.pending) if everything else 0
+        while count < len(self.pending) and self.pending[count].end * rate <= reach:
+            count += 1
+        done, self.pending = self.pending[:count], self.pending[count:]
+        offset = encoder.priming / rate
+        words = []
+        for word in done:
+            start = max(word.start, self._last[0])
+            end = max(word.end, start, self._last[1])
+            self._last = (start, end)
+            words.append({"word": word.word, "start": round(offset + start / self.source_rate, 6),
+                          "end": round(offset + end / self.source_rate, 6)})
+        return words
 
 
 # ----------------------------------------------------------------------------------------- tokens

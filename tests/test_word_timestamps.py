@@ -386,3 +386,77 @@ async def test_piper_times_every_written_word():
     nineties = next(w for w in words if w["word"] == "1990s,")
     inside = pcm[int(nineties["start"] * 22050) : int(nineties["end"] * 22050)]
     assert np.sqrt(np.mean(inside**2)) > 1000
+
+
+# ------------------------------------------------------------------------------------------ HTTP
+
+
+def response_words(sentences: list[str]) -> list[tuple[str, float, float]]:
+    """The exact words of several sentences spoken as one file: each sentence's times after the ones before."""
+    words, offset = [], 0.0
+    for sentence in sentences:
+        words += [(w, offset + a, offset + b) for w, a, b in exact_words(sentence)]
+        n = len(SyntheticSynthesizer(sample_rate=RATE).render(SynthesisRequest(text=sentence, voice=VOICE)))
+        offset += n / RATE
+    return words
+
+
+@pytest.mark.parametrize("fmt,rate", [("pcm", 24000), ("wav", 8000), ("mp3", 24000)])
+async def test_http_header_carries_the_words_of_a_whole_body(server, fmt, rate):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.post(server.url + "/v1/audio/speech", json={
+            "input": TEXT, "voice": VOICE, "response_format": fmt, "sample_rate": rate, "timestamp_type": "word"})
+    assert response.status_code == 200, response.text
+    assert "x-voxgate-warnings" not in response.headers
+    alignment = json.loads(response.headers["x-word-timestamps"])
+    words = [{"word": w, "start": s, "end": e} for w, s, e in zip(
+        alignment["words"], alignment["word_start_times_seconds"], alignment["word_end_times_seconds"])]
+    offset = 1105 / rate if fmt == "mp3" else 0.0  # mp3's priming, which decoders play
+    assert_close(words, response_words(SENTENCES), offset)
+    assert_monotonic(words)
+
+
+async def test_http_sse_sends_words_after_the_audio_that_completes_them(server):
+    import base64
+
+    import httpx
+
+    events = []
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", server.url + "/v1/audio/speech", json={
+                "input": TEXT, "voice": VOICE, "stream_format": "sse", "response_format": "pcm",
+                "timestamp_type": "word"}) as response:
+            audio = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if event["type"] == "speech.audio.delta":
+                        audio += len(base64.b64decode(event["audio"]))
+                    events.append((event, audio))
+    words = []
+    for event, held in events:
+        if event["type"] == "speech.audio.words":
+            assert all(w["end"] * RATE <= held // 2 + 1 for w in event["words"])
+            words.extend(event["words"])
+    assert_close(words, response_words(SENTENCES))
+    assert len([e for e, _ in events if e["type"] == "speech.audio.words"]) > 3  # as the audio went
+    assert events[-1][0]["type"] == "speech.audio.done"
+
+
+async def test_http_refuses_a_header_too_large_and_warns_where_no_timestamps(server):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        refused = await http.post(server.url + "/v1/audio/speech", json={
+            "input": "word " * 3000, "voice": VOICE, "timestamp_type": "word"})
+        assert refused.status_code == 413 and "sse" in refused.text
+    untimed = SyntheticSynthesizer(sample_rate=RATE)
+    untimed.honours = frozenset()  # a backend that gives no timestamps
+    with running_gateway(untimed) as plain:
+        async with httpx.AsyncClient(timeout=60) as http:
+            response = await http.post(plain.url + "/v1/audio/speech", json={
+                "input": SENTENCES[0], "voice": VOICE, "response_format": "pcm", "word_timestamps": True})
+    assert "x-word-timestamps" not in response.headers
+    assert [w["code"] for w in json.loads(response.headers["x-voxgate-warnings"])] == ["timestamps_unsupported"]
