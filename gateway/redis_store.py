@@ -7,7 +7,10 @@ one slot and Lua scripts may touch them all):
                       contexts (1 once a message named a context_id), key (fingerprint of the API key
                       that created the session; '' without keys), released (sentences released),
                       pruned (the next sentence the pruning looks at), trimmed (the newest sentence
-                      pruned after its audio left the log)
+                      pruned after its audio left the log), lastmarker / lastutterance (the highest
+                      numbers an utterance end recorded), markerpruned (the next marker the pruning
+                      looks at), endspruned (pruned ends that went out as a message), endsafter
+                      (the highest `after` of a pruned end)
     lease     string  the owning connection's token, with a PX expiry of `lease_s` (renewed while it works)
     text      hash    sentence index -> {"t": text, "c": context_id, "u": utterance number}
     state     hash    sentence index -> pending | speaking | done | cancelled | failed
@@ -28,7 +31,8 @@ future and trims the log to `replay_log_s`, so a session whose replica died with
 `ttl_s` after its last write or renewal.
 
 Sentence records are pruned as gateway/store.py says: a cancelled sentence without audio when it is
-cancelled, finished ones when a trim of the log passes them (the `prune` function below). A resume reads
+cancelled, finished ones when a trim of the log passes them (the `prune` function below), and with them
+the utterance ends sent before them (`prune_markers`); a cancelled end goes when it is cancelled. A resume reads
 the session's hashes and only the newest entries of the log that it replays (`XREVRANGE`/`XRANGE` from the
 byte position), never the whole log.
 """
@@ -48,6 +52,7 @@ from redis.exceptions import NoScriptError
 
 from .logs import redact
 from .store import (
+    MAX_ENDS_KEPT,
     LeaseLost,
     MarkerRecord,
     ReplayOutOfRange,
@@ -95,6 +100,38 @@ local function drop_sentence(index)
   redis.call('HDEL', KEYS[4], index)
   redis.call('HDEL', KEYS[5], index)
 end
+-- The utterance ends sent before sentence meta 'trimmed', and the oldest sent ones past MAX_ENDS_KEPT (see
+-- gateway/store.py, prune_markers); they are numbered in send order, so the walk from meta 'markerpruned'
+-- stops at the first one still needed.
+local function prune_markers()
+  local through = tonumber(redis.call('HGET', KEYS[1], 'trimmed') or '-1')
+  local number = tonumber(redis.call('HGET', KEYS[1], 'markerpruned') or '1')
+  local last = tonumber(redis.call('HGET', KEYS[1], 'lastmarker') or '0')
+  local contexts = redis.call('HGET', KEYS[1], 'contexts') == '1'
+  local ends, after = 0, tonumber(redis.call('HGET', KEYS[1], 'endsafter') or '0')
+  while number <= last do
+    local value = redis.call('HGET', KEYS[6], number)
+    if value then
+      local marker = cjson.decode(value)
+      if marker['after'] > through and not (marker['sent'] and redis.call('HLEN', KEYS[6]) > MAX_ENDS_KEPT) then
+        break
+      end
+      redis.call('HDEL', KEYS[6], number)
+      -- MarkerRecord.makes_message
+      if marker['after'] >= 0 and (marker['session_end'] or contexts or marker['context_id'] ~= cjson.null
+                                   or not marker['by_close']) then
+        ends = ends + 1
+      end
+      after = math.max(after, marker['after'])
+    end
+    number = number + 1
+  end
+  redis.call('HSET', KEYS[1], 'markerpruned', number, 'endsafter', after)
+  if ends > 0 then redis.call('HINCRBY', KEYS[1], 'endspruned', ends) end
+end
+local function raise_to(name, value)
+  if value > tonumber(redis.call('HGET', KEYS[1], name) or '0') then redis.call('HSET', KEYS[1], name, value) end
+end
 -- After a trim of the log: the finished sentences older than its oldest entry's sentence can never be
 -- resumed at again (see gateway/store.py, prune_sentences). meta 'pruned' remembers where to go on.
 local function prune()
@@ -113,12 +150,16 @@ local function prune()
     index = index + 1
   end
   redis.call('HSET', KEYS[1], 'pruned', index)
-  if trimmed then redis.call('HSET', KEYS[1], 'trimmed', trimmed) end
+  if trimmed then
+    redis.call('HSET', KEYS[1], 'trimmed', trimmed)
+    prune_markers()
+  end
 end
-"""
+""".replace("MAX_ENDS_KEPT", str(MAX_ENDS_KEPT))
 
 # ARGV[4..]: groups of (op, key position, field, value); op H = HSET, D = HDEL, S = a sentence's state
-# (field: its index) if the sentence is recorded, C = cancelled: dropped if no audio was recorded for it.
+# (field: its index) if the sentence is recorded, C = cancelled: dropped if no audio was recorded for it,
+# M = an utterance end (MarkerRecord JSON; field: its number), as gateway/store.py's record_marker.
 _WRITE = _PRELUDE + """
 if not fence() then return 0 end
 local i = 4
@@ -126,6 +167,18 @@ while i <= #ARGV do
   local op, key, field = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]
   if op == 'H' then
     redis.call('HSET', key, field, ARGV[i + 3])
+  elseif op == 'M' then
+    local marker = cjson.decode(ARGV[i + 3])
+    raise_to('lastmarker', marker['number'])
+    raise_to('lastutterance', marker['utterance'])
+    if marker['after'] < 0 then
+      redis.call('HDEL', key, field)
+    elseif marker['after'] > tonumber(redis.call('HGET', KEYS[1], 'trimmed') or '-1')
+        and marker['number'] >= tonumber(redis.call('HGET', KEYS[1], 'markerpruned') or '1') then
+      -- (else pruned already, and counted: a late "sent" update, or a resume's re-send, is not kept)
+      redis.call('HSET', key, field, ARGV[i + 3])
+      prune_markers()
+    end
   elseif op == 'D' then
     redis.call('HDEL', key, field)
   elseif redis.call('HEXISTS', KEYS[3], field) == 1 then
@@ -399,6 +452,10 @@ class RedisSessionStore(SessionStore):
             uses_contexts=meta.get(b"contexts") == b"1",
             released=int(meta.get(b"released", len(texts))),
             trimmed_through=int(meta.get(b"trimmed", -1)),
+            ends_pruned=int(meta.get(b"endspruned", 0)),
+            ends_pruned_after=int(meta.get(b"endsafter", 0)),
+            last_marker=int(meta.get(b"lastmarker", 0)),
+            last_utterance=int(meta.get(b"lastutterance", 0)),
             log_end=int(log_end or 0),
         )
         record.log_start = int(_text(log_head).split("-")[0]) if log_head else record.log_end
@@ -453,7 +510,7 @@ class RedisSessionStore(SessionStore):
         for index, state in changes.states.items():
             ops += ["C" if state == "cancelled" else "S", KEY["state"], index, state]
         for marker in changes.markers:
-            ops += ["H", KEY["markers"], marker.number, json.dumps(vars(marker))]
+            ops += ["M", KEY["markers"], marker.number, json.dumps(vars(marker))]
         for context_id, opened in changes.open_text.items():
             if opened is None:
                 ops += ["D", KEY["open"], json.dumps(context_id), ""]

@@ -73,9 +73,15 @@ class SessionResumer:
                 session_id, message.sentence_index, message.bytes_received, record=record
             )
             config = self._resolve(SessionConfig.model_validate(record.config))
-            ends = _ends_with_a_message(record)
-            if message.ends_received is not None and message.ends_received > len(ends):
-                raise ReplayOutOfRange(f"only {len(ends)} utterance.done/session.done were ever sent")
+            ends = record.ends_pruned + len(_ends_with_a_message(record))
+            if message.ends_received is not None and message.ends_received > ends:
+                raise ReplayOutOfRange(f"only {ends} utterance.done/session.done were ever sent")
+            # An end the client lacks may be pruned (gateway/store.py, prune_markers): by its count, or, without
+            # one, by a position before the end.
+            if message.ends_received is not None and message.ends_received < record.ends_pruned:
+                raise ReplayOutOfRange(f"utterance.done/session.done {message.ends_received + 1} is no longer kept")
+            if message.ends_received is None and message.sentence_index < record.ends_pruned_after:
+                raise ReplayOutOfRange(f"an utterance.done/session.done after sentence {message.sentence_index} is no longer kept")
         except ReplayOutOfRange as exc:
             raise _out_of_range(message, exc) from None
         except KeyError:  # gone meanwhile (expired or closed)
@@ -91,8 +97,8 @@ class SessionResumer:
         self.next_sentence_index = record.released
         numbers = [s.utterance for s in sentences] + [m.utterance for m in record.markers.values()]
         numbers += [u.utterance for u in record.open_utterances.values()]
-        self._utterance_count = max(numbers, default=0)
-        self._marker_count = max(record.markers, default=0)
+        self._utterance_count = max([*numbers, record.last_utterance])
+        self._marker_count = max([*record.markers, record.last_marker])
         self.uses_contexts = record.uses_contexts or any(
             c is not None
             for c in [*(s.context_id for s in sentences), *(m.context_id for m in record.markers.values()),
@@ -145,9 +151,10 @@ class SessionResumer:
             owed.append(((sentence.index, 1), job))
         if position.ends_received is not None:
             # The client counted the utterance ends it got; they go out in marker order, so it has the
-            # first `ends_received` of those that make a message, and is owed the rest.
+            # first `ends_received` of those that make a message (the pruned ones among them), and is owed
+            # the rest.
             with_message = _ends_with_a_message(record, self.uses_contexts)
-            owed_markers = with_message[position.ends_received :]
+            owed_markers = with_message[position.ends_received - record.ends_pruned :]
         else:
             # Without the count (older clients), by position: markers go out after sentence `after - 1`, so
             # one the client's position lies before is owed even if it was sent; at the position itself,
@@ -196,16 +203,12 @@ def _not_found(session_id: str) -> ProtocolError:
 
 
 def _ends_with_a_message(record: SessionRecord, uses_contexts: bool | None = None) -> list[MarkerRecord]:
-    """The session's utterance ends that are (or will be) sent as a message, in send order: not cancelled,
-    and not an input.done ended by session.close in a session without contexts (its session.done is
-    session.close's own). As `_send_utterance_end` decides."""
+    """The session's recorded (not pruned) utterance ends that are or will be sent as a message, in send
+    order (MarkerRecord.makes_message)."""
     if uses_contexts is None:
         uses_contexts = record.uses_contexts or any(
             c is not None
             for c in [*(s.context_id for s in record.sentences.values()),
                       *(m.context_id for m in record.markers.values()), *record.open_utterances]
         )
-    return [
-        m for m in sorted(record.markers.values(), key=lambda m: m.number)
-        if m.after >= 0 and (m.session_end or uses_contexts or m.context_id is not None or not m.by_close)
-    ]
+    return [m for m in sorted(record.markers.values(), key=lambda m: m.number) if m.makes_message(uses_contexts)]

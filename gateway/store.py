@@ -22,6 +22,14 @@ than the log's oldest entry can never be resumed at again, and a sentence cancel
 recorded is never spoken or replayed: both stores drop such sentence records (`prune_sentences`), so a
 session that streams or cancels for hours keeps only the sentences its replay log covers. `released`
 keeps the count of sentences, `trimmed_through` the newest sentence dropped for having left the log.
+Utterance ends go the same way (`prune_markers`): one sent before a sentence now dropped for having left the
+log precedes every position that can still be resumed, so no resume can owe it; `ends_pruned` counts those
+that went out as a message, so that a resume's `ends_received` still says exactly which ends the client
+lacks. Ends without audio between them (empty utterances) never leave the log that way: past
+`MAX_ENDS_KEPT` records the oldest sent ones go too, and a resume that would owe one of them (by
+`ends_received`, or by a position before it) is out of range. A cancelled end is never sent: its record
+goes at once. `last_marker` and `last_utterance` keep the numbering going when every record that carried
+the newest numbers is gone.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+MAX_ENDS_KEPT = 1000  # utterance-end records a session keeps beyond those its replay log covers
 
 SentenceState = Literal["pending", "speaking", "done", "cancelled", "failed"]
 FINISHED: tuple[SentenceState, ...] = ("done", "cancelled", "failed")
@@ -69,6 +79,12 @@ class MarkerRecord:
     session_end: bool = False  # session.close's own session.done
     sent: bool = False
 
+    def makes_message(self, uses_contexts: bool) -> bool:
+        """Whether this end is (or will be) sent as a message - what a resume's `ends_received` counts: not
+        cancelled, and not an input.done ended by session.close in a session without contexts (its
+        session.done is session.close's own). As the sender's `_send_utterance_end` decides."""
+        return self.after >= 0 and (self.session_end or uses_contexts or self.context_id is not None or not self.by_close)
+
 
 @dataclass
 class OpenUtterance:
@@ -96,6 +112,11 @@ class SessionRecord:
     uses_contexts: bool = False  # some message named a context_id: utterance ends are utterance.done
     released: int = 0  # sentences ever released: the next sentence index
     trimmed_through: int = -1  # the newest sentence pruned after its audio left the replay log
+    ends_pruned: int = 0  # pruned utterance ends that went out as a message (MarkerRecord.makes_message)
+    ends_pruned_after: int = 0  # the highest `after` of a pruned end: a position before it may lack it
+    last_marker: int = 0  # the highest marker number ever recorded, pruned or not
+    markers_pruned_through: int = 0  # the highest marker number pruned (they go in number order)
+    last_utterance: int = 0  # the highest utterance number an utterance end ever recorded
     # The replay log as positions in the session's recorded audio: it holds bytes [log_start, log_end).
     log_start: int = 0
     log_end: int = 0
@@ -176,6 +197,34 @@ def prune_sentences(record: SessionRecord, oldest_logged: int) -> None:
         if record.sentences[index].state in FINISHED:
             del record.sentences[index]
             record.trimmed_through = max(record.trimmed_through, index)
+    prune_markers(record)
+
+
+def prune_markers(record: SessionRecord) -> None:
+    """Drop the utterance ends sent before sentence `trimmed_through` (a resumable position lies after
+    that sentence, and a client there has every end sent before it), and the oldest sent ones past
+    MAX_ENDS_KEPT (the memory store's twin of redis_store's `prune_markers`). Markers are numbered in send
+    order, so this stops at the first one still needed."""
+    while record.markers:
+        marker = next(iter(record.markers.values()))
+        if marker.after > record.trimmed_through and not (len(record.markers) > MAX_ENDS_KEPT and marker.sent):
+            break
+        del record.markers[marker.number]
+        record.markers_pruned_through = marker.number
+        record.ends_pruned += marker.makes_message(record.uses_contexts)
+        record.ends_pruned_after = max(record.ends_pruned_after, marker.after)
+
+
+def record_marker(record: SessionRecord, marker: MarkerRecord) -> None:
+    """Record an utterance end, or its update (sent, or cancelled: never sent, so dropped)."""
+    record.last_marker = max(record.last_marker, marker.number)
+    record.last_utterance = max(record.last_utterance, marker.utterance)
+    if marker.after < 0:
+        record.markers.pop(marker.number, None)
+    elif marker.after > record.trimmed_through and marker.number > record.markers_pruned_through:
+        # (else pruned already, and counted: a late "sent" update, or a resume's re-send, is not kept)
+        record.markers[marker.number] = MarkerRecord(**vars(marker))
+        prune_markers(record)
 
 
 class SessionStore(abc.ABC):
@@ -392,7 +441,7 @@ class MemorySessionStore(SessionStore):
             elif sentence is not None:
                 sentence.state = state
         for marker in changes.markers:
-            record.markers[marker.number] = MarkerRecord(**vars(marker))
+            record_marker(record, marker)
         for context_id, opened in changes.open_text.items():
             if opened is None:
                 record.open_utterances.pop(context_id, None)

@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.redis_store import RedisSessionStore
-from gateway.store import LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
+from gateway.store import MAX_ENDS_KEPT, LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
 from gateway.stores import create_store
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
 
@@ -56,6 +56,28 @@ async def test_records_sentences_markers_open_text(make_store):
     ]
     assert record.markers[1].after == 3 and record.markers[1].context_id == "c" and not record.markers[1].sent
     assert list(record.open_utterances) == ["c"] and record.open_utterances["c"].text == "Half a sent"
+
+
+async def test_utterance_end_records_are_pruned_in_send_order(make_store):
+    """Both stores alike: a cancelled end goes at once; past MAX_ENDS_KEPT the oldest sent ends go, counted
+    in ends_pruned (never twice: a pruned end written again is not kept), and the numbering survives."""
+    store = await make_store()
+    await store.create("s1", {})
+    await store.add_marker("s1", MarkerRecord(number=1, after=0, context_id="c", utterance=1, total_sentences=0))
+    await store.add_marker("s1", MarkerRecord(number=1, after=-1, context_id="c", utterance=1, total_sentences=0,
+                                              sent=True))  # cancelled before it went out
+    for number in range(2, MAX_ENDS_KEPT + 12):
+        end = MarkerRecord(number=number, after=0, context_id=None, utterance=number, total_sentences=0)
+        await store.add_marker("s1", end)
+        end.sent = True
+        await store.add_marker("s1", end)
+    record = await store.get("s1")
+    assert len(record.markers) == MAX_ENDS_KEPT and min(record.markers) == 12
+    assert (record.ends_pruned, record.last_marker, record.last_utterance) == (10, MAX_ENDS_KEPT + 11, MAX_ENDS_KEPT + 11)
+    await store.add_marker("s1", MarkerRecord(number=5, after=0, context_id=None, utterance=5, total_sentences=0,
+                                              sent=True))  # a late update of a pruned end
+    record = await store.get("s1")
+    assert 5 not in record.markers and record.ends_pruned == 10
 
 
 async def test_replay_exact_bytes_and_bounds(make_store):
