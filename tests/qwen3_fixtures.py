@@ -17,6 +17,12 @@ def tiny_voice_design(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("qwen3-tiny-vd"), "tiny", model_type="voice_design", seed=1)
 
 
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """A Base (voice clone) checkpoint: speaker encoder in model.safetensors, Mimi encoder in the tokenizer."""
+    return write_checkpoint(tmp_path_factory.mktemp("qwen3-tiny-base"), "tiny", model_type="base", seed=2)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def single_torch_thread():
     """The tiny model's ops are far too small to gain from intra-op threads; on a busy 2-core CI machine the

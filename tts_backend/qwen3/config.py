@@ -131,6 +131,45 @@ class TalkerConfig(DecoderStackConfig):
 
 
 @dataclass(frozen=True)
+class SpeakerEncoderConfig:
+    """`speaker_encoder_config` of a Base `config.json`. The released files give only `enc_dim` (the talker width)
+    and `sample_rate`; the other fields are the architecture's fixed values, which the reference's configuration
+    class supplies as defaults, so a config.json may override them but need not."""
+
+    enc_dim: int
+    mel_dim: int = 128
+    enc_channels: tuple[int, ...] = (512, 512, 512, 512, 1536)
+    enc_kernel_sizes: tuple[int, ...] = (5, 3, 3, 3, 1)
+    enc_dilations: tuple[int, ...] = (1, 2, 3, 4, 1)
+    enc_attention_channels: int = 128
+    enc_res2net_scale: int = 8
+    enc_se_channels: int = 128
+    sample_rate: int = 24000
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeakerEncoderConfig":
+        where = "speaker_encoder_config"
+        if "enc_dim" not in d:
+            raise ConfigError(f"{where}: missing key 'enc_dim'")
+        kw = {"enc_dim": int(d["enc_dim"])}
+        for name in ("mel_dim", "enc_attention_channels", "enc_res2net_scale", "enc_se_channels", "sample_rate"):
+            if name in d:
+                kw[name] = int(d[name])
+        for name in ("enc_channels", "enc_kernel_sizes", "enc_dilations"):
+            if name in d:
+                kw[name] = tuple(int(v) for v in d[name])
+        cfg = cls(**kw)
+        if not len(cfg.enc_channels) == len(cfg.enc_kernel_sizes) == len(cfg.enc_dilations) >= 3:
+            raise ConfigError(f"{where}: enc_channels, enc_kernel_sizes and enc_dilations need one entry per layer")
+        if cfg.mel_dim != 128 or cfg.sample_rate != 24000:
+            raise ConfigError(f"{where}: the x-vector is computed on a 128-band log-mel at 24000 Hz; "
+                              f"got mel_dim {cfg.mel_dim}, sample_rate {cfg.sample_rate}")
+        if any(c % cfg.enc_res2net_scale for c in cfg.enc_channels[1:-1]):
+            raise ConfigError(f"{where}: SE-Res2Net channels must be multiples of enc_res2net_scale")
+        return cfg
+
+
+@dataclass(frozen=True)
 class Qwen3TTSConfig:
     """`config.json` of a Qwen3-TTS model folder."""
 
@@ -144,6 +183,7 @@ class Qwen3TTSConfig:
     tts_bos_token_id: int
     tts_eos_token_id: int
     assistant_token_id: int
+    speaker_encoder: SpeakerEncoderConfig | None = None  # Base checkpoints only
 
     @classmethod
     def from_dict(cls, d: dict) -> "Qwen3TTSConfig":
@@ -158,11 +198,16 @@ class Qwen3TTSConfig:
             tts_bos_token_id=int(d.get("tts_bos_token_id", 151672)),
             tts_eos_token_id=int(d.get("tts_eos_token_id", 151673)),
             assistant_token_id=int(d.get("assistant_token_id", 77091)),
+            speaker_encoder=(SpeakerEncoderConfig.from_dict(_require(d, "speaker_encoder_config", "config.json"))
+                             if d.get("tts_model_type") == "base" else None),
         )
         if cfg.tokenizer_type != "qwen3_tts_tokenizer_12hz":
             raise ConfigError(f"config.json: tokenizer_type {cfg.tokenizer_type!r} is not the 12 Hz family")
         if cfg.tts_model_type not in ("custom_voice", "voice_design", "base"):
             raise ConfigError(f"config.json: unknown tts_model_type {cfg.tts_model_type!r}")
+        if cfg.speaker_encoder is not None and cfg.speaker_encoder.enc_dim != cfg.talker.hidden_size:
+            raise ConfigError(f"config.json: speaker_encoder_config.enc_dim {cfg.speaker_encoder.enc_dim} must equal "
+                              f"the talker hidden_size {cfg.talker.hidden_size} (the x-vector is a codec-track row)")
         return cfg
 
     @classmethod

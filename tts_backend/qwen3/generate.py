@@ -23,7 +23,7 @@ import torch
 
 from .code_predictor import CodePredictor
 from .config import GenerationConfig, Qwen3TTSConfig
-from .prompt import Prompt, build_prompt, embed_prompt
+from .prompt import Prompt, PromptError, VoicePrompt, build_clone_prompt, build_prompt, embed_prompt
 from .sampling import Generators, SamplingParams, sample_residual, sample_talker, suppression_mask
 from .talker import KVCache, Talker
 from .tokenizer import TextTokenizer
@@ -70,7 +70,8 @@ class TextFeed:
 
 @dataclass
 class Qwen3TTS:
-    """A loaded checkpoint: configs, talker, code predictor, codec decoder and text tokenizer."""
+    """A loaded checkpoint: configs, talker, code predictor, codec decoder and text tokenizer (a Base checkpoint
+    adds its speaker encoder and the codec's encoder, which turn reference audio into a VoicePrompt)."""
 
     config: Qwen3TTSConfig
     generation_config: GenerationConfig
@@ -79,6 +80,8 @@ class Qwen3TTS:
     codec: torch.nn.Module | None
     tokenizer: TextTokenizer
     codec_config: object | None = None
+    speaker_encoder: torch.nn.Module | None = None
+    codec_encoder: torch.nn.Module | None = None
     _suppress: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -92,8 +95,10 @@ class Qwen3TTS:
         load_codec: bool = True,
     ) -> "Qwen3TTS":
         """Load a checkpoint folder. Model weights are stored bf16 and cast to `dtype`; the codec stays fp32
-        (as stored) unless `codec_dtype` says otherwise. Raises CheckpointError/ConfigError on a bad folder."""
-        from .loader import check_model_folder, load_codec_decoder, load_model_weights
+        (as stored) unless `codec_dtype` says otherwise; a Base checkpoint's codec encoder is always fp32 (the
+        reference runs it in the model dtype; fp32 is what its codes are compared against). Raises
+        CheckpointError/ConfigError on a bad folder."""
+        from .loader import check_model_folder, load_codec_decoder, load_codec_encoder, load_model_weights
 
         folder = check_model_folder(path)
         config = Qwen3TTSConfig.from_json(folder / "config.json")
@@ -113,8 +118,9 @@ class Qwen3TTS:
                 raise CheckpointError(f"{folder / 'speech_tokenizer' / 'config.json'}: codec codebooks "
                                       f"({codec_config.num_quantizers} x {codec_config.codebook_size}) do not match "
                                       f"the talker ({config.talker.num_code_groups} x {config.talker.codebook_size})")
+        codec_encoder = load_codec_encoder(folder, device) if config.tts_model_type == "base" else None
         return cls(config, generation, weights.talker, weights.code_predictor, codec,
-                   TextTokenizer.from_folder(folder), codec_config)
+                   TextTokenizer.from_folder(folder), codec_config, weights.speaker_encoder, codec_encoder)
 
     # ------------------------------------------------------------------ properties
 
@@ -151,13 +157,47 @@ class Qwen3TTS:
         instruct: str | None = None,
         non_streaming_mode: bool = True,
         text_complete: bool = True,
+        voice: VoicePrompt | None = None,
     ) -> Prompt:
-        """Tokenise and lay out one request (CustomVoice needs `speaker`; VoiceDesign takes `instruct`)."""
+        """Tokenise and lay out one request (CustomVoice needs `speaker`; VoiceDesign takes `instruct`; Base
+        needs `voice`, from `clone_prompt`)."""
+        if voice is not None or self.config.tts_model_type == "base":
+            if voice is None:
+                raise PromptError("a Base checkpoint speaks in a cloned voice: give a voice prompt")
+            if speaker or instruct:
+                raise PromptError("a cloned voice takes neither a named speaker nor instructions")
+            return build_clone_prompt(self.config, self.tokenizer.text_ids(text), voice, language=language,
+                                      non_streaming_mode=non_streaming_mode, text_complete=text_complete)
         instruct_ids = self.tokenizer.instruct_ids(instruct) if instruct else None
         return build_prompt(
             self.config, self.tokenizer.text_ids(text), speaker=speaker, language=language,
             instruct_ids=instruct_ids, non_streaming_mode=non_streaming_mode, text_complete=text_complete,
         )
+
+    @torch.inference_mode()
+    def clone_prompt(self, audio: torch.Tensor, ref_text: str | None, x_vector_only: bool) -> VoicePrompt:
+        """Reference audio -> the voice's prompt, computed once and reusable for any number of requests.
+
+        audio: [T] float32 mono at 24 kHz (decoding and resampling are the caller's job).
+        ref_text: the transcript of the audio; required unless x_vector_only.
+        x_vector_only: True uses the x-vector alone (no transcript, weaker likeness); False is in-context
+          cloning from the reference codes and transcript, as `create_voice_clone_prompt` does.
+        """
+        if self.speaker_encoder is None or self.codec_encoder is None:
+            raise PromptError(f"voice cloning needs a Base checkpoint, not {self.config.tts_model_type!r}")
+        audio = torch.as_tensor(audio, dtype=torch.float32)
+        if audio.dim() != 1 or audio.numel() == 0:
+            raise PromptError(f"reference audio must be mono samples [T], got shape {list(audio.shape)}")
+        if not bool(torch.isfinite(audio).all()):
+            raise PromptError("reference audio holds NaN or infinite samples")
+        x_vector = self.speaker_encoder.embed(audio).float().cpu()
+        if x_vector_only:
+            return VoicePrompt(x_vector)
+        if not ref_text:
+            raise PromptError("in-context cloning needs the reference audio's transcript (ref_text); "
+                              "or ask for x_vector_only")
+        codes = self.codec_encoder.encode(audio).cpu()
+        return VoicePrompt(x_vector, codes, self.tokenizer.ref_text_ids(ref_text))
 
     def text_feed(self, prompt: Prompt) -> TextFeed:
         return TextFeed(prompt.trailing, prompt.text_complete, self.config.tts_pad_token_id,
@@ -173,7 +213,7 @@ class Qwen3TTS:
 
     def prompt_embeds(self, prompt: Prompt) -> torch.Tensor:
         """-> [S, D]"""
-        return embed_prompt(self.talker, prompt)
+        return embed_prompt(self.talker, prompt, self.code_predictor)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, slots: torch.Tensor, embeds: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -294,19 +334,27 @@ class Qwen3TTS:
 
     def synthesize_codes(
         self, text: str, *, speaker: str | None = None, language: str = "auto", instruct: str | None = None,
-        non_streaming_mode: bool = True, seed: int | None = None, **sampling_overrides,
+        non_streaming_mode: bool = True, seed: int | None = None, voice: VoicePrompt | None = None,
+        **sampling_overrides,
     ) -> torch.Tensor:
         """One utterance -> codes [frames, G] (convenience for tests and tools)."""
         prompt = self.make_prompt(text, speaker=speaker, language=language, instruct=instruct,
-                                  non_streaming_mode=non_streaming_mode)
+                                  non_streaming_mode=non_streaming_mode, voice=voice)
         generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         return self.generate_codes([prompt], self.sampling_params(**sampling_overrides), generator)[0]
 
-    def codec_stream(self) -> "CodecStream":
-        """Incremental waveform decoding for one stream (state carried between calls)."""
+    def codec_stream(self, voice: VoicePrompt | None = None) -> "CodecStream":
+        """Incremental waveform decoding for one stream (state carried between calls).
+
+        voice: an in-context clone's stream starts after its reference codes, as the reference decodes
+        `ref_codes ++ generated` and cuts the reference's share of the samples: the codec's state is primed with
+        the reference frames and their audio dropped."""
         if self.codec is None:
             raise RuntimeError("model loaded without its codec (load_codec=False)")
-        return CodecStream(self.codec)
+        stream = CodecStream(self.codec)
+        if voice is not None and voice.ref_codes is not None:
+            stream.decode(voice.ref_codes)
+        return stream
 
     @torch.inference_mode()
     def decode_codes(self, codes: torch.Tensor) -> torch.Tensor:
@@ -316,7 +364,7 @@ class Qwen3TTS:
     def start_utterance(
         self, text: str, *, speaker: str | None = None, language: str = "auto", instruct: str | None = None,
         params: SamplingParams | None = None, seed: int | None = None, more_text: bool = False,
-        max_len: int | None = None,
+        max_len: int | None = None, voice: VoicePrompt | None = None,
     ) -> "Utterance":
         """A streaming-text generation context: frames come out while text can still be pushed.
 
@@ -324,7 +372,7 @@ class Qwen3TTS:
         False is the reference's streaming-text mode for a complete text.
         """
         prompt = self.make_prompt(text, speaker=speaker, language=language, instruct=instruct,
-                                  non_streaming_mode=False, text_complete=not more_text)
+                                  non_streaming_mode=False, text_complete=not more_text, voice=voice)
         generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         return Utterance(self, prompt, params or self.sampling_params(), generator, max_len=max_len)
 

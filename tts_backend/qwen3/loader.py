@@ -133,23 +133,26 @@ SPEECH_TOKENIZER_DIR = "speech_tokenizer"
 
 
 class ModelWeights(nn.Module):
-    """Talker + code predictor under one root, so one strict pass checks all of model.safetensors."""
+    """Talker + code predictor (+ the speaker encoder of a Base checkpoint) under one root, so one strict pass
+    checks all of model.safetensors."""
 
     def __init__(self, cfg):
         super().__init__()
         from .code_predictor import CodePredictor
+        from .speaker_encoder import SpeakerEncoder
         from .talker import Talker
 
         self.talker = Talker(cfg.talker)
         self.code_predictor = CodePredictor(cfg.talker)
+        self.speaker_encoder = SpeakerEncoder(cfg.speaker_encoder) if cfg.speaker_encoder is not None else None
 
 
 def model_name_map(weights: ModelWeights) -> dict[str, str]:
     """Checkpoint name -> ModelWeights state name: `talker.X` for the talker, `talker.code_predictor.X` for the
-    predictor (the released files nest the predictor inside the talker)."""
+    predictor (the released files nest the predictor inside the talker), `speaker_encoder.X` as it is."""
     names = {}
     for key in weights.state_dict():
-        if key.startswith("talker."):
+        if key.startswith(("talker.", "speaker_encoder.")):
             names[key] = key
         else:
             names["talker." + key] = key  # "code_predictor.X" -> "talker.code_predictor.X"
@@ -173,12 +176,9 @@ def check_model_folder(folder: str | Path) -> Path:
 def load_model_weights(
     folder: str | Path, cfg, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
 ) -> ModelWeights:
-    """Talker and code predictor from `<folder>/model.safetensors` (bf16, fp16 or fp32), cast to `dtype` on
-    `device`."""
+    """Talker, code predictor and (Base) speaker encoder from `<folder>/model.safetensors` (bf16, fp16 or fp32),
+    cast to `dtype` on `device`."""
     path = Path(folder) / MODEL_FILE
-    if cfg.tts_model_type == "base":
-        raise CheckpointError(f"{path}: Base (voice clone) checkpoints are not supported; use CustomVoice or "
-                              "VoiceDesign")
     with torch.device("meta"):
         weights = ModelWeights(cfg)
     weights = weights.to_empty(device=device).to(dtype)
@@ -195,13 +195,37 @@ def load_codec_decoder(folder: str | Path, device: torch.device | str = "cpu"):
     from tts_backend.qwen3.codec import (
         CodecDecoder, CodecDecoderConfig, codec_checkpoint_name_map, is_ignored_codec_tensor)
 
-    folder = Path(folder)
-    tokenizer_dir = folder / "speech_tokenizer" if (folder / "speech_tokenizer").is_dir() else folder
-    config_path = tokenizer_dir / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"missing file {config_path} (the speech tokenizer config)")
+    tokenizer_dir, config_path = _speech_tokenizer_config(folder)
     decoder = CodecDecoder(CodecDecoderConfig.from_json(config_path))
     weights = tokenizer_dir / "model.safetensors"
     load_tensors_strict(decoder, SafetensorsFile(weights), weights, codec_checkpoint_name_map(decoder),
                         ignore=is_ignored_codec_tensor)
     return decoder.to(device).eval()
+
+
+def _speech_tokenizer_config(folder: str | Path) -> tuple[Path, Path]:
+    folder = Path(folder)
+    tokenizer_dir = folder / SPEECH_TOKENIZER_DIR if (folder / SPEECH_TOKENIZER_DIR).is_dir() else folder
+    config_path = tokenizer_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"missing file {config_path} (the speech tokenizer config)")
+    return tokenizer_dir, config_path
+
+
+def load_codec_encoder(folder: str | Path, device: torch.device | str = "cpu"):
+    """The 12 Hz codec's encoder (reference audio -> codes) in float32, for Base checkpoints.
+
+    folder: the model folder or the speech tokenizer folder. The decoder's tensors, the encoder's RVQ output
+    projections and `initialized` flags, and its codebooks past `encoder_valid_num_quantizers` are recognised and
+    skipped (`codec_encoder.is_unused_encoder_tensor`); anything else must match exactly."""
+    from tts_backend.qwen3.codec import CODEC_DECODER_PREFIX
+    from tts_backend.qwen3.codec_encoder import (
+        CodecEncoder, CodecEncoderConfig, codec_encoder_name_map, is_unused_encoder_tensor)
+
+    tokenizer_dir, config_path = _speech_tokenizer_config(folder)
+    cfg = CodecEncoderConfig.from_json(config_path)
+    encoder = CodecEncoder(cfg)
+    weights = tokenizer_dir / MODEL_FILE
+    load_tensors_strict(encoder, SafetensorsFile(weights), weights, codec_encoder_name_map(encoder),
+                        ignore=lambda name: name.startswith(CODEC_DECODER_PREFIX) or is_unused_encoder_tensor(name, cfg))
+    return encoder.to(device).eval()

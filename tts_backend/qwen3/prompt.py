@@ -1,4 +1,5 @@
-"""Prompt construction for CustomVoice and VoiceDesign: which id sits on each track of each prefill position.
+"""Prompt construction: which id sits on each track of each prefill position (CustomVoice, VoiceDesign, and the
+Base models' voice clones).
 
 Every prefill position is T(text id) (+ C(codec id) where the codec track has one); T = text_projection of the
 text embedding, C = the talker's codec embedding (spec §5.4). Layout, in order:
@@ -7,6 +8,13 @@ text embedding, C = the talker's codec embedding (spec §5.4). Layout, in order:
   K[0..L_K-2] under tts_pad..., tts_bos   K = tag prefix + [speaker] + [codec_pad, codec_bos]; K without its last id
   non-streaming: t_1..t_n, tts_eos over codec_pad, then tts_pad over codec_bos; later steps add T(tts_pad)
   streaming:     t_1 over codec_bos; later steps add T(t_2), ..., T(t_n), T(tts_eos), then T(tts_pad)
+
+Voice clones (Base checkpoints, spec §5.10) put the reference speaker's x-vector where a named speaker's id row
+would be (codec-track SPEAKER_EMBEDDING), in both modes. In-context (ICL) mode then replaces the target-text part:
+  text track  R = ref_text ids ++ t_1..t_n ++ tts_eos
+  codec track Q = codec_bos, then each reference frame f as the sum of its 16 code embeddings (REF_FRAME)
+  non-streaming: R over codec_pad, then Q under tts_pad
+  streaming:     R[i] + Q[i] position-wise; R's excess is fed one per step, or tts_pad fills R up to |Q|
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import torch
 from .config import Qwen3TTSConfig
 
 NO_CODEC = -1  # codec-track value of a position that carries text only
+SPEAKER_EMBEDDING = -2  # codec-track value of the position that carries the voice's x-vector
+REF_FRAME = -3  # codec-track value of a reference-audio frame (the i-th such position carries frame i)
 
 
 class PromptError(ValueError):
@@ -30,6 +40,8 @@ class Prompt:
     codec_track: list[int]  # [S] codec id of every prefill position, NO_CODEC where there is none
     trailing: list[int] = field(default_factory=list)  # text ids fed one per decode step (streaming text)
     text_complete: bool = True  # trailing already ends with tts_eos (no more text will be pushed)
+    speaker_embedding: torch.Tensor | None = None  # [D] x-vector at the SPEAKER_EMBEDDING position
+    ref_codes: torch.Tensor | None = None  # [F, G] reference codes at the REF_FRAME positions, in order
 
     def __len__(self) -> int:
         return len(self.text_track)
@@ -98,10 +110,16 @@ def build_prompt(
         if speaker:
             raise PromptError("a VoiceDesign model has no named speakers; describe the voice in the instructions")
     else:
-        raise PromptError(f"tts_model_type {cfg.tts_model_type!r} is not supported (needs reference audio)")
+        raise PromptError(f"tts_model_type {cfg.tts_model_type!r} speaks in cloned voices: use build_clone_prompt")
 
+    return _layout(cfg, codec_prefix(cfg, language, speaker), text_ids, instruct_ids, non_streaming_mode,
+                   text_complete)
+
+
+def _layout(cfg: Qwen3TTSConfig, K: list[int], text_ids: list[int], instruct_ids: list[int] | None,
+            non_streaming_mode: bool, text_complete: bool) -> Prompt:
+    """The layout of the module docstring for codec prefix K (with its speaker row, if any)."""
     t = cfg.talker
-    K = codec_prefix(cfg, language, speaker)
     text_track: list[int] = []
     codec_track: list[int] = []
     if instruct_ids:
@@ -121,12 +139,126 @@ def build_prompt(
     return Prompt(text_track, codec_track, trailing, text_complete)
 
 
-def embed_prompt(talker, prompt: Prompt) -> torch.Tensor:
-    """-> prefill embeddings [S, D] on the talker's device and dtype."""
+@torch.inference_mode()
+def embed_prompt(talker, prompt: Prompt, code_predictor=None) -> torch.Tensor:
+    """-> prefill embeddings [S, D] on the talker's device and dtype (a clone prompt's reference frames also need
+    the code predictor's embedding tables)."""
     device = talker.codec_head.weight.device
     text = torch.tensor(prompt.text_track, device=device)
     codec = torch.tensor(prompt.codec_track, device=device)
-    has_codec = codec != NO_CODEC
     embeds = talker.embed_text(text)  # [S, D]
     codec_embeds = talker.embed_codec(codec.clamp(min=0))  # [S, D]
-    return torch.where(has_codec[:, None], embeds + codec_embeds, embeds)
+    speaker = codec == SPEAKER_EMBEDDING
+    if bool(speaker.any()):
+        codec_embeds[speaker] = prompt.speaker_embedding.to(device=device, dtype=codec_embeds.dtype)
+    frames = codec == REF_FRAME
+    if bool(frames.any()):
+        ref = prompt.ref_codes.to(device)  # [F, G]
+        stacked = torch.cat((talker.embed_codec(ref[:, :1]), code_predictor.embed_residual(ref[:, 1:])), dim=1)
+        codec_embeds[frames] = stacked.sum(1)  # [F, D]: the 16 code embeddings of each frame, summed
+    return torch.where((codec != NO_CODEC)[:, None], embeds + codec_embeds, embeds)
+
+
+@dataclass
+class VoicePrompt:
+    """A cloned voice, computed once from reference audio: everything a request needs besides its own text.
+
+    x_vector: [D] float32, the speaker encoder's output for the whole clip.
+    ref_codes: [F, G] int64 reference-audio codes, None in x-vector-only mode.
+    ref_text_ids: the reference transcript's ids as the prompt uses them, None in x-vector-only mode.
+    """
+
+    x_vector: torch.Tensor
+    ref_codes: torch.Tensor | None = None
+    ref_text_ids: list[int] | None = None
+
+    FORMAT = "voxgate.qwen3.voice_prompt.v1"
+
+    @property
+    def x_vector_only(self) -> bool:
+        return self.ref_codes is None
+
+    def to_bytes(self) -> bytes:
+        """safetensors bytes (no pickle: a registry may hand them to any replica)."""
+        from safetensors.torch import save
+
+        tensors = {"x_vector": self.x_vector.detach().float().cpu().contiguous()}
+        if self.ref_codes is not None:
+            tensors["ref_codes"] = self.ref_codes.detach().to(torch.int64).cpu().contiguous()
+            tensors["ref_text_ids"] = torch.tensor(self.ref_text_ids or [], dtype=torch.int64)
+        return save(tensors, metadata={"format": self.FORMAT})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "VoicePrompt":
+        from safetensors.torch import load
+
+        try:
+            tensors = load(bytes(data))
+        except Exception as exc:  # safetensors raises its own error types for a bad header
+            raise PromptError(f"not a voice prompt: {exc}") from exc
+        if set(tensors) not in ({"x_vector"}, {"x_vector", "ref_codes", "ref_text_ids"}):
+            raise PromptError(f"not a voice prompt: tensors {sorted(tensors)}")
+        x_vector = tensors["x_vector"]
+        if x_vector.dim() != 1 or x_vector.dtype != torch.float32:
+            raise PromptError("voice prompt x_vector must be a float32 vector")
+        if "ref_codes" not in tensors:
+            return cls(x_vector)
+        codes, ids = tensors["ref_codes"], tensors["ref_text_ids"]
+        if codes.dim() != 2 or codes.dtype != torch.int64 or ids.dim() != 1 or ids.dtype != torch.int64:
+            raise PromptError("voice prompt ref_codes must be int64 [frames, groups], ref_text_ids int64 [n]")
+        return cls(x_vector, codes, [int(i) for i in ids])
+
+
+def build_clone_prompt(
+    cfg: Qwen3TTSConfig,
+    text_ids: list[int],
+    voice: VoicePrompt,
+    *,
+    language: str | None = "auto",
+    non_streaming_mode: bool = False,
+    text_complete: bool = True,
+) -> Prompt:
+    """Prefill layout of a Base checkpoint's request in the voice `voice` (module docstring).
+
+    text_complete=False (streaming only) leaves tts_eos off, so more text can be pushed: in ICL mode the text
+    beyond the prefill then follows it one token per step, after any tts_pad filling of the reference frames.
+    """
+    if cfg.tts_model_type != "base":
+        raise PromptError(f"voice cloning needs a Base checkpoint, not {cfg.tts_model_type!r}")
+    if not text_ids:
+        raise PromptError("text is empty")
+    t = cfg.talker
+    if voice.x_vector.shape != (t.hidden_size,):
+        raise PromptError(f"voice x-vector has shape {list(voice.x_vector.shape)}, this model needs "
+                          f"[{t.hidden_size}]")
+    if voice.ref_codes is not None and (voice.ref_codes.dim() != 2 or voice.ref_codes.shape[1] != t.num_code_groups
+                                        or voice.ref_codes.shape[0] == 0):
+        raise PromptError(f"voice reference codes have shape {list(voice.ref_codes.shape)}, this model needs "
+                          f"[frames > 0, {t.num_code_groups}]")
+    if voice.ref_codes is not None and bool(((voice.ref_codes < 0) | (voice.ref_codes >= t.codebook_size)).any()):
+        raise PromptError("voice reference codes lie outside the codebook")
+    K = codec_prefix(cfg, language, None)
+    K = K[:-2] + [SPEAKER_EMBEDDING] + K[-2:]
+    if voice.x_vector_only:
+        prompt = _layout(cfg, K, text_ids, None, non_streaming_mode, text_complete)
+        prompt.speaker_embedding = voice.x_vector
+        return prompt
+    text_track = [cfg.im_start_token_id, cfg.assistant_token_id, 198]
+    codec_track = [NO_CODEC] * 3
+    text_track += [cfg.tts_pad_token_id] * (len(K) - 2) + [cfg.tts_bos_token_id]
+    codec_track += K[:-1]
+    complete = text_complete or non_streaming_mode
+    R = list(voice.ref_text_ids or []) + list(text_ids) + ([cfg.tts_eos_token_id] if complete else [])
+    Q = [t.codec_bos_id] + [REF_FRAME] * voice.ref_codes.shape[0]
+    trailing: list[int] = []
+    if non_streaming_mode:
+        text_track += R + [cfg.tts_pad_token_id] * len(Q)
+        codec_track += [t.codec_pad_id] * len(R) + Q
+    elif len(R) > len(Q):
+        text_track += R[: len(Q)]
+        codec_track += Q
+        trailing = R[len(Q):]
+    else:
+        text_track += R + [cfg.tts_pad_token_id] * (len(Q) - len(R))
+        codec_track += Q
+    return Prompt(text_track, codec_track, trailing, complete, voice.x_vector, voice.ref_codes)

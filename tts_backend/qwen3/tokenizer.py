@@ -72,6 +72,11 @@ class TextTokenizer:
         ids = self.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
         return ids[3:-5]
 
+    def ref_text_ids(self, ref_text: str) -> list[int]:
+        """A clone's reference transcript as the reference gets it: `<|im_start|>assistant\n{ref}<|im_end|>\n`,
+        sliced [3:-2]."""
+        return self.encode(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")[3:-2]
+
     def instruct_ids(self, instruct: str) -> list[int]:
         """All ids of `<|im_start|>user\\n{instruct}<|im_end|>\\n` (the reference embeds every one)."""
         return self.encode(f"<|im_start|>user\n{instruct}<|im_end|>\n")

@@ -2,7 +2,8 @@
 
 `write_checkpoint(folder, size="tiny")` writes config.json, generation_config.json, model.safetensors (bf16,
 official tensor names), tokenizer files (vocab.json, merges.txt, tokenizer_config.json), preprocessor_config.json
-and `speech_tokenizer/` (via `codec_checkpoint.write_speech_tokenizer`). Sizes: "tiny" (spec §9.3, CPU tests),
+and `speech_tokenizer/` (via `codec_checkpoint.write_speech_tokenizer`, whose file always holds the Mimi encoder).
+model_type "base" adds `speaker_encoder_config` and the speaker encoder's tensors (spec §7.2). Sizes: "tiny" (spec §9.3, CPU tests),
 "small" (CPU tests of the Triton kernels), "0.6b" and "1.7b" (the released shapes, for GPU benchmarks).
 
 The text tokenizer is the real Qwen2 byte-level BPE: its ranks ship in the PyPI package `dashscope`
@@ -86,6 +87,13 @@ _PREDICTOR_SIZES = {
                  num_code_groups=16),
 }
 
+# speaker_encoder_config of Base checkpoints. The released files name only the x-vector width (the talker's) and
+# the sample rate; the CPU sizes also shrink the ECAPA-TDNN channels (128 mel bands stay: the log-mel is fixed).
+_SPEAKER_ENCODER_SIZES = {
+    "tiny": dict(enc_channels=[16, 16, 16, 16, 48], enc_attention_channels=8, enc_se_channels=8),
+    "small": dict(enc_channels=[16, 16, 16, 16, 48], enc_attention_channels=8, enc_se_channels=8),
+}
+
 GENERATION_CONFIG = {
     "do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0, "top_k": 50,
     "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_p": 1.0, "subtalker_top_k": 50,
@@ -121,6 +129,10 @@ def model_config(size: str = "tiny", model_type: str = "custom_voice", tts_model
             "model_type": "qwen3_tts_talker_code_predictor", "max_window_layers": 28, "use_cache": True,
         },
     }
+    extra = {}
+    if model_type == "base":
+        extra["speaker_encoder_config"] = {"enc_dim": stack["hidden_size"], "sample_rate": 24000,
+                                           **_SPEAKER_ENCODER_SIZES.get(size, {})}
     if model_type == "custom_voice":
         talker["spk_id"] = {k: v - shift for k, v in SPEAKER_IDS.items()}
         talker["spk_is_dialect"] = dict(SPEAKER_DIALECTS)
@@ -135,6 +147,7 @@ def model_config(size: str = "tiny", model_type: str = "custom_voice", tts_model
         "tts_model_size": tts_model_size or ("0b6" if size == "0.6b" else "1b7"),
         "tts_model_type": model_type,
         "talker_config": talker,
+        **extra,
         "transformers_version": "4.57.3",
     }
 
@@ -178,6 +191,13 @@ def model_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if Dp != D:
         shapes["talker.code_predictor.small_to_mtp_projection.weight"] = (Dp, D)
         shapes["talker.code_predictor.small_to_mtp_projection.bias"] = (Dp,)
+    if "speaker_encoder_config" in config:
+        from tts_backend.qwen3.config import SpeakerEncoderConfig
+        from tts_backend.qwen3.speaker_encoder import SpeakerEncoder
+
+        with torch.device("meta"):
+            encoder = SpeakerEncoder(SpeakerEncoderConfig.from_dict(config["speaker_encoder_config"]))
+        shapes.update({f"speaker_encoder.{k}": tuple(v.shape) for k, v in encoder.state_dict().items()})
     return shapes
 
 
@@ -190,7 +210,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator
         return 0.1 * torch.randn(shape, generator=generator, device=device)
     if "embedding" in name:
         return torch.randn(shape, generator=generator, device=device)
-    return torch.randn(shape, generator=generator, device=device) / math.sqrt(shape[-1])
+    return torch.randn(shape, generator=generator, device=device) / math.sqrt(math.prod(shape[1:]))
 
 
 def write_model_weights(path: Path, config: dict, seed: int, device: str | torch.device = "cpu") -> None:
