@@ -48,7 +48,7 @@ def run_example(source: str, server, folder: Path) -> subprocess.CompletedProces
 
 
 def test_python_client_examples_run_as_pasted(default_gateway, tmp_path):
-    one_utterance, streaming, contexts = python_examples(REPO / "clients" / "python" / "README.md")
+    one_utterance, streaming, contexts, words = python_examples(REPO / "clients" / "python" / "README.md")
 
     run_example(one_utterance, default_gateway, tmp_path)
     with wave.open(str(tmp_path / "hello.wav")) as wav:
@@ -61,6 +61,15 @@ def test_python_client_examples_run_as_pasted(default_gateway, tmp_path):
 
     printed = run_example(contexts, default_gateway, tmp_path).stdout
     assert re.search(r"turn-1: [1-9]\d* bytes", printed) and re.search(r"another: [1-9]\d* bytes", printed), printed
+
+    # Piper's word timestamps: each word with its time in the turn, then the barge-in after "that".
+    printed = run_example(words, default_gateway, tmp_path).stdout.splitlines()
+    timed = [line.split() for line in printed if not line.startswith("heard:")]
+    assert [word for _, word in timed][:5] == ["Sure,", "let", "me", "check", "that"], printed
+    times = [float(time) for time, _ in timed]
+    assert times == sorted(times) and times[-1] > 0, printed
+    heard = [line for line in printed if line.startswith("heard: ")]
+    assert len(heard) == 1 and heard[0].startswith("heard: Sure, let me check that"), printed
 
 
 @pytest.mark.parametrize("readme", CLIENT_READMES, ids=[r.parent.name for r in CLIENT_READMES])

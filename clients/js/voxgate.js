@@ -28,6 +28,7 @@ const ACK_PING = "voxgate-ack";
 const SERVER_EVENTS = [
   "session.started",
   "audio.start",
+  "audio.words",
   "audio.done",
   "utterance.done",
   "context.cancelled",
@@ -51,6 +52,8 @@ const CONFIG_FIELDS = {
   seed: "seed",
   splitGranularity: "split_granularity",
   chunkSchedule: "chunk_schedule",
+  timestampType: "timestamp_type",
+  timestampTransportStrategy: "timestamp_transport_strategy",
 };
 
 /** An error the server reported (`type: "error"`), or a failed connection. */
@@ -170,6 +173,10 @@ function configMessage(options) {
  * `audio.done`, `utterance.done`, `context.cancelled`, `session.done`, `error`, `pong`) with the parsed
  * message; `audio` for each binary frame as
  * `{sentenceIndex, contextId, format, sampleRate, offset, bytes: Uint8Array, samples: Int16Array}`;
+ * `words` (sessions with `timestampType: "word"`) once words' audio has been sent, from `audio.words` or
+ * a sync session's `audio.done`, as `{sentenceIndex, contextId, words: [{word, start, end, utteranceStart,
+ * utteranceEnd}]}`: `start`/`end` in seconds from the start of the sentence's audio, `utteranceStart`/
+ * `utteranceEnd` from the start of the utterance's (each word once, also when a resume replays it);
  * `message` for every JSON message; `close` with `{code, reason}` once the session is over.
  *
  * With `options.autoResume`, a dropped connection is reopened with `session.resume` at the position this
@@ -210,7 +217,10 @@ export class VoxgateClient extends Emitter {
     this.totalBytesReceived = 0;
     this.currentSentence = null; // {index, contextId, format, sampleRate, text}
     this.cancelledContexts = new Set();
-    this.sentences = new Map(); // index -> {index, contextId, text, bytes, done, error}
+    this.sentences = new Map(); // index -> {index, contextId, text, bytes, done, error, startSeconds, words}
+    // Seconds of audio in the finished sentences of each open utterance (by context id): where the next
+    // sentence's audio starts within its utterance, for word times relative to the utterance.
+    this.utteranceSeconds = new Map();
     // utterance.done + session.done received: a resume sends it, so lost ends come again, others not.
     this.endsReceived = 0;
   }
@@ -406,10 +416,15 @@ export class VoxgateClient extends Emitter {
             bytes: 0,
             done: false,
             error: false,
+            startSeconds: this.utteranceSeconds.get(contextId) ?? 0,
+            words: [],
           });
         }
         break;
       }
+      case "audio.words":
+        this.#addWords(message.sentence_index, message.words || []);
+        break;
       case "audio.done": {
         const record = this.sentences.get(message.sentence_index);
         if (record) {
@@ -417,6 +432,14 @@ export class VoxgateClient extends Emitter {
           record.error = Boolean(message.error);
           record.totalBytes = message.total_bytes;
           record.durationMs = message.duration_ms;
+          const alignment = message.timestamp_info?.word_alignment;
+          if (alignment) {
+            const starts = alignment.word_start_times_seconds || [];
+            const ends = alignment.word_end_times_seconds || [];
+            this.#addWords(record.index, (alignment.words || []).map((word, i) => ({ word, start: starts[i], end: ends[i] })));
+          }
+          const seconds = sentenceSeconds(this.currentSentence, message);
+          if (seconds !== null) this.utteranceSeconds.set(record.contextId, record.startSeconds + seconds);
         }
         this.currentSentence = null;
         break;
@@ -424,6 +447,10 @@ export class VoxgateClient extends Emitter {
       case "utterance.done":
       case "session.done":
         this.endsReceived += 1;
+        this.utteranceSeconds.delete(message.context_id ?? null);
+        break;
+      case "context.cancelled":
+        this.utteranceSeconds.delete(message.context_id ?? null);
         break;
       case "pong":
         if (message.inputs_received !== undefined) this.#acknowledge(message.inputs_received);
@@ -437,6 +464,34 @@ export class VoxgateClient extends Emitter {
     const silenced =
       this.cancelledContexts.has(contextId) && (message.type === "audio.start" || message.type === "audio.done");
     if (SERVER_EVENTS.includes(message.type) && !silenced) this.emit(message.type, message);
+  }
+
+  // Words of a sentence, each given out once (a resume replays a sentence's words with its audio), timed
+  // also from the start of the utterance; emitted as `words` unless the context was cancelled here.
+  #addWords(sentenceIndex, items) {
+    const record = this.sentences.get(sentenceIndex);
+    if (!record) return;
+    const fresh = [];
+    for (const { word, start, end } of items) {
+      if (record.words.some((known) => known.word === word && known.start === start)) continue;
+      const timed = { word, start, end, utteranceStart: record.startSeconds + start, utteranceEnd: record.startSeconds + end };
+      record.words.push(timed);
+      fresh.push(timed);
+    }
+    if (fresh.length && !this.cancelledContexts.has(record.contextId)) {
+      this.emit("words", { sentenceIndex, contextId: record.contextId, words: fresh });
+    }
+  }
+
+  // context.cancelled's spoken_words ({word, start, end, sentence_index}), timed also from the start of
+  // the utterance; null when the gateway sent none.
+  #inUtterance(words) {
+    if (!words) return null;
+    return words.map((word) => {
+      const record = this.sentences.get(word.sentence_index);
+      if (!record) return { ...word };
+      return { ...word, utteranceStart: record.startSeconds + word.start, utteranceEnd: record.startSeconds + word.end };
+    });
   }
 
   #acknowledge(inputsReceived) {
@@ -555,8 +610,10 @@ export class VoxgateClient extends Emitter {
     };
   }
 
-  // Resolves with {contextId, sentences: [{index, text, bytes, totalBytes, error}], bytes, cancelled}
-  // when the utterance ends: utterance.done (contexts), session.done (no context) or context.cancelled.
+  // Resolves with {contextId, sentences: [{index, text, bytes, totalBytes, error, words}], bytes, words,
+  // cancelled} when the utterance ends: utterance.done (contexts), session.done (no context) or
+  // context.cancelled, which adds `spokenText` and `spokenWords` (what the listener heard, as the gateway
+  // counts it) for sessions with word timestamps.
   #utteranceResult(contextId) {
     const sentences = [];
     const removers = [];
@@ -568,6 +625,7 @@ export class VoxgateClient extends Emitter {
           contextId,
           sentences: records,
           bytes: records.reduce((sum, record) => sum + record.bytes, 0),
+          words: records.flatMap((record) => record.words),
           ...outcome,
         });
       };
@@ -580,7 +638,9 @@ export class VoxgateClient extends Emitter {
           }
           else if (message.type === "utterance.done" && mine(message)) finish({ cancelled: false });
           else if (message.type === "session.done" && contextId === null) finish({ cancelled: false });
-          else if (message.type === "context.cancelled" && mine(message)) finish({ cancelled: true });
+          else if (message.type === "context.cancelled" && mine(message)) {
+            finish({ cancelled: true, spokenText: message.spoken_text ?? null, spokenWords: this.#inUtterance(message.spoken_words) });
+          }
           else if (message.type === "error" && mine(message) && message.sentence_index == null && !message.retryable) {
             removers.forEach((remove) => remove());
             reject(VoxgateError.fromMessage(message));
@@ -614,6 +674,16 @@ export class VoxgateClient extends Emitter {
   waitFor(type, predicate) {
     return this.#waitFor(type, predicate);
   }
+}
+
+// Seconds of audio in a finished sentence: exact from its bytes for the raw formats, else the gateway's
+// duration_ms; null when neither is known.
+function sentenceSeconds(sentence, done) {
+  const format = sentence?.format;
+  if ((format === "pcm" || format === "mulaw" || format === "alaw") && sentence.sampleRate) {
+    return done.total_bytes / (bytesPerSample(format) * sentence.sampleRate);
+  }
+  return done.duration_ms == null ? null : done.duration_ms / 1000;
 }
 
 function now() {

@@ -6,6 +6,7 @@ from .events import (
     AudioChunk,
     AudioDone,
     AudioStart,
+    AudioWords,
     ContextCancelled,
     Disconnected,
     Error,
@@ -16,6 +17,7 @@ from .events import (
     SessionStarted,
     UnknownMessage,
     UtteranceDone,
+    Word,
     parse_server_message,
 )
 from .session import DEFAULT_PATH, Context, Session, VoxgateError, connect
@@ -26,6 +28,7 @@ __all__ = [
     "AudioChunk",
     "AudioDone",
     "AudioStart",
+    "AudioWords",
     "Context",
     "ContextCancelled",
     "DEFAULT_PATH",
@@ -44,6 +47,7 @@ __all__ = [
     "UnknownMessage",
     "UtteranceDone",
     "VoxgateError",
+    "Word",
     "alaw_to_pcm16",
     "connect",
     "mulaw_to_pcm16",

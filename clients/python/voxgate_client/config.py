@@ -35,12 +35,22 @@ class SessionConfig:
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
+    # Word timestamps: "word" asks for them. They arrive as `AudioWords` events, as soon as each word's
+    # audio has been sent ("async") or with the sentence's audio.done ("sync"; left out: the gateway's default).
+    timestamp_type: str | None = None
+    timestamp_transport_strategy: str | None = None
     # Fields a newer gateway knows and this client does not: sent as they are.
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sample_rate is not None and self.sample_rate not in SAMPLE_RATES:
             raise ValueError(f"sample_rate must be one of {SAMPLE_RATES}, not {self.sample_rate}")
+        if self.timestamp_type not in (None, "word", "char"):
+            raise ValueError(f"timestamp_type must be 'word' or 'char', not {self.timestamp_type!r}")
+        if self.timestamp_transport_strategy not in (None, "sync", "async"):
+            raise ValueError(
+                f"timestamp_transport_strategy must be 'sync' or 'async', not {self.timestamp_transport_strategy!r}"
+            )
         if self.chunk_schedule is not None:
             if not self.chunk_schedule or any(int(n) < 1 for n in self.chunk_schedule):
                 raise ValueError("chunk_schedule must be a non-empty list of positive frame counts")

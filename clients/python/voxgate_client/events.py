@@ -52,6 +52,31 @@ class AudioChunk(Event):
 
 
 @dataclass(frozen=True)
+class Word:
+    """One spoken word and where its audio lies.
+
+    `start`/`end` are seconds from the start of its sentence's audio (as on the wire); `utterance_start`/
+    `utterance_end` are seconds from the start of its utterance's audio (the context's first sentence),
+    which the session adds from the audio of the utterance's earlier sentences."""
+
+    word: str
+    start: float
+    end: float
+    sentence_index: int | None = None
+    utterance_start: float | None = None
+    utterance_end: float | None = None
+
+
+@dataclass(frozen=True)
+class AudioWords(Event):
+    """Words whose audio has been sent (`audio.words`, or a sync session's audio.done word_alignment)."""
+
+    sentence_index: int
+    words: list[Word]
+    context_id: str | None = None
+
+
+@dataclass(frozen=True)
 class AudioDone(Event):
     sentence_index: int
     total_bytes: int
@@ -59,6 +84,7 @@ class AudioDone(Event):
     context_id: str | None = None
     duration_ms: float | None = None
     cancelled: bool | None = None
+    words: list[Word] | None = None  # timestamp_info.word_alignment, when the session asked for timestamps
 
 
 @dataclass(frozen=True)
@@ -71,6 +97,9 @@ class UtteranceDone(Event):
 class ContextCancelled(Event):
     context_id: str | None
     sentence_index: int | None = None
+    # What the listener heard: the words whose audio was fully sent before the cut (timestamped sessions).
+    spoken_text: str | None = None
+    spoken_words: list[Word] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +154,36 @@ def _pick(data: dict[str, Any], *names: str) -> dict[str, Any]:
     return {name: data[name] for name in names if name in data}
 
 
+def _words_of_alignment(alignment: Any, sentence_index: int | None) -> list[Word] | None:
+    """`timestamp_info.word_alignment` ({words, word_start_times_seconds, word_end_times_seconds})."""
+    if not isinstance(alignment, dict):
+        return None
+    return [
+        Word(word=str(word), start=float(start), end=float(end), sentence_index=sentence_index)
+        for word, start, end in zip(
+            alignment.get("words") or [],
+            alignment.get("word_start_times_seconds") or [],
+            alignment.get("word_end_times_seconds") or [],
+        )
+    ]
+
+
+def _words_of_list(items: Any, sentence_index: int | None) -> list[Word] | None:
+    """A list of {word, start, end} (audio.words, context.cancelled's spoken_words)."""
+    if not isinstance(items, list):
+        return None
+    return [
+        Word(
+            word=str(item.get("word", "")),
+            start=float(item.get("start", 0.0)),
+            end=float(item.get("end", 0.0)),
+            sentence_index=item.get("sentence_index", sentence_index),
+        )
+        for item in items
+        if isinstance(item, dict)
+    ]
+
+
 def parse_server_message(data: dict[str, Any]) -> Event:
     """Turn one decoded JSON server message into its typed event."""
     kind = data.get("type")
@@ -136,13 +195,26 @@ def parse_server_message(data: dict[str, Any]) -> Event:
             sentence_text=data.get("sentence_text", ""),
         )
     if kind == "audio.done":
+        timestamp_info = data.get("timestamp_info") or {}
         return AudioDone(
-            **_pick(data, "sentence_index", "total_bytes", "error", "context_id", "duration_ms", "cancelled")
+            **_pick(data, "sentence_index", "total_bytes", "error", "context_id", "duration_ms", "cancelled"),
+            words=_words_of_alignment(timestamp_info.get("word_alignment"), data.get("sentence_index")),
+        )
+    if kind == "audio.words":
+        return AudioWords(
+            sentence_index=data.get("sentence_index", 0),
+            words=_words_of_list(data.get("words"), data.get("sentence_index")) or [],
+            context_id=data.get("context_id"),
         )
     if kind == "utterance.done":
         return UtteranceDone(context_id=data.get("context_id"), total_sentences=data.get("total_sentences", 0))
     if kind == "context.cancelled":
-        return ContextCancelled(context_id=data.get("context_id"), sentence_index=data.get("sentence_index"))
+        return ContextCancelled(
+            context_id=data.get("context_id"),
+            sentence_index=data.get("sentence_index"),
+            spoken_text=data.get("spoken_text"),
+            spoken_words=_words_of_list(data.get("spoken_words"), None),
+        )
     if kind == "session.done":
         return SessionDone(total_sentences=data.get("total_sentences", 0))
     if kind == "error":

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
@@ -26,6 +27,7 @@ from .events import (
     AudioChunk,
     AudioDone,
     AudioStart,
+    AudioWords,
     ContextCancelled,
     Disconnected,
     Error,
@@ -35,6 +37,7 @@ from .events import (
     SessionDone,
     SessionStarted,
     UtteranceDone,
+    Word,
     parse_server_message,
 )
 
@@ -49,6 +52,10 @@ _FINAL_ERROR_CODES = {"unauthorized", "session_not_found", "resume_out_of_range"
 # `inputs_received`), so the inputs it keeps for a resume stay few.
 _ACK_EVERY = 32
 _ACK_PING = "voxgate-ack"
+# Bytes of one sample in the raw streaming formats, whose duration follows from their byte count.
+_SAMPLE_BYTES = {"pcm": 2, "mulaw": 1, "alaw": 1}
+# Sentences whose words are remembered to drop repeats (a resume replays a sentence's words again).
+_WORD_MEMORY_SENTENCES = 8
 
 
 class VoxgateError(Exception):
@@ -142,12 +149,16 @@ class Context:
         return await self.collect()
 
 
+# Events that carry a sentence's audio or what it says: dropped for a context this client cancelled.
+_AUDIO_EVENTS = (AudioStart, AudioChunk, AudioWords, AudioDone)
+
+
 def _drop_audio(queue: asyncio.Queue, context_id: str | None) -> None:
     """Remove queued audio events of `context_id`, keeping everything else in order."""
     kept = []
     while not queue.empty():
         event = queue.get_nowait()
-        if isinstance(event, (AudioStart, AudioChunk, AudioDone)) and event.context_id == context_id:
+        if isinstance(event, _AUDIO_EVENTS) and event.context_id == context_id:
             continue
         kept.append(event)
     for event in kept:
@@ -215,6 +226,14 @@ class Session:
         self._inputs_sent = 0
         self._unacked: deque[tuple[int, str]] = deque()
         self.ends_received = 0
+
+        # Word timing: seconds of audio of each open utterance (by context) in its finished sentences, its
+        # sentences, where each one's audio starts within its utterance, and the words given out per sentence.
+        self._utterance_seconds: dict[str | None, float] = {}
+        self._utterance_sentences: dict[str | None, list[int]] = {}
+        self._sentence_starts: dict[int, float] = {}
+        self._sentence_formats: dict[int, AudioStart] = {}
+        self._words_given: OrderedDict[int, set[tuple[str, float]]] = OrderedDict()
 
     # ------------------------------------------------------------------------------------------ properties
 
@@ -506,11 +525,25 @@ class Session:
             self.bytes_received.setdefault(event.sentence_index, 0)
             if repeated:  # the same sentence continuing after a resume: seamless for the reader
                 return
+            self._sentence_starts[event.sentence_index] = self._utterance_seconds.get(event.context_id, 0.0)
+            self._utterance_sentences.setdefault(event.context_id, []).append(event.sentence_index)
+            self._sentence_formats[event.sentence_index] = event
+        elif isinstance(event, AudioWords):
+            event = replace(event, words=self._new_words(event.sentence_index, event.words))
+            if not event.words:
+                return
         elif isinstance(event, AudioDone):
             self._open_sentence = None
             self._last_done_sentence = max(self._last_done_sentence, event.sentence_index)
+            if event.words:
+                # A sync session's words (or ones an async session had not sent yet): an AudioWords first.
+                words = self._new_words(event.sentence_index, event.words)
+                if words:
+                    self._route(AudioWords(event.sentence_index, words, event.context_id))
+            self._sentence_finished(event)
         elif isinstance(event, (UtteranceDone, SessionDone)):
             self.ends_received += 1
+            self._utterance_ended(getattr(event, "context_id", None))
         elif isinstance(event, Pong):
             if event.inputs_received is not None:
                 self._acknowledged(event.inputs_received)
@@ -525,11 +558,59 @@ class Session:
             self._final_error = event
         elif isinstance(event, ContextCancelled):
             self._cancelling.discard(event.context_id)
+            if event.spoken_words:
+                event = replace(event, spoken_words=[self._in_utterance(w) for w in event.spoken_words])
+            self._utterance_ended(event.context_id)
         self._route(event)
+
+    def _new_words(self, sentence_index: int, words: list[Word]) -> list[Word]:
+        """`words` not given out before (a resume sends a replayed sentence's words again), each with its
+        time within the utterance."""
+        given = self._words_given.get(sentence_index)
+        if given is None:
+            given = self._words_given[sentence_index] = set()
+            while len(self._words_given) > _WORD_MEMORY_SENTENCES:
+                self._words_given.popitem(last=False)
+        fresh = []
+        for word in words:
+            key = (word.word, word.start)
+            if key in given:
+                continue
+            given.add(key)
+            fresh.append(self._in_utterance(replace(word, sentence_index=sentence_index)))
+        return fresh
+
+    def _utterance_ended(self, context_id: str | None) -> None:
+        self._utterance_seconds.pop(context_id, None)
+        for index in self._utterance_sentences.pop(context_id, []):
+            self._sentence_starts.pop(index, None)
+
+    def _in_utterance(self, word: Word) -> Word:
+        """`word` with its times from the start of its utterance's audio, where its sentence is known."""
+        offset = self._sentence_starts.get(word.sentence_index) if word.sentence_index is not None else None
+        if offset is None:
+            return word
+        return replace(word, utterance_start=offset + word.start, utterance_end=offset + word.end)
+
+    def _sentence_finished(self, done: AudioDone) -> None:
+        """The utterance's audio grows by this sentence's: its exact duration for the raw formats, the
+        gateway's `duration_ms` otherwise."""
+        start = self._sentence_formats.pop(done.sentence_index, None)
+        offset = self._sentence_starts.get(done.sentence_index)
+        if start is None or offset is None:
+            return
+        sample_bytes = _SAMPLE_BYTES.get(start.format)
+        if sample_bytes and start.sample_rate:
+            seconds = done.total_bytes / (sample_bytes * max(start.channels, 1) * start.sample_rate)
+        elif done.duration_ms is not None:
+            seconds = done.duration_ms / 1000
+        else:
+            return
+        self._utterance_seconds[done.context_id] = offset + seconds
 
     def _route(self, event: Event) -> None:
         context_id = getattr(event, "context_id", None)
-        if context_id in self._cancelling and isinstance(event, (AudioStart, AudioChunk, AudioDone)):
+        if context_id in self._cancelling and isinstance(event, _AUDIO_EVENTS):
             return  # barge-in: the application already gave up this context's audio
         context = self._contexts.get(context_id) if context_id is not None else None
         if context is not None:
