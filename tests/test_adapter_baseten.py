@@ -22,6 +22,7 @@ from tests.adapter_fixtures import SCRIPTS, ws_base
 from tests.gateway_server import RecordingBackend, running_gateway
 from tts_backend.base import SynthesisRequest
 from tts_backend.piper import PiperSynthesizer
+from tts_backend.synthetic import SyntheticSynthesizer
 
 KEY = "k-baseten-test"  # as in the script
 REPLIES = ["Hello there. This is the first reply.", "A second reply on the same socket."]
@@ -29,6 +30,8 @@ LONG_REPLY = " ".join(f"This is sentence number {n} of a long reply that the use
                       for n in ("one", "two", "three", "four", "five", "six"))
 AFTER = "After the interruption, the agent speaks again."
 CHUNKED = "Synthesize makes one whole utterance."
+TIMED_SENTENCES = ["Word timestamps, as Baseten sends them.", "The plugin reads them unchanged."]
+TIMED_REPLY = " ".join(TIMED_SENTENCES)
 PIPER_RATE, OUTPUT_RATE = 22050, 24000
 
 
@@ -50,6 +53,8 @@ def run():
                              "chunked": CHUNKED},
             "refusals": {"keyed_url": ws_base(keyed) + "/v1/audio/speech/stream",
                          "gateway_url": ws_base(catalogue) + "/v1/audio/speech/stream"},
+            # Synthetic audio, whose word times are exact by construction.
+            "word_timestamps": {"reply": TIMED_REPLY, "gateway_url": ws_base(catalogue) + "/v1/audio/speech/stream"},
         }
         result = run_in_adapter_env("livekit", SCRIPTS / "baseten_scenarios.py",
                                     ws_base(server) + "/v1/audio/speech/stream", json.dumps(plan), timeout=240)
@@ -132,3 +137,23 @@ def test_voice_list_and_voice_add_answer_in_the_plugins_shape(run):
     assert observed["voices"] == {"type": "voice.list", "voices": ["tone-low", "tone-mid", "tone-high"],
                                   "uploaded_voices": []}
     assert observed["voice_add"].startswith("voice.add failed: voice.add: the synthetic backend cannot clone")
+
+
+def test_word_timestamps_give_the_plugin_a_working_aligned_transcript(run):
+    """`baseten.TTS(word_timestamps=True)` asks for `timestamp_type: "word"` with the "sync" strategy and
+    reads audio.done's `timestamp_info.word_alignment`: its timed transcript is every word, at the time the
+    synthetic backend put it, from the start of the reply's audio."""
+    observed = scenario(run, "word_timestamps")
+    assert observed["aligned_transcript"] is True
+    synth = SyntheticSynthesizer()
+    expected, offset = [], 0.0
+    for sentence in TIMED_SENTENCES:
+        samples = len(synth.render(SynthesisRequest(text=sentence, voice=synth.default_voice)))
+        expected += [(f"{t.word} ", offset + t.start / OUTPUT_RATE, offset + t.end / OUTPUT_RATE)
+                     for t in synth.word_timings(sentence, samples)]
+        offset += samples / OUTPUT_RATE
+    words = observed["words"]
+    assert [w["text"] for w in words] == [text for text, _, _ in expected]
+    for word, (_, start, end) in zip(words, expected):
+        assert (word["start"], word["end"]) == pytest.approx((start, end), abs=2e-6), word["text"]
+    assert observed["samples"] == round(offset * OUTPUT_RATE)

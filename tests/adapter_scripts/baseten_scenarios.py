@@ -16,6 +16,7 @@ import hashlib
 import logging
 
 from livekit.agents import APIConnectOptions, APIError, utils
+from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 from livekit.plugins import baseten
 from livekit.plugins.baseten import qwen3_tts
 from scenario_runner import llm_tokens, main
@@ -47,7 +48,8 @@ def describe(frames: list) -> dict:
     }
 
 
-async def speak(tts: baseten.TTS, text: str) -> dict:
+async def reply_frames(tts: baseten.TTS, text: str) -> list:
+    """One reply as an agent speaks it (LLM tokens, then the end of input): every audio frame of it."""
     frames = []
     async with tts.stream() as stream:
         for token in llm_tokens(text):
@@ -55,7 +57,11 @@ async def speak(tts: baseten.TTS, text: str) -> dict:
         stream.end_input()
         async for event in stream:
             frames.append(event.frame)
-    return describe(frames)
+    return frames
+
+
+async def speak(tts: baseten.TTS, text: str) -> dict:
+    return describe(await reply_frames(tts, text))
 
 
 async def scenario_conversation(url: str, replies: list[str], long_reply: str, after_interrupt: str,
@@ -142,7 +148,25 @@ async def scenario_refusals(url: str, keyed_url: str) -> dict:
     return out
 
 
-SCENARIOS = {"conversation": scenario_conversation, "refusals": scenario_refusals}
+async def scenario_word_timestamps(url: str, reply: str) -> dict:
+    """`word_timestamps=True`: the plugin asks for Baseten's sync word timestamps and forwards each
+    sentence's audio.done word_alignment as the timed transcript, carried on the audio frames."""
+    async with utils.http_context.open():
+        tts = baseten.TTS(model="qwen3-tts", model_endpoint=url, api_key=KEY, voice=VOICE, word_timestamps=True)
+        try:
+            frames = await reply_frames(tts, reply)
+            words = [{"text": str(timed), "start": timed.start_time, "end": timed.end_time}
+                     for frame in frames for timed in frame.userdata.get(USERDATA_TIMED_TRANSCRIPT) or []]
+            return {"aligned_transcript": tts.capabilities.aligned_transcript, "words": words, **describe(frames)}
+        finally:
+            await tts.aclose()
+
+
+SCENARIOS = {
+    "conversation": scenario_conversation,
+    "refusals": scenario_refusals,
+    "word_timestamps": scenario_word_timestamps,
+}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import hashlib
 import time
 
 from livekit.agents import APIConnectOptions, APIError
+from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 from scenario_runner import llm_tokens, main
 
 from voxgate_livekit import TTS
@@ -213,7 +214,53 @@ async def scenario_errors(url: str, closed_url: str) -> dict:
     return results
 
 
+def timed_words(events: list) -> list[dict]:
+    """The TimedStrings the emitter carried to the framework on the audio frames, with the audio bytes up to
+    and including the frame that carried each."""
+    out, audio_bytes = [], 0
+    for ev in events:
+        audio_bytes += len(ev.frame.data.tobytes())
+        for timed in ev.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT) or []:
+            out.append({"text": str(timed), "start": timed.start_time, "end": timed.end_time,
+                        "audio_bytes": audio_bytes})
+    return out
+
+
+async def scenario_word_timestamps(url: str, reply: str, long_reply: str, interrupt_after_words: int) -> dict:
+    """A reply's aligned transcript, then a reply interrupted (aclose) once some words have reached the
+    framework."""
+    tts = TTS(url=url, voice="tone-mid")
+    try:
+        frames, events = [], []
+        async with tts.stream() as stream:
+            reader = asyncio.create_task(read_stream(stream, frames, events))
+            for token in llm_tokens(reply):
+                stream.push_text(token)
+            stream.end_input()
+            await asyncio.wait_for(reader, 30)
+        whole = {**describe(frames, events), "words": timed_words(events)}
+
+        frames, events = [], []
+        stream = tts.stream()
+        reader = asyncio.create_task(read_stream(stream, frames, events))
+        for token in llm_tokens(long_reply):
+            stream.push_text(token)
+        stream.end_input()
+        deadline = time.monotonic() + 20
+        while len(timed_words(events)) < interrupt_after_words:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no aligned transcript for the long reply")
+            await asyncio.sleep(0.005)
+        await stream.aclose()
+        reader.cancel()
+        interrupted = {**describe(frames, events), "words": timed_words(events)}
+        return {"aligned_transcript": tts.capabilities.aligned_transcript, "whole": whole, "interrupted": interrupted}
+    finally:
+        await tts.aclose()
+
+
 SCENARIOS = {
+    "word_timestamps": scenario_word_timestamps,
     "stream": scenario_stream,
     "synthesize": scenario_synthesize,
     "cancel": scenario_cancel,

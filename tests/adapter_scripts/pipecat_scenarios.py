@@ -27,9 +27,12 @@ from pipecat.frames.frames import (
     TTSAudioRawFrame,
     TTSStartedFrame,
     TTSStoppedFrame,
+    TTSTextFrame,
 )
 from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.pipeline.pipeline import Pipeline
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import LLMAssistantAggregator
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
@@ -91,11 +94,12 @@ class Collector(FrameProcessor):
 
 
 class Harness:
-    def __init__(self, url: str, sample_rate: int = 24000, **tts_options):
+    def __init__(self, url: str, sample_rate: int = 24000, assistant: LLMAssistantAggregator | None = None,
+                 **tts_options):
         self.tts = RecordingTTS(url=url, settings=VoxgateTTSService.Settings(voice="tone-mid"), **tts_options)
         self.collector = Collector()
         self.worker = PipelineWorker(
-            Pipeline([self.tts, self.collector]),
+            Pipeline([self.tts, self.collector, *([assistant] if assistant else [])]),
             params=PipelineParams(audio_out_sample_rate=sample_rate, enable_metrics=True),
             idle_timeout_secs=None,
             enable_rtvi=False,
@@ -354,7 +358,67 @@ async def scenario_sentence_mode_16k(url: str, text: str) -> dict:
         return {"turn": await h.spoken_turn(0), "errors": h.errors}
 
 
+def words_of(h: Harness, context_id: str) -> list[dict]:
+    """The TTSTextFrames of a context that reached the end of the pipeline: word and presentation time."""
+    return [{"word": f.text, "pts": f.pts} for _, f in h.collector.frames
+            if isinstance(f, TTSTextFrame) and f.context_id == context_id]
+
+
+def assistant_messages(context: LLMContext) -> list[str]:
+    return [m["content"] for m in context.get_messages() if m.get("role") == "assistant"]
+
+
+async def scenario_word_timestamps(url: str, turn: str, long_turn: str, interrupt_after_words: int) -> dict:
+    """word_timestamps=True: a whole turn's words reach Pipecat through add_word_timestamps; then a turn
+    interrupted after some words, and what the assistant's context records as spoken."""
+    context = LLMContext()
+    async with Harness(url, assistant=LLMAssistantAggregator(context), word_timestamps=True) as h:
+        received_words: dict[str, list] = {}
+
+        @h.tts.event_handler("on_context_cancelled")
+        async def _cancelled(tts, context_id, late_bytes):
+            h.cancelled_context = context_id
+
+        h.cancelled_context = None
+        original = h.tts._handle_event
+
+        async def note_words(event):
+            if isinstance(event, vg.AudioWords):
+                received_words.setdefault(event.context_id, []).extend(
+                    {"word": w.word, "start": w.utterance_start, "end": w.utterance_end} for w in event.words)
+            await original(event)
+
+        h.tts._handle_event = note_words
+        await h.speak_turn(turn)
+        whole = await h.spoken_turn(0)
+        whole_words = words_of(h, whole["context_id"])
+        await h.speak_turn(long_turn)
+        long_id = (await h.wait_for_contexts(2))[1]
+        deadline = time.monotonic() + 20
+        while len(words_of(h, long_id)) < interrupt_after_words:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no words for the long turn")
+            await asyncio.sleep(0.005)
+        await h.worker.queue_frame(InterruptionFrame())
+        while h.cancelled_context != long_id:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no context.cancelled")
+            await asyncio.sleep(0.01)
+        while len(assistant_messages(context)) < 2:  # the interruption reaches the assistant aggregator
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no assistant message for the interrupted turn: {assistant_messages(context)}")
+            await asyncio.sleep(0.01)
+        return {
+            "whole": {**whole, "words": whole_words, "received": received_words.get(whole["context_id"], [])},
+            "interrupted": {**h.audio_of(long_id), "words": words_of(h, long_id),
+                            "received": received_words.get(long_id, [])},
+            "assistant_messages": assistant_messages(context),
+            "errors": h.errors,
+        }
+
+
 SCENARIOS = {
+    "word_timestamps": scenario_word_timestamps,
     "two_turns": scenario_two_turns,
     "interrupt": scenario_interrupt,
     "resume": scenario_resume,

@@ -6,6 +6,9 @@
   itself, releasing each as soon as it is certainly complete); a flush ends the segment with
   `input.done`, and its `utterance.done` ends the emitter segment. `aclose()` (interruption) sends
   `input.cancel`, which stops generation for that context on the gateway at once.
+- Word timestamps (`word_timestamps=True`, the default): the TTS declares `aligned_transcript`, asks the
+  gateway for words as soon as their audio is sent (`audio.words`), and pushes each as a `TimedString`
+  timed from the start of its segment's audio, which the framework's transcript synchronizer follows.
 - `TTS.synthesize()`: the chunked path, `POST /v1/audio/speech` with raw PCM streamed back.
 - Errors follow the framework's retry rules: connection failures raise `APIConnectionError`
   (`APITimeoutError` for timeouts), gateway refusals raise `APIStatusError` whose `retryable` is the
@@ -31,7 +34,7 @@ from livekit.agents import (
     tts,
     utils,
 )
-from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, TimedString
 
 import voxgate_client
 from voxgate_client import events as vg
@@ -87,6 +90,7 @@ class _Options:
     sample_rate: int
     split_granularity: str | None
     chunk_schedule: list[int] | None
+    word_timestamps: bool
 
     def session_config(self) -> voxgate_client.SessionConfig:
         return voxgate_client.SessionConfig(
@@ -100,6 +104,8 @@ class _Options:
             stream_audio=True,
             split_granularity=self.split_granularity,
             chunk_schedule=self.chunk_schedule,
+            timestamp_type="word" if self.word_timestamps else None,
+            timestamp_transport_strategy="async" if self.word_timestamps else None,
         )
 
 
@@ -144,6 +150,8 @@ class TTS(tts.TTS):
         sample_rate: Output rate (default 24000, LiveKit's room rate); the gateway resamples.
         split_granularity: `sentence` (default), `clause` or `none`.
         chunk_schedule: Codec frames per audio chunk (Qwen3 backends), e.g. `[2, 4, 8, 12]`.
+        word_timestamps: Ask for word timestamps and push them as the aligned transcript (a backend without
+            them sends none, and the framework then falls back to the plain text).
         http_session: aiohttp session for `synthesize()`; default the job's, or one this TTS owns.
         session_options: Further `voxgate_client.Session` options.
     """
@@ -162,11 +170,12 @@ class TTS(tts.TTS):
         sample_rate: int = 24000,
         split_granularity: str | None = None,
         chunk_schedule: list[int] | None = None,
+        word_timestamps: bool = True,
         http_session: aiohttp.ClientSession | None = None,
         session_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
-            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=False),
+            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=word_timestamps),
             sample_rate=sample_rate,
             num_channels=1,
         )
@@ -182,6 +191,7 @@ class TTS(tts.TTS):
             sample_rate=sample_rate,
             split_granularity=split_granularity,
             chunk_schedule=list(chunk_schedule) if chunk_schedule else None,
+            word_timestamps=word_timestamps,
         )
         self._opts.session_config()  # validates sample_rate and chunk_schedule now, not at first use
         self._session_options = dict(session_options or {})
@@ -399,6 +409,12 @@ class SynthesizeStream(tts.SynthesizeStream):
                 async for event in context.events():
                     if isinstance(event, vg.AudioChunk):
                         output_emitter.push(event.data)
+                    elif isinstance(event, vg.AudioWords):
+                        output_emitter.push_timed_transcript([
+                            # The trailing space keeps words apart when the framework joins the transcript.
+                            TimedString(text=f"{w.word} ", start_time=w.utterance_start, end_time=w.utterance_end)
+                            for w in event.words
+                        ])
                     elif isinstance(event, vg.Error):
                         raise api_error(event.message, event.code, event.retryable)
                     elif isinstance(event, vg.ContextCancelled):

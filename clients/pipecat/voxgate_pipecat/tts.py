@@ -9,9 +9,13 @@ How Pipecat's TTS hooks map onto the Voxgate protocol (protocol.md):
 | `flush_audio(context_id)` at the end of the turn  | `input.done`, answered by `utterance.done`        |
 | `on_audio_context_interrupted(context_id)`        | `input.cancel`, answered by `context.cancelled`   |
 | the receive loop                                  | `voxgate_client` events of the session            |
+| `add_word_timestamps` (with `word_timestamps`)    | `audio.words`: each word once its audio was sent  |
 
 Audio is 16-bit PCM at the pipeline's output rate (or `sample_rate`): the gateway resamples, so no
-resampling happens here. A dropped connection is resumed by `voxgate_client` (session.resume) with every
+resampling happens here. With `word_timestamps=True` the session asks for word timestamps and each word
+reaches Pipecat through `add_word_timestamps`, timed from the start of its context's audio, so Pipecat
+pushes a `TTSTextFrame` per word in step with playback, and after a barge-in the assistant's context holds
+exactly the words whose audio this service had received. A dropped connection is resumed by `voxgate_client` (session.resume) with every
 audio context kept; only when resuming fails does Pipecat's reconnect open a fresh session, closing the
 contexts of the lost one as it does for any provider.
 """
@@ -96,6 +100,9 @@ class VoxgateTTSService(WebsocketTTSService):
         settings: Voice, model, language, instructions, seed (runtime-updatable).
         split_granularity: Gateway sentence splitting: `sentence` (default), `clause` or `none`.
         chunk_schedule: Codec frames per audio chunk (Qwen3 backends), e.g. `[2, 4, 8, 12]`.
+        word_timestamps: Ask the gateway for word timestamps (`timestamp_type: "word"`, sent as soon as
+            each word's audio is out) and report them with Pipecat's word-timestamp hooks, instead of
+            pushing each sentence's text at once.
         text_aggregation_mode: `TOKEN` (default) sends LLM tokens as they come and lets the gateway
             split sentences, which it does as soon as one is certainly complete; `SENTENCE` lets Pipecat
             aggregate and flushes each sentence at once.
@@ -115,6 +122,7 @@ class VoxgateTTSService(WebsocketTTSService):
         settings: VoxgateTTSSettings | None = None,
         split_granularity: str | None = None,
         chunk_schedule: list[int] | None = None,
+        word_timestamps: bool = False,
         text_aggregation_mode: TextAggregationMode | None = None,
         max_reconnect_attempts: int = 6,
         session_options: dict[str, Any] | None = None,
@@ -125,7 +133,8 @@ class VoxgateTTSService(WebsocketTTSService):
             default_settings.apply_update(settings)
         super().__init__(
             text_aggregation_mode=text_aggregation_mode or TextAggregationMode.TOKEN,
-            push_text_frames=True,  # no word timestamps in protocol v1: text is pushed per sentence
+            # Without word timestamps the text is pushed per sentence; with them, per word as it is played.
+            push_text_frames=not word_timestamps,
             push_start_frame=True,  # the base opens the audio context, starts TTFB, sends TTSStartedFrame
             pause_frame_processing=False,  # every audio chunk names its context
             sample_rate=sample_rate,
@@ -136,6 +145,7 @@ class VoxgateTTSService(WebsocketTTSService):
         self._api_key = api_key
         self._split_granularity = split_granularity
         self._chunk_schedule = list(chunk_schedule) if chunk_schedule else None
+        self._word_timestamps = word_timestamps
         self._session_options = {"max_reconnect_attempts": max_reconnect_attempts, **(session_options or {})}
         self._session: voxgate_client.Session | None = None
         self._receive_task: asyncio.Task | None = None
@@ -194,6 +204,8 @@ class VoxgateTTSService(WebsocketTTSService):
             stream_audio=True,
             split_granularity=self._split_granularity,
             chunk_schedule=self._chunk_schedule,
+            timestamp_type="word" if self._word_timestamps else None,
+            timestamp_transport_strategy="async" if self._word_timestamps else None,
         )
 
     async def _connect_websocket(self):
@@ -278,6 +290,11 @@ class VoxgateTTSService(WebsocketTTSService):
                     audio=event.data, sample_rate=self.sample_rate, num_channels=1, context_id=context_id
                 )
                 await self.append_to_audio_context(context_id, frame)
+        elif isinstance(event, vg.AudioWords):
+            # Times from the start of the context's audio, which is where Pipecat starts its word clock
+            # (the context's first audio frame). Pipecat drops words of a context that is no longer playing.
+            if context_id is not None:
+                await self.add_word_timestamps([(w.word, w.utterance_start) for w in event.words], context_id)
         elif isinstance(event, vg.UtteranceDone):
             self._open_contexts.discard(context_id)
             if context_id is not None and self.audio_context_available(context_id):
