@@ -150,6 +150,35 @@ def test_interrupt_stops_audio_at_once(backend, run):
     assert later["utterance"]["samples"] < 8 * samples_of(backend, LONG_SENTENCE)
 
 
+def test_the_word_being_played_is_highlighted(run):
+    """The page asks for word timestamps and highlights each word while the audio clock is inside it: the
+    highlight moves forward through the words, never back, and never ahead of the audio."""
+    utterance = run["played"]["utterance"]
+    words = utterance["words"]
+    assert " ".join(w["word"] for w in words) == TEXT
+    highlights = utterance["highlights"]
+    order = [(h["number"], h["index"]) for h in highlights]
+    assert order == sorted(set(order)), "the highlight went back or stayed behind"
+    # At 60 frames a second every word of at least one frame is seen; allow a loaded machine to skip some.
+    assert len(highlights) >= len(words) * 2 // 3 and highlights[-1]["number"] == 3
+    by_number = {s["number"]: s for s in utterance["sentences"]}
+    for highlight in highlights:
+        word = [w for w in words if w["number"] == highlight["number"]][highlight["index"]]
+        assert word["word"] == highlight["word"]
+        # Not before the word's audio plays: the sentence's start as the page saw it (a message from the
+        # worklet, so a little late) plus the word's start, less that lateness.
+        assert highlight["at"] >= by_number[highlight["number"]]["playAt"] + word["start"] * 1000 - 250
+    assert utterance["highlighted"] == highlights[-1]["word"]  # the page shows the word it last highlighted
+
+
+def test_no_word_is_highlighted_after_the_interrupt(run):
+    after, later = run["afterInterrupt"]["utterance"], run["later"]["utterance"]
+    assert after["highlights"], "words were highlighted while the long text played"
+    assert later["highlights"] == after["highlights"]
+    spoken = {(w["number"], w["word"]) for w in after["words"]}
+    assert all((h["number"], h["word"]) in spoken for h in after["highlights"])
+
+
 def test_session_keeps_working_after_barge_in(backend, run):
     final = run["afterBargeIn"]
     utterance, player = final["utterance"], final["player"]

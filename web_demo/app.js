@@ -37,6 +37,8 @@ const ui = {
   received: $("m-received"),
   played: $("m-played"),
   sentencesInfo: $("m-sentences"),
+  wordsInfo: $("m-words"),
+  spokenWords: $("spoken-words"),
   rates: $("rates"),
   rows: $("sentence-rows"),
   events: $("events"),
@@ -151,6 +153,10 @@ function settings() {
     responseFormat: ui.format.value,
     sampleRate: ui.sampleRate.value ? Number(ui.sampleRate.value) : undefined,
     apiKey: ui.apiKey.value || undefined,
+    // Words as soon as their audio is sent, to highlight each one while it plays. A backend without
+    // timestamps sends none, and the page then highlights nothing.
+    timestampType: "word",
+    timestampTransportStrategy: "async",
   };
 }
 
@@ -206,10 +212,11 @@ async function ensurePlayer() {
       sparkline.push(performance.now(), stats);
       renderStats(stats);
     });
-    state.player.on("segmentstart", ({ tag, at }) => {
+    state.player.on("segmentstart", ({ tag, at, contextTime }) => {
       const sentence = state.utterance?.byTag.get(tag);
       if (sentence && sentence.playAt === null) {
         sentence.playAt = at - state.utterance.t0;
+        sentence.playContextTime = contextTime;
         renderSentenceRow(sentence);
       }
     });
@@ -264,6 +271,8 @@ function wireClient(client) {
       sampleRate: message.sample_rate,
       done: false,
       cut: false,
+      playContextTime: null, // the audio context's time at which its first sample plays
+      words: [], // {word, start, end, element}: seconds from the start of the sentence's audio
     };
     utterance.sentences.push(sentence);
     utterance.byTag.set(sentence.tag, sentence);
@@ -281,6 +290,20 @@ function wireClient(client) {
     utterance.bytes += chunk.bytes.byteLength;
     utterance.samples += chunk.samples.length;
     player.write(chunk.samples, chunk.sampleRate, sentence.tag);
+  });
+  client.on("words", ({ sentenceIndex, contextId, words }) => {
+    const utterance = state.utterance;
+    if (!utterance || utterance.outcome === "interrupted" || contextId !== utterance.contextId) return;
+    const sentence = utterance.byTag.get(tag(sentenceIndex));
+    if (!sentence) return;
+    for (const { word, start, end } of words) {
+      const element = document.createElement("span");
+      element.className = "word";
+      element.textContent = word;
+      ui.spokenWords.append(element, " ");
+      sentence.words.push({ word, start, end, element });
+      utterance.wordCount += 1;
+    }
   });
   client.on("audio.done", (message) => {
     player.endSegment(tag(message.sentence_index));
@@ -340,6 +363,9 @@ function newUtterance(contextId, text) {
     bytes: 0,
     samples: 0,
     firstByteAt: null,
+    wordCount: 0,
+    current: null, // the word being played: {sentence, word}
+    highlights: [], // every word highlighted, in order: {number, index, word, at (ms)}
     finished: false,
     cancelAcknowledged: false,
     outcome: null,
@@ -379,6 +405,7 @@ async function speak() {
     state.utterance = utterance;
     chart.reset(utterance);
     ui.rows.replaceChildren();
+    ui.spokenWords.replaceChildren();
     logSeparator(`utterance ${state.utteranceCount} (${contextId})`);
     player.markRequest(performance.now());
     ui.interrupt.disabled = false;
@@ -471,9 +498,45 @@ function renderSentenceRow(sentence) {
   cells[5].textContent = `${(durationMs / 1000).toFixed(2)} s${sentence.done ? "" : " …"}`;
 }
 
+// Highlight the word being played, by the audio clock: the sentence playing is the last one whose first
+// sample has played, and its word is the one whose span holds the time played since then.
+function highlightWord(utterance) {
+  const context = state.player?.context;
+  if (!context || utterance.outcome === "interrupted") return;
+  const time = context.currentTime;
+  let playing = null;
+  for (const sentence of utterance.sentences) {
+    if (sentence.playContextTime !== null && sentence.playContextTime <= time) playing = sentence;
+  }
+  if (!playing) return;
+  const elapsed = time - playing.playContextTime;
+  const index = playing.words.findIndex((word) => word.start <= elapsed && elapsed < word.end);
+  const word = index < 0 ? null : playing.words[index];
+  if (!word || word === utterance.current?.word) return;
+  if (utterance.current) {
+    utterance.current.word.element.classList.remove("current");
+  }
+  for (const sentence of utterance.sentences) {
+    for (const earlier of sentence.words) {
+      if (sentence.number < playing.number || earlier.end <= word.start) earlier.element.classList.add("played");
+    }
+  }
+  word.element.classList.add("current", "played");
+  // Keep the word in view inside its box (never scrolling the page under the user).
+  const box = ui.spokenWords;
+  const top = word.element.offsetTop;
+  if (top < box.scrollTop || top + word.element.offsetHeight > box.scrollTop + box.clientHeight) box.scrollTop = top;
+  utterance.current = { sentence: playing, word };
+  utterance.highlights.push({ number: playing.number, index, word: word.word, at: Math.round(performance.now() - utterance.t0) });
+  ui.wordsInfo.textContent = `${utterance.highlights.length}/${utterance.wordCount} words`;
+}
+
 function animate() {
   const now = performance.now();
-  if (state.utterance) chart.draw(state.utterance, now - state.utterance.t0);
+  if (state.utterance) {
+    chart.draw(state.utterance, now - state.utterance.t0);
+    highlightWord(state.utterance);
+  }
   sparkline.draw(now, Number(ui.preroll.value));
   requestAnimationFrame(animate);
 }
@@ -540,6 +603,9 @@ window.voxgateDemo = {
         outcome: utterance.outcome,
         cancelAcknowledged: utterance.cancelAcknowledged,
         serverSentences: utterance.serverSentences ?? null,
+        words: utterance.sentences.flatMap((s) => s.words.map(({ word, start, end }) => ({ number: s.number, word, start, end }))),
+        highlights: utterance.highlights,
+        highlighted: ui.spokenWords.querySelector(".word.current")?.textContent ?? null,
         sentences: utterance.sentences.map(({ index, number, text, bytes, samples, totalBytes, done, firstAudioAt, playAt, textReadyAt }) => ({
           index, number, text, bytes, samples, totalBytes: totalBytes ?? null, done, firstAudioAt, playAt, textReadyAt,
         })),
