@@ -41,20 +41,29 @@ def reference_venv_dir() -> Path:
     return Path(os.environ.get("VOXGATE_REF_VENV", default))
 
 
-def _build(venv: Path) -> None:
+def _build_venv(venv: Path, requirements: list[str], package: str, stubs: dict[str, str], module: str) -> None:
+    """A venv that sees the system site-packages (torch), with `requirements`, `package` without its
+    dependencies, and stub files (path under site-packages -> text) for imports the compared path never uses."""
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
-    pip_install(venv, *REFERENCE_REQUIREMENTS)
-    pip_install(venv, "--no-deps", REFERENCE_PACKAGE)
+    pip_install(venv, *requirements)
+    pip_install(venv, "--no-deps", package)
     purelib = subprocess.run(
         [str(venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
-    stub = Path(purelib) / "torchaudio"
-    (stub / "compliance").mkdir(parents=True, exist_ok=True)
-    note = '"""Stub: qwen_tts imports torchaudio for its 25 Hz tokenizer only; the 12 Hz path never calls it."""\n'
-    for name in ("__init__.py", "compliance/__init__.py", "compliance/kaldi.py"):
-        (stub / name).write_text(note)
-    subprocess.run([str(venv_python(venv)), "-c", "import qwen_tts"], check=True, capture_output=True)
+    for name, text in stubs.items():
+        (Path(purelib) / name).parent.mkdir(parents=True, exist_ok=True)
+        (Path(purelib) / name).write_text(text)
+    subprocess.run([str(venv_python(venv)), "-c", f"import {module}"], check=True, capture_output=True)
+
+
+_TORCHAUDIO_STUB = '"""Stub: qwen_tts imports torchaudio for its 25 Hz tokenizer only; the 12 Hz path never calls it."""\n'
+
+
+def _build(venv: Path) -> None:
+    stubs = {name: _TORCHAUDIO_STUB for name in
+             ("torchaudio/__init__.py", "torchaudio/compliance/__init__.py", "torchaudio/compliance/kaldi.py")}
+    _build_venv(venv, REFERENCE_REQUIREMENTS, REFERENCE_PACKAGE, stubs, "qwen_tts")
 
 
 def reference_python() -> Path:
@@ -81,16 +90,8 @@ def asr_reference_venv_dir() -> Path:
 
 
 def _build_asr(venv: Path) -> None:
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
-    pip_install(venv, *ASR_REFERENCE_REQUIREMENTS)
-    pip_install(venv, "--no-deps", ASR_REFERENCE_PACKAGE)
-    purelib = subprocess.run(
-        [str(venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()
-    (Path(purelib) / "nagisa.py").write_text(
-        '"""Stub: qwen_asr imports nagisa for Japanese word splitting only, which the tests do not use."""\n')
-    subprocess.run([str(venv_python(venv)), "-c", "import qwen_asr"], check=True, capture_output=True)
+    stub = '"""Stub: qwen_asr imports nagisa for Japanese word splitting only, which the tests do not use."""\n'
+    _build_venv(venv, ASR_REFERENCE_REQUIREMENTS, ASR_REFERENCE_PACKAGE, {"nagisa.py": stub}, "qwen_asr")
 
 
 def asr_reference_python() -> Path:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tts_backend.qwen3.config import ConfigError, _require
+from tts_backend.qwen3.config import ConfigError, _require, checked_stack_head_dim
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,7 @@ class TextDecoderConfig:
     def from_dict(cls, d: dict) -> "TextDecoderConfig":
         where = "thinker_config.text_config"
         kw = {name: _require(d, name, where) for name in cls.__dataclass_fields__ if name != "head_dim"}
-        kw["head_dim"] = int(d["head_dim"]) if d.get("head_dim") else kw["hidden_size"] // kw["num_attention_heads"]
-        if kw["num_attention_heads"] % kw["num_key_value_heads"]:
-            raise ConfigError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
-        if d.get("attention_bias"):
-            raise ConfigError(f"{where}: attention_bias=true is not a released configuration")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
+        kw["head_dim"] = checked_stack_head_dim(d, where)
         scaling = d.get("rope_scaling") or {}
         if scaling.get("rope_type", scaling.get("type", "default")) != "default":
             raise ConfigError(f"{where}: rope_scaling type {scaling!r} is not supported (default RoPE only)")

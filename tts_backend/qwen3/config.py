@@ -22,6 +22,20 @@ def _require(d: dict, key: str, where: str) -> Any:
     return d[key]
 
 
+def checked_stack_head_dim(d: dict, where: str) -> int:
+    """A Qwen3 decoder stack's head_dim, once its config passes the checks every released stack passes (GQA
+    grouping, no attention bias, SiLU)."""
+    heads = _require(d, "num_attention_heads", where)
+    if heads % _require(d, "num_key_value_heads", where):
+        raise ConfigError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
+    if d.get("attention_bias"):
+        raise ConfigError(f"{where}: attention_bias=true is not a released configuration")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
+    # head_dim is explicit in the released configs (128 for every size, not hidden/heads for 0.6B).
+    return int(d["head_dim"]) if d.get("head_dim") else _require(d, "hidden_size", where) // heads
+
+
 @dataclass(frozen=True)
 class DecoderStackConfig:
     """A Qwen3-style pre-norm decoder stack (QK-norm, GQA, SwiGLU, RoPE): the talker and the code predictor."""
@@ -41,14 +55,7 @@ class DecoderStackConfig:
     @classmethod
     def _stack_kwargs(cls, d: dict, where: str) -> dict:
         kw = {f.name: _require(d, f.name, where) for f in fields(DecoderStackConfig) if f.name != "head_dim"}
-        # head_dim is explicit in the released configs (128 for both sizes, not hidden/heads for 0.6B).
-        kw["head_dim"] = int(d["head_dim"]) if d.get("head_dim") else kw["hidden_size"] // kw["num_attention_heads"]
-        if kw["num_attention_heads"] % kw["num_key_value_heads"]:
-            raise ConfigError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
-        if d.get("attention_bias"):
-            raise ConfigError(f"{where}: attention_bias=true is not a released configuration")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{where}: hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
+        kw["head_dim"] = checked_stack_head_dim(d, where)
         return kw
 
 

@@ -88,6 +88,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # over each head's Dh, before RoPE
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, D], cos/sin [B, 1, S, Dh] -> q [B, H, S, Dh], k and v [B, Hkv, S, Dh]: normed, rotated."""
+        B, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, H, S, Dh] over keys/values [B, Hkv, Lk, Dh], mask [B, 1, S, Lk] bool -> [B, S, D]."""
+        B, _, S, _ = q.shape
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B,H,S,Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
     def forward(
         self,
         x: torch.Tensor,  # [B, S, D]
@@ -100,23 +116,14 @@ class Attention(nn.Module):
         attend_len: int,  # Lk: only cache positions < attend_len are read
     ) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)  # [B,H,S,Dh]
-        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B,Hkv,S,Dh]
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-
+        q, k, v = self.project(x, cos, sin)
         k_layer = cache.k[self.layer_idx]  # [slots, Hkv, L, Dh]
         v_layer = cache.v[self.layer_idx]
         # Scatter the new keys/values: row b, token s goes to (slots[b], :, input_pos[b, s]).
         rows = slots[:, None].expand(B, S)
         k_layer[rows, :, input_pos] = k.transpose(1, 2)  # [B, S, Hkv, Dh]
         v_layer[rows, :, input_pos] = v.transpose(1, 2)
-        keys = k_layer[slots, :, :attend_len]  # [B, Hkv, Lk, Dh]
-        values = v_layer[slots, :, :attend_len]
-
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B,H,S,Dh]
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+        return self.attend(q, k_layer[slots, :, :attend_len], v_layer[slots, :, :attend_len], mask)
 
 
 class MLP(nn.Module):

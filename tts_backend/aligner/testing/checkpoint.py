@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tts_backend.qwen3.testing.checkpoint import (
-    ADDED_TOKENS, NUM_REGULAR_TOKENS, _random_tensor, qwen_tokenizer_files)
+    ADDED_TOKENS, NUM_REGULAR_TOKENS, _random_tensor, decoder_stack_shapes, qwen_tokenizer_files)
 
 AUDIO_START, AUDIO_END, AUDIO_PAD, TIMESTAMP = 151669, 151670, 151676, 151705
 
@@ -98,24 +98,9 @@ def aligner_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes[at + "proj1.weight"], shapes[at + "proj1.bias"] = (D, D), (D,)
     shapes[at + "proj2.weight"], shapes[at + "proj2.bias"] = (a["output_dim"], D), (a["output_dim"],)
 
-    W, hd, H, Hkv, I = x["hidden_size"], x["head_dim"], x["num_attention_heads"], x["num_key_value_heads"], \
-        x["intermediate_size"]
-    shapes["thinker.model.embed_tokens.weight"] = (x["vocab_size"], W)
-    for i in range(x["num_hidden_layers"]):
-        lp = f"thinker.model.layers.{i}."
-        shapes[lp + "self_attn.q_proj.weight"] = (H * hd, W)
-        shapes[lp + "self_attn.k_proj.weight"] = (Hkv * hd, W)
-        shapes[lp + "self_attn.v_proj.weight"] = (Hkv * hd, W)
-        shapes[lp + "self_attn.o_proj.weight"] = (W, H * hd)
-        shapes[lp + "self_attn.q_norm.weight"] = (hd,)
-        shapes[lp + "self_attn.k_norm.weight"] = (hd,)
-        shapes[lp + "mlp.gate_proj.weight"] = (I, W)
-        shapes[lp + "mlp.up_proj.weight"] = (I, W)
-        shapes[lp + "mlp.down_proj.weight"] = (W, I)
-        shapes[lp + "input_layernorm.weight"] = (W,)
-        shapes[lp + "post_attention_layernorm.weight"] = (W,)
-    shapes["thinker.model.norm.weight"] = (W,)
-    shapes["thinker.lm_head.weight"] = (t["classify_num"], W)
+    shapes["thinker.model.embed_tokens.weight"] = (x["vocab_size"], x["hidden_size"])
+    shapes.update(decoder_stack_shapes("thinker.model", x, x["hidden_size"]))
+    shapes["thinker.lm_head.weight"] = (t["classify_num"], x["hidden_size"])
     return shapes
 
 

@@ -152,31 +152,33 @@ def model_config(size: str = "tiny", model_type: str = "custom_voice", tts_model
     }
 
 
+def decoder_stack_shapes(prefix: str, c: dict, width: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of a Qwen3 decoder stack (layers and final norm) under `prefix`, from its config `c`."""
+    hd, H, Hkv, inter = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(c["num_hidden_layers"]):
+        lp = f"{prefix}.layers.{i}."
+        shapes[lp + "self_attn.q_proj.weight"] = (H * hd, width)
+        shapes[lp + "self_attn.k_proj.weight"] = (Hkv * hd, width)
+        shapes[lp + "self_attn.v_proj.weight"] = (Hkv * hd, width)
+        shapes[lp + "self_attn.o_proj.weight"] = (width, H * hd)
+        shapes[lp + "self_attn.q_norm.weight"] = (hd,)
+        shapes[lp + "self_attn.k_norm.weight"] = (hd,)
+        shapes[lp + "mlp.gate_proj.weight"] = (inter, width)
+        shapes[lp + "mlp.up_proj.weight"] = (inter, width)
+        shapes[lp + "mlp.down_proj.weight"] = (width, inter)
+        shapes[lp + "input_layernorm.weight"] = (width,)
+        shapes[lp + "post_attention_layernorm.weight"] = (width,)
+    shapes[f"{prefix}.norm.weight"] = (width,)
+    return shapes
+
+
 def model_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of model.safetensors with its shape (spec §7.2), derived from config.json."""
     t = config["talker_config"]
     p = t["code_predictor_config"]
     D, Dt, Dp = t["hidden_size"], t["text_hidden_size"], p["hidden_size"]
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def stack(prefix: str, c: dict, width: int) -> None:
-        hd, H, Hkv, inter = c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
-        for i in range(c["num_hidden_layers"]):
-            lp = f"{prefix}.layers.{i}."
-            shapes[lp + "self_attn.q_proj.weight"] = (H * hd, width)
-            shapes[lp + "self_attn.k_proj.weight"] = (Hkv * hd, width)
-            shapes[lp + "self_attn.v_proj.weight"] = (Hkv * hd, width)
-            shapes[lp + "self_attn.o_proj.weight"] = (width, H * hd)
-            shapes[lp + "self_attn.q_norm.weight"] = (hd,)
-            shapes[lp + "self_attn.k_norm.weight"] = (hd,)
-            shapes[lp + "mlp.gate_proj.weight"] = (inter, width)
-            shapes[lp + "mlp.up_proj.weight"] = (inter, width)
-            shapes[lp + "mlp.down_proj.weight"] = (width, inter)
-            shapes[lp + "input_layernorm.weight"] = (width,)
-            shapes[lp + "post_attention_layernorm.weight"] = (width,)
-        shapes[f"{prefix}.norm.weight"] = (width,)
-
-    stack("talker.model", t, D)
+    shapes = decoder_stack_shapes("talker.model", t, D)
     shapes["talker.model.codec_embedding.weight"] = (t["vocab_size"], D)
     shapes["talker.model.text_embedding.weight"] = (t["text_vocab_size"], Dt)
     shapes["talker.text_projection.linear_fc1.weight"] = (Dt, Dt)
@@ -184,7 +186,7 @@ def model_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes["talker.text_projection.linear_fc2.weight"] = (D, Dt)
     shapes["talker.text_projection.linear_fc2.bias"] = (D,)
     shapes["talker.codec_head.weight"] = (t["vocab_size"], D)
-    stack("talker.code_predictor.model", p, Dp)
+    shapes.update(decoder_stack_shapes("talker.code_predictor.model", p, Dp))
     for g in range(p["num_code_groups"] - 1):
         shapes[f"talker.code_predictor.model.codec_embedding.{g}.weight"] = (p["vocab_size"], D)
         shapes[f"talker.code_predictor.lm_head.{g}.weight"] = (p["vocab_size"], Dp)
