@@ -35,8 +35,10 @@ class SessionResumer:
         record = await self.store.get(session_id)
         if record is None or record.key_id != key_id:
             raise _not_found(session_id)
-        await self._check_position(record, message)  # refused here, nothing has changed
-        # The claim itself refuses if the owner's further audio has pushed the position out of the log.
+        # Refused here, nothing has changed. The log is not read yet (it is read once, below, as the owner):
+        # the record's counts say whether it holds the position, and the claim checks that again atomically,
+        # in case the owner's further audio has pushed the position out of the log meanwhile.
+        await self._check_position(record, message, read_log=False)
         log_from = record.log_end - replay_owed(record, message.sentence_index, message.bytes_received)
         try:
             record = await self.store.claim(session_id, self.owner, key_id=key_id, log_from=log_from)
@@ -64,14 +66,20 @@ class SessionResumer:
         )
         await self._rebuild(record, pieces, message)
 
-    async def _check_position(self, record: SessionRecord, message: SessionResume) -> tuple[list, ResolvedConfig]:
-        """The logged audio owed from the client's position and the session's config, or the ProtocolError
-        that refuses the resume."""
+    async def _check_position(
+        self, record: SessionRecord, message: SessionResume, *, read_log: bool = True
+    ) -> tuple[list, ResolvedConfig]:
+        """The logged audio owed from the client's position (none read unless `read_log`) and the session's
+        config, or the ProtocolError that refuses the resume."""
         session_id = message.session_id
         try:
-            pieces = await self.store.replay(
-                session_id, message.sentence_index, message.bytes_received, record=record
-            )
+            if read_log:
+                pieces = await self.store.replay(
+                    session_id, message.sentence_index, message.bytes_received, record=record
+                )
+            else:
+                pieces = []
+                replay_owed(record, message.sentence_index, message.bytes_received)
             config = self._resolve(SessionConfig.model_validate(record.config))
             ends = record.ends_pruned + len(_ends_with_a_message(record))
             if message.ends_received is not None and message.ends_received > ends:

@@ -249,6 +249,39 @@ async def test_a_resume_reads_only_the_part_of_the_log_it_replays(redis_prefix):
     assert read < 20_000 + 100_000
 
 
+async def test_a_resume_reads_the_audio_it_replays_once(redis_prefix):  # noqa: F811
+    """A client that lacks its last five sentences (about 1 MB of the log) resumes: Redis sends the
+    gateway those bytes once, plus the session's hashes. Before, the position was checked by reading the
+    owed audio before the takeover and read again after it: twice the bytes."""
+    text = " ".join(f"Sentence number {n} is spoken for a while, and then some more." for n in range(12))
+    proxy = CountingProxy()
+    url = f"redis://127.0.0.1:{proxy.port}/0"
+    try:
+        with running_gateway(backend="synthetic", store="redis", redis_url=url, redis_key_prefix=redis_prefix,
+                             session_lease_s=60) as server:
+            listener = Listener()
+            async with websockets.connect(server.ws_url, max_size=None) as ws:
+                await start_session(ws, listener, text)
+                await listener.receive(ws, "session.done")
+            last = max(listener.audio)
+            lacking = range(last - 4, last + 1)
+            complete = {i: bytes(listener.audio.pop(i)) for i in lacking}
+            owed = sum(map(len, complete.values()))
+            assert owed > 900_000
+            listener.last_done = lacking[0] - 1
+            async with websockets.connect(server.ws_url, max_size=None) as ws:
+                before = proxy.from_redis
+                await ws.send(listener.resume_message())
+                while listener.last_done < last:
+                    await listener.receive(ws, "audio.done")
+                read = proxy.from_redis - before
+    finally:
+        proxy.close()
+    assert {i: bytes(listener.audio[i]) for i in lacking} == complete
+    print(f"one resume owed {owed} bytes and read {read} bytes from Redis")
+    assert read < owed + 100_000
+
+
 async def test_context_id_has_a_length_limit():
     with running_gateway(backend="synthetic") as server:
         listener = Listener()
