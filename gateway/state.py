@@ -1,7 +1,8 @@
 """`Gateway`: everything one app owns and its handlers share (backend, store, metrics, admission, state).
 
 Its own module so that the app factory (gateway/app.py) and the code its routes run (gateway/http.py,
-gateway/request_guard.py) both import it, and none of them imports the other's caller.
+gateway/request_guard.py) both import it: http.py and request_guard.py need not import app.py, which
+imports them (tests/test_import_cycles.py).
 """
 
 from __future__ import annotations
