@@ -75,14 +75,8 @@ async def test_words_follow_the_audio_with_the_aligners_times(tiny_custom_voice,
     assert [(w.start, w.end) for w in last.words] == expected
 
 
-async def test_sentences_finishing_together_share_one_aligner_pass(tiny_aligner):
-    aligner = load_aligner(tiny_aligner, "cpu", torch.float32)
-    rng = np.random.default_rng(0)
-    requests = [AlignRequest((0.2 * rng.standard_normal(n)).astype(np.float32), 16000, text) for n, text in
-                ((21000, "first sentence here"), (30500, "second one"), (9000, "third"))]
-    alone = [aligner.align([r])[0] for r in requests]
-
-    # Hold the first pass until the other two sentences are queued, as when sentences finish during a pass.
+def _hold_first_pass(aligner) -> tuple[threading.Event, threading.Event]:
+    """Make the aligner's first forward pass wait for `release`; `first_started` is set when it begins."""
     release, first_started = threading.Event(), threading.Event()
     real_align = aligner.align
 
@@ -93,6 +87,18 @@ async def test_sentences_finishing_together_share_one_aligner_pass(tiny_aligner)
         return real_align(batch)
 
     aligner.align = gated
+    return release, first_started
+
+
+async def test_sentences_finishing_together_share_one_aligner_pass(tiny_aligner):
+    aligner = load_aligner(tiny_aligner, "cpu", torch.float32)
+    rng = np.random.default_rng(0)
+    requests = [AlignRequest((0.2 * rng.standard_normal(n)).astype(np.float32), 16000, text) for n, text in
+                ((21000, "first sentence here"), (30500, "second one"), (9000, "third"))]
+    alone = [aligner.align([r])[0] for r in requests]
+
+    # Hold the first pass until the other two sentences are queued, as when sentences finish during a pass.
+    release, first_started = _hold_first_pass(aligner)
     batcher = AlignmentBatcher(aligner, max_batch=8)
     try:
         first = asyncio.create_task(batcher.align(requests[0]))
@@ -105,6 +111,26 @@ async def test_sentences_finishing_together_share_one_aligner_pass(tiny_aligner)
         await asyncio.to_thread(batcher.close)
     assert results == alone
     assert (batcher.batches, batcher.sentences) == (2, 3)
+
+
+async def test_a_sentence_that_fails_does_not_fail_its_batch(tiny_aligner):
+    aligner = load_aligner(tiny_aligner, "cpu", torch.float32)
+    good = AlignRequest((0.2 * np.random.default_rng(1).standard_normal(20000)).astype(np.float32), 16000, "good one")
+    bad = AlignRequest(np.zeros((2, 100), np.float32), 16000, "stereo is refused")
+    (alone,) = aligner.align([good])
+    release, first_started = _hold_first_pass(aligner)
+    batcher = AlignmentBatcher(aligner, max_batch=8)
+    try:
+        first = asyncio.create_task(batcher.align(good))
+        assert await asyncio.to_thread(first_started.wait, 30)
+        failing, fine = asyncio.create_task(batcher.align(bad)), asyncio.create_task(batcher.align(good))
+        await asyncio.sleep(0)
+        release.set()
+        assert await first == alone and await fine == alone
+        with pytest.raises(ValueError, match="mono"):
+            await failing
+    finally:
+        await asyncio.to_thread(batcher.close)
 
 
 async def test_timestamp_type_word_through_the_gateway(tiny_custom_voice, tiny_aligner):

@@ -216,6 +216,12 @@ def test_a_sentence_without_words_gives_no_times(aligners, clips):
                                   AlignRequest(clips["odd"][0], 16000, "Two words.", "English")])
     assert got[0] == [] and [w for w, _, _ in got[1]] == ["Two", "words"]
     assert aligners["tiny"].align([AlignRequest(clips["mid"][0], 16000, "— …", "English")]) == [[]]
+    # Audio shorter than one analysis window: the words are all at 0, and the batch still aligns the rest.
+    got = aligners["tiny"].align([AlignRequest(clips["mid"][0][:150], 16000, "Too short.", "English"),
+                                  AlignRequest(np.zeros(0, np.int16), 24000, "Empty.", "English"),
+                                  AlignRequest(clips["odd"][0], 16000, "Two words.", "English")])
+    assert got[:2] == [[("Too", 0.0, 0.0), ("short", 0.0, 0.0)], [("Empty", 0.0, 0.0)]]
+    assert [w for w, _, _ in got[2]] == ["Two", "words"]
 
 
 def test_resampled_audio_and_int16_align(aligners, clips):

@@ -31,6 +31,13 @@ class _Job:
     loop: asyncio.AbstractEventLoop
 
 
+def _post(job: _Job, result=None, error: BaseException | None = None) -> None:
+    try:
+        job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+    except RuntimeError:  # its event loop has closed: nobody is waiting any more
+        pass
+
+
 def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
     if future.done():  # the awaiting task was cancelled (its session went away)
         return
@@ -82,17 +89,30 @@ class AlignmentBatcher:
             if not jobs:
                 continue
             try:
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        results = self.aligner.align([j.request for j in jobs])
-                else:
-                    results = self.aligner.align([j.request for j in jobs])
-            except Exception as exc:  # one bad batch fails its own sentences, never the thread
-                log.exception("alignment of %d sentences failed", len(jobs))
+                results = self._align([j.request for j in jobs])
+            except Exception as exc:
+                if len(jobs) == 1:
+                    log.exception("alignment failed")
+                    _post(jobs[0], error=exc)
+                    continue
+                # One sentence must not fail the others: align each on its own to find it.
+                results = []
                 for j in jobs:
-                    j.loop.call_soon_threadsafe(_settle, j.future, None, exc)
-                continue
+                    try:
+                        results.append(self._align([j.request])[0])
+                    except Exception as single:
+                        log.exception("alignment failed")
+                        results.append(single)
             self.batches += 1
             self.sentences += len(jobs)
             for j, result in zip(jobs, results):
-                j.loop.call_soon_threadsafe(_settle, j.future, result)
+                if isinstance(result, Exception):
+                    _post(j, error=result)
+                else:
+                    _post(j, result)
+
+    def _align(self, requests: list[AlignRequest]) -> list[list[WordTime]]:
+        if self._stream is None:
+            return self.aligner.align(requests)
+        with torch.cuda.stream(self._stream):
+            return self.aligner.align(requests)

@@ -22,6 +22,7 @@ SAMPLE_RATE = 16000
 N_FFT = 400
 HOP = 160
 MEL_FMAX = 8000.0
+MIN_SAMPLES = N_FFT // 2 + 1  # the centred STFT reflects n_fft / 2 samples at each edge
 
 # Slaney's mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above.
 _LINEAR_HZ_PER_MEL = 200.0 / 3
@@ -61,7 +62,7 @@ def mel_filters(num_mel_bins: int) -> torch.Tensor:
 
 def log_mel(clip: np.ndarray, num_mel_bins: int) -> torch.Tensor:
     """A 16 kHz float clip -> features [num_mel_bins, n // HOP] float32."""
-    if len(clip) < N_FFT // 2 + 1:
+    if len(clip) < MIN_SAMPLES:
         raise ValueError(f"audio too short to align: {len(clip)} samples at {SAMPLE_RATE} Hz")
     wave = torch.from_numpy(np.asarray(clip, dtype=np.float32))
     spec = torch.stft(wave, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)  # [freq, n//HOP + 1]
@@ -79,7 +80,7 @@ def to_16k(pcm: np.ndarray, sample_rate: int) -> np.ndarray:
     if audio.dtype == np.int16:
         audio = audio.astype(np.float32) / 32768.0
     audio = audio.astype(np.float32, copy=False)
-    if sample_rate != SAMPLE_RATE:
+    if sample_rate != SAMPLE_RATE and audio.size:
         import soxr
 
         audio = soxr.resample(audio, sample_rate, SAMPLE_RATE, quality="HQ").astype(np.float32, copy=False)

@@ -20,7 +20,7 @@ from tts_backend.qwen3.tokenizer import TextTokenizer
 from .config import AlignerConfig
 from .decoder import TextDecoder
 from .encoder import AudioEncoder
-from .features import encoder_tokens, log_mel, to_16k
+from .features import MIN_SAMPLES, encoder_tokens, log_mel, to_16k
 from .words import prompt_text, split_words, word_times
 
 WordTime = tuple[str, float, float]  # (word, start_s, end_s)
@@ -95,12 +95,14 @@ class ForcedAligner(nn.Module):
 
     def align(self, requests: list[AlignRequest]) -> list[list[WordTime]]:
         """Word times of each sentence, seconds from the start of its audio, non-decreasing. A sentence without a
-        word to time (punctuation only) gives []. A sentence's times do not depend on the others in its batch."""
+        word to time (punctuation only) gives []. A sentence's times do not depend on the others in its batch.
+        Audio too short for one analysis window (12.5 ms) puts every word at 0."""
         word_lists = [split_words(r.text, r.language) for r in requests]
-        todo = [i for i, words in enumerate(word_lists) if words]
-        results: list[list[WordTime]] = [[] for _ in requests]
+        clips = [to_16k(r.audio, r.sample_rate) for r in requests]
+        results: list[list[WordTime]] = [[(w, 0.0, 0.0) for w in words] for words in word_lists]
+        todo = [i for i, words in enumerate(word_lists) if words and len(clips[i]) >= MIN_SAMPLES]
         if todo:
-            clips = [to_16k(requests[i].audio, requests[i].sample_rate) for i in todo]
+            clips = [clips[i] for i in todo]
             classes = self.timestamp_classes(clips, [word_lists[i] for i in todo])
             for i, row in zip(todo, classes):
                 results[i] = word_times(word_lists[i], row, self.cfg.timestamp_segment_time)
