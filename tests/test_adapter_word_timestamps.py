@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.adapter_fixtures import scenario, scenario_results, synthetic_pcm
+from tests.adapter_fixtures import scenario, scenario_results, synthetic_pcm, ws_base
+from tests.gateway_server import running_gateway
 from tts_backend.synthetic import SyntheticSynthesizer
 
 SAMPLE_RATE = 24000
@@ -51,22 +52,39 @@ def assert_timed(actual: list[tuple], expected: list[tuple]) -> None:
         assert got[1:] == pytest.approx(want[1:], abs=2e-6), got[0]
 
 
-def word_timestamps_scenario(framework: str, **texts: str) -> dict:
-    """What the framework's word_timestamps scenario observed: a whole reply, then one cut after
-    WORDS_BEFORE_CUT words."""
-    plan = {"word_timestamps": {**texts, "interrupt_after_words": WORDS_BEFORE_CUT}}
+class UntimedSynthesizer(SyntheticSynthesizer):
+    """The synthetic backend without word timings, as a backend that cannot time words."""
+
+    honours = frozenset({"seed"})
+
+
+def observe(framework: str, plan: dict) -> dict:
+    """What the framework's scenarios observed, by scenario name (each checked for an error)."""
     with scenario_results(framework, lambda forgetful_url: plan) as observed:
-        return scenario(observed, "word_timestamps")
+        return {name: scenario(observed, name) for name in plan}
 
 
 @pytest.fixture(scope="module")
-def pipecat() -> dict:
-    return word_timestamps_scenario("pipecat", turn=" ".join(TURN), long_turn=" ".join(LONG_TURN))
+def pipecat_runs() -> dict:
+    with running_gateway(UntimedSynthesizer(speed=4.0)) as untimed:
+        return observe("pipecat", {
+            "word_timestamps": {"turn": " ".join(TURN), "long_turn": " ".join(LONG_TURN),
+                                "interrupt_after_words": WORDS_BEFORE_CUT},
+            "untimed_backend": {"turn": " ".join(TURN), "gateway_url": ws_base(untimed)},
+        })
+
+
+@pytest.fixture(scope="module")
+def pipecat(pipecat_runs) -> dict:
+    """A whole turn, then one cut after WORDS_BEFORE_CUT words."""
+    return pipecat_runs["word_timestamps"]
 
 
 @pytest.fixture(scope="module")
 def livekit() -> dict:
-    return word_timestamps_scenario("livekit", reply=" ".join(TURN), long_reply=" ".join(LONG_TURN))
+    """A whole reply, then one cut after WORDS_BEFORE_CUT words."""
+    return observe("livekit", {"word_timestamps": {"reply": " ".join(TURN), "long_reply": " ".join(LONG_TURN),
+                                                   "interrupt_after_words": WORDS_BEFORE_CUT}})["word_timestamps"]
 
 
 def test_pipecat_words_reach_the_transcript_in_step_with_the_audio(pipecat):
@@ -89,6 +107,17 @@ def test_pipecat_records_exactly_the_words_heard_before_a_barge_in(pipecat):
     # What the assistant's context holds for the interrupted turn: the words whose audio reached Pipecat.
     assert spoken == heard_words(LONG_TURN, interrupted["bytes"])
     assert pipecat["assistant_messages"][1] == " ".join(spoken)
+
+
+def test_pipecat_pushes_sentences_when_the_backend_gives_no_timestamps(pipecat_runs):
+    """Word timestamps are the default; a backend without them still gives Pipecat the turn's text, per
+    sentence, rather than leaving the transcript and the context empty until the turn ends."""
+    untimed = pipecat_runs["untimed_backend"]
+    assert untimed["warnings"] == ["timestamps_unsupported"]
+    assert [text.strip() for text in untimed["text_frames"]] == TURN
+    # (Pipecat joins per-sentence frames that keep their leading space with one more: spaces normalized.)
+    assert [" ".join(message.split()) for message in untimed["assistant_messages"]] == [" ".join(TURN)]
+    assert untimed["errors"] == []
 
 
 def test_livekit_declares_and_pushes_the_aligned_transcript(livekit):

@@ -417,8 +417,29 @@ async def scenario_word_timestamps(url: str, turn: str, long_turn: str, interrup
         }
 
 
+async def scenario_untimed_backend(url: str, turn: str) -> dict:
+    """The service's default (word timestamps asked for) on a gateway whose backend gives none: its
+    session.started warns timestamps_unsupported, and the text goes out per sentence instead."""
+    context = LLMContext()
+    async with Harness(url, assistant=LLMAssistantAggregator(context)) as h:
+        await h.speak_turn(turn)
+        spoken = await h.spoken_turn(0)
+        deadline = time.monotonic() + 20
+        while not assistant_messages(context):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no assistant message")
+            await asyncio.sleep(0.01)
+        return {
+            "warnings": [w.get("code") for w in h.tts.session.started.warnings],
+            "text_frames": [w["word"] for w in words_of(h, spoken["context_id"])],
+            "assistant_messages": assistant_messages(context),
+            "errors": h.errors,
+        }
+
+
 SCENARIOS = {
     "word_timestamps": scenario_word_timestamps,
+    "untimed_backend": scenario_untimed_backend,
     "two_turns": scenario_two_turns,
     "interrupt": scenario_interrupt,
     "resume": scenario_resume,

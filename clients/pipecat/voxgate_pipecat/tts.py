@@ -12,12 +12,12 @@ How Pipecat's TTS hooks map onto the Voxgate protocol (protocol.md):
 | `add_word_timestamps` (with `word_timestamps`)    | `audio.words`: each word once its audio was sent  |
 
 Audio is 16-bit PCM at the pipeline's output rate (or `sample_rate`): the gateway resamples, so no
-resampling happens here. With `word_timestamps=True` the session asks for word timestamps and each word
-reaches Pipecat through `add_word_timestamps`, timed from the start of its context's audio, so Pipecat
+resampling happens here. The session asks for word timestamps (unless `word_timestamps=False`) and each
+word reaches Pipecat through `add_word_timestamps`, timed from the start of its context's audio, so Pipecat
 pushes a `TTSTextFrame` per word in step with playback, and after a barge-in the assistant's context holds
-exactly the words whose audio this service had received. A dropped connection is resumed by `voxgate_client` (session.resume) with every
-audio context kept; only when resuming fails does Pipecat's reconnect open a fresh session, closing the
-contexts of the lost one as it does for any provider.
+exactly the words whose audio this service had received. A dropped connection is resumed by
+`voxgate_client` (session.resume) with every audio context kept; only when resuming fails does Pipecat's
+reconnect open a fresh session, closing the contexts of the lost one as it does for any provider.
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ class VoxgateTTSService(WebsocketTTSService):
         split_granularity: Gateway sentence splitting: `sentence` (default), `clause` or `none`.
         chunk_schedule: Codec frames per audio chunk (Qwen3 backends), e.g. `[2, 4, 8, 12]`.
         word_timestamps: Ask the gateway for word timestamps (`timestamp_type: "word"`, sent as soon as
-            each word's audio is out) and report them with Pipecat's word-timestamp hooks, instead of
-            pushing each sentence's text at once.
+            each word's audio is out) and report them with Pipecat's word-timestamp hooks. Without them, or
+            when the gateway's backend gives none (session.started warns `timestamps_unsupported`), each
+            sentence's text is pushed at once.
         text_aggregation_mode: `TOKEN` (default) sends LLM tokens as they come and lets the gateway
             split sentences, which it does as soon as one is certainly complete; `SENTENCE` lets Pipecat
             aggregate and flushes each sentence at once.
@@ -122,7 +123,7 @@ class VoxgateTTSService(WebsocketTTSService):
         settings: VoxgateTTSSettings | None = None,
         split_granularity: str | None = None,
         chunk_schedule: list[int] | None = None,
-        word_timestamps: bool = False,
+        word_timestamps: bool = True,
         text_aggregation_mode: TextAggregationMode | None = None,
         max_reconnect_attempts: int = 6,
         session_options: dict[str, Any] | None = None,
@@ -217,6 +218,8 @@ class VoxgateTTSService(WebsocketTTSService):
                 self._urls, self._session_config(), api_key=self._api_key, **self._session_options
             )
             self._config_dirty = False
+            # Text goes out per word as it plays when words come timed, else per sentence.
+            self._push_text_frames = not self._words_timed(self._session)
             await self._call_event_handler("on_connected")
         except voxgate_client.VoxgateError as e:
             self._session = None
@@ -231,6 +234,11 @@ class VoxgateTTSService(WebsocketTTSService):
             self._session = None
             await self.push_error(error_msg=f"Voxgate connection failed: {e}", exception=e)
             await self._call_event_handler("on_connection_error", str(e))
+
+    def _words_timed(self, session: voxgate_client.Session) -> bool:
+        """Whether the session's words come with timestamps: asked for, and not refused by the backend."""
+        warnings = session.started.warnings if session.started else []
+        return self._word_timestamps and not any(w.get("code") == "timestamps_unsupported" for w in warnings)
 
     async def cancel(self, frame: CancelFrame):
         """A cancelled pipeline wants no more audio: the gateway stops every open context at once, so the

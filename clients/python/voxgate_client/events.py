@@ -23,6 +23,8 @@ class SessionStarted(Event):
     voices: list[str] = field(default_factory=list)
     voice: str | None = None
     inputs_received: int | None = None  # answering session.resume: the client inputs the gateway has
+    # What the gateway does differently than configured: {code, message, field} (e.g. timestamps_unsupported)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,9 @@ def parse_server_message(data: dict[str, Any]) -> Event:
     """Turn one decoded JSON server message into its typed event."""
     kind = data.get("type")
     if kind == "session.started":
-        return SessionStarted(**_pick(data, "session_id", "sample_rate", "format", "voices", "voice", "inputs_received"))
+        return SessionStarted(
+            **_pick(data, "session_id", "sample_rate", "format", "voices", "voice", "inputs_received", "warnings")
+        )
     if kind == "audio.start":
         return AudioStart(
             **_pick(data, "sentence_index", "format", "sample_rate", "channels", "context_id"),
