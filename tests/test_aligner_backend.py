@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -26,6 +28,7 @@ from tts_backend.aligner.testing.checkpoint import write_aligner_checkpoint
 from tts_backend.aligner.words import times_of_spans
 from tts_backend.base import SynthesisRequest, split_words
 from tts_backend.registry import create_backend
+from tts_backend.remote import RemoteSynthesizer
 
 OPTIONS = {"max_active": 4, "max_len": 256, "greedy": True, "frame_cap_chars_per_second": 15}
 TEXT = "Good morning - this is the engine, speaking 3.5 words!"
@@ -111,6 +114,41 @@ async def test_sentences_finishing_together_share_one_aligner_pass(tiny_aligner)
         await asyncio.to_thread(batcher.close)
     assert results == alone
     assert (batcher.batches, batcher.sentences) == (2, 3)
+
+
+async def test_words_come_through_a_worker_process(tiny_custom_voice, tiny_aligner, tmp_path):
+    """`voxgate worker --backend qwen3 -o aligner=PATH`: the gateway's side of the socket gets the same words."""
+    socket_path = str(tmp_path / "aligner.sock")
+    args = [f"--option={k}={json.dumps(v)}" for k, v in OPTIONS.items()]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tts_backend.worker", "--socket", socket_path, "--backend", "qwen3", "--model",
+         str(tiny_custom_voice), "--device", "cpu", "--option", f"aligner={tiny_aligner}", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    request = SynthesisRequest(text=TEXT, voice="ryan", word_timestamps=True)
+    try:
+        remote = RemoteSynthesizer(socket=socket_path, connect_timeout_s=120)
+        await remote.start()
+        try:
+            assert "word_timestamps" in remote.honours
+            remote_chunks = [c async for c in remote.synthesize(request)]
+        finally:
+            await remote.stop()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    local = create_backend("qwen3", model=str(tiny_custom_voice), device="cpu", aligner=str(tiny_aligner), **OPTIONS)
+    await local.start()
+    try:
+        local_chunks = [c async for c in local.synthesize(request)]
+    finally:
+        await local.stop()
+    remote_words = [w for c in remote_chunks for w in c.words]
+    assert remote_words and remote_words == [w for c in local_chunks for w in c.words]
+    got, want = (np.frombuffer(b"".join(c.pcm for c in chunks), "<i2").astype(np.int32)
+                 for chunks in (remote_chunks, local_chunks))
+    # Same codes; the codec's fp32 rounding may move a sample by one step between the two processes.
+    assert len(got) == len(want) > 0 and np.abs(got - want).max() <= 1
 
 
 async def test_a_sentence_that_fails_does_not_fail_its_batch(tiny_aligner):
