@@ -9,6 +9,10 @@ for them (`word_timestamps`): the audio streams out as usual, and once the sente
 sentence is aligned (batched with the other sentences finishing then, on a thread of its own, see
 tts_backend/aligner/batcher.py) and the words come in one more chunk with no audio. The first audio is never
 held for them.
+
+A Base checkpoint (Qwen3-TTS-12Hz-1.7B-Base, 0.6B-Base) speaks only in cloned voices: `clone_voice` turns
+reference audio into a voice prompt (qwen3/prompt.py VoicePrompt: x-vector, reference codes, reference text ids,
+stamped with the checkpoint's identity), computed once, and every request carries it as `voice_prompt`.
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ from collections.abc import AsyncIterator
 from .base import (
     AudioChunk,
     BackendMetric,
+    BackendOverloadedError,
+    InvalidReferenceAudioError,
+    InvalidVoicePromptError,
+    ReferenceAudio,
     SynthesisError,
     SynthesisRequest,
     Synthesizer,
     UnknownVoiceError,
     Voice,
+    VoiceCloningUnsupportedError,
     WordTiming,
     split_words,
 )
@@ -40,10 +49,24 @@ _LANGUAGE_CODES = {
 }
 _SPEAKER_LANGUAGE = {"ryan": "en", "aiden": "en", "ono_anna": "ja", "sohee": "ko"}  # others are Chinese voices
 _VOICE_DESIGN_VOICE = "designed"
+_CLONE_VOICE = "cloned"  # a Base checkpoint's one listed voice: it names requests that carry a voice prompt
+_MAX_WAITING_CLONES = 8  # clone_voice calls queued behind the one running; more are refused as overloaded
+
+
+def _checkpoint_type(model: str) -> str | None:
+    """tts_model_type of a checkpoint folder's config.json, or None when it cannot be read (start() then
+    reports the folder's problem properly)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("tts_model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class Qwen3Synthesizer(Synthesizer):
-    """Qwen3-TTS 12 Hz (CustomVoice or VoiceDesign) served by the batched engine.
+    """Qwen3-TTS 12 Hz (CustomVoice, VoiceDesign or Base) served by the batched engine.
 
     model: checkpoint folder. device: "cuda", "cuda:0", "cpu" (default: cuda when available).
     max_active: concurrent requests holding KV slots. max_len: Talker positions per slot.
@@ -108,6 +131,10 @@ class Qwen3Synthesizer(Synthesizer):
         self.aligner_batcher = None
         if aligner:
             self.honours = self.honours | {"word_timestamps"}
+        if _checkpoint_type(model) == "base":
+            self.honours = self.honours | {"voice_cloning"}
+        self._clone_lock: asyncio.Lock | None = None
+        self._clones_waiting = 0
         self.model = None
         self.engine = None
         self._voices: list[Voice] = []
@@ -151,7 +178,11 @@ class Qwen3Synthesizer(Synthesizer):
             trim_leading_silence=self.trim_leading_silence,
         ))
         config = self.model.config
-        if config.supported_speakers:
+        if config.tts_model_type == "base":
+            self._voices = [Voice(id=_CLONE_VOICE, name="cloned", language="en",
+                                  description="Qwen3-TTS Base: speaks in voices cloned from reference audio")]
+            self.honours = self.honours | {"voice_cloning"}
+        elif config.supported_speakers:
             self._voices = [
                 Voice(id=s, name=s, language=_SPEAKER_LANGUAGE.get(s, "zh"), description="Qwen3-TTS CustomVoice speaker")
                 for s in config.supported_speakers
@@ -182,7 +213,8 @@ class Qwen3Synthesizer(Synthesizer):
         if self.warmup:
             # One short request through every stage (and the first-chunk path) before we say ready.
             warm = SynthesisRequest(text="Warm up.", voice=self.default_voice, seed=0, max_new_tokens=8,
-                                    instructions=None if self._voices[0].id != _VOICE_DESIGN_VOICE else "A calm voice.")
+                                    instructions=None if self._voices[0].id != _VOICE_DESIGN_VOICE else "A calm voice.",
+                                    voice_prompt=await self._warm_up_voice() if self.can_clone else None)
             # Through synthesize() itself, while `ready` (and so the gateway's /ready) still says no: traffic
             # must not arrive before the warm-up has run.
             self._warming = True
@@ -219,6 +251,70 @@ class Qwen3Synthesizer(Synthesizer):
         runner = self.engine.runner
         return engine_metrics(self.engine.stats_snapshot(), runner.fast_path(), runner.kernel_check)
 
+    # ---- voice cloning ------------------------------------------------------------------------------
+    async def _warm_up_voice(self) -> bytes:
+        """An in-context voice from one second of a 150 Hz tone, so the warm-up runs the speaker encoder, the
+        codec encoder and the reference-frame prefill too."""
+        import numpy as np
+
+        t = np.arange(24000, dtype=np.float32) / 24000
+        tone = (0.3 * np.sin(2 * np.pi * 150 * t)).astype("<f4")
+        return await self.clone_voice(ReferenceAudio(tone.tobytes(), "Warm up."), x_vector_only=False)
+
+    async def clone_voice(self, reference: ReferenceAudio, x_vector_only: bool = False) -> bytes:
+        if not self.can_clone:
+            raise VoiceCloningUnsupportedError(
+                f"the qwen3 backend's checkpoint ({self.model_path}) cannot clone voices; it needs a Base checkpoint")
+        if self.model is None:
+            raise SynthesisError("the qwen3 backend is not started")
+        # One clone at a time: each runs two encoders over up to tens of seconds of audio, off the event loop.
+        if self._clone_lock is None:
+            self._clone_lock = asyncio.Lock()
+        if self._clones_waiting >= _MAX_WAITING_CLONES:
+            raise BackendOverloadedError("too many voices are being cloned at once; try again shortly")
+        self._clones_waiting += 1
+        try:
+            async with self._clone_lock:
+                return await asyncio.to_thread(self._clone, reference, x_vector_only)
+        finally:
+            self._clones_waiting -= 1
+
+    def _clone(self, reference: ReferenceAudio, x_vector_only: bool) -> bytes:
+        import numpy as np
+        import torch
+
+        from .qwen3.prompt import PromptError
+
+        samples = np.frombuffer(reference.samples, "<f4")
+        if len(samples) < 2400:  # the speaker encoder's log-mel needs a few frames; the gateway bounds it anyway
+            raise InvalidReferenceAudioError(f"reference audio of {len(samples) / 24000:.3f} s is too short")
+        if not np.isfinite(samples).all():
+            raise InvalidReferenceAudioError("reference audio holds NaN or infinite samples")
+        if not np.abs(samples).max() > 0:
+            raise InvalidReferenceAudioError("reference audio is silent")
+        try:
+            voice = self.model.clone_prompt(torch.from_numpy(samples.copy()), reference.ref_text, x_vector_only)
+        except PromptError as exc:
+            raise InvalidReferenceAudioError(str(exc)) from exc
+        return voice.to_bytes(self.model.identity)
+
+    def _voice_prompt(self, request: SynthesisRequest):
+        """The request's VoicePrompt, or None for a preset voice; refuses what this checkpoint cannot speak."""
+        from .qwen3.prompt import PromptError, VoicePrompt
+
+        if request.voice_prompt is None:
+            if self.can_clone:
+                raise SynthesisError("this qwen3 checkpoint (Base) speaks only in cloned voices: register one "
+                                     "(voice.add) or send ref_audio")
+            return None
+        if not self.can_clone:
+            raise VoiceCloningUnsupportedError("the qwen3 backend's checkpoint cannot speak with a cloned voice; "
+                                               "it needs a Base checkpoint")
+        try:
+            return VoicePrompt.from_bytes(request.voice_prompt, self.model.identity)
+        except PromptError as exc:
+            raise InvalidVoicePromptError(str(exc)) from exc
+
     # ---- requests -----------------------------------------------------------------------------------
     def _language(self, language: str | None) -> str:
         lang = (language or "auto").lower()
@@ -237,15 +333,17 @@ class Qwen3Synthesizer(Synthesizer):
 
         if not (self.ready or (self._warming and self.engine is not None and self.engine.ready)):
             raise SynthesisError("the qwen3 backend is not ready")
-        if not self.has_voice(request.voice):
+        voice = self._voice_prompt(request)
+        if voice is None and not self.has_voice(request.voice):
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
         if not request.text.strip():
             raise SynthesisError("text is empty")
-        speaker = None if request.voice == _VOICE_DESIGN_VOICE else request.voice
+        speaker = None if voice is not None or request.voice == _VOICE_DESIGN_VOICE else request.voice
         try:
             prompt = self.model.make_prompt(
                 request.text, speaker=speaker, language=self._language(request.language),
-                instruct=request.instructions, non_streaming_mode=not self.streaming_text,
+                instruct=None if voice is not None else request.instructions,
+                non_streaming_mode=not self.streaming_text, voice=voice,
             )
         except PromptError as exc:
             raise SynthesisError(str(exc)) from exc

@@ -488,17 +488,32 @@ class Qwen3ModelRunner(ModelRunner):
 
     def _prefill_fn(self, slots, text_ids, codec_ids, lengths) -> None:
         talker = self.model.talker
-        B, S = text_ids.shape
         emb = talker.embed_text(text_ids)
         has_codec = codec_ids >= 0
         emb = torch.where(has_codec[..., None], emb + talker.embed_codec(codec_ids.clamp(min=0)), emb)
+        self._prefill_embeds(slots, emb, lengths)
+
+    def _prefill_embeds(self, slots, emb, lengths) -> None:
+        """emb [B, S, D] (rows right-padded), lengths [B] -> each row's prompt in its slot, c0 sampled."""
+        B, S, _ = emb.shape
         pos = torch.arange(S, device=self.device)[None].expand(B, S)
         if self.fused_prefill:
             hidden = self.fused_talker.forward(emb, self.kv, slots, pos, S)
         else:
-            hidden = talker(emb, self.kv, slots, pos, attend_len=S)
+            hidden = self.model.talker(emb, self.kv, slots, pos, attend_len=S)
         last = hidden[torch.arange(B, device=self.device), lengths - 1]
         self._after_talker(slots, last, lengths)
+
+    def _prime_codec(self, slot: int, ref_codes: torch.Tensor) -> None:
+        """An in-context clone's audio continues its reference clip (the reference decodes ref ++ generated and
+        cuts the reference's share): run the reference frames through the slot's fresh codec state, audio
+        dropped. On the main stream, like the slot's reset (see the ordering notes at codec_launch)."""
+        rows = torch.tensor([slot], dtype=torch.long, device=self.device)
+        state = self.codec_pool.index_select(rows)
+        codes = ref_codes.to(self.device).T[None].contiguous()  # [1, G, F]
+        for start in range(0, codes.shape[2], 64):  # 64-frame pieces bound the activations of a long clip
+            self.codec_module.decode_chunk(codes[..., start: start + 64], state)
+        self.codec_pool.index_copy_(rows, state)
 
     def _after_talker(self, slots, hidden, new_pos) -> None:
         self.hidden[slots] = hidden
@@ -568,6 +583,7 @@ class Qwen3ModelRunner(ModelRunner):
     def prefill(self, requests: list[RequestState]) -> None:
         import secrets
 
+        from tts_backend.qwen3.generate import right_padded
         from tts_backend.qwen3.prompt import NO_CODEC
 
         m = self.model
@@ -594,6 +610,18 @@ class Qwen3ModelRunner(ModelRunner):
             if self.sampler == "reference":
                 self.generators[r.slot] = torch.Generator(device=self.device).manual_seed(seed)
                 self.history[r.slot] = []
+        cloned = [r for r in requests if r.prompt.speaker_embedding is not None]
+        for r in cloned:
+            if r.prompt.ref_codes is not None:
+                self._prime_codec(r.slot, r.prompt.ref_codes)
+        if cloned:
+            # A cloned voice's prompt carries vectors (its x-vector, its reference frames) that the id tracks
+            # of the captured prefill cannot hold: such a batch runs the model's own embedding, uncaptured.
+            self._host_slots = slot_list
+            x = right_padded([m.prompt_embeds(r.prompt) for r in requests])
+            lengths_t = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long).to(self.device)
+            self._prefill_embeds(slots_t, x, lengths_t)
+            return
         longest = max(len(r.prompt) for r in requests)
         b = self._graph_bucket(len(requests), self.prefill_buckets)
         n = self._graph_bucket(longest, self.config.prefill_len_buckets)

@@ -29,6 +29,39 @@ from .talker import KVCache, Talker
 from .tokenizer import TextTokenizer
 
 
+def right_padded(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Prompt embeddings [S_i, D] -> one batch [B, max S_i, D], zeros after each row's end."""
+    x = rows[0].new_zeros(len(rows), max(e.shape[0] for e in rows), rows[0].shape[-1])
+    for i, e in enumerate(rows):
+        x[i, : e.shape[0]] = e
+    return x
+
+
+def checkpoint_identity(folder: Path) -> str:
+    """A short fingerprint of a checkpoint: its configs, both safetensors headers (names, shapes, dtypes,
+    offsets) and the first and last 64 KiB of each file's tensor data (so two checkpoints of one layout, a
+    fine-tune say, differ), without reading the rest of the weights. Voice prompts carry it, so one made by
+    another model or version is refused rather than spoken with."""
+    import hashlib
+    import struct
+
+    sample = 1 << 16
+    digest = hashlib.sha256()
+    for name in ("config.json", "speech_tokenizer/config.json", "model.safetensors",
+                 "speech_tokenizer/model.safetensors"):
+        path = folder / name
+        with open(path, "rb") as f:
+            if not name.endswith(".safetensors"):
+                digest.update(f.read())
+                continue
+            (length,) = struct.unpack("<Q", f.read(8))
+            digest.update(f.read(length))
+            digest.update(f.read(sample))
+            f.seek(max(8 + length, path.stat().st_size - sample))
+            digest.update(f.read(sample))
+    return "qwen3-tts:" + digest.hexdigest()[:24]
+
+
 class TextFeed:
     """Text tokens waiting to be added to decode steps, one per step (streaming-text mode).
 
@@ -82,6 +115,7 @@ class Qwen3TTS:
     codec_config: object | None = None
     speaker_encoder: torch.nn.Module | None = None
     codec_encoder: torch.nn.Module | None = None
+    identity: str = ""  # what this checkpoint's voice prompts carry as their maker (see checkpoint_identity)
     _suppress: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -120,7 +154,8 @@ class Qwen3TTS:
                                       f"the talker ({config.talker.num_code_groups} x {config.talker.codebook_size})")
         codec_encoder = load_codec_encoder(folder, device) if config.tts_model_type == "base" else None
         return cls(config, generation, weights.talker, weights.code_predictor, codec,
-                   TextTokenizer.from_folder(folder), codec_config, weights.speaker_encoder, codec_encoder)
+                   TextTokenizer.from_folder(folder), codec_config, weights.speaker_encoder, codec_encoder,
+                   checkpoint_identity(folder))
 
     # ------------------------------------------------------------------ properties
 
@@ -227,9 +262,7 @@ class Qwen3TTS:
         if S > cache.max_len:
             raise ValueError(f"prompt of {S} positions does not fit the KV cache ({cache.max_len})")
         B = len(embeds)
-        x = embeds[0].new_zeros(B, S, embeds[0].shape[-1])
-        for i, e in enumerate(embeds):
-            x[i, : e.shape[0]] = e
+        x = right_padded(embeds)
         pos = torch.arange(S, device=x.device)[None].expand(B, S)
         hidden = self.talker(x, cache, slots, pos, attend_len=S)  # [B, S, D]
         last = torch.tensor([n - 1 for n in lengths], device=x.device)

@@ -19,6 +19,7 @@ would be (codec-track SPEAKER_EMBEDDING), in both modes. In-context (ICL) mode t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -178,24 +179,34 @@ class VoicePrompt:
     def x_vector_only(self) -> bool:
         return self.ref_codes is None
 
-    def to_bytes(self) -> bytes:
-        """safetensors bytes (no pickle: a registry may hand them to any replica)."""
+    def to_bytes(self, maker: str = "") -> bytes:
+        """safetensors bytes (no pickle: a registry may hand them to any replica). maker: what made the prompt
+        (Qwen3TTS.identity), checked by from_bytes, since an x-vector means nothing to another model."""
         from safetensors.torch import save
 
         tensors = {"x_vector": self.x_vector.detach().float().cpu().contiguous()}
         if self.ref_codes is not None:
             tensors["ref_codes"] = self.ref_codes.detach().to(torch.int64).cpu().contiguous()
             tensors["ref_text_ids"] = torch.tensor(self.ref_text_ids or [], dtype=torch.int64)
-        return save(tensors, metadata={"format": self.FORMAT})
+        # One metadata entry: safetensors writes a metadata map in no fixed order, and equal prompts should be
+        # equal bytes.
+        return save(tensors, metadata={"voxgate": json.dumps({"format": self.FORMAT, "maker": maker},
+                                                              sort_keys=True)})
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "VoicePrompt":
+    def from_bytes(cls, data: bytes, maker: str | None = None) -> "VoicePrompt":
+        """Refuses (PromptError) bytes that are not a voice prompt, or, with `maker`, one another model made."""
         from safetensors.torch import load
 
         try:
             tensors = load(bytes(data))
+            metadata = json.loads(_safetensors_metadata(bytes(data)).get("voxgate", "{}"))
         except Exception as exc:  # safetensors raises its own error types for a bad header
             raise PromptError(f"not a voice prompt: {exc}") from exc
+        if not isinstance(metadata, dict) or metadata.get("format") != cls.FORMAT:
+            raise PromptError(f"not a voice prompt of format {cls.FORMAT}")
+        if maker is not None and metadata.get("maker") != maker:
+            raise PromptError("this voice prompt was made by another model; clone the voice again with this one")
         if set(tensors) not in ({"x_vector"}, {"x_vector", "ref_codes", "ref_text_ids"}):
             raise PromptError(f"not a voice prompt: tensors {sorted(tensors)}")
         x_vector = tensors["x_vector"]
@@ -207,6 +218,14 @@ class VoicePrompt:
         if codes.dim() != 2 or codes.dtype != torch.int64 or ids.dim() != 1 or ids.dtype != torch.int64:
             raise PromptError("voice prompt ref_codes must be int64 [frames, groups], ref_text_ids int64 [n]")
         return cls(x_vector, codes, [int(i) for i in ids])
+
+
+def _safetensors_metadata(data: bytes) -> dict:
+    """The `__metadata__` of safetensors bytes (an 8-byte little-endian header length, then the JSON header)."""
+    import struct
+
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8: 8 + length]).get("__metadata__") or {}
 
 
 def build_clone_prompt(
