@@ -32,6 +32,7 @@ from .settings import GatewaySettings
 from .state import Gateway
 from .store import SessionStore
 from .stores import create_store
+from .voices import VoiceRegistry
 from .web import mount_web_demo
 
 log = logging.getLogger("voxgate")
@@ -109,6 +110,7 @@ def create_app(
         metrics=GatewayMetrics(),
         authenticate=authenticate or api_key_authenticator(settings),
         admission=Admission(settings, backend),
+        voices=VoiceRegistry(backend, store, settings),
     )
 
     @asynccontextmanager
@@ -121,8 +123,21 @@ def create_app(
             yield
             return
         await gateway.admission.start()
-        # The backend loads in the background: /health answers at once, /ready once it is warm.
-        starting = asyncio.create_task(gateway.backend.start(), name="backend-start")
+        # The backend loads in the background: /health answers at once, /ready once it is warm (and the
+        # operator's shared voices are cloned).
+        async def start_backend() -> None:
+            await gateway.backend.start()
+            if settings.shared_voices_dir:
+                try:
+                    await gateway.voices.load_shared(settings.shared_voices_dir)
+                except (OSError, ValueError, ProtocolError) as exc:
+                    raise RuntimeError(f"--shared-voices-dir: {exc}") from None
+                finally:
+                    gateway.shared_voices_pending = False
+
+        gateway.shared_voices_pending = bool(settings.shared_voices_dir)
+
+        starting = asyncio.create_task(start_backend(), name="backend-start")
 
         def started(task: asyncio.Task) -> None:
             if task.cancelled():
@@ -214,6 +229,7 @@ def create_app(
                     admission=gateway.admission,
                     admission_claim=claim,
                     principal=principal,
+                    voices=gateway.voices,
                 )
                 gateway.sessions.add(session)
                 try:

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions-per-key", type=int, help="concurrent sessions per API key (0 = unlimited)")
     serve.add_argument("--sessions-per-minute", type=int, help="new sessions per API key per minute (0 = unlimited)")
     serve.add_argument("--chars-per-minute", type=int, help="characters per API key per minute (0 = unlimited)")
+    serve.add_argument("--max-voices-per-key", type=int, help="cloned voices one API key may register (default 20)")
+    serve.add_argument("--shared-voices-dir", help="folder of reference clips cloned at start-up into voices every key may use")
+    serve.add_argument("--reference-audio-fetch", action="store_const", const=True,
+                       help="accept http(s) URLs as ref_audio and fetch them (off by default)")
     serve.add_argument("--store", choices=["memory", "redis"], help="session store")
     serve.add_argument("--redis-url", help="Redis URL; given alone it selects --store redis")
     serve.add_argument("--redis-key-prefix", help="prefix of every Redis key (default voxgate:)")

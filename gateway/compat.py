@@ -33,7 +33,8 @@ class VoiceChoice:
     warnings: list[ConfigWarning] = field(default_factory=list)
 
 
-def _backend_voice(backend: Synthesizer, name: str) -> str | None:
+def backend_voice(backend: Synthesizer, name: str) -> str | None:
+    """The backend's preset voice of that name (case-insensitive), if it has one."""
     for known in backend.voices():
         if known.id == name or known.id.lower() == name.lower():
             return known.id
@@ -50,17 +51,17 @@ def resolve_voice(backend: Synthesizer, settings: GatewaySettings, requested: st
     unknown name in strict mode, or when the default voice or an alias's target is not the backend's."""
     default = settings.voice or backend.default_voice
     if not requested:
-        voice = _backend_voice(backend, default)
+        voice = backend_voice(backend, default)
         if voice is None:
             raise _unknown(backend, f"the default voice {default!r} is not one of the backend's")
         return VoiceChoice(voice)
-    voice = _backend_voice(backend, requested)
+    voice = backend_voice(backend, requested)
     if voice is not None:
         return VoiceChoice(voice)
     aliases = {name.lower(): target for name, target in settings.voice_aliases.items()}
     target = aliases.get(requested.lower())
     if target is not None:
-        voice = _backend_voice(backend, target)
+        voice = backend_voice(backend, target)
         if voice is None:
             raise _unknown(backend, f"voice {requested!r} is an alias of {target!r}, which this backend does not have")
         return VoiceChoice(voice)

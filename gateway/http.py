@@ -33,20 +33,17 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from tts_backend.base import (
     AudioChunk,
-    BackendOverloadedError,
-    SynthesisError,
     SynthesisRequest,
     Synthesizer,
-    UnknownVoiceError,
     WordTiming,
     split_words,
 )
 
 from . import audio, encoders
 from .auth import PRINCIPAL_SCOPE_KEY, AuthError, Principal, TokenSigner
-from .compat import option_warnings, resolve_voice, timestamp_transport
+from .compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
 from .limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
-from .protocol import ErrorCode, ProtocolError, loads_client_json
+from .protocol import ErrorCode, ProtocolError, backend_error_code, loads_client_json
 from .segmenter import SentenceSegmenter, push_in_slices
 from .state import Gateway
 
@@ -92,6 +89,8 @@ _STATUS = {
     ErrorCode.text_too_long: 413,
     ErrorCode.message_too_large: 413,
     ErrorCode.rate_limited: 429,
+    ErrorCode.voice_not_found: 404,
+    ErrorCode.voice_limit_reached: 403,
     ErrorCode.too_many_sessions: 429,
     ErrorCode.overloaded: 503,
     ErrorCode.internal: 500,
@@ -117,12 +116,9 @@ class ApiError(Exception):
 
     @classmethod
     def from_synthesis_failure(cls, exc: Exception) -> "ApiError":
-        if isinstance(exc, UnknownVoiceError):
-            return cls(ErrorCode.unknown_voice, str(exc))
-        if isinstance(exc, BackendOverloadedError):
-            return cls(ErrorCode.overloaded, str(exc))
-        if isinstance(exc, SynthesisError):
-            return cls(ErrorCode.synthesis_failed, str(exc))
+        code = backend_error_code(exc)
+        if code is not None:
+            return cls(code, str(exc))
         return cls(ErrorCode.internal, f"synthesis failed: {type(exc).__name__}")
 
     def response(self) -> JSONResponse:
@@ -316,9 +312,12 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             param="input",
         )
     try:
-        choice = resolve_voice(backend, settings, body.voice_id)
+        cloned = await gateway.voices.voice_for(
+            principal, voice=body.voice_id, ref_audio=body.ref_audio, ref_text=body.ref_text,
+            x_vector_only=body.x_vector_only_mode, task_type=body.task_type)
+        choice = VoiceChoice(cloned.name) if cloned else resolve_voice(backend, settings, body.voice_id)
     except ProtocolError as exc:
-        raise ApiError(exc.code, exc.message, param="voice") from None
+        raise ApiError(exc.code, exc.message, param="ref_audio" if body.ref_audio is not None else "voice") from None
     voice = choice.voice
     # What the request gets differently than asked (a fallback voice, options the backend ignores), for
     # clients that look: a JSON list of {code, message, field}, ASCII-escaped to be a valid header value.
@@ -374,6 +373,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             request_id=f"{request_id}/{i}",
             extra=extra,
             word_timestamps=timestamps,
+            voice_prompt=cloned.prompt if cloned else None,
         )
         for i, text in enumerate(await _sentences(body.input, body.language, settings.max_synthesis_chars))
     ]
@@ -525,6 +525,8 @@ async def mint_token(request: Request, body: TokenRequest | None = None,
 
 @router.get("/v1/audio/voices")
 async def list_voices(request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    """The backend's voices and the cloned voices this key may use (vLLM-Omni's `voices` and
+    `uploaded_voices`), and whether the backend can clone at all (`voice_cloning`)."""
     gateway = gateway_of(request)
     try:  # a backend still loading (or failed) may not know its voices yet: an empty list, not a 500
         voices = gateway.backend.voices()
@@ -532,15 +534,73 @@ async def list_voices(request: Request, principal: Principal = Depends(require_a
     except Exception:  # noqa: BLE001 - the catalogue must answer whatever state the backend is in
         log.warning("the %s backend cannot list its voices", gateway.backend.name, exc_info=True)
         voices, default = [], None
+    uploaded = await _voice_call(gateway.voices.list_voices(principal))
     return {
         "object": "list",
-        "voices": [v.id for v in voices],
+        "voices": [v.id for v in voices] + [v["name"] for v in uploaded],
         "default": default,
+        "voice_cloning": gateway.backend.can_clone,
         "data": [
             {"id": v.id, "object": "voice", "name": v.name, "language": v.language, "description": v.description}
             for v in voices
-        ],
+        ] + [{"id": v["name"], "object": "voice", "name": v["name"], "cloned": True} for v in uploaded],
+        "uploaded_voices": uploaded,
     }
+
+
+async def _voice_call(work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except ProtocolError as exc:
+        raise ApiError(exc.code, exc.message) from None
+
+
+def _form_text(form: Any, name: str) -> str | None:
+    value = form.get(name)
+    return value if isinstance(value, str) else None
+
+
+@router.post("/v1/audio/voices")
+async def add_voice(request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    """Clone and register a voice, as vLLM-Omni's upload: multipart/form-data with `audio_sample` (the
+    clip), `name`, `consent`, optional `ref_text` (and our `x_vector_only_mode`); or the same fields as
+    JSON with the clip in base64 as `audio_sample` (or `audio_data`, as voice.add)."""
+    gateway = gateway_of(request)
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        async with request.form(max_files=1, max_fields=16) as form:
+            upload = form.get("audio_sample")
+            if upload is None or isinstance(upload, str):
+                raise ApiError(ErrorCode.invalid_reference_audio, "audio_sample (a file) is required",
+                               param="audio_sample")
+            audio_data: str | bytes = await upload.read()
+            fields = {name: _form_text(form, name) for name in ("name", "consent", "ref_text", "x_vector_only_mode")}
+        x_vector_only = (fields["x_vector_only_mode"] or "").lower() in ("1", "true", "yes")
+    else:
+        fields = loads_client_json(await request.body())
+        if not isinstance(fields, dict):
+            raise ApiError(ErrorCode.invalid_message, "the body must be a JSON object or multipart/form-data")
+        audio_data = fields.get("audio_sample") or fields.get("audio_data")
+        if not isinstance(audio_data, str):
+            raise ApiError(ErrorCode.invalid_reference_audio, "audio_sample (base64 audio) is required",
+                           param="audio_sample")
+        x_vector_only = fields.get("x_vector_only_mode") is True
+        if fields.get("ref_text") is not None and not isinstance(fields["ref_text"], str):
+            raise ApiError(ErrorCode.invalid_message, "ref_text must be a string", param="ref_text")
+    voice = await _voice_call(gateway.voices.add(principal, fields.get("name"), audio_data, consent=fields.get("consent"),
+                                                 ref_text=fields.get("ref_text"), x_vector_only=x_vector_only))
+    return {"success": True, "voice": voice}
+
+
+@router.get("/v1/audio/voices/{name}")
+async def get_voice(name: str, request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    return {"success": True, "voice": await _voice_call(gateway_of(request).voices.get(principal, name))}
+
+
+@router.delete("/v1/audio/voices/{name}")
+async def delete_voice(name: str, request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    await _voice_call(gateway_of(request).voices.delete(principal, name))
+    return {"success": True, "message": f"voice {name!r} deleted"}
 
 
 @router.get("/v1/models")

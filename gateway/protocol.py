@@ -15,6 +15,14 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from tts_backend.base import (
+    BackendOverloadedError,
+    InvalidReferenceAudioError,
+    SynthesisError,
+    UnknownVoiceError,
+    VoiceCloningUnsupportedError,
+)
+
 GRANULARITIES = ("sentence", "clause", "none")
 # The output rate unless the client asks for `sample_rate`: clients of vLLM-Omni (and OpenAI's `pcm`)
 # assume 24 kHz for raw audio, whatever the backend's own rate; telephony formats default to 8 kHz.
@@ -43,7 +51,25 @@ class ErrorCode(str, enum.Enum):
     request_timeout = "request_timeout"
     slow_consumer = "slow_consumer"
     voice_cloning_unsupported = "voice_cloning_unsupported"
+    invalid_reference_audio = "invalid_reference_audio"
+    voice_limit_reached = "voice_limit_reached"
+    voice_not_found = "voice_not_found"
     internal = "internal"
+
+
+# The client's code for a backend's error, wherever it surfaces (WebSocket, HTTP, cloning); first match.
+_BACKEND_ERROR_CODES = (
+    (UnknownVoiceError, ErrorCode.unknown_voice),
+    (BackendOverloadedError, ErrorCode.overloaded),
+    (VoiceCloningUnsupportedError, ErrorCode.voice_cloning_unsupported),
+    (InvalidReferenceAudioError, ErrorCode.invalid_reference_audio),
+    (SynthesisError, ErrorCode.synthesis_failed),
+)
+
+
+def backend_error_code(exc: BaseException) -> ErrorCode | None:
+    """The code of a backend's SynthesisError (None for anything else: a bug, not the request's fault)."""
+    return next((code for kind, code in _BACKEND_ERROR_CODES if isinstance(exc, kind)), None)
 
 
 # Whether the same request may succeed later.
@@ -217,14 +243,20 @@ class VoiceList(_ClientMessage):
 
 
 class VoiceAdd(_ClientMessage):
-    """Before session.config: register a cloned voice from reference audio. Its fields differ between
-    servers (name, consent, audio_data, audio_format, ref_text, speaker_description, ...), so any are
-    accepted; it is as large as a session.config may be."""
+    """Register a cloned voice from reference audio (before or after session.config), as LiveKit's Baseten
+    client sends it. Other fields servers take (speaker_description, ...) are accepted and unused; it is as
+    large as a session.config may be. `audio_format` is a hint only: the clip's own container says what
+    it is (gateway/reference_audio.py)."""
 
     model_config = ConfigDict(extra="allow")
 
     type: Literal["voice.add"]
-    name: str | None = None
+    name: Any = None  # checked by the registry, which names what a voice name may be
+    audio_data: str | None = None  # base64 (or a data URL)
+    audio_format: str | None = None
+    ref_text: str | None = None
+    consent: Any = None
+    x_vector_only_mode: bool | None = None
 
 
 # Messages answered before session.config, and as large as it may be.
@@ -375,12 +407,20 @@ class SessionStarted(_ServerMessage):
 
 
 class VoiceListed(_ServerMessage):
-    """Answer to voice.list, in the shape Baseten's servers give: preset voice ids, and the voices cloned
-    by voice.add (none: no backend here clones yet)."""
+    """Answer to voice.list, in the shape Baseten's servers give: the names usable as `voice` (presets,
+    then cloned ones), and the cloned voices this key may use with their metadata (gateway/voices.py)."""
 
     type: Literal["voice.list"] = "voice.list"
     voices: list[str]
     uploaded_voices: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class VoiceAdded(_ServerMessage):
+    """Answer to voice.add: the registered voice's metadata (an error message instead when refused)."""
+
+    type: Literal["voice.add"] = "voice.add"
+    success: bool = True
+    voice: dict[str, Any]
 
 
 class AudioStart(_ServerMessage):

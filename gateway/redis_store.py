@@ -21,6 +21,14 @@ one slot and Lua scripts may touch them all):
                       ids `<position>-1`, position = bytes appended to the log before the entry
     logend    string  bytes ever appended to the log (the next entry's position)
 
+Cloned voices, per owner (the API key's fingerprint, '' without keys), under `{prefix}{voices:<owner>}:`:
+
+    meta      hash    voice name -> its metadata (JSON)
+    p:<name>  string  the voice's prompt (the backend's bytes)
+
+A voice is added (the per-owner count checked and both keys written) by one Lua script, so two replicas
+adding at once never pass the limit; the keys have no expiry.
+
 Every write is one Lua script call (one round trip): it checks that the session exists and that the
 caller still holds the lease (a resume elsewhere overwrites the lease: the old owner's next write fails
 with LeaseLost) and applies the change. The audio append, the hot path, stays small: since entry ids
@@ -550,3 +558,41 @@ class RedisSessionStore(SessionStore):
 
     async def delete(self, session_id: str, *, owner: str | None = None) -> None:
         await self._run(self._delete, session_id, owner)
+
+    # ------------------------------------------------------------------ voices
+
+    def _voice_keys(self, owner: str, name: str) -> list[str]:
+        base = f"{self.key_prefix}{{voices:{owner}}}:"
+        return [base + "meta", base + "p:" + name]
+
+    async def put_voice(self, owner: str, name: str, meta: dict[str, Any], prompt: bytes, max_voices: int) -> bool:
+        added = await self.redis.eval(_PUT_VOICE, 2, *self._voice_keys(owner, name), name, json.dumps(meta), prompt,
+                                      max_voices)
+        return bool(int(added))
+
+    async def voice_meta(self, owner: str, name: str) -> dict[str, Any] | None:
+        raw = await self.redis.hget(self._voice_keys(owner, name)[0], name)
+        return json.loads(raw) if raw is not None else None
+
+    async def voice_metas(self, owner: str) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in (await self.redis.hgetall(self._voice_keys(owner, "")[0])).values()]
+
+    async def voice_prompt(self, owner: str, name: str) -> bytes | None:
+        return await self.redis.get(self._voice_keys(owner, name)[1])
+
+    async def delete_voice(self, owner: str, name: str) -> bool:
+        meta, prompt = self._voice_keys(owner, name)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            removed, _ = await pipe.hdel(meta, name).delete(prompt).execute()
+        return bool(removed)
+
+
+# KEYS: meta hash, prompt string. ARGV: name, meta JSON, prompt, max voices. 1 stored, 0 over the limit.
+_PUT_VOICE = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SET', KEYS[2], ARGV[3])
+return 1
+"""

@@ -5,7 +5,8 @@ a key could send hundreds of megabytes, or one byte every few seconds, before he
 ASGI middleware in front of the routes:
 - API routes (`/v1/...`) and the API docs (when keys are set) are authenticated from the request's
   headers and query alone; a refusal (401) is answered before a byte of the body is read;
-- a `Content-Length` over `max_http_body_bytes` is refused (413, `message_too_large`) at once, and a body
+- a `Content-Length` over `max_http_body_bytes` (for a voice upload, POST /v1/audio/voices: what a
+  reference clip of `max_reference_audio_bytes` takes, if more) is refused (413, `message_too_large`) at once, and a body
   without one (chunked) as soon as what has arrived passes the limit;
 - the whole body must arrive within `http_body_timeout_s` of the request (408, `request_timeout`).
 A refusal closes the connection (`Connection: close`): the rest of the body is never read.
@@ -24,6 +25,8 @@ from .http import ApiError
 from .protocol import ErrorCode
 from .state import Gateway
 
+VOICE_UPLOAD_PATH = "/v1/audio/voices"
+UPLOAD_FIELDS_BYTES = 64 * 1024  # a voice upload's fields besides the clip, and multipart's boundaries
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
@@ -98,12 +101,16 @@ class RequestGuard:
             except AuthError as exc:
                 await self._answer(ApiError(ErrorCode.unauthorized, str(exc)), scope, send)
                 return
+        limit = settings.max_http_body_bytes
+        if scope["path"] == VOICE_UPLOAD_PATH and scope["method"] == "POST":
+            # A reference clip, in base64 (4/3 of its size) or a multipart file, and a few small fields.
+            limit = max(limit, settings.max_reference_audio_bytes * 4 // 3 + UPLOAD_FIELDS_BYTES)
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > settings.max_http_body_bytes:
-            await self._answer(_too_large(settings.max_http_body_bytes), scope, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._answer(_too_large(limit), scope, send)
             return
 
-        body = _GuardedBody(receive, settings.max_http_body_bytes, settings.http_body_timeout_s)
+        body = _GuardedBody(receive, limit, settings.http_body_timeout_s)
         started = False
 
         async def guarded_send(message: Message) -> None:

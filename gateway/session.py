@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -40,7 +41,7 @@ from tts_backend.base import Synthesizer
 
 from . import audio, encoders
 from .auth import Principal
-from .compat import option_warnings, resolve_voice, timestamp_transport
+from .compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
 from .limits import Admission, AdmissionClaim
 from .logs import session_id_var
 from .metrics import GatewayMetrics
@@ -64,6 +65,7 @@ from .protocol import (
     SessionStarted,
     SpokenWord,
     VoiceAdd,
+    VoiceAdded,
     VoiceList,
     VoiceListed,
     parse_client_message,
@@ -82,6 +84,7 @@ from .session_state import (
 )
 from .settings import GatewaySettings
 from .speech_pipeline import SpeechPipeline, abort_transport
+from .voices import VoiceRegistry
 from .store import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges, SessionStore
 
 log = logging.getLogger("voxgate.session")
@@ -102,6 +105,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         admission: Admission | None = None,
         admission_claim: AdmissionClaim | None = None,
         principal: Principal | None = None,
+        voices: VoiceRegistry | None = None,
     ) -> None:
         self.ws = websocket
         self.settings = settings
@@ -111,6 +115,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         self.admission = admission
         self.admission_claim = admission_claim  # released when this session's first synthesis starts
         self.principal = principal or Principal()
+        self.voices = voices or VoiceRegistry(backend, store, settings)
 
         self.session_id: str | None = None
         self.config: ResolvedConfig | None = None
@@ -391,19 +396,37 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 await self._report(error)
 
     async def _on_voice_message(self, message: VoiceList | VoiceAdd) -> None:
-        """Baseten's voice catalogue messages: voice.list is answered with the voices; voice.add is
-        refused while no backend can clone a voice (the cloning itself is not built yet)."""
+        """Baseten's voice catalogue messages (LiveKit's Baseten plugin sends them): voice.list is answered
+        with the backend's voices and the cloned voices this key may use; voice.add clones and registers
+        one (gateway/voices.py), refused with voice_cloning_unsupported where the backend cannot clone."""
         if isinstance(message, VoiceList):
-            await self._send_json(VoiceListed(voices=[v.id for v in self.backend.voices()]))
+            uploaded = await self.voices.list_voices(self.principal)
+            presets = [v.id for v in self.backend.voices()]
+            await self._send_json(VoiceListed(voices=presets + [v["name"] for v in uploaded], uploaded_voices=uploaded))
             return
-        raise ProtocolError(
-            ErrorCode.voice_cloning_unsupported,
-            f"voice.add: the {self.backend.name} backend cannot clone voices; use one of its voices"
-            f" ({', '.join(v.id for v in self.backend.voices())})",
-        )
+        if not self.backend.can_clone:
+            raise ProtocolError(
+                ErrorCode.voice_cloning_unsupported,
+                f"voice.add: the {self.backend.name} backend cannot clone voices; use one of its voices"
+                f" ({', '.join(v.id for v in self.backend.voices())})",
+            )
+        if not message.audio_data:
+            raise ProtocolError(ErrorCode.invalid_reference_audio, "voice.add needs audio_data (base64 audio)")
+        voice = await self.voices.add(self.principal, message.name, message.audio_data, consent=message.consent,
+                                      ref_text=message.ref_text, x_vector_only=bool(message.x_vector_only_mode))
+        await self._send_json(VoiceAdded(voice=voice))
 
-    def _resolve(self, message: SessionConfig) -> ResolvedConfig:
-        choice = resolve_voice(self.backend, self.settings, message.voice)
+    async def _resolved(self, message: SessionConfig) -> ResolvedConfig:
+        """The session's config, with its cloned voice when it names one (registered, or its ref_audio)."""
+        cloned = await self.voices.voice_for(
+            self.principal, voice=message.voice, ref_audio=message.ref_audio, ref_text=message.ref_text,
+            x_vector_only=message.x_vector_only_mode, task_type=message.task_type)
+        if cloned is None:
+            return self._resolve(message)
+        return dataclasses.replace(self._resolve(message, VoiceChoice(cloned.name)), voice_prompt=cloned.prompt)
+
+    def _resolve(self, message: SessionConfig, choice: VoiceChoice | None = None) -> ResolvedConfig:
+        choice = choice or resolve_voice(self.backend, self.settings, message.voice)
         fmt = message.response_format or "pcm"
         if fmt not in encoders.FORMATS:
             raise ProtocolError(
@@ -437,7 +460,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 ErrorCode.config_locked,
                 "session.config is allowed only between utterances; finish (input.done) or cancel open ones first",
             )
-        resolved = self._resolve(message)
+        resolved = await self._resolved(message)
         first = self.config is None
         self.config = resolved
         if first:

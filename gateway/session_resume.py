@@ -80,7 +80,7 @@ class SessionResumer:
             else:
                 pieces = []
                 replay_owed(record, message.sentence_index, message.bytes_received)
-            config = self._resolve(SessionConfig.model_validate(record.config))
+            config = await self._resolved(SessionConfig.model_validate(record.config))
             ends = record.ends_pruned + len(_ends_with_a_message(record))
             if message.ends_received is not None and message.ends_received > ends:
                 raise ReplayOutOfRange(f"only {ends} utterance.done/session.done were ever sent")

@@ -36,6 +36,8 @@ class ResolvedConfig:
     warnings: tuple[ConfigWarning, ...] = ()  # told in session.started; not part of the recorded config
     # Word timestamps: None (off, or the backend gives none), "sync" (in audio.done) or "async" (audio.words)
     timestamps: str | None = None
+    # A cloned voice's prompt (gateway/voices.py), found again from `voice` or ref_audio on a resume.
+    voice_prompt: bytes | None = None
 
     def snapshot(self) -> dict[str, Any]:
         data = self.message.model_dump(exclude_none=True)

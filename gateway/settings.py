@@ -41,6 +41,26 @@ class GatewaySettings(BaseSettings):
         True, description="an unknown voice name gets the default voice and a warning; off: refused (unknown_voice)"
     )
 
+    # --- voice cloning (backends that can clone: a Qwen3 Base checkpoint)
+    max_voices_per_key: int = Field(20, ge=0, description="cloned voices one API key may register; 0 = none")
+    min_reference_audio_s: float = Field(3.0, gt=0, description="shortest reference clip to clone a voice from")
+    max_reference_audio_s: float = Field(30.0, gt=0, description="longest reference clip to clone a voice from")
+    max_reference_audio_bytes: int = Field(
+        3 * MIB, gt=0, description="largest encoded reference clip (base64 in a WebSocket message also counts against"
+        " max_config_bytes)"
+    )
+    reference_audio_fetch: bool = Field(
+        False, description="accept http(s) URLs as ref_audio and fetch them (off: base64 and data URLs only)"
+    )
+    reference_fetch_timeout_s: float = Field(10.0, gt=0, description="time a reference audio URL may take to fetch")
+    voice_cache_bytes: int = Field(
+        64 * MIB, ge=0, description="voice prompts each replica keeps in memory (LRU), beside the session store"
+    )
+    shared_voices_dir: str | None = Field(
+        None, description="folder of reference clips (NAME.wav/.flac/.mp3/.ogg, transcript in NAME.txt) cloned at"
+        " start-up into voices every key may use"
+    )
+
     # --- protocol limits (protocol.md, "Errors and limits")
     config_timeout_s: float = Field(10.0, description="time allowed to receive session.config")
     idle_timeout_s: float = Field(30.0, description="close a session that sends nothing for this long")

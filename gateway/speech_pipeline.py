@@ -28,7 +28,7 @@ import time
 
 from starlette.websockets import WebSocket
 
-from tts_backend.base import BackendOverloadedError, SynthesisError, SynthesisRequest, UnknownVoiceError
+from tts_backend.base import SynthesisRequest
 
 from . import audio, encoders
 from .protocol import (
@@ -42,6 +42,7 @@ from .protocol import (
     TimestampInfo,
     UtteranceDone,
     WordAlignment,
+    backend_error_code,
 )
 from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, add_word_timings, sent_marker
 
@@ -100,6 +101,7 @@ class SpeechPipeline:
             request_id=f"{self.session_id}/{job.index}",
             extra=config.message.backend_extra(),
             word_timestamps=config.timestamps is not None,
+            voice_prompt=config.voice_prompt,
         )
         monitor = self.admission.monitor if self.admission is not None else None
         bytes_per_second = 2 * self.backend.sample_rate
@@ -396,15 +398,10 @@ def abort_transport(websocket: WebSocket) -> None:
 
 
 def _synthesis_error(failure: BaseException, job: SentenceJob) -> ProtocolError:
-    if isinstance(failure, UnknownVoiceError):
-        code, message = ErrorCode.unknown_voice, str(failure)
-    elif isinstance(failure, SynthesisError):
-        code, message = ErrorCode.synthesis_failed, str(failure)
-    else:
+    code, message = backend_error_code(failure), str(failure)
+    if code is None:
         log.error("synthesis of sentence %d failed", job.index, exc_info=failure)
         code, message = ErrorCode.synthesis_failed, f"synthesis failed: {type(failure).__name__}"
-    if isinstance(failure, BackendOverloadedError):
-        code = ErrorCode.overloaded
     return ProtocolError(
         code,
         f"sentence {job.index} ({job.text!r}) could not be synthesized: {message}",

@@ -20,6 +20,7 @@ from .protocol import ProtocolError
 from .session import StreamingSession
 from .settings import GatewaySettings
 from .store import SessionStore
+from .voices import VoiceRegistry
 
 
 @dataclass
@@ -30,16 +31,19 @@ class Gateway:
     metrics: GatewayMetrics
     authenticate: Authenticator
     admission: Admission
+    voices: VoiceRegistry
     started_at: float = field(default_factory=time.time)
     draining: bool = False  # set while shutting down (issue 5): /ready says no, new sessions are refused
     backend_error: BaseException | None = None
     store_error: BaseException | None = None  # the session store could not start (Redis unreachable)
     sessions: set[StreamingSession] = field(default_factory=set)
+    shared_voices_pending: bool = False  # the operator's shared voices are still being cloned at start-up
 
     @property
     def ready(self) -> bool:
         """The backend is loaded and warm, and the gateway is not shutting down."""
-        return self.backend.ready and self.failure is None and not self.draining
+        return (self.backend.ready and self.failure is None and not self.draining
+                and not self.shared_voices_pending)
 
     @property
     def default_voice(self) -> str:

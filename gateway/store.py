@@ -312,6 +312,27 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     async def delete(self, session_id: str, *, owner: str | None = None) -> None: ...
 
+    # Cloned voices (issue 15, gateway/voices.py): per owner (an API key's fingerprint, '' without keys) and
+    # name, a metadata dict and the backend's prompt, kept until deleted (no expiry).
+
+    @abc.abstractmethod
+    async def put_voice(self, owner: str, name: str, meta: dict[str, Any], prompt: bytes, max_voices: int) -> bool:
+        """Store a voice, replacing the owner's voice of that name. False (nothing stored) when it is a new
+        name and the owner has `max_voices` already; the check and the write are one atomic step."""
+
+    @abc.abstractmethod
+    async def voice_meta(self, owner: str, name: str) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    async def voice_metas(self, owner: str) -> list[dict[str, Any]]: ...
+
+    @abc.abstractmethod
+    async def voice_prompt(self, owner: str, name: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    async def delete_voice(self, owner: str, name: str) -> bool:
+        """True if the owner had a voice of that name."""
+
 
 class MemorySessionStore(SessionStore):
     """Per-process store. Each app instance owns one; nothing is module-global. Resume works only on the
@@ -329,6 +350,7 @@ class MemorySessionStore(SessionStore):
         self.replay_log_s = replay_log_s
         self.sweep_interval_s = sweep_interval_s
         self._sessions: dict[str, SessionRecord] = {}
+        self._voices: dict[str, dict[str, tuple[dict[str, Any], bytes]]] = {}  # owner -> name -> (meta, prompt)
         self._logs: dict[str, deque[tuple[float, ReplayPiece]]] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -472,3 +494,23 @@ class MemorySessionStore(SessionStore):
         if record is not None and (owner is None or record.owner in (None, owner)):
             self._drop(session_id)
 
+    async def put_voice(self, owner: str, name: str, meta: dict[str, Any], prompt: bytes, max_voices: int) -> bool:
+        voices = self._voices.setdefault(owner, {})
+        if name not in voices and len(voices) >= max_voices:
+            return False
+        voices[name] = (dict(meta), prompt)
+        return True
+
+    async def voice_meta(self, owner: str, name: str) -> dict[str, Any] | None:
+        entry = self._voices.get(owner, {}).get(name)
+        return dict(entry[0]) if entry else None
+
+    async def voice_metas(self, owner: str) -> list[dict[str, Any]]:
+        return [dict(meta) for meta, _ in self._voices.get(owner, {}).values()]
+
+    async def voice_prompt(self, owner: str, name: str) -> bytes | None:
+        entry = self._voices.get(owner, {}).get(name)
+        return entry[1] if entry else None
+
+    async def delete_voice(self, owner: str, name: str) -> bool:
+        return self._voices.get(owner, {}).pop(name, None) is not None

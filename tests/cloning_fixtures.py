@@ -7,7 +7,7 @@ So a test can tell which voice spoke from the audio alone (`dominant_hz`), and a
 went through clone_voice cannot be faked by the gateway. Named as a test backend wherever used.
 
 Reference clips for the tests: `tone_clip` (any rate, mono or stereo) and `encode_clip` (wav, flac,
-mp3 or ogg bytes, encoded with PyAV).
+mp3 or ogg (opus) bytes, encoded with PyAV).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def tone_clip(hz: float, seconds: float, sample_rate: int = 24000, channels: int
 
 
 _CODECS = {"wav": ("wav", "pcm_s16le", "s16"), "flac": ("flac", "flac", "s16"),
-           "mp3": ("mp3", "libmp3lame", "fltp"), "ogg": ("ogg", "libvorbis", "fltp")}
+           "mp3": ("mp3", "libmp3lame", "fltp"), "ogg": ("ogg", "libopus", "s16")}
 
 
 def encode_clip(samples: np.ndarray, sample_rate: int, container: str) -> bytes:

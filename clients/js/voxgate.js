@@ -690,20 +690,57 @@ function now() {
   return globalThis.performance ? performance.now() : Date.now();
 }
 
-/** Voices the gateway offers (GET /v1/audio/voices), for a base URL such as "http://127.0.0.1:8000". */
-export async function listVoices(baseUrl, { apiKey = null } = {}) {
-  const url = new URL("/v1/audio/voices", baseUrl.replace(/^ws/, "http"));
-  const response = await fetch(url, { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
+/** One HTTP call to the gateway's API: the parsed JSON answer, or a VoxgateError with the server's code. */
+async function apiCall(baseUrl, path, { apiKey = null, method = "GET", body = undefined } = {}) {
+  const url = new URL(path, baseUrl.replace(/^ws/, "http"));
+  const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(url, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   if (!response.ok) {
     // The gateway answers errors in the OpenAI shape: {"error": {"message", "code", ...}}.
-    const body = await response.json().catch(() => null);
-    const detail = body?.error?.message ? `: ${body.error.message}` : "";
-    throw new VoxgateError(`GET ${url} answered ${response.status}${detail}`, {
-      code: body?.error?.code || (response.status === 401 ? "unauthorized" : "internal"),
+    const answer = await response.json().catch(() => null);
+    const detail = answer?.error?.message ? `: ${answer.error.message}` : "";
+    throw new VoxgateError(`${method} ${url} answered ${response.status}${detail}`, {
+      code: answer?.error?.code || (response.status === 401 ? "unauthorized" : "internal"),
       retryable: response.status === 429 || response.status >= 500,
     });
   }
   return response.json();
+}
+
+/**
+ * Voices the gateway offers (GET /v1/audio/voices), for a base URL such as "http://127.0.0.1:8000":
+ * `voices` (names), `uploaded_voices` (the cloned voices this key may use), `voice_cloning` (whether the
+ * backend can clone).
+ */
+export async function listVoices(baseUrl, { apiKey = null } = {}) {
+  return apiCall(baseUrl, "/v1/audio/voices", { apiKey });
+}
+
+function toBase64(bytes) {
+  if (typeof Buffer !== "undefined") return Buffer.from(bytes).toString("base64");
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(binary);
+}
+
+/**
+ * Clone a voice from a reference clip and register it for this API key (POST /v1/audio/voices).
+ * `audio`: the clip's bytes (Uint8Array, ArrayBuffer or Blob; wav, flac, mp3, ogg, any rate), `consent`:
+ * the speaker's consent (e.g. a recording id), `refText`: what the clip says (needed unless `xVectorOnly`).
+ * Resolves to the voice's metadata; then `voice: name` speaks with it.
+ */
+export async function addVoice(baseUrl, name, audio, { consent, refText = null, xVectorOnly = false, apiKey = null } = {}) {
+  const bytes = audio instanceof Uint8Array ? audio
+    : new Uint8Array(audio instanceof ArrayBuffer ? audio : await audio.arrayBuffer());
+  const body = { name, consent, audio_sample: toBase64(bytes), x_vector_only_mode: xVectorOnly };
+  if (refText) body.ref_text = refText;
+  return (await apiCall(baseUrl, "/v1/audio/voices", { apiKey, method: "POST", body })).voice;
+}
+
+/** Delete a voice this API key registered (DELETE /v1/audio/voices/{name}); `voice_not_found` otherwise. */
+export async function deleteVoice(baseUrl, name, { apiKey = null } = {}) {
+  await apiCall(baseUrl, `/v1/audio/voices/${encodeURIComponent(name)}`, { apiKey, method: "DELETE" });
 }
 
 /**

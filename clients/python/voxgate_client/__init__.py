@@ -21,6 +21,7 @@ from .events import (
     parse_server_message,
 )
 from .session import DEFAULT_PATH, Context, Session, VoxgateError, connect
+from .voices import add_voice, delete_voice, list_voices
 
 __version__ = "0.1.0"
 
@@ -48,8 +49,11 @@ __all__ = [
     "UtteranceDone",
     "VoxgateError",
     "Word",
+    "add_voice",
     "alaw_to_pcm16",
     "connect",
+    "delete_voice",
+    "list_voices",
     "mulaw_to_pcm16",
     "parse_server_message",
     "pcm16_to_mulaw",

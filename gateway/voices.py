@@ -1,0 +1,242 @@
+"""Cloned voices: one registry behind the WebSocket's voice.add / voice.list, the HTTP voice routes, and
+`voice: "<name>"` in session.config and POST /v1/audio/speech (issue 15).
+
+A voice is cloned once: the reference clip is decoded (gateway/reference_audio.py), the backend computes
+its voice prompt (`Synthesizer.clone_voice`), and the prompt is stored with its metadata (owner key
+fingerprint, consent, created time, size, ...) in the session store, so with `--store redis` every replica
+can use it at once. Each replica keeps the prompts it used lately in an LRU cache bounded in bytes
+(`voice_cache_bytes`), keyed by the voice's id: a lookup reads only the small metadata from the store
+(so a deletion or replacement anywhere is seen at once) and the prompt only on a cache miss.
+
+Isolation: a voice belongs to the API key that created it (its fingerprint; '' on a server without keys).
+Another key finds nothing under that name: it can neither use, list, get nor delete it. Shared voices,
+cloned at start-up from `shared_voices_dir`, are visible to every key and deleted by none; a key's own
+voice of the same name comes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tts_backend.base import ReferenceAudio, SynthesisError, Synthesizer
+
+from .auth import Principal
+from .compat import backend_voice
+from .protocol import ErrorCode, ProtocolError, backend_error_code
+from .reference_audio import InvalidReferenceAudio, load_reference
+from .settings import GatewaySettings
+from .store import SessionStore
+
+log = logging.getLogger(__name__)
+
+VOICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_CONSENT_CHARS = 256
+MAX_REF_TEXT_CHARS = 2000
+SHARED_AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg")
+DECODE_CONCURRENCY = 2  # reference clips decoded at once per replica (CPU threads)
+# What of a voice's metadata clients see (vLLM-Omni's uploaded_voices fields and ours).
+PUBLIC_FIELDS = ("name", "consent", "created_at", "size", "file_size", "duration_s", "ref_text", "x_vector_only",
+                 "shared")
+
+
+@dataclass(frozen=True)
+class RegisteredVoice:
+    name: str
+    prompt: bytes
+    meta: dict[str, Any]
+
+
+def public(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: meta[k] for k in PUBLIC_FIELDS if meta.get(k) is not None}
+
+
+class PromptCache:
+    """Voice prompts by voice id, least recently used first out once they pass `max_bytes` together."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._prompts: OrderedDict[str, bytes] = OrderedDict()
+
+    def get(self, voice_id: str) -> bytes | None:
+        prompt = self._prompts.get(voice_id)
+        if prompt is not None:
+            self._prompts.move_to_end(voice_id)
+        return prompt
+
+    def put(self, voice_id: str, prompt: bytes) -> None:
+        self.drop(voice_id)
+        if len(prompt) > self.max_bytes:
+            return
+        self._prompts[voice_id] = prompt
+        self.bytes += len(prompt)
+        while self.bytes > self.max_bytes:
+            _, oldest = self._prompts.popitem(last=False)
+            self.bytes -= len(oldest)
+
+    def drop(self, voice_id: str) -> None:
+        old = self._prompts.pop(voice_id, None)
+        if old is not None:
+            self.bytes -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+
+class VoiceRegistry:
+    def __init__(self, backend: Synthesizer, store: SessionStore, settings: GatewaySettings) -> None:
+        self.backend = backend
+        self.store = store
+        self.settings = settings
+        self.cache = PromptCache(settings.voice_cache_bytes)
+        self._shared: dict[str, RegisteredVoice] = {}
+        self._decode_slots = asyncio.Semaphore(DECODE_CONCURRENCY)
+
+    @staticmethod
+    def owner(principal: Principal) -> str:
+        return principal.key_id or ""
+
+    def _check_can_clone(self) -> None:
+        if not self.backend.can_clone:
+            raise ProtocolError(ErrorCode.voice_cloning_unsupported,
+                                f"the {self.backend.name} backend cannot clone a voice from reference audio")
+
+    async def clone(self, audio: str | bytes, ref_text: str | None, x_vector_only: bool) -> tuple[ReferenceAudio, bytes]:
+        """Decode a clip and have the backend compute its prompt (a session's inline clone, or a voice to
+        register). Raises ProtocolError with invalid_reference_audio, voice_cloning_unsupported, ..."""
+        self._check_can_clone()
+        if ref_text is not None and len(ref_text) > MAX_REF_TEXT_CHARS:
+            raise ProtocolError(ErrorCode.invalid_reference_audio,
+                                f"ref_text has {len(ref_text)} characters; the limit is {MAX_REF_TEXT_CHARS}")
+        try:
+            reference = await load_reference(audio, ref_text, self.settings, self._decode_slots)
+        except InvalidReferenceAudio as exc:
+            raise ProtocolError(ErrorCode.invalid_reference_audio, str(exc)) from None
+        try:
+            return reference, await self.backend.clone_voice(reference, x_vector_only)
+        except SynthesisError as exc:
+            raise ProtocolError(backend_error_code(exc) or ErrorCode.synthesis_failed, f"cloning the voice: {exc}") from None
+
+    async def voice_for(self, principal: Principal, *, voice: str | None, ref_audio: str | None,
+                        ref_text: str | None, x_vector_only: bool | None,
+                        task_type: str | None) -> RegisteredVoice | None:
+        """The cloned voice a request speaks with, if any (else the backend's presets, gateway/compat.py):
+        its own clip (`ref_audio`, cloned for this request or session), else the caller's or a shared
+        voice named `voice` unless a preset has that name. A name that is none of these is voice_not_found
+        where only a clone can speak (task_type "Base", or a backend without presets); elsewhere the preset
+        rules apply (fallback or unknown_voice). Backends that cannot clone: None (compat warns)."""
+        if not self.backend.can_clone:
+            return None
+        if ref_audio is not None:
+            _, prompt = await self.clone(ref_audio, ref_text, bool(x_vector_only))
+            return RegisteredVoice(voice or "ref_audio", prompt, {})
+        if not voice or backend_voice(self.backend, voice) is not None:
+            return None
+        found = await self.find(principal, voice)
+        if found is None and (task_type == "Base" or not self.backend.voices()):
+            raise ProtocolError(ErrorCode.voice_not_found, f"no voice {voice!r} registered with this key; register it"
+                                " (voice.add, POST /v1/audio/voices) or send ref_audio")
+        return found
+
+    async def add(self, principal: Principal, name: Any, audio: str | bytes, *, consent: Any,
+                  ref_text: str | None = None, x_vector_only: bool = False) -> dict[str, Any]:
+        """Register (or replace) the caller's voice `name`; returns its public metadata."""
+        self._check_can_clone()
+        if not isinstance(name, str) or not VOICE_NAME.match(name):
+            raise ProtocolError(ErrorCode.invalid_message, "a voice name is 1-64 letters, digits, '_', '-' or '.',"
+                                " starting with a letter or digit")
+        if not isinstance(consent, str) or not consent.strip() or len(consent) > MAX_CONSENT_CHARS:
+            raise ProtocolError(ErrorCode.invalid_message, "consent is required: a non-empty string of at most"
+                                f" {MAX_CONSENT_CHARS} characters naming the speaker's consent (a recording id)")
+        owner = self.owner(principal)
+        # Checked before the costly clone, and again atomically by the store when the voice is written.
+        existing = await self.store.voice_metas(owner)
+        if not any(m["name"] == name for m in existing) and len(existing) >= self.settings.max_voices_per_key:
+            raise self._limit()
+        size = len(audio)
+        reference, prompt = await self.clone(audio, ref_text, x_vector_only)
+        meta = {"id": uuid.uuid4().hex, "name": name, "owner": owner, "consent": consent,
+                "created_at": int(time.time()), "size": len(prompt), "file_size": size,
+                "duration_s": round(reference.duration_s, 3), "ref_text": reference.ref_text,
+                "x_vector_only": bool(x_vector_only), "backend": self.backend.name}
+        if not await self.store.put_voice(owner, name, meta, prompt, self.settings.max_voices_per_key):
+            raise self._limit()
+        self.cache.put(meta["id"], prompt)
+        log.info("voice registered", extra={"key_id": principal.key_id, "voice": name, "prompt_bytes": len(prompt)})
+        return public(meta)
+
+    def _limit(self) -> ProtocolError:
+        return ProtocolError(ErrorCode.voice_limit_reached, f"this key has {self.settings.max_voices_per_key} voices,"
+                             " the most it may register; delete one first")
+
+    async def find(self, principal: Principal, name: str) -> RegisteredVoice | None:
+        """The caller's voice `name`, or the shared one; None if neither exists (or it is another key's)."""
+        if not VOICE_NAME.match(name):
+            return None
+        owner = self.owner(principal)
+        meta = await self.store.voice_meta(owner, name)
+        if meta is None:
+            return self._shared.get(name)
+        prompt = self.cache.get(meta["id"])
+        if prompt is None:
+            prompt = await self.store.voice_prompt(owner, name)
+            if prompt is None:  # deleted between the two reads
+                return self._shared.get(name)
+            self.cache.put(meta["id"], prompt)
+        return RegisteredVoice(name, prompt, meta)
+
+    async def list_voices(self, principal: Principal) -> list[dict[str, Any]]:
+        own = await self.store.voice_metas(self.owner(principal))
+        names = {m["name"] for m in own}
+        shared = [v.meta for name, v in self._shared.items() if name not in names]
+        return [public(m) for m in sorted(own, key=lambda m: m["name"]) + shared]
+
+    async def get(self, principal: Principal, name: str) -> dict[str, Any]:
+        meta = await self.store.voice_meta(self.owner(principal), name) if VOICE_NAME.match(name) else None
+        if meta is None and name in self._shared:
+            meta = self._shared[name].meta
+        if meta is None:
+            raise self._not_found(name)
+        return public(meta)
+
+    async def delete(self, principal: Principal, name: str) -> None:
+        owner = self.owner(principal)
+        meta = await self.store.voice_meta(owner, name) if VOICE_NAME.match(name) else None
+        if meta is None or not await self.store.delete_voice(owner, name):
+            raise self._not_found(name)
+        self.cache.drop(meta["id"])
+
+    @staticmethod
+    def _not_found(name: str) -> ProtocolError:
+        return ProtocolError(ErrorCode.voice_not_found, f"no voice {name!r} registered with this key")
+
+    async def load_shared(self, folder: str) -> None:
+        """Clone every clip of `folder` (NAME.wav/.flac/.mp3/.ogg, its transcript in NAME.txt, else an
+        x-vector-only voice) into a shared voice. A clip that cannot be cloned fails start-up."""
+        for path in sorted(Path(folder).iterdir()):
+            if path.suffix.lower() not in SHARED_AUDIO_SUFFIXES:
+                continue
+            name = path.stem
+            if not VOICE_NAME.match(name):
+                raise ValueError(f"shared voice file {path}: {name!r} is not a valid voice name")
+            transcript = path.with_suffix(".txt")
+            ref_text = transcript.read_text(encoding="utf-8").strip() if transcript.exists() else None
+            data = path.read_bytes()
+            try:
+                reference, prompt = await self.clone(data, ref_text, x_vector_only=ref_text is None)
+            except ProtocolError as exc:
+                raise ValueError(f"shared voice file {path}: {exc.message}") from None
+            meta = {"id": f"shared:{name}", "name": name, "owner": None, "consent": "operator",
+                    "created_at": int(path.stat().st_mtime), "size": len(prompt), "file_size": len(data),
+                    "duration_s": round(reference.duration_s, 3), "ref_text": reference.ref_text,
+                    "x_vector_only": ref_text is None, "shared": True, "backend": self.backend.name}
+            self._shared[name] = RegisteredVoice(name, prompt, meta)
+        log.info("%d shared voices loaded from %s", len(self._shared), folder)
