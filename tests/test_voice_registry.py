@@ -330,3 +330,29 @@ def test_reference_urls_are_fetched_only_where_allowed_and_within_limits(tmp_pat
     finally:
         files.shutdown()
         files.server_close()
+
+
+def test_a_session_resumed_on_another_replica_keeps_its_cloned_voice(redis_prefix):  # noqa: F811 - fixture
+    options = dict(api_keys=[KEY_A], store="redis", redis_key_prefix=redis_prefix)
+    with running_gateway(PitchCloneSynthesizer(), **options) as first, \
+            running_gateway(second_backend := PitchCloneSynthesizer(), **options) as second:
+        assert upload(first.url, KEY_A, "dave", clip(265.0), ref_text="hi").status_code == 200
+
+        async def scenario() -> bytes:
+            ws, started, _ = await open_session(first.ws_url, {"type": "session.config", "voice": "dave",
+                                                               "response_format": "pcm"}, additional_headers=auth(KEY_A))
+            await ws.send(json.dumps({"type": "input.text", "text": "The first sentence is here."}))
+            await ws.send(json.dumps({"type": "input.flush"}))
+            await receive_until(ws, "audio.done")
+            await ws.close()  # the client goes away mid-utterance; the session waits in Redis
+            async with websockets.connect(second.ws_url, additional_headers=auth(KEY_A)) as again:
+                await again.send(json.dumps({"type": "session.resume", "session_id": started["session_id"],
+                                             "sentence_index": 1, "bytes_received": 0}))
+                resumed = (await receive_until(again, "session.started", "error"))[-1]
+                assert resumed["type"] == "session.started" and resumed["voice"] == "dave", resumed
+                await again.send(json.dumps({"type": "input.text", "text": "Then one made on the other replica."}))
+                await again.send(json.dumps({"type": "input.done"}))
+                return audio_by_sentence(await receive_until(again, "session.done"))[1]
+
+        assert abs(dominant_hz(asyncio.run(scenario()), 24000) - 265.0) < 5
+        assert second_backend.clones == 0
