@@ -45,6 +45,7 @@ from .compat import VoiceChoice, option_warnings, resolve_voice, timestamp_trans
 from .limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
 from .protocol import ErrorCode, ProtocolError, backend_error_code, loads_client_json
 from .segmenter import SentenceSegmenter, push_in_slices
+from .word_times import append_monotonic, count_reached, in_seconds
 from .state import Gateway
 
 
@@ -388,7 +389,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         first = True
         async with contextlib.aclosing(synthesis) as chunks:
             async for chunk in chunks:
-                clock.pending.extend(chunk.words)
+                clock.add(chunk.words)
                 data = await encoder.encode(chunk.pcm) if chunk.pcm else b""
                 words = clock.complete()
                 if data:
@@ -473,25 +474,20 @@ class _WordClock:
     def __init__(self, encoder: encoders.AudioFileEncoder, source_rate: int) -> None:
         self.encoder = encoder
         self.source_rate = source_rate
-        self.pending: list[WordTiming] = []
-        self._last: tuple[int, int] = (0, 0)  # the previous word's start and end: times never go back
+        self._words: list[WordTiming] = []
+        self._told = 0
+
+    def add(self, words) -> None:
+        append_monotonic(self._words, words)
 
     def complete(self, *, everything: bool = False) -> list[dict[str, Any]]:
-        encoder, rate = self.encoder, self.encoder.output_rate
-        reach = encoder.decoded_samples * self.source_rate
-        count = len(self.pending) if everything else 0
-        while count < len(self.pending) and self.pending[count].end * rate <= reach:
-            count += 1
-        done, self.pending = self.pending[:count], self.pending[count:]
-        offset = encoder.priming / rate
-        words = []
-        for word in done:
-            start = max(word.start, self._last[0])
-            end = max(word.end, start, self._last[1])
-            self._last = (start, end)
-            words.append({"word": word.word, "start": round(offset + start / self.source_rate, 6),
-                          "end": round(offset + end / self.source_rate, 6)})
-        return words
+        encoder = self.encoder
+        reached = len(self._words) if everything else count_reached(
+            self._words, encoder.decoded_samples, self.source_rate, encoder.output_rate)
+        done = self._words[self._told : reached]
+        self._told = max(self._told, reached)
+        return [w.model_dump(exclude_none=True)
+                for w in in_seconds(done, self.source_rate, encoder.priming / encoder.output_rate)]
 
 
 # ----------------------------------------------------------------------------------------- tokens

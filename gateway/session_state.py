@@ -13,6 +13,7 @@ from . import audio
 from .protocol import ConfigWarning, SessionConfig, SpokenWord
 from .segmenter import SentenceSegmenter
 from .store import MarkerRecord
+from .word_times import count_reached, in_seconds
 
 
 class ClientGone(Exception):
@@ -97,28 +98,12 @@ class SentenceJob:
                 sent = max(0, self.bytes_sent - header) // width
             else:
                 sent = self.coded_samples_sent
-            reach = sent * config.source_rate
-            count = 0
-            while count < len(self.words) and self.words[count].end * config.output_rate <= reach:
-                count += 1
-        rate = config.source_rate
-        offset = self.time_offset_samples / config.output_rate
-        return [SpokenWord(word=w.word, start=round(offset + w.start / rate, 6), end=round(offset + w.end / rate, 6))
-                for w in self.words[:count]]
-
+            count = count_reached(self.words, sent, config.source_rate, config.output_rate)
+        return in_seconds(self.words[:count], config.source_rate, self.time_offset_samples / config.output_rate)
 
     @property
     def cancelled(self) -> bool:
         return self.utterance.cancelled
-
-
-def add_word_timings(job: SentenceJob, words) -> None:
-    """Keep a backend's WordTimings for `job`, never going back in time (a backend that does is clamped)."""
-    for word in words:
-        floor = job.words[-1].start if job.words else 0
-        start = max(word.start, floor)
-        end = max(word.end, start, job.words[-1].end if job.words else 0)
-        job.words.append(WordTiming(word.word, start, end))
 
 
 @dataclass(eq=False)

@@ -44,7 +44,8 @@ from .protocol import (
     WordAlignment,
     backend_error_code,
 )
-from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, add_word_timings, sent_marker
+from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, sent_marker
+from .word_times import append_monotonic
 
 log = logging.getLogger("voxgate.session")
 
@@ -123,7 +124,7 @@ class SpeechPipeline:
                         except StopAsyncIteration:
                             break
                         if chunk.words and not job.finished:
-                            add_word_timings(job, chunk.words)
+                            append_monotonic(job.words, chunk.words)
                         if chunk.pcm and not job.finished:
                             if monitor is not None:
                                 monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)

@@ -63,34 +63,28 @@ class Client:
     async def send(self, **message) -> None:
         await self.ws.send(json.dumps(message))
 
+    def _take(self, frame: str | bytes) -> dict | None:
+        if isinstance(frame, bytes):
+            self.audio[self.open] += frame
+            return None
+        message = json.loads(frame)
+        self.messages.append(message)
+        self.held_at.append({i: len(a) for i, a in self.audio.items()})
+        if message["type"] == "audio.start":
+            self.open = message["sentence_index"]
+            self.audio.setdefault(self.open, bytearray())  # again after a resume: it continues
+        return message
+
     async def until(self, kind: str, timeout: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout
         while True:
-            frame = await asyncio.wait_for(self.ws.recv(), max(0.01, deadline - time.monotonic()))
-            if isinstance(frame, bytes):
-                self.audio[self.open] += frame
-                continue
-            message = json.loads(frame)
-            self.messages.append(message)
-            self.held_at.append({i: len(a) for i, a in self.audio.items()})
-            if message["type"] == "audio.start":
-                self.open = message["sentence_index"]
-                self.audio.setdefault(self.open, bytearray())  # again after a resume: it continues
-            if message["type"] == kind:
+            message = self._take(await asyncio.wait_for(self.ws.recv(), max(0.01, deadline - time.monotonic())))
+            if message is not None and message["type"] == kind:
                 return message
 
     async def into_sentence(self, index: int, min_bytes: int) -> None:
         while not (self.open == index and len(self.audio[index]) >= min_bytes):
-            frame = await asyncio.wait_for(self.ws.recv(), 30)
-            if isinstance(frame, bytes):
-                self.audio[self.open] += frame
-            else:
-                message = json.loads(frame)
-                self.messages.append(message)
-                self.held_at.append({i: len(a) for i, a in self.audio.items()})
-                if message["type"] == "audio.start":
-                    self.open = message["sentence_index"]
-                    self.audio.setdefault(self.open, bytearray())  # again after a resume: it continues
+            self._take(await asyncio.wait_for(self.ws.recv(), 30))
 
     def of_type(self, kind: str) -> list[tuple[dict, dict[int, int]]]:
         return [(m, h) for m, h in zip(self.messages, self.held_at) if m["type"] == kind]
