@@ -204,3 +204,43 @@ def test_strict_loader_names_a_missing_speaker_encoder_or_codec_encoder_tensor(t
     save_file(tensors, codec)
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         Qwen3TTS.from_pretrained(broken, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("size,total,speaker_encoder", [("0.6b", 914_643_008, 8_854_336),
+                                                        ("1.7b", 1_928_677_440, 12_001_088)])
+def test_released_base_layouts_load_tensor_for_tensor(size, total, speaker_encoder):
+    """The released Base files (design doc §7.2-§7.4, totals from their published sizes): every tensor of
+    model.safetensors and every encoder.* tensor of the speech tokenizer is either loaded into a module of the
+    same shape or one of the few named as unused, and the counts add up to the published parameter totals."""
+    import math
+
+    from tts_backend.qwen3.codec_encoder import (
+        CodecEncoder, CodecEncoderConfig, codec_encoder_name_map, is_unused_encoder_tensor)
+    from tts_backend.qwen3.config import Qwen3TTSConfig
+    from tts_backend.qwen3.loader import ModelWeights, model_name_map
+    from tts_backend.qwen3.testing.checkpoint import model_config, model_tensor_shapes
+    from tts_backend.qwen3.testing.codec_checkpoint import speech_tokenizer_config, speech_tokenizer_tensor_shapes
+
+    config = model_config(size, "base")
+    shapes = model_tensor_shapes(config)
+    assert sum(math.prod(s) for s in shapes.values()) == total
+    with torch.device("meta"):
+        weights = ModelWeights(Qwen3TTSConfig.from_dict(config))
+    state = weights.state_dict()
+    names = model_name_map(weights)
+    assert set(names) == set(shapes)
+    assert all(tuple(state[names[n]].shape) == s for n, s in shapes.items())
+    assert sum(p.numel() for p in weights.speaker_encoder.parameters()) == speaker_encoder
+    assert len(weights.speaker_encoder.state_dict()) == 76
+
+    tokenizer = speech_tokenizer_config("full")
+    encoder_shapes = {n: s for n, s in speech_tokenizer_tensor_shapes(tokenizer).items() if n.startswith("encoder.")}
+    assert sum(math.prod(s) for s in encoder_shapes.values()) == 56_234_304
+    cfg = CodecEncoderConfig.from_dict(tokenizer)
+    with torch.device("meta"):
+        encoder = CodecEncoder(cfg)
+    encoder_state = encoder.state_dict()
+    mapped = codec_encoder_name_map(encoder)
+    assert set(mapped) == {n for n in encoder_shapes if not is_unused_encoder_tensor(n, cfg)}
+    assert all(tuple(encoder_state[mapped[n]].shape) == encoder_shapes[n] for n in mapped)
+    assert len(encoder.quantizer.acoustic_residual_vector_quantizer.layers) == 15  # 16 valid books in all
