@@ -3,8 +3,9 @@ between API keys, limits, reference audio in any format, and replicas sharing vo
 
 Real gateways on loopback (tests/gateway_server.py), real httpx and websockets clients, real Redis. The
 backend that clones is tests/cloning_fixtures.py's PitchCloneSynthesizer, a test backend whose voice
-prompt is the pitch of the reference clip (no CPU model can clone yet), so which voice spoke is read
-from the audio: the reference clips are tones at distinct pitches. The refusals run on the synthetic
+prompt is the pitch of the reference clip, so which voice spoke is read from the audio: the reference
+clips are tones at distinct pitches (the real Qwen3 Base model behind a gateway is in
+tests/test_qwen3_clone_gateway.py). The refusals run on the synthetic
 backend, which cannot clone, as Piper cannot.
 """
 
