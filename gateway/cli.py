@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config-timeout", dest="config_timeout_s", type=float, help="seconds to wait for session.config")
     serve.add_argument("--idle-timeout", dest="idle_timeout_s", type=float, help="idle seconds before a session closes")
     serve.add_argument("--max-buffered-chars", type=int, help="unspoken characters allowed per session")
+    serve.add_argument("--max-pending-ends", type=int,
+                       help="input.done per session waiting behind unsent audio before more are refused (default 256)")
     serve.add_argument("--max-synthesis-chars", type=int, help="longest text of one synthesis call (default 300)")
     serve.add_argument("--max-sessions", type=int, help="concurrent sessions (0 = unlimited)")
     serve.add_argument("--api-key", dest="api_keys", action="append", help="accepted API key; repeatable")

@@ -126,6 +126,9 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         self._queue: deque[SentenceJob | UtteranceEnd | SessionEnd] = deque()
         self._queue_changed = asyncio.Event()
         self._current: SentenceJob | UtteranceEnd | SessionEnd | None = None  # being sent now
+        # The UtteranceEnds in `_queue`, kept as items enter and leave it (`_queue_item`, the sender, cancel),
+        # so that max_pending_ends is checked per input.done without a scan.
+        self._ends_queued = 0
         self._pending_chars = 0  # text of released sentences not yet fully sent
         self._send_lock = asyncio.Lock()
         self._closing = False  # session.close received
@@ -618,6 +621,15 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             self._record_open_text(utterance)
 
     async def _on_done(self, context_id: str | None, by_close: bool = False) -> None:
+        limit = self.settings.max_pending_ends
+        if not by_close and self._ends_queued >= limit:  # session.close ends at most max_open_contexts
+            raise ProtocolError(
+                ErrorCode.rate_limited,
+                f"this input.done was not accepted: {self._ends_queued} utterance ends are waiting for audio not"
+                f" yet sent, the limit is {limit}; the utterance stays open with its text, send input.done again"
+                " once audio has gone out",
+                context_id=context_id,
+            )
         utterance = self._open.pop(context_id, None)
         if utterance is None:
             # input.done with no text: the utterance is empty, but the client still gets its answer.
@@ -681,9 +693,14 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             self._staged_items.append(job)
 
     def _enqueue(self, item: SentenceJob | UtteranceEnd | SessionEnd) -> None:
-        self._queue.append(item)
+        self._queue_item(item)
         self._fill_pipeline()
         self._queue_changed.set()
+
+    def _queue_item(self, item: SentenceJob | UtteranceEnd | SessionEnd) -> None:
+        self._queue.append(item)
+        if isinstance(item, UtteranceEnd):
+            self._ends_queued += 1
 
     # -------------------------------------------------------------- cancel
 
@@ -718,6 +735,9 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             dropped_markers = [
                 item for item in items if isinstance(item, UtteranceEnd) and item.utterance.cancelled and not item.sent
             ]
+            self._ends_queued -= sum(
+                1 for item in self._queue if isinstance(item, UtteranceEnd) and item.utterance.cancelled
+            )
             self._queue = deque(
                 item for item in self._queue
                 if not (isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled)

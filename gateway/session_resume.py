@@ -184,7 +184,7 @@ class SessionResumer:
         if any(isinstance(item, SessionEnd) for _, item in owed):
             self._closing = True
         for _, item in sorted(owed, key=lambda pair: (pair[0], getattr(pair[1], "number", 0))):
-            self._queue.append(item)
+            self._queue_item(item)
         for open_utterance in record.open_utterances.values():
             reopened = utterance(open_utterance.utterance, open_utterance.context_id)
             self._open[open_utterance.context_id] = reopened

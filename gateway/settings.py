@@ -137,6 +137,10 @@ class GatewaySettings(BaseSettings):
         " or for this long"
     )
     max_open_contexts: int = Field(256, ge=1, description="contexts of one session taking text at the same time")
+    max_pending_ends: int = Field(
+        256, ge=1, description="utterance ends (input.done) of one session queued behind audio not yet sent; another"
+        " input.done is refused (rate_limited, retryable) until some have gone out"
+    )
     header_timeout_s: float = Field(10.0, gt=0, description="time a client gets to send its request headers (slowloris)")
     max_http_body_bytes: int = Field(
         1 * MIB, gt=0, description="largest HTTP request body; refused (413) as soon as more arrives"

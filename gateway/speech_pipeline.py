@@ -201,6 +201,8 @@ class SpeechPipeline:
                 self._queue_changed.clear()
                 await self._queue_changed.wait()
             item = self._queue.popleft()
+            if isinstance(item, UtteranceEnd):
+                self._ends_queued -= 1
             self._current = item
             self._audio_taken.set()  # a new head may pull again
             try:

@@ -33,6 +33,7 @@ from gateway.app import create_app
 from gateway.cli import uvicorn_options
 from gateway.settings import GatewaySettings
 from tts_backend.base import Synthesizer
+from tts_backend.synthetic import SyntheticSynthesizer
 
 
 def wait_until_ready(url: str, timeout_s: float, startup_failure: Callable[[], str | None] = lambda: None,
@@ -251,3 +252,19 @@ class RecordingBackend(Synthesizer):
         finally:
             if not completed:
                 record.closed = time.monotonic()
+
+
+class HeldSynthesizer(SyntheticSynthesizer):
+    """Synthetic audio, except that a sentence containing HOLD is made only once the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+        self.resumed = threading.Event()  # the held sentence is being made
+
+    async def synthesize(self, request):
+        if "HOLD" in request.text:
+            await asyncio.to_thread(self.released.wait, 60)  # the wait ends early only if a test fails
+            self.resumed.set()
+        async for chunk in super().synthesize(request):
+            yield chunk

@@ -232,16 +232,21 @@ async def test_thousands_of_contexts(server, reference):
             assert got.opcode == OP_TEXT and got.json["type"] == "context.cancelled", got
             cancelled.append(got.json["context_id"])
         assert sorted(cancelled) == sorted(f"c{i}" for i in range(contexts))
-        # The session still works, and a thousand short utterances one after another are all answered.
+        # The session still works, and a thousand short utterances one after another are all answered:
+        # ended, or, past max_pending_ends waiting at once, refused with rate_limited.
         count = 1000
         await client.send(b"".join(
             text({"type": "input.done", "context_id": f"d{i}"}) for i in range(count)
         ))
-        done = 0
-        while done < count:
+        done = refused = 0
+        while done + refused < count:
             got = await client.read_frame()
             if got.opcode == OP_TEXT and got.json["type"] == "utterance.done":
                 done += 1
+            elif got.opcode == OP_TEXT and got.json["type"] == "error":
+                assert got.json["code"] == "rate_limited", got.json
+                refused += 1
+        assert done >= server.settings.max_pending_ends
         await client.send_json({"type": "input.text", "text": "Last words.", "context_id": "last"})
         await client.send_json({"type": "input.done", "context_id": "last"})
         start = await client.read_json_until("audio.start")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import threading
 
 import av
 import av.logging
@@ -19,7 +18,7 @@ import pytest
 import soxr
 import websockets
 
-from tests.gateway_server import audio_by_sentence, receive_until, running_gateway
+from tests.gateway_server import HeldSynthesizer, audio_by_sentence, receive_until, running_gateway
 from tests.resume_fixtures import Listener, config_message
 from tts_backend.base import SynthesisRequest
 from tts_backend.synthetic import SyntheticSynthesizer
@@ -80,22 +79,6 @@ def assert_same_audio(fmt: str, data: bytes, reference_24k: np.ndarray) -> None:
     noise = aligned[inner] - reference[inner]
     snr = 10 * np.log10(np.sum(reference[inner] ** 2) / np.sum(noise**2))
     assert snr > LOSSY_MIN_SNR_DB[fmt], f"{fmt}: SNR {snr:.1f} dB"
-
-
-class HeldSynthesizer(SyntheticSynthesizer):
-    """Synthetic audio, except that a sentence containing HOLD is made only once the test releases it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.released = threading.Event()
-        self.resumed = threading.Event()  # the held sentence is being made
-
-    async def synthesize(self, request):
-        if "HOLD" in request.text:
-            await asyncio.to_thread(self.released.wait, 60)  # the wait ends early only if a test fails
-            self.resumed.set()
-        async for chunk in super().synthesize(request):
-            yield chunk
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import redis
 import websockets
 
 from gateway.store import MAX_ENDS_KEPT
-from tests.gateway_server import running_gateway
+from tests.gateway_server import HeldSynthesizer, running_gateway
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
 from tests.resume_fixtures import Listener, config_message, start_session, uninterrupted_pcm
 
@@ -129,7 +129,8 @@ async def test_a_flood_of_short_utterances_leaves_few_end_records(store, context
     client lacks: none, the last one, or resume_out_of_range for ends no longer kept."""
     utterances = 300 if spoken else MAX_ENDS_KEPT + 500
     end_type = "session.done" if context_id is None else "utterance.done"
-    options = dict(store=store, redis_key_prefix=redis_prefix, replay_log_bytes=20_000)
+    # All sent at once: none may be refused for waiting behind the others (max_pending_ends).
+    options = dict(store=store, redis_key_prefix=redis_prefix, replay_log_bytes=20_000, max_pending_ends=utterances)
     with running_gateway(backend="synthetic", **options) as server:
         listener = Listener()
         async with websockets.connect(server.ws_url, max_size=None) as ws:
@@ -302,3 +303,138 @@ async def test_context_id_has_a_length_limit():
             done = await listener.receive(ws, "utterance.done")
         assert done["context_id"] == "c" * 128 and done["total_sentences"] == 1
         assert [m["sentence_text"] for m in listener.messages if m["type"] == "audio.start"] == ["Spoken."]
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+@pytest.mark.parametrize("contexts", [False, True], ids=["no-context", "contexts"])
+@pytest.mark.parametrize("spoken", [True, False], ids=["spoken", "empty"])
+async def test_utterance_ends_waiting_behind_held_audio_are_bounded(store, contexts, spoken, redis_prefix):  # noqa: F811
+    """While the backend holds the first sentence, 200 input.done (each after a little text, or empty) pile
+    up behind it. Before: all queued, with as many end records in the store. Now past max_pending_ends
+    each is refused with rate_limited (retryable, its context named), and its utterance stays open with
+    its text; once the audio has gone out every accepted end is answered exactly once, in order, and
+    input.done sent again is accepted and speaks the text the refused ones left open."""
+    limit, flood = 8, 200
+    backend = HeldSynthesizer()
+    hold = "hold" if contexts else None
+    end_type = "utterance.done" if contexts else "session.done"
+
+    def context(i: int) -> str | None:
+        return f"c{i}" if contexts else None
+
+    def ends() -> list[dict]:
+        return [m for m in listener.messages if m["type"] == end_type]
+
+    async def receive_ends(count: int) -> None:
+        while len(ends()) < count:
+            await listener.receive(ws, end_type)
+
+    with running_gateway(backend, store=store, redis_key_prefix=redis_prefix, max_pending_ends=limit) as server:
+        listener = Listener()
+        try:
+            async with websockets.connect(server.ws_url, max_size=None) as ws:
+                await ws.send(config_message())
+                await listener.receive(ws, "session.started")
+                await ws.send(json.dumps({"type": "input.text", "text": "Please HOLD this one.", "context_id": hold}))
+                await ws.send(json.dumps({"type": "input.done", "context_id": hold}))
+                await listener.receive(ws, "audio.start")  # the held sentence: nothing after it goes out
+                for i in range(flood):
+                    if spoken:
+                        await ws.send(json.dumps({"type": "input.text", "text": f"Go on {i}. ", "context_id": context(i)}))
+                    await ws.send(json.dumps({"type": "input.done", "context_id": context(i)}))
+                await ws.send(json.dumps({"type": "ping", "id": "flooded"}))
+                await listener.receive(ws, "pong")  # every input.done above has been handled
+                records, memory = marker_records(server, listener.session_id)
+                refusals = [m for m in listener.messages if m["type"] == "error"]
+                # The held utterance's end and the first limit - 1 of the flood wait; the rest are refused.
+                accepted = limit - 1
+                assert [(m["code"], m["retryable"], m.get("context_id")) for m in refusals] == [
+                    ("rate_limited", True, context(i)) for i in range(accepted, flood)
+                ], refusals[:3]
+                assert ends() == []
+                print(f"{store}, contexts {contexts}, spoken {spoken}: {flood} input.done behind held audio:"
+                      f" {len(refusals)} refused, {records} end records ({memory} bytes in Redis)")
+                assert records <= limit  # before: one per input.done (201)
+
+                backend.released.set()
+                await receive_ends(limit)
+                # Sent again once the audio has gone out, in batches the bound admits: all accepted.
+                refused = [context(i) for i in range(accepted, flood)]
+                if not contexts:
+                    refused = [None]  # one open utterance holds the text of every refused one
+                while refused:
+                    batch, refused = refused[:limit], refused[limit:]
+                    for context_id in batch:
+                        await ws.send(json.dumps({"type": "input.done", "context_id": context_id}))
+                    await receive_ends(len(ends()) + len(batch))
+                await ws.send(json.dumps({"type": "ping", "id": "drained"}))
+                await listener.receive(ws, "pong")
+        finally:
+            backend.released.set()
+    errors = [m for m in listener.messages if m["type"] == "error"]
+    assert len(errors) == flood - accepted  # nothing refused once the ends have gone out
+    if contexts:  # each context ended exactly once, in the order its input.done was accepted
+        assert [m["context_id"] for m in ends()] == ["hold", *(f"c{i}" for i in range(flood))]
+    else:
+        assert len(ends()) == limit + 1
+    starts = [m for m in listener.messages if m["type"] == "audio.start"]
+    spoken_text = " ".join(m["sentence_text"] for m in starts)
+    expected = " ".join(["Please HOLD this one.", *(f"Go on {i}." for i in range(flood) if spoken)])
+    if contexts:  # sentences of different contexts may interleave: compare per context
+        by_context = {m["context_id"]: m["sentence_text"] for m in starts}
+        assert len(by_context) == len(starts)
+        assert by_context == {"hold": "Please HOLD this one.", **({f"c{i}": f"Go on {i}." for i in range(flood)} if spoken else {})}
+    else:
+        assert spoken_text == expected  # no text lost to a refusal
+
+
+async def test_cancel_and_resume_keep_the_count_of_waiting_ends():
+    """The count of ends waiting is kept by input.cancel (the dropped ends free their places) and by a
+    resume (the ends it owes count)."""
+    limit = 8
+    backend = HeldSynthesizer()
+
+    async def done(ws, listener: Listener, context_id: str) -> dict | None:
+        """input.done for `context_id`; its refusal, or None once it is accepted (a ping answered)."""
+        await ws.send(json.dumps({"type": "input.done", "context_id": context_id}))
+        await ws.send(json.dumps({"type": "ping", "id": context_id}))
+        await listener.receive(ws, "pong")
+        error = listener.messages[-2]
+        return error if error["type"] == "error" else None
+
+    with running_gateway(backend, max_pending_ends=limit) as server:
+        listener = Listener()
+        try:
+            async with websockets.connect(server.ws_url, max_size=None) as ws:
+                await ws.send(config_message())
+                await listener.receive(ws, "session.started")
+                await ws.send(json.dumps({"type": "input.text", "text": "Please HOLD this one.", "context_id": "hold"}))
+                await ws.send(json.dumps({"type": "input.done", "context_id": "hold"}))
+                await listener.receive(ws, "audio.start")
+                for _ in range(limit - 1):
+                    assert await done(ws, listener, "a") is None
+                assert (await done(ws, listener, "a"))["code"] == "rate_limited"
+                await ws.send(json.dumps({"type": "input.cancel", "context_id": "a"}))
+                await listener.receive(ws, "context.cancelled")
+                for _ in range(limit - 1):  # the places of the cancelled ends are free again
+                    assert await done(ws, listener, "b") is None
+                assert (await done(ws, listener, "b"))["code"] == "rate_limited"
+            # A resume, audio still held: it owes all eight ends, so the next input.done waits for them.
+            resumed = Listener(session_id=listener.session_id)
+            message = json.loads(listener.resume_message()) | {"ends_received": 0}
+            async with websockets.connect(server.ws_url, max_size=None) as ws:
+                await ws.send(json.dumps(message))
+                await resumed.receive(ws, "session.started")
+                refusal = await done(ws, resumed, "c")
+                assert refusal is not None and refusal["code"] == "rate_limited", refusal
+                backend.released.set()
+                for count in (limit, limit + 1):  # the owed ends, then (sent again) that of "c"
+                    while sum(m["type"] == "utterance.done" for m in resumed.messages) < count:
+                        await resumed.receive(ws, "utterance.done")
+                    if count == limit:
+                        assert await done(ws, resumed, "c") is None
+        finally:
+            backend.released.set()
+    assert [m["context_id"] for m in resumed.messages if m["type"] == "utterance.done"] == [
+        "hold", *["b"] * (limit - 1), "c"]
+    assert not any(m["type"] == "utterance.done" for m in listener.messages)
