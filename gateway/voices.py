@@ -130,18 +130,25 @@ class VoiceRegistry:
                         task_type: str | None) -> RegisteredVoice | None:
         """The cloned voice a request speaks with, if any (else the backend's presets, gateway/compat.py):
         its own clip (`ref_audio`, cloned for this request or session), else the caller's or a shared
-        voice named `voice` unless a preset has that name. A name that is none of these is voice_not_found
-        where only a clone can speak (task_type "Base", or a backend without presets); elsewhere the preset
-        rules apply (fallback or unknown_voice). Backends that cannot clone: None (compat warns)."""
+        voice named `voice` unless a preset has that name. Where only a clone can speak (task_type "Base",
+        or a backend that speaks only clones) no voice, or a name that is none of these, is
+        voice_not_found; elsewhere the preset rules apply (fallback or unknown_voice). Backends that
+        cannot clone: None (compat warns about the cloning fields)."""
         if not self.backend.can_clone:
             return None
         if ref_audio is not None:
             _, prompt = await self.clone(ref_audio, ref_text, bool(x_vector_only))
             return RegisteredVoice(voice or "ref_audio", prompt, {})
-        if not voice or backend_voice(self.backend, voice) is not None:
+        only_clones = task_type == "Base" or self.backend.speaks_only_clones
+        if not voice:
+            if only_clones:
+                raise ProtocolError(ErrorCode.voice_not_found, "this backend speaks only cloned voices: name one"
+                                    " (voice) or send ref_audio")
+            return None
+        if not self.backend.speaks_only_clones and backend_voice(self.backend, voice) is not None:
             return None
         found = await self.find(principal, voice)
-        if found is None and (task_type == "Base" or not self.backend.voices()):
+        if found is None and only_clones:
             raise ProtocolError(ErrorCode.voice_not_found, f"no voice {voice!r} registered with this key; register it"
                                 " (voice.add, POST /v1/audio/voices) or send ref_audio")
         return found

@@ -357,3 +357,23 @@ def test_a_session_resumed_on_another_replica_keeps_its_cloned_voice(redis_prefi
 
         assert abs(dominant_hz(asyncio.run(scenario()), 24000) - 265.0) < 5
         assert second_backend.clones == 0
+
+
+def test_a_first_session_config_with_unusable_reference_audio_is_refused(cloning_gateway):
+    server, backend = cloning_gateway
+
+    async def refusal(config: dict) -> tuple[dict, int | None]:
+        ws, error, code = await open_session(server.ws_url, {"type": "session.config", "task_type": "Base", **config},
+                                             additional_headers=auth(KEY_A))
+        assert ws is None
+        return error, code
+
+    for config in ({"ref_audio": "not base64 at all!", "ref_text": "hi"},
+                   {"ref_audio": b64(clip(200.0, seconds=1.0)), "ref_text": "hi"},
+                   {"ref_audio": b64(clip(200.0))},  # in-context cloning needs ref_text
+                   {"ref_audio": "file:///etc/passwd", "ref_text": "hi"}):
+        error, code = asyncio.run(refusal(config))
+        assert error["code"] == "invalid_reference_audio" and code == 1008, error
+    error, code = asyncio.run(refusal({}))  # Base without a voice or a clip
+    assert error["code"] == "voice_not_found" and code == 1008
+    assert backend.clones == 0

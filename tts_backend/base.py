@@ -209,6 +209,9 @@ class Synthesizer(abc.ABC):
     # the request asks, see the module doc). The gateway tells a client which of
     # its options take no effect here, instead of ignoring them silently.
     honours: frozenset[str] = frozenset()
+    # Speaks only with a voice_prompt (a Qwen3 Base checkpoint): its voices() are placeholders, so the gateway
+    # answers a name that is no cloned voice with voice_not_found instead of falling back to one of them.
+    speaks_only_clones: bool = False
 
     async def start(self) -> None:
         """Load models, warm up. `ready` is true once this returns."""

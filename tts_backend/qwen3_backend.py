@@ -133,6 +133,7 @@ class Qwen3Synthesizer(Synthesizer):
             self.honours = self.honours | {"word_timestamps"}
         if _checkpoint_type(model) == "base":
             self.honours = self.honours | {"voice_cloning"}
+            self.speaks_only_clones = True
         self._clone_lock: asyncio.Lock | None = None
         self._clones_waiting = 0
         self.model = None
@@ -182,6 +183,7 @@ class Qwen3Synthesizer(Synthesizer):
             self._voices = [Voice(id=_CLONE_VOICE, name="cloned", language="en",
                                   description="Qwen3-TTS Base: speaks in voices cloned from reference audio")]
             self.honours = self.honours | {"voice_cloning"}
+            self.speaks_only_clones = True
         elif config.supported_speakers:
             self._voices = [
                 Voice(id=s, name=s, language=_SPEAKER_LANGUAGE.get(s, "zh"), description="Qwen3-TTS CustomVoice speaker")

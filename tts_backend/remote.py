@@ -66,6 +66,7 @@ class RemoteSynthesizer(Synthesizer):
         self.sample_rate = int(info["sample_rate"])
         self._voices = [Voice(**v) for v in info.get("voices", [])]
         self.honours = frozenset(info.get("honours", ()))  # a worker too old to say honours nothing
+        self.speaks_only_clones = bool(info.get("speaks_only_clones", False))
 
     async def start(self) -> None:
         deadline = time.monotonic() + self.connect_timeout_s

@@ -56,6 +56,7 @@ class WorkerServer:
             "default_voice": self.backend.default_voice,
             "voices": [dataclasses.asdict(v) for v in self.backend.voices()],
             "honours": sorted(self.backend.honours),
+            "speaks_only_clones": self.backend.speaks_only_clones,
         }
 
     async def metrics(self) -> dict:
