@@ -3,18 +3,10 @@
 // browser) instead of `ws`. Usage: node --experimental-websocket auth_scenarios.mjs <gateway url> <key>
 
 import { VoxgateClient, listVoices } from "../voxgate.js";
+import { refusal } from "./refusal.mjs";
 
 const [baseUrl, apiKey] = process.argv.slice(2);
 const output = { platformWebSocket: typeof globalThis.WebSocket === "function" };
-
-async function refusal(run) {
-  try {
-    await run();
-    return null;
-  } catch (error) {
-    return { code: error.code ?? null, message: error.message };
-  }
-}
 
 output.withoutKey = await refusal(() => VoxgateClient.connect(baseUrl, {}));
 output.wrongKey = await refusal(() => VoxgateClient.connect(baseUrl, { apiKey: "not-the-key" }));

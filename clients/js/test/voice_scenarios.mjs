@@ -3,18 +3,10 @@
 
 import { readFile } from "node:fs/promises";
 import { VoxgateClient, addVoice, deleteVoice, listVoices } from "../voxgate.js";
+import { refusal } from "./refusal.mjs";
 
 const [baseUrl, keyA, keyB, clipPath] = process.argv.slice(2);
 const output = {};
-
-async function refusal(run) {
-  try {
-    await run();
-    return null;
-  } catch (error) {
-    return { code: error.code ?? null, message: error.message };
-  }
-}
 
 const clip = new Uint8Array(await readFile(clipPath));
 output.added = await addVoice(baseUrl, "js-voice", clip, { consent: "rec-7", refText: "Hello there.", apiKey: keyA });
