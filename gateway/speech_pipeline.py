@@ -45,7 +45,7 @@ from .protocol import (
     backend_error_code,
 )
 from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, sent_marker
-from .word_times import append_monotonic
+from .word_times import append_monotonic, keep_spoken
 
 log = logging.getLogger("voxgate.session")
 
@@ -354,8 +354,8 @@ class SpeechPipeline:
             job.finished = True
             self._pending_chars -= len(job.text)
             if config.timestamps is not None:
-                job.utterance.spoken.extend(w.model_copy(update={"sentence_index": job.index})
-                                            for w in job.spoken_words(everything=failure is None))
+                keep_spoken(job.utterance.spoken, [w.model_copy(update={"sentence_index": job.index})
+                                                   for w in job.spoken_words(everything=failure is None)])
                 if failure is None:
                     await self._tell_words_locked(job, everything=True)
             if failure is not None:

@@ -10,6 +10,10 @@ from tts_backend.base import WordTiming
 
 from .protocol import SpokenWord
 
+# The words an utterance keeps for context.cancelled's spoken_text: about 15 minutes of speech, far more
+# than one turn of an agent says, and a bound on what a context fed text for hours holds.
+MAX_SPOKEN_WORDS = 2000
+
 
 def append_monotonic(kept: list[WordTiming], words) -> None:
     """Add a backend's WordTimings to `kept`, never going back in time (a backend that does is clamped)."""
@@ -33,3 +37,10 @@ def in_seconds(words: list[WordTiming], source_rate: int, offset_s: float = 0.0)
     """The words with their times in seconds, `offset_s` later (a codec's priming that decoders play)."""
     return [SpokenWord(word=w.word, start=round(offset_s + w.start / source_rate, 6),
                        end=round(offset_s + w.end / source_rate, 6)) for w in words]
+
+
+def keep_spoken(spoken: list[SpokenWord], words: list[SpokenWord]) -> None:
+    """Add a sentence's spoken words to its utterance's, keeping the last MAX_SPOKEN_WORDS."""
+    spoken.extend(words)
+    if len(spoken) > MAX_SPOKEN_WORDS:
+        del spoken[: len(spoken) - MAX_SPOKEN_WORDS]

@@ -49,6 +49,14 @@ def server():
         yield running
 
 
+@pytest.fixture(scope="module")
+def slow_server():
+    """Twice real time: a sentence streams for over a second, so a cancel sent a few hundred ms into one
+    lands inside it even on a loaded machine."""
+    with running_gateway(SyntheticSynthesizer(sample_rate=RATE, speed=2, chunk_ms=40)) as running:
+        yield running
+
+
 class Client:
     """Everything received, and for each audio.words / context.cancelled the bytes of each sentence the
     client held when it arrived."""
@@ -228,8 +236,8 @@ async def test_compressed_times_match_the_decoded_audio(server, fmt, rate):
 
 
 @pytest.mark.parametrize("fmt,rate,strategy", [("pcm", 24000, "async"), ("mulaw", 8000, "sync"), ("pcm", 48000, "sync")])
-async def test_cancel_reports_exactly_the_words_the_client_received(server, fmt, rate, strategy):
-    client = await session(server.ws_url, timestamp_type="word", timestamp_transport_strategy=strategy,
+async def test_cancel_reports_exactly_the_words_the_client_received(slow_server, fmt, rate, strategy):
+    client = await session(slow_server.ws_url, timestamp_type="word", timestamp_transport_strategy=strategy,
                            response_format=fmt, sample_rate=rate)
     await client.send(type="input.text", text=TEXT, context_id="turn-1")
     # Into the middle of the second sentence (~0.3 s of its audio), then barge in.
@@ -260,6 +268,23 @@ async def test_cancel_before_any_audio_of_the_context_speaks_nothing(server):
     cancelled = await client.until("context.cancelled")
     await client.ws.close()
     assert cancelled["spoken_text"] == "" and cancelled["spoken_words"] == []
+
+
+async def test_an_utterance_keeps_a_bounded_number_of_spoken_words(slow_server, monkeypatch):
+    import gateway.word_times
+
+    monkeypatch.setattr(gateway.word_times, "MAX_SPOKEN_WORDS", 12)
+    client = await session(slow_server.ws_url, timestamp_type="word")
+    await client.send(type="input.text", text=TEXT, context_id="long")
+    await client.send(type="input.flush", context_id="long")
+    await client.into_sentence(2, 2000)  # sentences 0 and 1 (9 + 10 words) are sent whole
+    await client.send(type="input.cancel", context_id="long")
+    cancelled = await client.until("context.cancelled")
+    await client.ws.close()
+    whole = exact_words(SENTENCES[0]) + exact_words(SENTENCES[1])
+    cut = [w for w in exact_words(SENTENCES[2]) if w[2] * RATE <= len(client.audio[2]) // 2 + 1e-6]
+    # The last 12 of the words of the sentences sent whole are kept, then those of the cut sentence.
+    assert [w["word"] for w in cancelled["spoken_words"]] == [w for w, _, _ in whole[-12:] + cut]
 
 
 # ------------------------------------------------------------------------------------------ resume
@@ -322,7 +347,7 @@ async def test_a_worker_backend_carries_the_timings(tmp_path):
     from tts_backend.remote import RemoteSynthesizer
 
     path = str(tmp_path / "w.sock")
-    worker = start_worker(path, "--backend", "synthetic", "--option", "speed=8", "--option", "chunk_ms=40")
+    worker = start_worker(path, "--backend", "synthetic", "--option", "speed=2", "--option", "chunk_ms=40")
     try:
         with running_gateway(RemoteSynthesizer(socket=path, connect_timeout_s=60)) as gateway:
             client = await session(gateway.ws_url, timestamp_type="word", timestamp_transport_strategy="async")
