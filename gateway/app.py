@@ -103,14 +103,15 @@ def create_app(
             key_prefix=settings.redis_key_prefix,
             lease_s=settings.session_lease_s,
         )
+    admission = Admission(settings, backend)
     gateway = Gateway(
         settings=settings,
         backend=backend,
         store=store,
         metrics=GatewayMetrics(),
         authenticate=authenticate or api_key_authenticator(settings),
-        admission=Admission(settings, backend),
-        voices=VoiceRegistry(backend, store, settings),
+        admission=admission,
+        voices=VoiceRegistry(backend, store, settings, admission),
     )
 
     @asynccontextmanager

@@ -312,13 +312,23 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             f"input has {len(body.input)} characters; the limit is {settings.max_http_input_chars}",
             param="input",
         )
+    async def cloned_voice(ref_audio: str | None):
+        try:
+            return await gateway.voices.voice_for(
+                principal, voice=body.voice_id, ref_audio=ref_audio, ref_text=body.ref_text,
+                x_vector_only=body.x_vector_only_mode, task_type=body.task_type)
+        except ProtocolError as exc:
+            raise ApiError(exc.code, exc.message, param="ref_audio" if ref_audio is not None else "voice") from None
+
+    # The request's own clip is cloned once it is admitted (below): decoding and cloning cost more than any
+    # other refusal, so they are done only for a request its key's allowance and the load let through.
+    inline_clone = body.ref_audio is not None and backend.can_clone
+    cloned = None if inline_clone else await cloned_voice(None)
     try:
-        cloned = await gateway.voices.voice_for(
-            principal, voice=body.voice_id, ref_audio=body.ref_audio, ref_text=body.ref_text,
-            x_vector_only=body.x_vector_only_mode, task_type=body.task_type)
-        choice = VoiceChoice(cloned.name) if cloned else resolve_voice(backend, settings, body.voice_id)
+        choice = (VoiceChoice(body.voice_id or "ref_audio") if inline_clone
+                  else VoiceChoice(cloned.name) if cloned else resolve_voice(backend, settings, body.voice_id))
     except ProtocolError as exc:
-        raise ApiError(exc.code, exc.message, param="ref_audio" if body.ref_audio is not None else "voice") from None
+        raise ApiError(exc.code, exc.message, param="voice") from None
     voice = choice.voice
     # What the request gets differently than asked (a fallback voice, options the backend ignores), for
     # clients that look: a JSON list of {code, message, field}, ASCII-escaped to be a valid header value.
@@ -354,6 +364,12 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         claim = await gateway.admission.admit_request(principal, len(body.input))
     except LimitExceeded as exc:
         raise ApiError.from_limit(exc) from None
+    if inline_clone:
+        try:
+            cloned = await cloned_voice(body.ref_audio)
+        except BaseException:
+            claim.release()
+            raise
 
     extra: dict[str, Any] = {
         k: v for k, v in (("task_type", body.task_type), ("ref_audio", body.ref_audio), ("ref_text", body.ref_text),
@@ -547,6 +563,8 @@ async def list_voices(request: Request, principal: Principal = Depends(require_a
 async def _voice_call(work: Awaitable[T]) -> T:
     try:
         return await work
+    except LimitExceeded as exc:
+        raise ApiError.from_limit(exc) from None
     except ProtocolError as exc:
         raise ApiError(exc.code, exc.message) from None
 

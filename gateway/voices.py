@@ -30,6 +30,7 @@ from tts_backend.base import ReferenceAudio, SynthesisError, Synthesizer
 
 from .auth import Principal
 from .compat import backend_voice
+from .limits import Admission
 from .protocol import ErrorCode, ProtocolError, backend_error_code
 from .reference_audio import InvalidReferenceAudio, load_reference
 from .settings import GatewaySettings
@@ -92,8 +93,10 @@ class PromptCache:
 
 
 class VoiceRegistry:
-    def __init__(self, backend: Synthesizer, store: SessionStore, settings: GatewaySettings) -> None:
+    def __init__(self, backend: Synthesizer, store: SessionStore, settings: GatewaySettings,
+                 admission: Admission | None = None) -> None:
         self.backend = backend
+        self.admission = admission  # a registration counts as a request of its key (rate, overload)
         self.store = store
         self.settings = settings
         self.cache = PromptCache(settings.voice_cache_bytes)
@@ -169,7 +172,12 @@ class VoiceRegistry:
         if not any(m["name"] == name for m in existing) and len(existing) >= self.settings.max_voices_per_key:
             raise self._limit()
         size = len(audio)
-        reference, prompt = await self.clone(audio, ref_text, x_vector_only)
+        claim = await self.admission.admit_request(principal, 0) if self.admission is not None else None
+        try:
+            reference, prompt = await self.clone(audio, ref_text, x_vector_only)
+        finally:
+            if claim is not None:
+                claim.release()
         meta = {"id": uuid.uuid4().hex, "name": name, "owner": owner, "consent": consent,
                 "created_at": int(time.time()), "size": len(prompt), "file_size": size,
                 "duration_s": round(reference.duration_s, 3), "ref_text": reference.ref_text,

@@ -377,3 +377,16 @@ def test_a_first_session_config_with_unusable_reference_audio_is_refused(cloning
     error, code = asyncio.run(refusal({}))  # Base without a voice or a clip
     assert error["code"] == "voice_not_found" and code == 1008
     assert backend.clones == 0
+
+
+def test_registrations_and_inline_clones_count_against_the_keys_request_rate():
+    backend = PitchCloneSynthesizer()
+    with running_gateway(backend, api_keys=[KEY_A, KEY_B], sessions_per_minute=1) as server:
+        assert upload(server.url, KEY_A, "first", clip(200.0), ref_text="hi").status_code == 200
+        again = upload(server.url, KEY_A, "second", clip(200.0), ref_text="hi")
+        assert again.status_code == 429 and error_code(again) == "rate_limited" and "Retry-After" in again.headers
+        inline = speak(server.url, KEY_A, task_type="Base", ref_audio=b64(clip(220.0)), x_vector_only_mode=True)
+        assert inline.status_code == 429 and error_code(inline) == "rate_limited"
+        assert backend.clones == 1  # neither refused request decoded nor cloned anything
+        inline_b = speak(server.url, KEY_B, task_type="Base", ref_audio=b64(clip(220.0)), x_vector_only_mode=True)
+        assert abs(pitch_of(inline_b) - 220.0) < 5 and backend.clones == 2
