@@ -71,8 +71,13 @@ async def test_cloned_voices_speak_what_the_model_generates_in_them(tiny_base, g
         requests = [SynthesisRequest(text=TEXT, voice="cloned", seed=5, max_new_tokens=20, voice_prompt=icl),
                     SynthesisRequest(text=TEXT[:30], voice="cloned", seed=6, max_new_tokens=16, voice_prompt=xvec)]
         # One at a time, then both at once: batched prefills keep each voice's vectors and codec state apart.
+        primed = backend.engine.runner.primed_codec
+        warm_up = set(primed)  # the warm-up request's voice
         alone = [await audio_of(backend, r) for r in requests]
+        (key,) = set(primed) - warm_up  # the in-context voice's reference frames went through the codec once
+        kept = primed[key]
         together = await asyncio.gather(*(audio_of(backend, r) for r in requests))
+        assert set(primed) - warm_up == {key} and primed[key] is kept  # and not again for its next request
         for request, got, got_batched in zip(requests, alone, together):
             want = model_audio(backend.model, request, greedy)
             assert len(got) == len(want) > 0

@@ -8,8 +8,10 @@ request's slot, so a batch is just a list of slots.
 from __future__ import annotations
 
 import abc
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,6 +109,9 @@ class Qwen3RunnerConfig:
     prefill_len_buckets: tuple[int, ...] = (16, 32, 64, 128)
     codec_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     codec_frames: tuple[int, ...] = tuple(range(1, 13))
+    # In-context cloned voices whose reference-primed codec state is kept (about 5 MB each at the released
+    # size), so a registered voice's reference frames go through the codec once, not before every request.
+    primed_codec_states: int = 16
     # Run codec batches on a CUDA stream of their own, overlapping generation, and hand their PCM back
     # through a pinned buffer and an event instead of blocking the engine thread (CUDA only; off elsewhere).
     codec_stream: bool = True
@@ -286,6 +291,7 @@ class Qwen3ModelRunner(ModelRunner):
         self.wav_out = torch.zeros(max(self.codec_buckets), 64 * self.samples_per_frame, device=dev,
                                    dtype=codec_dtype)
         self.codec_pool = self.codec_module.init_state(S, device=dev)
+        self.primed_codec: OrderedDict[bytes, object] = OrderedDict()  # reference codes digest -> CodecState
         self.codec_static = {b: self.codec_module.init_state(b, device=dev) for b in self.codec_buckets}
         self._codec_in_flight: CodecHandle | None = None
         if self.codec_async:
@@ -509,10 +515,19 @@ class Qwen3ModelRunner(ModelRunner):
         cuts the reference's share): run the reference frames through the slot's fresh codec state, audio
         dropped. On the main stream, like the slot's reset (see the ordering notes at codec_launch)."""
         rows = torch.tensor([slot], dtype=torch.long, device=self.device)
-        state = self.codec_pool.index_select(rows)
-        codes = ref_codes.to(self.device).T[None].contiguous()  # [1, G, F]
-        for start in range(0, codes.shape[2], 64):  # 64-frame pieces bound the activations of a long clip
-            self.codec_module.decode_chunk(codes[..., start: start + 64], state)
+        codes_host = ref_codes.detach().to("cpu", torch.int64).contiguous()
+        key = hashlib.sha256(codes_host.numpy().tobytes()).digest() + str(tuple(codes_host.shape)).encode()
+        state = self.primed_codec.get(key)
+        if state is None:
+            state = self.codec_pool.index_select(rows)  # the slot's fresh state, copied
+            codes = codes_host.to(self.device).T[None].contiguous()  # [1, G, F]
+            for start in range(0, codes.shape[2], 64):  # 64-frame pieces bound the activations of a long clip
+                self.codec_module.decode_chunk(codes[..., start: start + 64], state)
+            self.primed_codec[key] = state
+            while len(self.primed_codec) > self.config.primed_codec_states:
+                self.primed_codec.popitem(last=False)
+        else:
+            self.primed_codec.move_to_end(key)
         self.codec_pool.index_copy_(rows, state)
 
     def _after_talker(self, slots, hidden, new_pos) -> None:
