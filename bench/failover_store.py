@@ -38,7 +38,7 @@ async def session(store: RedisSessionStore, number: int, stop_at: float, latenci
     frames = 0
     while time.monotonic() < stop_at:
         started = time.monotonic()
-        await store.append_audio(session_id, 0, FRAME, owner=owner)
+        await store.append_audio(session_id, 0, FRAME, offset=frames * len(FRAME), owner=owner)
         latencies.append(time.monotonic() - started)
         frames += 1
     return frames

@@ -40,6 +40,7 @@ from .settings import GatewaySettings
 log = logging.getLogger("voxgate.limits")
 
 SLOT_TTL_S = 30.0  # a replica's claim on a concurrent-session slot in Redis, renewed every third of it
+TAKE_MEMORY_MS = 60_000  # how long Redis remembers a rate take's answer, for a retry of the same take
 MONITOR_WINDOW_S = 5.0  # the real-time measure looks at this much recent synthesis
 MONITOR_MIN_AUDIO_S = 1.0  # ... and judges only with at least this much audio made in the window
 REFUSAL_LINGER_S = 2.0  # a refused HTTP request's client may read the refusal while its body is discarded
@@ -180,7 +181,11 @@ class MemoryCounters:
 
 # Token bucket: KEYS[1] hash {tokens, ms}; ARGV capacity, cost, ttl ms. Refills capacity per 60 s.
 # Returns 0 when taken, else milliseconds to wait. Uses Redis's clock so replicas agree.
+# KEYS[2] names this take and keeps its answer for TAKE_MEMORY_MS: a take delivered twice (a retry after
+# the connection broke before the reply came) answers as before and takes nothing more.
 _TAKE_LUA = """
+local answered = redis.call('GET', KEYS[2])
+if answered then return tonumber(answered) end
 local capacity = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
 local t = redis.call('TIME')
@@ -198,14 +203,17 @@ else
 end
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ms', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[2], wait, 'PX', ARGV[4])
 return wait
 """
 
 # Concurrency slots: KEYS[1] sorted set of slot -> expiry ms; ARGV limit, slot, ttl ms. 1 taken, 0 full.
+# A slot already held (the same call delivered twice) is taken.
 _ACQUIRE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 1 end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
   return 0
 end
@@ -238,7 +246,9 @@ class RedisCounters:
     async def start(self) -> None:
         import redis.asyncio as redis
 
-        self._client = redis.from_url(self.url)
+        from .redis_client import retry_once
+
+        self._client = redis.from_url(self.url, retry=retry_once())
         self._take = self._client.register_script(_TAKE_LUA)
         self._acquire = self._client.register_script(_ACQUIRE_LUA)
         self._renew = self._client.register_script(_RENEW_LUA)
@@ -264,7 +274,9 @@ class RedisCounters:
                 log.warning("could not renew session slots in Redis: %r", exc)
 
     async def take(self, name: str, capacity: float, cost: float) -> float:
-        wait_ms = await self._take(keys=[self.prefix + name], args=[capacity, cost, 120_000])
+        bucket = self.prefix + name
+        wait_ms = await self._take(keys=[bucket, f"{bucket}:take:{uuid.uuid4().hex}"],
+                                   args=[capacity, cost, 120_000, TAKE_MEMORY_MS])
         return int(wait_ms) / 1000.0
 
     async def acquire_slot(self, name: str, limit: int) -> str | None:

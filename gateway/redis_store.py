@@ -53,14 +53,13 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from .logs import redact
+from .redis_client import retry_once
 from .store import (
     MAX_ENDS_KEPT,
+    AppendMismatch,
     LeaseLost,
     MarkerRecord,
     ReplayOutOfRange,
@@ -165,7 +164,7 @@ local function prune()
 end
 """.replace("MAX_ENDS_KEPT", str(MAX_ENDS_KEPT))
 
-# ARGV[4..]: groups of (op, key position, field, value); op H = HSET, D = HDEL, S = a sentence's state
+# ARGV[4..]: groups of (op, key position, field, value); op H = HSET, N = HSETNX, D = HDEL, S = a sentence's state
 # (field: its index) if the sentence is recorded, C = cancelled: dropped if no audio was recorded for it,
 # M = an utterance end (MarkerRecord JSON; field: its number), as gateway/store.py's record_marker.
 _WRITE = _PRELUDE + """
@@ -175,6 +174,8 @@ while i <= #ARGV do
   local op, key, field = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]
   if op == 'H' then
     redis.call('HSET', key, field, ARGV[i + 3])
+  elseif op == 'N' then
+    redis.call('HSETNX', key, field, ARGV[i + 3])
   elseif op == 'M' then
     local marker = cjson.decode(ARGV[i + 3])
     raise_to('lastmarker', marker['number'])
@@ -202,12 +203,18 @@ refresh()
 return 1
 """
 
-# ARGV[4] sentence index, ARGV[5] audio, ARGV[6] log cap in bytes.
+# ARGV[4] sentence index, ARGV[5] audio, ARGV[6] log cap in bytes, ARGV[7] the audio's offset in its sentence.
+# Idempotent: an append delivered twice (a retry after a connection broke before the reply came) finds its
+# bytes recorded already and changes nothing; -1 when the sentence's recorded bytes match neither.
 _APPEND = _PRELUDE + """
 if not fence() then return 0 end
 if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 0 then return 1 end
 local length = string.len(ARGV[5])
-local offset = redis.call('HINCRBY', KEYS[5], ARGV[4], length) - length
+local offset = tonumber(ARGV[7])
+local recorded = tonumber(redis.call('HGET', KEYS[5], ARGV[4]) or '0')
+if recorded >= offset + length then return 1 end
+if recorded ~= offset then return -1 end
+redis.call('HSET', KEYS[5], ARGV[4], offset + length)
 local finish = redis.call('INCRBY', KEYS[9], length)
 local start = finish - length
 redis.call('XADD', KEYS[8], string.format('%d-1', start), 'i', ARGV[4], 'o', offset, 't', now_ms(), 'd', ARGV[5])
@@ -358,13 +365,11 @@ class RedisSessionStore(SessionStore):
     async def start(self) -> None:
         # Hundreds of sessions write at once: callers wait for one of a bounded set of connections (a
         # plain pool raises "Too many connections" past its limit instead).
-        # After a Redis restart every pooled connection is dead, and the first command on each finds out:
-        # a connection error is retried once, at once, on a new connection (a dead connection never
-        # delivered the command, so no write is applied twice). Timeouts are not retried: a command that
-        # timed out may have run.
+        # A connection error is retried once (gateway/redis_client.py), so a write may run twice: each is
+        # idempotent (the audio append names its offset; the rest set values, or take the lease for the
+        # same owner), and a batch of them may run again whole.
         pool = aioredis.BlockingConnectionPool.from_url(
-            self.redis_url, max_connections=self.max_connections, timeout=10,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            self.redis_url, max_connections=self.max_connections, timeout=10, retry=retry_once()
         )
         self._redis = aioredis.Redis(connection_pool=pool)
         try:
@@ -416,10 +421,12 @@ class RedisSessionStore(SessionStore):
     async def _run(self, script, session_id: str, owner: str | None, *rest: Any) -> int:
         return int(await script(keys=self.keys(session_id), args=self._args(owner, *rest)))
 
-    async def _fenced(self, script, session_id: str, owner: str | None, *rest: Any) -> None:
+    async def _fenced(self, script, session_id: str, owner: str | None, *rest: Any) -> int:
         """A write (or renewal) through the batcher; LeaseLost if `owner` no longer holds the session."""
-        if not await self._batcher.call(script, self.keys(session_id), self._args(owner, *rest)) and owner is not None:
+        result = int(await self._batcher.call(script, self.keys(session_id), self._args(owner, *rest)))
+        if not result and owner is not None:
             raise LeaseLost(session_id)
+        return result
 
     # ------------------------------------------------------------------ sessions
 
@@ -502,8 +509,11 @@ class RedisSessionStore(SessionStore):
     async def renew(self, session_id: str, owner: str) -> None:
         await self._fenced(self._renew, session_id, owner, self.replay_log_ms)
 
-    async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
-        await self._fenced(self._append, session_id, owner, index, data, self.replay_log_bytes)
+    async def append_audio(
+        self, session_id: str, index: int, data: bytes, *, offset: int, owner: str | None = None
+    ) -> None:
+        if await self._fenced(self._append, session_id, owner, index, data, self.replay_log_bytes, offset) < 0:
+            raise AppendMismatch(session_id, index, offset)
 
     async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
         ops: list[Any] = []
@@ -512,7 +522,7 @@ class RedisSessionStore(SessionStore):
         for sentence in changes.sentences:
             value = json.dumps({"t": sentence.text, "c": sentence.context_id, "u": sentence.utterance})
             ops += ["H", KEY["text"], sentence.index, value, "H", KEY["state"], sentence.index, sentence.state]
-            ops += ["H", KEY["bytes"], sentence.index, 0]
+            ops += ["N", KEY["bytes"], sentence.index, 0]  # not over audio a retried batch recorded already
         if changes.sentences:
             ops += ["H", KEY["meta"], "released", max(s.index for s in changes.sentences) + 1]
         for index, state in changes.states.items():

@@ -257,7 +257,7 @@ class SpeechPipeline:
         for start in range(0, len(data), frame_bytes):
             frame = data[start : start + frame_bytes]
             if record:
-                await self.store.append_audio(self.session_id, job.index, frame, owner=self.owner)
+                await self.store.append_audio(self.session_id, job.index, frame, offset=job.bytes_sent, owner=self.owner)
             async with self._send_lock:
                 if job.cancelled:
                     return False

@@ -56,6 +56,15 @@ class LeaseLost(Exception):
     """Another connection (on this or another replica) took the session over, or it expired."""
 
 
+class AppendMismatch(RuntimeError):
+    """An audio append named an offset in its sentence that the recorded bytes neither reach nor pass."""
+
+    def __init__(self, session_id: str, index: int, offset: int) -> None:
+        super().__init__(f"session {session_id} sentence {index}: the store did not record the audio before"
+                         f" byte {offset}")
+
+
+
 @dataclass
 class SentenceRecord:
     index: int
@@ -266,8 +275,12 @@ class SessionStore(abc.ABC):
         """Write all of `changes` at once (LeaseLost, and nothing written, if `owner` lost the session)."""
 
     @abc.abstractmethod
-    async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
-        """Record `data` as sent for sentence `index` (adds to bytes_sent and to the replay log)."""
+    async def append_audio(
+        self, session_id: str, index: int, data: bytes, *, offset: int, owner: str | None = None
+    ) -> None:
+        """Record `data`, the sentence's audio from byte `offset`, as sent for sentence `index` (adds to
+        bytes_sent and to the replay log). Idempotent: an append whose bytes are recorded already (a
+        write delivered twice) changes nothing; AppendMismatch if `offset` is past the recorded bytes."""
 
     # One change at a time, for the sender and for tests:
 
@@ -428,11 +441,17 @@ class MemorySessionStore(SessionStore):
     async def renew(self, session_id: str, owner: str) -> None:
         self._owned(session_id, owner)
 
-    async def append_audio(self, session_id: str, index: int, data: bytes, *, owner: str | None = None) -> None:
+    async def append_audio(
+        self, session_id: str, index: int, data: bytes, *, offset: int, owner: str | None = None
+    ) -> None:
         record = self._owned(session_id, owner)
         if record is None or index not in record.sentences:
             return
         sentence = record.sentences[index]
+        if sentence.bytes_sent >= offset + len(data):
+            return  # delivered twice: recorded already
+        if sentence.bytes_sent != offset:
+            raise AppendMismatch(session_id, index, offset)
         now = time.monotonic()
         log = self._logs[session_id]
         log.append((now, ReplayPiece(index, sentence.bytes_sent, data)))

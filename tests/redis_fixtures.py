@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -89,3 +91,68 @@ def private_redis() -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+class RedisProxy:
+    """A TCP proxy in front of a Redis, in threads of its own (a gateway under test starts while the test's
+    loop waits). It counts the bytes Redis sends back, and `break_after(marker)` breaks the next
+    connection whose client sends `marker` in the worst place: the command reaches Redis, which runs it,
+    and the connection drops before the reply gets back (`broken` is set then)."""
+
+    def __init__(self, upstream_url: str = REDIS_URL) -> None:
+        self.from_redis = 0
+        host, port = upstream_url.split("//")[1].split("/")[0].split(":")
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.sockets: list[socket.socket] = [self.listener]
+        self._break_on: bytes | None = None
+        self.broken = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def break_after(self, marker: bytes) -> None:
+        self.broken.clear()
+        self._break_on = marker
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(self.upstream)
+                self.sockets += [client, upstream]
+                doomed = threading.Event()  # this connection sent the marker: its next reply is not relayed
+                threading.Thread(target=self._to_redis, args=(client, upstream, doomed), daemon=True).start()
+                threading.Thread(target=self._from_redis, args=(upstream, client, doomed), daemon=True).start()
+
+    def _to_redis(self, client: socket.socket, upstream: socket.socket, doomed: threading.Event) -> None:
+        tail = b""
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                marker = self._break_on
+                if marker is not None and marker in tail + data:
+                    self._break_on = None
+                    doomed.set()
+                tail = data[-64:]
+                upstream.sendall(data)
+        with contextlib.suppress(OSError):
+            upstream.shutdown(socket.SHUT_WR)
+
+    def _from_redis(self, upstream: socket.socket, client: socket.socket, doomed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                if doomed.is_set():
+                    for sock in (client, upstream):  # shutdown first: the other pump is blocked in recv on it
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+                        sock.close()
+                    self.broken.set()
+                    return
+                self.from_redis += len(data)
+                client.sendall(data)
+        with contextlib.suppress(OSError):
+            client.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()

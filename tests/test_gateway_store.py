@@ -19,7 +19,7 @@ async def filled_store(replay_log_bytes=1000):
         await store.add_sentence("s1", index, text, None)
         await store.set_sentence_state("s1", index, "speaking")
         for piece in range(3):
-            await store.append_audio("s1", index, bytes([index * 10 + piece]) * 100)
+            await store.append_audio("s1", index, bytes([index * 10 + piece]) * 100, offset=piece * 100)
         await store.set_sentence_state("s1", index, "done")
     return store
 

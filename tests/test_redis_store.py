@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.redis_store import RedisSessionStore
-from gateway.store import MAX_ENDS_KEPT, LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
+from gateway.store import MAX_ENDS_KEPT, AppendMismatch, LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
 from gateway.stores import create_store
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
 
@@ -38,7 +38,7 @@ async def filled(store, owner=None):
         await store.add_sentence("s1", index, text, None, utterance=1, owner=owner)
         await store.set_sentence_state("s1", index, "speaking", owner=owner)
         for piece in range(3):
-            await store.append_audio("s1", index, bytes([index * 10 + piece]) * 100, owner=owner)
+            await store.append_audio("s1", index, bytes([index * 10 + piece]) * 100, offset=piece * 100, owner=owner)
         await store.set_sentence_state("s1", index, "done", owner=owner)
     return store
 
@@ -92,14 +92,28 @@ async def test_replay_exact_bytes_and_bounds(make_store):
             await store.replay("s1", *position)
 
 
+async def test_an_append_delivered_twice_changes_nothing(make_store):
+    """An append names its offset in the sentence: one delivered again (a retry after the connection broke
+    before the reply came) is recorded once; one past the recorded bytes is refused."""
+    store = await make_store()
+    await store.create("s1", {}, owner="a")
+    await store.add_sentence("s1", 0, "Zero.", None, owner="a")
+    for offset, data in [(0, b"a" * 10), (0, b"a" * 10), (10, b"b" * 5), (0, b"a" * 10), (10, b"b" * 5)]:
+        await store.append_audio("s1", 0, data, offset=offset, owner="a")
+    assert (await store.get("s1")).sentences[0].bytes_sent == 15
+    assert b"".join(p.data for p in await store.replay("s1", 0, 0)) == b"a" * 10 + b"b" * 5
+    with pytest.raises(AppendMismatch):
+        await store.append_audio("s1", 0, b"c", offset=16, owner="a")
+
+
 async def test_replay_log_is_capped_in_time(make_store):
     """Old audio leaves the log (memory: on the next append; Redis: on the next lease renewal)."""
     store = await make_store(replay_log_s=0.2)
     await store.create("s1", {}, owner="a")
     await store.add_sentence("s1", 0, "Zero.", None, owner="a")
-    await store.append_audio("s1", 0, b"a" * 10, owner="a")
+    await store.append_audio("s1", 0, b"a" * 10, offset=0, owner="a")
     await asyncio.sleep(0.3)
-    await store.append_audio("s1", 0, b"b" * 10, owner="a")
+    await store.append_audio("s1", 0, b"b" * 10, offset=10, owner="a")
     await store.renew("s1", "a")
     assert [p.data for p in await store.replay("s1", 0, 10)] == [b"b" * 10]
     with pytest.raises(ReplayOutOfRange):
@@ -111,7 +125,7 @@ async def test_claim_takes_the_lease_over_and_fences_the_old_owner(make_store):
     record = await store.claim("s1", "new")
     assert record is not None and record.owner == "new" and record.attached
     for write in (
-        store.append_audio("s1", 2, b"late", owner="old"),
+        store.append_audio("s1", 2, b"late", offset=300, owner="old"),
         store.set_sentence_state("s1", 2, "failed", owner="old"),
         store.renew("s1", "old"),
     ):
@@ -119,7 +133,7 @@ async def test_claim_takes_the_lease_over_and_fences_the_old_owner(make_store):
             await write
     await store.detach("s1", owner="old")  # a no-op: the old owner no longer holds it
     assert (await store.get("s1")).attached
-    await store.append_audio("s1", 2, b"more", owner="new")
+    await store.append_audio("s1", 2, b"more", offset=300, owner="new")
     assert (await store.get("s1")).sentences[2].bytes_sent == 304
     await store.detach("s1", owner="new")
     record = await store.get("s1")
@@ -170,7 +184,7 @@ async def test_a_redis_append_is_one_round_trip(redis_prefix):  # noqa: F811
 
         connection_class.send_packed_command = counting
         try:
-            await store.append_audio("s1", 0, b"x" * 4800, owner="a")
+            await store.append_audio("s1", 0, b"x" * 4800, offset=0, owner="a")
         finally:
             connection_class.send_packed_command = original
         assert len(calls) == 1
@@ -192,7 +206,7 @@ async def test_a_resume_check_reads_the_log_as_its_record_saw_it(redis_prefix): 
     try:
         await filled(store, owner="a")
         record = await store.get("s1")
-        await store.append_audio("s1", 2, b"n" * 30, owner="a")  # the live owner goes on
+        await store.append_audio("s1", 2, b"n" * 30, offset=300, owner="a")  # the live owner goes on
         pieces = await store.replay("s1", 2, 200, record=record)
         assert [(p.sentence_index, p.offset, len(p.data)) for p in pieces] == [(2, 200, 100)]
     finally:

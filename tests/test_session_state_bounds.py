@@ -4,10 +4,7 @@ the log it replays, and `context_id` has a length limit."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
 
 import pytest
 import redis
@@ -15,7 +12,7 @@ import websockets
 
 from gateway.store import MAX_ENDS_KEPT
 from tests.gateway_server import HeldSynthesizer, running_gateway
-from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
+from tests.redis_fixtures import REDIS_URL, RedisProxy, redis_prefix  # noqa: F401 (fixture)
 from tests.resume_fixtures import Listener, config_message, start_session, uninterrupted_pcm
 
 # ~99 KB of short sentences: one input.text releases about 9,000 sentences.
@@ -183,48 +180,12 @@ async def test_a_flood_of_short_utterances_leaves_few_end_records(store, context
         assert end.get("total_sentences") == (1 if context_id or not spoken else utterances + 1), end
 
 
-class CountingProxy:
-    """A TCP proxy in front of Redis, in threads of its own (the gateway under test starts while the test's
-    loop waits), that counts the bytes Redis sends back."""
-
-    def __init__(self) -> None:
-        self.from_redis = 0
-        host, port = REDIS_URL.split("//")[1].split("/")[0].split(":")
-        self.upstream = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.sockets: list[socket.socket] = [self.listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                client, _ = self.listener.accept()
-                upstream = socket.create_connection(self.upstream)
-                self.sockets += [client, upstream]
-                threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-                threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, source: socket.socket, target: socket.socket, count: bool) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                if count:
-                    self.from_redis += len(data)
-                target.sendall(data)
-        with contextlib.suppress(OSError):
-            target.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        for sock in self.sockets:
-            sock.close()
-
-
 async def test_a_resume_reads_only_the_part_of_the_log_it_replays(redis_prefix):  # noqa: F811
     """3 MB of audio in the replay log; a client that lacks only the last 20,000 bytes resumes. Redis
     sends the gateway little more than those bytes (before: the whole log, every resume)."""
     text = " ".join(f"Sentence number {n} is spoken for a while, and then some more." for n in range(20))
-    proxy = CountingProxy()
-    url = f"redis://127.0.0.1:{proxy.port}/0"
+    proxy = RedisProxy()
+    url = proxy.url
     try:
         with running_gateway(backend="synthetic", store="redis", redis_url=url, redis_key_prefix=redis_prefix,
                              session_lease_s=60) as server:
@@ -255,8 +216,8 @@ async def test_a_resume_reads_the_audio_it_replays_once(redis_prefix):  # noqa: 
     gateway those bytes once, plus the session's hashes. Before, the position was checked by reading the
     owed audio before the takeover and read again after it: twice the bytes."""
     text = " ".join(f"Sentence number {n} is spoken for a while, and then some more." for n in range(12))
-    proxy = CountingProxy()
-    url = f"redis://127.0.0.1:{proxy.port}/0"
+    proxy = RedisProxy()
+    url = proxy.url
     try:
         with running_gateway(backend="synthetic", store="redis", redis_url=url, redis_key_prefix=redis_prefix,
                              session_lease_s=60) as server:
