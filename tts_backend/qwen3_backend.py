@@ -18,6 +18,7 @@ stamped with the checkpoint's identity), computed once, and every request carrie
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import math
@@ -135,6 +136,7 @@ class Qwen3Synthesizer(Synthesizer):
             self.honours = self.honours | {"voice_cloning"}
             self.speaks_only_clones = True
         self._clone_lock: asyncio.Lock | None = None
+        self._clone_stream = None  # torch.cuda.Stream for clone_voice, made on first use on a GPU
         self._clones_waiting = 0
         self.model = None
         self.engine = None
@@ -294,8 +296,13 @@ class Qwen3Synthesizer(Synthesizer):
             raise InvalidReferenceAudioError("reference audio holds NaN or infinite samples")
         if not np.abs(samples).max() > 0:
             raise InvalidReferenceAudioError("reference audio is silent")
+        # On a GPU, a CUDA stream of its own (as the aligner's): the encoders' kernels then overlap the engine's
+        # steps instead of queueing among them. clone_prompt returns host tensors, so its work is done on return.
+        if self._clone_stream is None and self.model.device.type == "cuda":
+            self._clone_stream = torch.cuda.Stream(self.model.device)
         try:
-            voice = self.model.clone_prompt(torch.from_numpy(samples.copy()), reference.ref_text, x_vector_only)
+            with torch.cuda.stream(self._clone_stream) if self._clone_stream is not None else contextlib.nullcontext():
+                voice = self.model.clone_prompt(torch.from_numpy(samples.copy()), reference.ref_text, x_vector_only)
         except PromptError as exc:
             raise InvalidReferenceAudioError(str(exc)) from exc
         return voice.to_bytes(self.model.identity)
