@@ -339,3 +339,26 @@ def test_underruns_are_counted_when_audio_arrives_slower_than_real_time(browser_
     assert player["samplesReceived"] == final["utterance"]["samples"] == expected
     assert player["framesPlayed"] == player["framesQueued"]
     assert abs(player["framesPlayed"] - expected * final["contextRate"] / 24000) <= 2
+
+
+def test_a_voice_is_cloned_from_a_clip_and_spoken_on_the_page(browser_tools, tmp_path):
+    """On a gateway whose backend clones (tests/cloning_fixtures.py's test backend; the synthetic one cannot,
+    and the page then offers no cloning panel), the page registers a chosen clip as a voice and speaks it."""
+    from tests.cloning_fixtures import PitchCloneSynthesizer, encode_clip, tone_clip
+
+    clip = tmp_path / "me.wav"
+    clip.write_bytes(encode_clip(tone_clip(210.0, 4.0, 44100, 2), 44100, "wav"))
+    with running_gateway(backend=PitchCloneSynthesizer()) as server:
+        result = run_node_json(JS_CLIENT_DIR / "test" / "web_demo_clone.mjs", server.url, str(clip), "page-voice",
+                               timeout=100)
+    assert result.get("failure") is None, result.get("failure")
+    assert result["pageErrors"] == []
+    assert "consent" in result["withoutConsent"]
+    assert result["status"] == "voice page-voice added and selected" and result["selected"] == "page-voice"
+    assert any("session.started: voice page-voice" in line for line in result["log"]) and result["played"] > 0
+    assert result["recordedStatus"] == "voice page-voice-recorded added and selected"
+    assert result["recordedSelected"] == "page-voice-recorded"
+
+
+def test_the_page_offers_no_cloning_where_the_backend_cannot_clone(run):
+    assert run["cloneOffered"] is False

@@ -4,7 +4,7 @@
 //
 // `window.voxgateDemo.snapshot()` returns the page's state as plain data (used by the browser tests).
 
-import { VoxgateClient, StreamPlayer, listVoices, simulatedTokens, bytesPerSample } from "../clients/js/voxgate.js";
+import { VoxgateClient, StreamPlayer, addVoice, listVoices, simulatedTokens, bytesPerSample } from "../clients/js/voxgate.js";
 import { BufferSparkline, TimelineChart } from "./chart.js";
 
 const $ = (id) => document.getElementById(id);
@@ -19,6 +19,14 @@ const ui = {
   tokensPerSecondValue: $("tokens-per-second-value"),
   llmRow: $("llm-speed-row"),
   voice: $("voice"),
+  clonePanel: $("clone-panel"),
+  cloneFile: $("clone-file"),
+  cloneName: $("clone-name"),
+  cloneText: $("clone-text"),
+  cloneConsent: $("clone-consent"),
+  cloneRecord: $("clone-record"),
+  cloneAdd: $("clone-add"),
+  cloneStatus: $("clone-status"),
   format: $("format"),
   sampleRate: $("sample-rate"),
   preroll: $("preroll"),
@@ -45,6 +53,9 @@ const ui = {
 };
 
 const state = {
+  recorder: null, // the MediaRecorder while a reference clip is being recorded
+  recording: null, // the recorded clip (a Blob), until a file is chosen instead
+  recordingStarted: 0,
   client: null,
   clientKey: null, // the settings the open session was configured with
   player: null,
@@ -164,7 +175,7 @@ function settings() {
 
 // Load the gateway's voices (and its backend's name): the page's first contact, repeated when the user
 // gives a key or asks to retry. Returns whether the gateway answered.
-async function loadGateway() {
+async function loadGateway(select = null) {
   const apiKey = ui.apiKey.value || null;
   state.keyTried = ui.apiKey.value;
   try {
@@ -173,10 +184,11 @@ async function loadGateway() {
       ...voices.data.map((voice) => {
         const option = new Option(voice.name, voice.id);
         option.title = voice.description || voice.language || "";
-        option.selected = voice.id === voices.default;
+        option.selected = voice.id === (select ?? voices.default);
         return option;
       }),
     );
+    ui.clonePanel.hidden = !voices.voice_cloning; // only a backend that clones offers the panel
     setStatus("idle", "ready");
     clearNotice("auth", "unreachable");
     loadBackendInfo(apiKey);
@@ -543,6 +555,65 @@ function animate() {
 
 // ------------------------------------------------------------------------------------------ wiring
 
+// ------------------------------------------------------------------------------------------ cloning
+
+// A clip recorded with the microphone (MediaRecorder: webm/opus or ogg, which the gateway decodes), or the
+// chosen file, becomes a voice of this page's API key; the voice list then selects it.
+async function toggleRecording() {
+  if (state.recorder) {
+    state.recorder.stop();
+    return;
+  }
+  try {
+    const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+    const chunks = [];
+    const recorder = new MediaRecorder(stream);
+    recorder.ondataavailable = (event) => chunks.push(event.data);
+    recorder.onstop = () => {
+      stream.getTracks().forEach((track) => track.stop());
+      state.recorder = null;
+      state.recording = new Blob(chunks, { type: recorder.mimeType });
+      ui.cloneRecord.textContent = "Record again";
+      ui.cloneStatus.value = `recorded ${((Date.now() - state.recordingStarted) / 1000).toFixed(1)} s`;
+    };
+    state.recorder = recorder;
+    state.recordingStarted = Date.now();
+    recorder.start();
+    ui.cloneRecord.textContent = "Stop";
+    ui.cloneStatus.value = "recording… read a sentence or two aloud";
+  } catch (error) {
+    ui.cloneStatus.value = `the microphone is not available: ${error.message}`;
+  }
+}
+
+async function addClonedVoice() {
+  const clip = ui.cloneFile.files[0] || state.recording;
+  const name = ui.cloneName.value.trim();
+  if (!clip || !name || !ui.cloneConsent.checked) {
+    ui.cloneStatus.value = "choose or record a clip, name the voice and confirm the speaker's consent";
+    return;
+  }
+  ui.cloneAdd.disabled = true;
+  ui.cloneStatus.value = "cloning…";
+  try {
+    const refText = ui.cloneText.value.trim() || null;
+    await addVoice(gatewayUrl, name, clip, {
+      consent: "web demo: the speaker agreed", refText, xVectorOnly: !refText, apiKey: ui.apiKey.value || null,
+    });
+    await loadGateway(name);
+    ui.cloneStatus.value = `voice ${name} added and selected`;
+  } catch (error) {
+    ui.cloneStatus.value = `${error.code ? `${error.code}: ` : ""}${error.message}`;
+  } finally {
+    ui.cloneAdd.disabled = false;
+  }
+}
+
+ui.cloneRecord.addEventListener("click", toggleRecording);
+ui.cloneAdd.addEventListener("click", addClonedVoice);
+ui.cloneFile.addEventListener("change", () => {
+  state.recording = null;
+});
 ui.speak.addEventListener("click", speak);
 ui.interrupt.addEventListener("click", interrupt);
 ui.tokensPerSecond.addEventListener("input", () => {
@@ -587,6 +658,7 @@ window.voxgateDemo = {
     const utterance = state.utterance;
     return {
       status: ui.status.dataset.state,
+      clone: { offered: !ui.clonePanel.hidden, status: ui.cloneStatus.value },
       notice: ui.notice.hidden ? null : { kind: state.notice, text: ui.noticeText.textContent },
       sessionId: state.client?.sessionId ?? null,
       streamRate: state.client?.sampleRate ?? null,

@@ -2,7 +2,7 @@
 
 import { chromium } from "playwright-core";
 
-function launchChromium() {
+function launchChromium(extraArgs = []) {
   return chromium.launch({
     executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
     headless: true,
@@ -17,6 +17,7 @@ function launchChromium() {
       "--disable-sync",
       // Let the AudioContext start without a user gesture; headless Chromium plays into a fake output.
       "--autoplay-policy=no-user-gesture-required",
+      ...extraArgs,
     ],
   });
 }
@@ -25,8 +26,8 @@ function launchChromium() {
  * Run `check(browser, output)` in a fresh Chromium, then print `output` as JSON: with `failure` (and a
  * non-zero exit status) when the check threw, so the Python side sees what got done before it failed.
  */
-export async function runBrowserCheck(check, output = {}) {
-  const browser = await launchChromium();
+export async function runBrowserCheck(check, output = {}, extraArgs = []) {
+  const browser = await launchChromium(extraArgs);
   try {
     await check(browser, output);
   } catch (error) {

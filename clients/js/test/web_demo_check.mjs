@@ -36,6 +36,7 @@ await runBrowserCheck(async (browser, output) => {
   output.pageStatus = response.status();
   await waitFor(() => document.querySelector("#voice").options.length > 0 && window.voxgateDemo);
   output.voiceOptions = await page.$$eval("#voice option", (options) => options.map((o) => o.value));
+  output.cloneOffered = await page.evaluate(() => window.voxgateDemo.snapshot().clone.offered);
 
   // 1. Speak a text to the end: every sample must reach the worklet and play without an underrun.
   await page.selectOption("#voice", voice);
