@@ -101,6 +101,7 @@ def create_app(
             redis_url=settings.redis_url,
             replay_log_s=settings.replay_log_s,
             key_prefix=settings.redis_key_prefix,
+            redis_cluster=settings.redis_cluster,
             lease_s=settings.session_lease_s,
         )
     admission = Admission(settings, backend)

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", choices=["memory", "redis"], help="session store")
     serve.add_argument("--redis-url", help="Redis URL; given alone it selects --store redis")
     serve.add_argument("--redis-key-prefix", help="prefix of every Redis key (default voxgate:)")
+    serve.add_argument("--redis-cluster", action="store_const", const=True,
+                       help="--redis-url names a node of a Redis Cluster (the client finds the others)")
     serve.add_argument("--session-ttl", dest="session_ttl_s", type=float, help="seconds a disconnected session stays resumable")
     serve.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds open utterances get on SIGTERM")
     serve.add_argument("--log-level", help="debug, info, warning, error")

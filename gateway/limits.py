@@ -222,33 +222,35 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
+# KEYS[1] one key's sorted set; ARGV ttl ms, then the slots held in it (one key per call: on a Redis
+# Cluster the keys of different API keys live on different nodes).
 _RENEW_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 for i, slot in ipairs(ARGV) do
-  if i > 1 then redis.call('ZADD', KEYS[i - 1], 'XX', now + tonumber(ARGV[1]), slot) end
+  if i > 1 then redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), slot) end
 end
-for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
 
 class RedisCounters:
-    """Per-key counters shared by every replica using one Redis."""
+    """Per-key counters shared by every replica using one Redis (or Redis Cluster). Each counter's keys
+    share a hash tag, `{prefix}limits:{<kind>:<key>}`, so its script calls land on one cluster node."""
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str, cluster: bool = False) -> None:
         self.url = url
+        self.cluster = cluster
         self.prefix = prefix + "limits:"
         self._client = None
         self._held: dict[str, str] = {}  # slot id -> zset key, renewed while held
         self._renewer: asyncio.Task | None = None
 
     async def start(self) -> None:
-        import redis.asyncio as redis
+        from .redis_client import connect
 
-        from .redis_client import retry_once
-
-        self._client = redis.from_url(self.url, retry=retry_once())
+        self._client = connect(self.url, cluster=self.cluster)
         self._take = self._client.register_script(_TAKE_LUA)
         self._acquire = self._client.register_script(_ACQUIRE_LUA)
         self._renew = self._client.register_script(_RENEW_LUA)
@@ -260,27 +262,35 @@ class RedisCounters:
             with contextlib.suppress(BaseException):
                 await self._renewer
         if self._client is not None:
-            await self._client.aclose()
+            from .redis_client import close
+
+            await close(self._client)
 
     async def _renew_forever(self) -> None:
         while True:
             await asyncio.sleep(SLOT_TTL_S / 3)
             if not self._held:
                 continue
-            slots = list(self._held.items())
+            by_key: dict[str, list[str]] = {}
+            for slot, key in self._held.items():
+                by_key.setdefault(key, []).append(slot)
             try:
-                await self._renew(keys=[k for _, k in slots], args=[int(SLOT_TTL_S * 1000), *[s for s, _ in slots]])
+                await asyncio.gather(*[self._renew(keys=[key], args=[int(SLOT_TTL_S * 1000), *slots])
+                                       for key, slots in by_key.items()])
             except Exception as exc:  # Redis away: slots expire there on their own; keep trying
                 log.warning("could not renew session slots in Redis: %r", exc)
 
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}{{{name}}}"
+
     async def take(self, name: str, capacity: float, cost: float) -> float:
-        bucket = self.prefix + name
+        bucket = self._key(name)
         wait_ms = await self._take(keys=[bucket, f"{bucket}:take:{uuid.uuid4().hex}"],
                                    args=[capacity, cost, 120_000, TAKE_MEMORY_MS])
         return int(wait_ms) / 1000.0
 
     async def acquire_slot(self, name: str, limit: int) -> str | None:
-        slot, key = uuid.uuid4().hex, self.prefix + name
+        slot, key = uuid.uuid4().hex, self._key(name)
         if not int(await self._acquire(keys=[key], args=[limit, slot, int(SLOT_TTL_S * 1000)])):
             return None
         self._held[slot] = key
@@ -304,7 +314,8 @@ class Admission:
         self.open_sessions = 0
         self.monitor = SynthesisMonitor()
         self.counters: Counters = (
-            RedisCounters(settings.redis_url, settings.redis_key_prefix) if settings.store == "redis" else MemoryCounters()
+            RedisCounters(settings.redis_url, settings.redis_key_prefix, settings.redis_cluster)
+            if settings.store == "redis" else MemoryCounters()
         )
         self._ended_since_trim = 0
         self._peak_since_trim = 0

@@ -56,7 +56,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from .logs import redact
-from .redis_client import retry_once
+from .redis_client import close, connect
 from .store import (
     MAX_ENDS_KEPT,
     AppendMismatch,
@@ -317,7 +317,8 @@ class _Batcher:
     async def _send(self, batch) -> None:
         pipe = self.store.redis.pipeline(transaction=False)
         for script, keys, args, _ in batch:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            # (not pipe.evalsha: the cluster client refuses it in a pipeline, though it routes the command)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
             results = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the connection failed: every caller hears it
@@ -350,6 +351,7 @@ class RedisSessionStore(SessionStore):
         key_prefix: str = "voxgate:",
         lease_s: float = 10.0,
         max_connections: int = 64,
+        cluster: bool = False,
     ) -> None:
         self.redis_url = redis_url
         self.ttl_ms = max(1, int(ttl_s * 1000))
@@ -358,24 +360,21 @@ class RedisSessionStore(SessionStore):
         self.key_prefix = key_prefix
         self.lease_ms = max(1, int(lease_s * 1000))
         self.max_connections = max_connections
+        self.cluster = cluster
         self._redis: aioredis.Redis | None = None
 
     # ------------------------------------------------------------------ connection
 
     async def start(self) -> None:
-        # Hundreds of sessions write at once: callers wait for one of a bounded set of connections (a
-        # plain pool raises "Too many connections" past its limit instead).
-        # A connection error is retried once (gateway/redis_client.py), so a write may run twice: each is
+        # Hundreds of sessions write at once: callers wait for one of a bounded set of connections.
+        # A connection error is retried (gateway/redis_client.py), so a write may run twice: each is
         # idempotent (the audio append names its offset; the rest set values, or take the lease for the
         # same owner), and a batch of them may run again whole.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            self.redis_url, max_connections=self.max_connections, timeout=10, retry=retry_once()
-        )
-        self._redis = aioredis.Redis(connection_pool=pool)
+        self._redis = connect(self.redis_url, cluster=self.cluster, max_connections=self.max_connections)
         try:
             await self._redis.ping()
         except Exception as exc:
-            await self._redis.aclose(close_connection_pool=True)
+            await close(self._redis)
             self._redis = None
             # The URL may hold a password: the error reaches the log, /health and voxgate serve's exit line.
             raise RuntimeError(redact(f"the Redis session store at {self.redis_url} does not answer: {exc}")) from exc
@@ -386,7 +385,7 @@ class RedisSessionStore(SessionStore):
         self._detach = self._redis.register_script(_DETACH)
         self._delete = self._redis.register_script(_DELETE)
         self._log_head = self._redis.register_script(_LOG_HEAD)
-        for script in (self._write, self._append, self._renew):  # the batcher calls them by hash
+        for script in (self._write, self._append, self._renew, self._log_head):  # called by hash in pipelines
             await self._redis.script_load(script.script)
         self._batcher = _Batcher(self)
 
@@ -395,7 +394,7 @@ class RedisSessionStore(SessionStore):
         if batcher is not None and batcher.task is not None:
             await asyncio.gather(batcher.task, return_exceptions=True)
         if self._redis is not None:
-            await self._redis.aclose(close_connection_pool=True)
+            await close(self._redis)
             self._redis = None
 
     async def unavailable(self) -> str | None:
@@ -451,8 +450,12 @@ class RedisSessionStore(SessionStore):
             for name in ("text", "state", "bytes", "markers", "open"):
                 pipe.hgetall(keys[KEY[name] - 1])
             pipe.get(keys[KEY["logend"] - 1])
-            await self._log_head(keys=[keys[KEY["log"] - 1]], client=pipe)
-            meta, lease, texts, states, sizes, markers, opened, log_end, log_head = await pipe.execute()
+            pipe.execute_command("EVALSHA", self._log_head.sha, 1, keys[KEY["log"] - 1])
+            try:
+                meta, lease, texts, states, sizes, markers, opened, log_end, log_head = await pipe.execute()
+            except NoScriptError:  # Redis restarted and lost its scripts
+                await self.redis.script_load(_LOG_HEAD)
+                return await self.get(session_id)
         if not meta:
             return None
         record = SessionRecord(

@@ -89,6 +89,9 @@ class GatewaySettings(BaseSettings):
     replay_log_bytes: int = Field(4 * MIB, description="recent audio kept per session for replay on resume")
     replay_log_s: float = Field(300.0, description="oldest audio kept in the replay log, in seconds")
     redis_key_prefix: str = Field("voxgate:", description="prefix of every Redis key (several deployments, one Redis)")
+    redis_cluster: bool = Field(
+        False, description="redis_url names a node of a Redis Cluster: the store and limits use the cluster client"
+    )
     session_lease_s: float = Field(
         10.0, gt=0, description="a replica's lease on a live session; renewed while it works, taken over by a resume"
     )

@@ -18,6 +18,7 @@ def create_store(
     replay_log_s: float = 300.0,
     key_prefix: str = "voxgate:",
     lease_s: float = 10.0,
+    redis_cluster: bool = False,
 ) -> SessionStore:
     if kind == "memory":
         return MemorySessionStore(ttl_s=ttl_s, replay_log_bytes=replay_log_bytes, replay_log_s=replay_log_s)
@@ -31,5 +32,6 @@ def create_store(
             replay_log_s=replay_log_s,
             key_prefix=key_prefix,
             lease_s=lease_s,
+            cluster=redis_cluster,
         )
     raise ValueError(f"unknown session store {kind!r}; choose memory or redis")

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import redis
@@ -156,3 +157,103 @@ class RedisProxy:
     def close(self) -> None:
         for sock in self.sockets:
             sock.close()
+
+
+def _cluster_port() -> int:
+    """A free loopback port whose cluster bus port (the port + 10000) is free too."""
+    while True:
+        with socket.socket() as client_port, socket.socket() as bus_port:
+            client_port.bind(("127.0.0.1", 0))
+            port = client_port.getsockname()[1]
+            if port + 10000 > 65535:
+                continue
+            try:
+                bus_port.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            return port
+
+
+class LocalCluster:
+    """A Redis Cluster of three masters (no replicas) on loopback ports of the test's own, each
+    redis-server in a directory of its own; `url` names one node, from which a cluster client learns the rest."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.ports = [_cluster_port() for _ in range(3)]
+        self.url = f"redis://127.0.0.1:{self.ports[0]}/0"
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        for port in self.ports:
+            directory = os.path.join(self.root, str(port))
+            os.makedirs(directory)
+            self.processes.append(subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
+                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no"],
+                stdout=subprocess.DEVNULL,
+            ))
+        for port in self.ports:
+            self._wait(port, lambda client: client.ping())
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{port}" for port in self.ports],
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, timeout=60,
+        )
+        for port in self.ports:
+            self._wait(port, lambda client: client.cluster("INFO")["cluster_state"] == "ok")
+
+    def _wait(self, port: int, ready) -> None:
+        client = redis.Redis(port=port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                if ready(client):
+                    client.close()
+                    return
+            if any(process.poll() is not None for process in self.processes) or time.monotonic() > deadline:
+                raise RuntimeError(f"the Redis Cluster node on port {port} did not get ready")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+    """A LocalCluster for the whole test session, stopped (by PID) at its end; skipped without redis-server
+    and redis-cli."""
+    missing = [tool for tool in ("redis-server", "redis-cli") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"a local Redis Cluster needs {' and '.join(missing)}, which is not installed")
+    cluster = LocalCluster(str(tmp_path_factory.mktemp("redis-cluster")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@dataclass
+class RedisTarget:
+    """Where a test's gateways keep their state: the shared single Redis, or the local cluster."""
+
+    url: str
+    cluster: bool
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return ("--redis-cluster",) if self.cluster else ()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def redis_target(request, redis_prefix) -> RedisTarget:
+    """Each test that takes it runs on a single Redis and on a Redis Cluster of three masters."""
+    if request.param == "single":
+        return RedisTarget(REDIS_URL, cluster=False)
+    return RedisTarget(request.getfixturevalue("redis_cluster").url, cluster=True)

@@ -15,7 +15,7 @@ from gateway.limits import Admission, LimitExceeded
 from gateway.settings import GatewaySettings
 from tests import gateway_server
 from tests.gateway_server import audio_by_sentence, receive_until, running_gateway
-from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
+from tests.redis_fixtures import REDIS_URL, redis_cluster, redis_prefix, redis_target  # noqa: F401 (fixture)
 
 KEY_A, KEY_B = "key-a-123", "key-b-456"
 CONFIG = {"type": "session.config", "voice": "tone-mid", "stream_audio": True}
@@ -106,8 +106,9 @@ def test_buckets_refill_over_the_minute():
     asyncio.run(scenario())
 
 
-async def test_limits_are_shared_by_replicas_through_redis(redis_prefix):  # noqa: F811
-    shared = dict(api_keys=[KEY_A], store="redis", redis_url=REDIS_URL, redis_key_prefix=redis_prefix,
+async def test_limits_are_shared_by_replicas_through_redis(redis_target, redis_prefix):  # noqa: F811
+    shared = dict(api_keys=[KEY_A], store="redis", redis_url=redis_target.url, redis_cluster=redis_target.cluster,
+                  redis_key_prefix=redis_prefix,
                   max_sessions_per_key=2, sessions_per_minute=4, chars_per_minute=100)
     with running_gateway("synthetic", **shared) as one, running_gateway("synthetic", **shared) as two:
         a, _, _ = await open_session(one.ws_url, KEY_A)

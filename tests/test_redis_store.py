@@ -11,16 +11,19 @@ import redis.asyncio as aioredis
 from gateway.redis_store import RedisSessionStore
 from gateway.store import MAX_ENDS_KEPT, AppendMismatch, LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
 from gateway.stores import create_store
-from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
+from tests.redis_fixtures import REDIS_URL, redis_cluster, redis_prefix  # noqa: F401 (fixture)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def make_store(request, redis_prefix):  # noqa: F811
     stores = []
 
     async def make(**options):
         if request.param == "memory":
             store = MemorySessionStore(**options)
+        elif request.param == "cluster":
+            store = RedisSessionStore(request.getfixturevalue("redis_cluster").url, key_prefix=redis_prefix,
+                                      cluster=True, **options)
         else:
             store = RedisSessionStore(REDIS_URL, key_prefix=redis_prefix, **options)
         await store.start()

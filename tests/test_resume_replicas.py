@@ -10,7 +10,7 @@ import json
 import pytest
 import websockets
 
-from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
+from tests.redis_fixtures import REDIS_URL, redis_cluster, redis_prefix, redis_target  # noqa: F401 (fixture)
 from tests.resume_fixtures import (
     PACED,
     Listener,
@@ -39,8 +39,8 @@ async def resume(url: str, listener: Listener):
     return ws
 
 
-async def test_replica_killed_mid_sentence_resumes_on_the_other_byte_for_byte(redis_prefix):  # noqa: F811
-    with gateways(REDIS_URL, redis_prefix, 2, *PACED) as (a, b):
+async def test_replica_killed_mid_sentence_resumes_on_the_other_byte_for_byte(redis_target, redis_prefix):  # noqa: F811
+    with gateways(redis_target.url, redis_prefix, 2, *PACED, *redis_target.flags) as (a, b):
         reference = await uninterrupted_pcm(b.ws_url, TEXT)
         listener = Listener()
         ws = await websockets.connect(a.ws_url, max_size=None)

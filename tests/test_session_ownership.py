@@ -12,7 +12,7 @@ import httpx
 import websockets
 
 from tests.gateway_server import running_gateway
-from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
+from tests.redis_fixtures import REDIS_URL, redis_cluster, redis_prefix, redis_target  # noqa: F401 (fixture)
 from tests.resume_fixtures import PACED, Listener, gateways, receive_into_sentence, start_session, uninterrupted_pcm
 from tests.test_resume_replicas import TEXT
 
@@ -40,8 +40,8 @@ async def refused_resume(ws_url: str, credential: str, resume: dict) -> dict:
         return answer
 
 
-async def test_another_key_cannot_resume_a_session_on_another_replica(redis_prefix):  # noqa: F811
-    with gateways(REDIS_URL, redis_prefix, 2, *PACED, *KEYS) as (a, b):
+async def test_another_key_cannot_resume_a_session_on_another_replica(redis_target, redis_prefix):  # noqa: F811
+    with gateways(redis_target.url, redis_prefix, 2, *PACED, *KEYS, *redis_target.flags) as (a, b):
         reference = await uninterrupted_pcm(f"{b.ws_url}?api_key={KEY_A}", TEXT)
         owner = Listener()
         ws = await websockets.connect(f"{a.ws_url}?api_key={KEY_A}", max_size=None)

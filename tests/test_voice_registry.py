@@ -23,7 +23,7 @@ import websockets
 from gateway.voices import PromptCache
 from tests.cloning_fixtures import PitchCloneSynthesizer, dominant_hz, encode_clip, tone_clip
 from tests.gateway_server import audio_by_sentence, open_session, receive_until, running_gateway
-from tests.redis_fixtures import redis_prefix  # noqa: F401 - fixture
+from tests.redis_fixtures import redis_cluster, redis_prefix, redis_target  # noqa: F401 - fixture
 
 KEY_A, KEY_B = "key-a-" + "a" * 20, "key-b-" + "b" * 20
 PRESET_HZ = 150.0  # the test backend's one preset voice
@@ -197,8 +197,9 @@ def test_backends_that_cannot_clone_refuse_and_say_so():
         assert answer["type"] == "error" and answer["code"] == "voice_cloning_unsupported"
 
 
-def test_replicas_on_redis_share_voices_at_once(redis_prefix):  # noqa: F811 - fixture
-    options = dict(api_keys=[KEY_A, KEY_B], store="redis", redis_key_prefix=redis_prefix)
+def test_replicas_on_redis_share_voices_at_once(redis_target, redis_prefix):  # noqa: F811 - fixture
+    options = dict(api_keys=[KEY_A, KEY_B], store="redis", redis_key_prefix=redis_prefix, redis_url=redis_target.url,
+                   redis_cluster=redis_target.cluster)
     one, two = PitchCloneSynthesizer(), PitchCloneSynthesizer()
     with running_gateway(one, **options) as first, running_gateway(two, **options) as second:
         assert upload(first.url, KEY_A, "carol", clip(210.0), ref_text="hi").status_code == 200
