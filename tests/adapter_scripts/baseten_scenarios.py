@@ -6,7 +6,7 @@ the livekit venv (tests/adapter_env.py).
 `baseten.TTS(model="qwen3-tts")` with nothing but the endpoint, a key and a voice name (which the plugin
 requires: on Baseten it names a voice clone), driven as an agent drives it: one `stream()` per reply with
 LLM tokens pushed, interruption by `aclose()`, and `synthesize()`. The plugin is used unchanged; only its
-keep-alive period is shortened, so that its keep-alive round trip runs within the test.
+keep-alive period is shortened, so that one keep-alive round trip runs within the test, between two replies.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 
 from livekit.agents import APIConnectOptions, APIError, utils
 from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
@@ -70,6 +71,7 @@ async def scenario_conversation(url: str, replies: list[str], long_reply: str, a
     the one after it, then synthesize()."""
     log = PluginLog()
     keepalives: list[bool] = []
+    keepalive_answered = asyncio.Event()
     async with utils.http_context.open():
         tts = baseten.TTS(model="qwen3-tts", model_endpoint=url, api_key=KEY, voice=VOICE)
         backend = tts._qwen3
@@ -78,6 +80,12 @@ async def scenario_conversation(url: str, replies: list[str], long_reply: str, a
         async def recorded_flush(ws):
             alive = await empty_flush(ws)
             keepalives.append(alive)
+            # One round trip is what the scenario checks, and only one may run. The plugin's loop takes the
+            # parked socket out for each round trip and a turn starting meanwhile dials a socket of its own
+            # (by design), so a loop still ticking every 0.2 s would race each later turn for the socket and
+            # now and then make a session more. From here on the loop sleeps until aclose() cancels it.
+            qwen3_tts._KEEPALIVE_INTERVAL = math.inf
+            keepalive_answered.set()
             return alive
 
         backend._empty_flush = recorded_flush
@@ -87,9 +95,11 @@ async def scenario_conversation(url: str, replies: list[str], long_reply: str, a
             qwen3_tts._KEEPALIVE_INTERVAL = 0.2
             backend._keepalive_task.cancel()  # restart it with the short period
             backend._keepalive_task = asyncio.create_task(backend._keepalive_loop())
-            while not keepalives:
-                await asyncio.sleep(0.05)
+            await keepalive_answered.wait()
             out["keepalives"] = list(keepalives)
+            # The loop parks the socket again as soon as the flush returns, before this task runs (the lock it
+            # takes is free: no turn is in flight), so the next reply finds it parked.
+            out["parked_after_keepalive"] = backend._warm is not None and not backend._warm.ws.closed
             out["reply_after_keepalive"] = await speak(tts, replies[0])
 
             # Interruption: the stream is closed after its first audio; the plugin discards that socket.
