@@ -47,7 +47,12 @@ class Gateway:
 
     @property
     def default_voice(self) -> str:
-        return self.settings.voice or self.backend.default_voice
+        """The backend's id of the default voice: a --voice is matched as sessions match names (any case, an
+        alias), so the catalogue names a voice that is in its own list."""
+        try:
+            return resolve_voice(self.backend, self.settings, None).voice
+        except ProtocolError:  # start-up refuses such a --voice (check_default_voice); until then, as given
+            return self.settings.voice or self.backend.default_voice
 
     @property
     def failure(self) -> str | None:

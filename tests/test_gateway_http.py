@@ -178,6 +178,14 @@ class SlowStart(SyntheticSynthesizer):
         return self.loaded
 
 
+def test_the_catalogue_names_the_default_voice_as_it_lists_it():
+    """A --voice in another case is the backend's voice all the same; the catalogue's default must be an
+    entry of its own list, as a client picks from it."""
+    with running_gateway("synthetic", voice="TONE-MID") as server:
+        voices = httpx.get(server.url + "/v1/audio/voices").json()
+    assert voices["default"] == "tone-mid" and voices["default"] in voices["voices"]
+
+
 def test_ready_waits_for_the_backend_while_health_answers_at_once():
     import time
 
