@@ -38,7 +38,12 @@ WAVE_FORMAT_MULAW = 0x0007
 
 
 class UnsupportedFormatError(ValueError):
-    """An output format or sample rate this module cannot produce; the message is safe to show."""
+    """An output format or sample rate this module cannot produce; the message is safe to show, `param` names
+    the request field to change."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def check_format(fmt: str) -> str:

@@ -73,8 +73,22 @@ _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="
 
 def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
-        raise audio.UnsupportedFormatError(f"response_format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
+        raise audio.UnsupportedFormatError(f"response_format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}",
+                                           param="response_format")
     return fmt
+
+
+def check_output(fmt: str, rate: int, source_rate: int) -> int:
+    """The rate a stream asked for as `fmt` at `rate`, from a backend at `source_rate`, is coded at (see
+    coded_rate). The rate must be one the resampler makes, or the backend's own (no resampling). Raises
+    audio.UnsupportedFormatError; the WebSocket and HTTP answer it each in their own error shape."""
+    check_format(fmt)
+    if rate not in audio.SAMPLE_RATES and rate != source_rate:
+        raise audio.UnsupportedFormatError(
+            f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
+            param="sample_rate",
+        )
+    return coded_rate(fmt, rate)
 
 
 def coded_rate(fmt: str, rate: int) -> int:

@@ -346,20 +346,11 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             )
     warning_headers = {WARNINGS_HEADER: json.dumps(warnings)} if warnings else {}
     fmt = (body.response_format or ("pcm" if body.sse else "mp3")).lower()
-    if fmt not in encoders.FORMATS:
-        raise ApiError(
-            ErrorCode.unsupported_format,
-            f"response_format {fmt!r} is not supported; choose one of {', '.join(encoders.FORMATS)}",
-            param="response_format",
-        )
-    rate = body.sample_rate or DEFAULT_RATES.get(fmt, backend.sample_rate)
-    if rate not in audio.SAMPLE_RATES and rate != backend.sample_rate:
-        raise ApiError(
-            ErrorCode.unsupported_format,
-            f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
-            param="sample_rate",
-        )
-    rate = encoders.coded_rate(fmt, rate)
+    try:
+        rate = encoders.check_output(fmt, body.sample_rate or DEFAULT_RATES.get(fmt, backend.sample_rate),
+                                     backend.sample_rate)
+    except audio.UnsupportedFormatError as unsupported:
+        raise ApiError(ErrorCode.unsupported_format, str(unsupported), param=unsupported.param) from None
     try:  # last: a request refused for another reason uses none of the key's allowance
         claim = await gateway.admission.admit_request(principal, len(body.input))
     except LimitExceeded as exc:

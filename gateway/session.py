@@ -431,20 +431,13 @@ class StreamingSession(SpeechPipeline, SessionResumer):
     def _resolve(self, message: SessionConfig, choice: VoiceChoice | None = None) -> ResolvedConfig:
         choice = choice or resolve_voice(self.backend, self.settings, message.voice)
         fmt = message.response_format or "pcm"
-        if fmt not in encoders.FORMATS:
-            raise ProtocolError(
-                ErrorCode.unsupported_format,
-                f"response_format {fmt!r} is not supported; choose one of {', '.join(encoders.FORMATS)}",
-            )
         rate = message.sample_rate
         if rate is None:
             rate = TELEPHONY_SAMPLE_RATE if fmt in ("mulaw", "alaw") else DEFAULT_SAMPLE_RATE
-        if rate not in audio.SAMPLE_RATES and rate != self.backend.sample_rate:
-            raise ProtocolError(
-                ErrorCode.unsupported_format,
-                f"sample_rate {rate} is not supported; choose one of {', '.join(map(str, audio.SAMPLE_RATES))}",
-            )
-        rate = encoders.coded_rate(fmt, rate)
+        try:
+            rate = encoders.check_output(fmt, rate, self.backend.sample_rate)
+        except audio.UnsupportedFormatError as unsupported:
+            raise ProtocolError(ErrorCode.unsupported_format, str(unsupported)) from None
         options = message.model_dump()
         return ResolvedConfig(
             message=message,
