@@ -4,6 +4,7 @@ the log it replays, and `context_id` has a length limit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -180,32 +181,39 @@ async def test_a_flood_of_short_utterances_leaves_few_end_records(store, context
         assert end.get("total_sentences") == (1 if context_id or not spoken else utterances + 1), end
 
 
-async def test_a_resume_reads_only_the_part_of_the_log_it_replays(redis_prefix):  # noqa: F811
-    """3 MB of audio in the replay log; a client that lacks only the last 20,000 bytes resumes. Redis
-    sends the gateway little more than those bytes (before: the whole log, every resume)."""
-    text = " ".join(f"Sentence number {n} is spoken for a while, and then some more." for n in range(20))
+@contextlib.asynccontextmanager
+async def spoken_through_a_counting_proxy(redis_prefix: str, sentences: int):  # noqa: F811
+    """A gateway whose Redis traffic passes a byte-counting proxy, and a session that has spoken `sentences`
+    long sentences to the end; yields (server, listener, proxy)."""
+    text = " ".join(f"Sentence number {n} is spoken for a while, and then some more." for n in range(sentences))
     proxy = RedisProxy()
-    url = proxy.url
     try:
-        with running_gateway(backend="synthetic", store="redis", redis_url=url, redis_key_prefix=redis_prefix,
+        with running_gateway(backend="synthetic", store="redis", redis_url=proxy.url, redis_key_prefix=redis_prefix,
                              session_lease_s=60) as server:
             listener = Listener()
             async with websockets.connect(server.ws_url, max_size=None) as ws:
                 await start_session(ws, listener, text)
                 await listener.receive(ws, "session.done")
-            logged = sum(map(len, listener.audio.values()))
-            assert logged > 3_000_000
-            last = max(listener.audio)
-            complete = bytes(listener.audio[last])
-            listener.audio[last] = listener.audio[last][:-20_000]
-            listener.open_sentence, listener.last_done = last, last - 1
-            async with websockets.connect(server.ws_url, max_size=None) as ws:
-                before = proxy.from_redis
-                await ws.send(listener.resume_message())
-                await listener.receive(ws, "audio.done")
-                read = proxy.from_redis - before
+            yield server, listener, proxy
     finally:
         proxy.close()
+
+
+async def test_a_resume_reads_only_the_part_of_the_log_it_replays(redis_prefix):  # noqa: F811
+    """3 MB of audio in the replay log; a client that lacks only the last 20,000 bytes resumes. Redis
+    sends the gateway little more than those bytes (before: the whole log, every resume)."""
+    async with spoken_through_a_counting_proxy(redis_prefix, 20) as (server, listener, proxy):
+        logged = sum(map(len, listener.audio.values()))
+        assert logged > 3_000_000
+        last = max(listener.audio)
+        complete = bytes(listener.audio[last])
+        listener.audio[last] = listener.audio[last][:-20_000]
+        listener.open_sentence, listener.last_done = last, last - 1
+        async with websockets.connect(server.ws_url, max_size=None) as ws:
+            before = proxy.from_redis
+            await ws.send(listener.resume_message())
+            await listener.receive(ws, "audio.done")
+            read = proxy.from_redis - before
     assert bytes(listener.audio[last]) == complete
     print(f"one resume read {read} bytes from Redis ({logged} bytes in the replay log)")
     assert read < 20_000 + 100_000
@@ -215,30 +223,19 @@ async def test_a_resume_reads_the_audio_it_replays_once(redis_prefix):  # noqa: 
     """A client that lacks its last five sentences (about 1 MB of the log) resumes: Redis sends the
     gateway those bytes once, plus the session's hashes. Before, the position was checked by reading the
     owed audio before the takeover and read again after it: twice the bytes."""
-    text = " ".join(f"Sentence number {n} is spoken for a while, and then some more." for n in range(12))
-    proxy = RedisProxy()
-    url = proxy.url
-    try:
-        with running_gateway(backend="synthetic", store="redis", redis_url=url, redis_key_prefix=redis_prefix,
-                             session_lease_s=60) as server:
-            listener = Listener()
-            async with websockets.connect(server.ws_url, max_size=None) as ws:
-                await start_session(ws, listener, text)
-                await listener.receive(ws, "session.done")
-            last = max(listener.audio)
-            lacking = range(last - 4, last + 1)
-            complete = {i: bytes(listener.audio.pop(i)) for i in lacking}
-            owed = sum(map(len, complete.values()))
-            assert owed > 900_000
-            listener.last_done = lacking[0] - 1
-            async with websockets.connect(server.ws_url, max_size=None) as ws:
-                before = proxy.from_redis
-                await ws.send(listener.resume_message())
-                while listener.last_done < last:
-                    await listener.receive(ws, "audio.done")
-                read = proxy.from_redis - before
-    finally:
-        proxy.close()
+    async with spoken_through_a_counting_proxy(redis_prefix, 12) as (server, listener, proxy):
+        last = max(listener.audio)
+        lacking = range(last - 4, last + 1)
+        complete = {i: bytes(listener.audio.pop(i)) for i in lacking}
+        owed = sum(map(len, complete.values()))
+        assert owed > 900_000
+        listener.last_done = lacking[0] - 1
+        async with websockets.connect(server.ws_url, max_size=None) as ws:
+            before = proxy.from_redis
+            await ws.send(listener.resume_message())
+            while listener.last_done < last:
+                await listener.receive(ws, "audio.done")
+            read = proxy.from_redis - before
     assert {i: bytes(listener.audio[i]) for i in lacking} == complete
     print(f"one resume owed {owed} bytes and read {read} bytes from Redis")
     assert read < owed + 100_000
