@@ -1,4 +1,4 @@
-"""`voxgate serve` (the gateway) and `voxgate worker` (a synthesis worker process, tts_backend.worker).
+"""`voxgate serve` (the gateway) and `voxgate worker` (a synthesis worker process, tts_backend.remote.worker).
 
 Flags override environment variables (VOXGATE_*), which override the defaults in settings.py.
 """
@@ -200,7 +200,7 @@ def serve(settings: GatewaySettings) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "worker":
-        from tts_backend.worker import main as worker_main  # imported only when used
+        from tts_backend.remote.worker import main as worker_main  # imported only when used
 
         return worker_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)

@@ -121,7 +121,7 @@ async def test_words_come_through_a_worker_process(tiny_custom_voice, tiny_align
     socket_path = str(tmp_path / "aligner.sock")
     args = [f"--option={k}={json.dumps(v)}" for k, v in OPTIONS.items()]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tts_backend.worker", "--socket", socket_path, "--backend", "qwen3", "--model",
+        [sys.executable, "-m", "tts_backend.remote.worker", "--socket", socket_path, "--backend", "qwen3", "--model",
          str(tiny_custom_voice), "--device", "cpu", "--option", f"aligner={tiny_aligner}", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

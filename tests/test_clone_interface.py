@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.cloning_fixtures import PitchCloneSynthesizer, dominant_hz, tone_clip
-from tts_backend import framing
+from tts_backend.remote import framing
 from tts_backend.base import (
     InvalidReferenceAudioError,
     InvalidVoicePromptError,
@@ -22,7 +22,7 @@ from tts_backend.base import (
 )
 from tts_backend.remote import RemoteSynthesizer
 from tts_backend.synthetic import SyntheticSynthesizer
-from tts_backend.worker import WorkerServer
+from tts_backend.remote.worker import WorkerServer
 
 
 def reference(hz: float, ref_text: str | None = "hello there") -> ReferenceAudio:

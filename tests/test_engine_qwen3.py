@@ -157,7 +157,7 @@ async def test_ready_only_after_the_warm_up_request(tiny_custom_voice):
 async def test_worker_process_serves_the_qwen3_engine(tiny_custom_voice, tmp_path):
     socket_path = str(tmp_path / "qwen3.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tts_backend.worker", "--socket", socket_path, "--backend", "qwen3",
+        [sys.executable, "-m", "tts_backend.remote.worker", "--socket", socket_path, "--backend", "qwen3",
          "--model", str(tiny_custom_voice), "--device", "cpu", "--option", "max_active=2",
          "--option", "max_len=256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -21,7 +21,7 @@ from tts_backend.synthetic import SyntheticSynthesizer
 
 def start_worker(socket_path: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tts_backend.worker", "--socket", socket_path, *args],
+        [sys.executable, "-m", "tts_backend.remote.worker", "--socket", socket_path, *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 

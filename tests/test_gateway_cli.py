@@ -42,10 +42,10 @@ def test_backend_options_reach_the_backend():
 
 
 def test_worker_subcommand_delegates_to_the_worker(monkeypatch):
-    import tts_backend.worker
+    import tts_backend.remote.worker
 
     seen = {}
-    monkeypatch.setattr(tts_backend.worker, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    monkeypatch.setattr(tts_backend.remote.worker, "main", lambda argv: seen.setdefault("argv", argv) and 0)
     assert main(["worker", "--socket", "/tmp/x.sock"]) == 0
     assert seen["argv"] == ["--socket", "/tmp/x.sock"]
 

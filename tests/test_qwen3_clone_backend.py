@@ -126,7 +126,7 @@ async def test_a_worker_process_clones_and_speaks_in_the_voice(tiny_base, tmp_pa
     prompt made there speaks in this process's backend too (same checkpoint, same identity)."""
     socket_path = str(tmp_path / "qwen3-base.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tts_backend.worker", "--socket", socket_path, "--backend", "qwen3",
+        [sys.executable, "-m", "tts_backend.remote.worker", "--socket", socket_path, "--backend", "qwen3",
          "--model", str(tiny_base), "--device", "cpu", "--option", "max_active=2", "--option", "max_len=256"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -237,6 +237,16 @@ class Synthesizer(abc.ABC):
         """Fraction of real-time capacity in use (0 idle, 1 saturated); used to refuse sessions early."""
         return 0.0
 
+    def capacity(self) -> int | None:
+        """How many streams this backend serves at once at full speed (the engine's KV slots), or None when
+        it does not know. A worker reports it, and a pool of workers routes sessions by what is left of it."""
+        return None
+
+    def queued(self) -> int:
+        """Requests accepted but waiting for a place among the `capacity` (an engine's queue for a KV slot):
+        work that has no audio yet and delays every stream that comes after it."""
+        return 0
+
     @property
     def can_clone(self) -> bool:
         return "voice_cloning" in self.honours

@@ -247,6 +247,12 @@ class Qwen3Synthesizer(Synthesizer):
     def load(self) -> float:
         return self.engine.load() if self.engine is not None else 1.0
 
+    def capacity(self) -> int | None:
+        return self.max_active
+
+    def queued(self) -> int:
+        return self.engine.waiting() if self.engine is not None else 0
+
     async def metrics(self) -> list[BackendMetric]:
         if self.engine is None:
             return []

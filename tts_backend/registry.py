@@ -23,7 +23,7 @@ def create_backend(name: str, **options: Any) -> Synthesizer:
 
         return Qwen3Synthesizer(**options)
     if name == "remote":
-        from .remote import RemoteSynthesizer
+        from .remote.pool import RemoteSynthesizer
 
         return RemoteSynthesizer(**options)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

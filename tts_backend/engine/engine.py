@@ -212,6 +212,14 @@ class Engine:
     def load(self) -> float:
         return min(1.0, len(self._streams) / max(1, self.config.scheduler.max_active))
 
+    @property
+    def capacity(self) -> int:
+        return self.config.scheduler.max_active
+
+    def waiting(self) -> int:
+        """Requests submitted beyond the KV slots: they wait for one to free."""
+        return max(0, len(self._streams) - self.config.scheduler.max_active)
+
     # ---- requests (event-loop thread) -------------------------------------------------------------
     def submit(self, prompt: object, *, seed: int | None, max_frames: int,
                chunk_schedule: tuple[int, ...] | None = None,

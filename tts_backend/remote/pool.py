@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 from . import framing
-from .base import (
+from ..base import (
     AudioChunk,
     BackendMetric,
     ReferenceAudio,

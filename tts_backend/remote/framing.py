@@ -27,7 +27,7 @@ import dataclasses
 import json
 import struct
 
-from .base import (
+from ..base import (
     BackendOverloadedError,
     InvalidReferenceAudioError,
     InvalidVoicePromptError,

@@ -18,13 +18,13 @@ import signal
 from typing import Any
 
 from . import framing
-from .base import (
+from ..base import (
     BackendMetric,
     ReferenceAudio,
     SynthesisError,
     Synthesizer,
 )
-from .registry import create_backend
+from ..registry import create_backend
 
 log = logging.getLogger(__name__)
 
