@@ -10,6 +10,24 @@ p95 audible TTFA above --fail-ttfa-ms). Random weights never end on their own, s
 the frames its text takes at 15 characters per second (bench/README.md); with random weights the audio is
 noise, so audible and first-playable TTFA are reported side by side. GPU memory in use is sampled at each
 rate with nvidia-smi.
+
+Where the engine runs:
+
+    (default)          in the gateway's process: `voxgate serve --backend qwen3 --model PATH`
+    --worker           one `voxgate worker` on a Unix socket, the gateway on `--backend remote -o socket=PATH`
+    --tcp-workers N    N `voxgate worker` processes on the one GPU, each listening on tcp://127.0.0.1:<free
+                       port> with a shared token (a random one written to a temporary file, mode 0600; only
+                       its path appears in the commands, the report and the logs) and a health port, each
+                       with max_active = 128 // N KV slots (the in-process run's slots shared out), and the
+                       gateway on `--backend remote -o workers=tcp://127.0.0.1:P1,... -o token_file=FILE`.
+                       Ready means every worker's /ready, the gateway's /ready, and (where the gateway
+                       exports voxgate_pool_workers) N workers ready in its pool; a worker that exits first
+                       fails the run at once. Each rate's entry adds `workers`: per worker, the engine
+                       breakdown and requests by outcome read from that worker's own /metrics.
+
+With --log FILE the workers log beside it: FILE with suffix .worker.log (--worker) or .worker1.log,
+.worker2.log, ... (--tcp-workers). On the H200: `LOAD_ARGS="--tcp-workers 2" bash bench/h200.sh setup
+load:10,20` (bench/h200.sh).
 """
 
 from __future__ import annotations
@@ -18,9 +36,12 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -67,10 +88,16 @@ def combine_seeds(summaries: list[dict]) -> dict:
     return combined
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: set[int] | None = None) -> int:
+    """A TCP port free on loopback now, and not one of `taken` (ports handed out but not yet bound)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if taken is None or port not in taken:
+            if taken is not None:
+                taken.add(port)
+            return port
 
 
 def gpu_memory_mib() -> float | None:
@@ -82,22 +109,61 @@ def gpu_memory_mib() -> float | None:
         return None
 
 
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def pool_ready_workers(base: str) -> float | None:
+    """voxgate_pool_workers{state="ready"} on the gateway's /metrics; None where the gateway has no such
+    family (or /metrics does not answer)."""
+    try:
+        counters = scrape_counters(base)
+    except (OSError, ValueError):
+        return None
+    for (name, labels), value in counters.items():
+        if name == "voxgate_pool_workers" and dict(labels).get("state") == "ready":
+            return value
+    return None
+
+
 def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None,
-               worker: subprocess.Popen | None = None) -> float:
+               worker: subprocess.Popen | None = None, workers: list[subprocess.Popen] = (),
+               worker_health: list[str] = (), pool_size: int = 0) -> float:
+    """Seconds until the gateway (and every worker) is ready. `worker`: the one --worker process;
+    `workers` and `worker_health`: the --tcp-workers processes and their health servers' base URLs, each of
+    which must answer /ready; `pool_size`: then wait (up to 60 s more) for that many ready workers in the
+    gateway's pool, where its /metrics reports them. Any of the processes exiting first raises at once."""
     started = time.monotonic()
+    watched = [("worker", worker)] if worker is not None else []
+    watched += [(f"worker {i}", w) for i, w in enumerate(workers, 1)]
+    ready_workers: set[int] = set()
+    gateway_ready_at = None
     while time.monotonic() - started < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode} before it was ready")
-        if worker is not None and worker.poll() is not None:
-            raise RuntimeError(f"worker exited with {worker.returncode} before it was ready")
+        for name, process in watched:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode} before it was ready")
         if log_path is not None and "backend failed to start" in log_path.read_text(errors="replace"):
             raise RuntimeError(f"the backend failed to start; see {log_path}")
-        try:
-            with urllib.request.urlopen(base + "/ready", timeout=2) as response:
-                if response.status == 200:
+        for i, health in enumerate(worker_health, 1):
+            if i not in ready_workers and http_ok(health + "/ready"):
+                ready_workers.add(i)
+                print(f"worker {i} ready after {time.monotonic() - started:.1f} s", flush=True)
+        if len(ready_workers) == len(worker_health):
+            if gateway_ready_at is None and http_ok(base + "/ready"):
+                gateway_ready_at = time.monotonic()
+            if gateway_ready_at is not None:
+                in_pool = pool_ready_workers(base) if pool_size else None
+                if not pool_size or in_pool is None or in_pool >= pool_size:
                     return time.monotonic() - started
-        except OSError:
-            pass
+                if time.monotonic() - gateway_ready_at > 60:
+                    raise RuntimeError(f"the gateway's pool has {in_pool:g} ready workers of {pool_size} "
+                                       "60 s after it was ready")
         time.sleep(0.5)
     raise RuntimeError(f"gateway not ready after {timeout_s:.0f} s")
 
@@ -122,7 +188,8 @@ def engine_breakdown(before: dict, after: dict) -> dict | None:
         for (sample, labels), value in after.items():
             if sample == name:
                 key = dict(labels).get(label, "") if label else ""
-                out[key] = value - before.get((sample, labels), 0.0)
+                # summed: a pool of workers may export one series per worker for each label value
+                out[key] = out.get(key, 0.0) + value - before.get((sample, labels), 0.0)
         return out
 
     sections = delta("voxgate_engine_thread_seconds_total", "section")
@@ -154,7 +221,96 @@ def engine_breakdown(before: dict, after: dict) -> dict | None:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def requests_by_outcome(before: dict, after: dict) -> dict[str, int]:
+    """voxgate_engine_requests_total between two scrapes, by outcome."""
+    out: dict[str, int] = {}
+    for (sample, labels), value in after.items():
+        if sample == "voxgate_engine_requests_total":
+            outcome = dict(labels).get("outcome", "")
+            out[outcome] = out.get(outcome, 0) + int(round(value - before.get((sample, labels), 0.0)))
+    return dict(sorted(out.items()))
+
+
+def engine_options(max_active: int, extra: list[str]) -> list[str]:
+    """The backend options every run uses (as `-o KEY=VALUE` pairs), then the caller's -o items, which
+    override them."""
+    options = ["-o", "frame_cap_chars_per_second=15", "-o", f"max_active={max_active}", "-o",
+               f"max_len={BENCH_MAX_LEN}", "-o", "runner_options=" + json.dumps(BENCH_RUNNER_OPTIONS)]
+    for item in extra:
+        options += ["-o", item]
+    return options
+
+
+def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_file: str | None = None) -> dict:
+    """The commands of one run, without starting anything: {"gateway": argv, "workers": [{"command": argv,
+    "address": listen address or None, "health": health base URL or None, "log_suffix": ...}]}. `ports`
+    holds the ports already handed out (the gateway's); worker ports are added to it."""
+    python = [sys.executable, "-m", "gateway.cli"]
+    if args.worker:
+        socket_path = f"/tmp/voxgate-bench-{port}.sock"
+        worker_options = ["--option" if a == "-o" else a for a in engine_options(BENCH_MAX_ACTIVE, args.option)]
+        workers = [{"command": [*python, "worker", "--backend", "qwen3", "--model", args.model, "--device",
+                                args.device, "--socket", socket_path, *worker_options],
+                    "address": f"unix:{socket_path}", "health": None, "log_suffix": ".worker.log"}]
+        gateway = [*python, "serve", "--backend", "remote", "-o", f"socket={socket_path}",
+                   "--port", str(port), "--log-level", "info"]
+    elif args.tcp_workers:
+        if token_file is None:
+            raise ValueError("--tcp-workers needs a token file")
+        n = args.tcp_workers
+        worker_options = ["--option" if a == "-o" else a
+                          for a in engine_options(max(1, BENCH_MAX_ACTIVE // n), args.option)]
+        workers = []
+        for i in range(1, n + 1):
+            listen_port, health_port = free_port(ports), free_port(ports)
+            address = f"tcp://127.0.0.1:{listen_port}"
+            workers.append({
+                "command": [*python, "worker", "--backend", "qwen3", "--model", args.model, "--device", args.device,
+                            "--listen", address, "--token-file", token_file, "--health-port", str(health_port),
+                            "--worker-id", f"bench-worker{i}", "--log-level", "info", *worker_options],
+                "address": address, "health": f"http://127.0.0.1:{health_port}", "log_suffix": f".worker{i}.log"})
+        gateway = [*python, "serve", "--backend", "remote",
+                   "-o", "workers=" + ",".join(w["address"] for w in workers), "-o", f"token_file={token_file}",
+                   "--port", str(port), "--log-level", "info"]
+    else:
+        workers = []
+        gateway = [*python, "serve", "--backend", "qwen3", "--model", args.model, "--device", args.device,
+                   "--port", str(port), "--log-level", "info", *engine_options(BENCH_MAX_ACTIVE, args.option)]
+    return {"gateway": gateway, "workers": workers}
+
+
+def worker_max_active(args: argparse.Namespace) -> int:
+    """Each --tcp-workers engine's KV slots: the in-process run's shared out, unless -o max_active= says."""
+    slots = max(1, BENCH_MAX_ACTIVE // max(1, args.tcp_workers))
+    for item in args.option:
+        key, _, value = item.partition("=")
+        if key.strip() == "max_active":
+            slots = int(value)
+    return slots
+
+
+def write_token_file() -> Path:
+    """A fresh random token in a file only this user can read, in a new temporary folder."""
+    folder = Path(tempfile.mkdtemp(prefix="voxgate-bench-"))
+    path = folder / "worker.token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(40)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", default="cuda")
@@ -169,48 +325,76 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--output", type=Path)
-    parser.add_argument("--log", type=Path, help="gateway log file (the worker's goes beside it, .worker.log)")
-    parser.add_argument("--worker", action="store_true",
-                        help="run the engine in a `voxgate worker` process and the gateway on --backend remote "
-                             "(the deployment that keeps the engine thread and the event loop in separate "
-                             "interpreters)")
+    parser.add_argument("--log", type=Path, help="gateway log file (the workers' go beside it: .worker.log, "
+                                                  ".worker1.log, ...)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--worker", action="store_true",
+                       help="run the engine in a `voxgate worker` process and the gateway on --backend remote "
+                            "(the deployment that keeps the engine thread and the event loop in separate "
+                            "interpreters)")
+    where.add_argument("--tcp-workers", type=int, default=0, metavar="N",
+                       help=f"run N `voxgate worker` processes on the one device, on loopback TCP with a token, "
+                            f"each with max_active={BENCH_MAX_ACTIVE}//N, behind the gateway's static pool "
+                            "(--backend remote -o workers=...)")
     args = parser.parse_args(argv)
+    if args.tcp_workers < 0:
+        parser.error("--tcp-workers N needs N >= 1")
+    return args
 
-    port = free_port()
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ports: set[int] = set()
+    port = free_port(ports)
     base = f"http://127.0.0.1:{port}"
-    options = ["-o", "frame_cap_chars_per_second=15", "-o", f"max_active={BENCH_MAX_ACTIVE}", "-o",
-               f"max_len={BENCH_MAX_LEN}", "-o", "runner_options=" + json.dumps(BENCH_RUNNER_OPTIONS)]
-    for item in args.option:
-        options += ["-o", item]
+    token_file = write_token_file() if args.tcp_workers else None
+    layout = plan_processes(args, port, ports, str(token_file) if token_file else None)
+    command = layout["gateway"]
     if args.log:
         args.log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    worker = None
-    worker_command = None
-    if args.worker:
-        socket_path = f"/tmp/voxgate-bench-{port}.sock"
-        worker_command = [sys.executable, "-m", "gateway.cli", "worker", "--backend", "qwen3", "--model", args.model,
-                          "--device", args.device, "--socket", socket_path,
-                          *["--option" if a == "-o" else a for a in options]]
-        worker_log = open(args.log.with_suffix(".worker.log"), "w") if args.log else subprocess.DEVNULL
-        worker = subprocess.Popen(worker_command, cwd=ROOT, stdout=worker_log, stderr=subprocess.STDOUT, env=env)
-        command = [sys.executable, "-m", "gateway.cli", "serve", "--backend", "remote", "-o", f"socket={socket_path}",
-                   "--port", str(port), "--log-level", "info"]
-    else:
-        command = [sys.executable, "-m", "gateway.cli", "serve", "--backend", "qwen3", "--model", args.model,
-                   "--device", args.device, "--port", str(port), "--log-level", "info", *options]
-    log = open(args.log, "w") if args.log else subprocess.DEVNULL
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    workers: list[subprocess.Popen] = []
+    worker_logs = []
+    proc = None
     report = {"tool": "bench/engine_load.py", "command": " ".join(["python", "bench/engine_load.py", *(argv or sys.argv[1:])]),
-              "gateway_command": " ".join(command), "worker_command": " ".join(worker_command or []) or None,
+              "gateway_command": " ".join(command),
+              "worker_command": " ".join(layout["workers"][0]["command"]) if args.worker else None,
               "rates": []}
+    if args.tcp_workers:
+        report["worker_commands"] = [" ".join(w["command"]) for w in layout["workers"]]
+        report["workers"] = [{"worker": i, "address": w["address"], "health": w["health"],
+                              "max_active": worker_max_active(args),
+                              "log": str(args.log.with_suffix(w["log_suffix"])) if args.log else None}
+                             for i, w in enumerate(layout["workers"], 1)]
+        report["token_file"] = str(token_file)  # the path only: the token itself is never written out
     try:
-        report["startup_s"] = wait_ready(base, proc, args.ready_timeout, args.log, worker)
+        for spec in layout["workers"]:
+            worker_log = open(args.log.with_suffix(spec["log_suffix"]), "w") if args.log else subprocess.DEVNULL
+            worker_logs.append(worker_log)
+            workers.append(subprocess.Popen(spec["command"], cwd=ROOT, stdout=worker_log, stderr=subprocess.STDOUT,
+                                            env=env))
+        log = open(args.log, "w") if args.log else subprocess.DEVNULL
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        health = [w["health"] for w in layout["workers"] if w["health"]]
+        report["startup_s"] = wait_ready(base, proc, args.ready_timeout, args.log,
+                                         worker=workers[0] if args.worker else None,
+                                         workers=workers if args.tcp_workers else [],
+                                         worker_health=health, pool_size=args.tcp_workers)
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
         prompts = load_prompts(ROOT / "bench" / "data" / "arctic_en.jsonl")
         client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=args.voice, timeout_s=60)
         seeds = args.seed or [0]
+
+        def scrape_workers() -> list[dict | None]:
+            out = []
+            for url in health:
+                try:
+                    out.append(scrape_counters(url))
+                except (OSError, ValueError):
+                    out.append(None)  # a worker that died or whose /metrics does not answer
+            return out
+
         for rate in [float(r) for r in args.rates.split(",")]:
             memory: list[float] = []
 
@@ -232,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
             per_seed = []
             counters_before = scrape_counters(base)
+            workers_before = scrape_workers()
             for seed in seeds:
                 per_seed.append(asyncio.run(run_with_memory(seed))["summary"])
                 if len(seeds) > 1:
@@ -243,6 +428,14 @@ def main(argv: list[str] | None = None) -> int:
             engine = engine_breakdown(counters_before, scrape_counters(base))
             entry = {"rps": rate, "passed": passed, "gpu_memory_max_MiB": max(memory) if memory else None,
                      "seeds": seeds, "summary": summary, "engine": engine}
+            if health:
+                entry["workers"] = [
+                    {"worker": i, "address": spec["address"],
+                     "engine": engine_breakdown(b, a) if b is not None and a is not None else None,
+                     "requests": requests_by_outcome(b, a) if b is not None and a is not None else None,
+                     "exit_code": process.poll()}
+                    for i, (spec, process, b, a) in enumerate(zip(layout["workers"], workers, workers_before,
+                                                                   scrape_workers()), 1)]
             if len(seeds) > 1:
                 entry["per_seed"] = per_seed
             report["rates"].append(entry)
@@ -251,27 +444,45 @@ def main(argv: list[str] | None = None) -> int:
             print(f"GPU memory max {entry['gpu_memory_max_MiB']} MiB; verdict {'PASS' if passed else 'FAIL'}", flush=True)
             if engine is not None:
                 print(engine_table([entry]), flush=True)
+            for w in entry.get("workers", []):
+                print(f"worker {w['worker']} ({w['address']}): requests {w['requests']}", flush=True)
             if not passed:
                 break
     finally:
-        for process in (proc, worker):
-            if process is None:
-                continue
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        for process in ([proc] if proc is not None else []) + workers:
+            stop(process)
+        report["worker_exit_codes"] = [process.returncode for process in workers] or None
+        for f in worker_logs:
+            if f is not subprocess.DEVNULL:
+                f.close()
+        if token_file is not None:
+            shutil.rmtree(token_file.parent, ignore_errors=True)
     table = summary_table(report)
     if any(entry.get("engine") for entry in report["rates"]):
         table += "\n\nEngine thread, over each rate's runs (voxgate_engine_* from /metrics):\n\n"
         table += engine_table(report["rates"])
+    if any(entry.get("workers") for entry in report["rates"]):
+        table += "\n\n" + workers_table(report["rates"])
     print(table)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
         args.output.with_suffix(".md").write_text(table + "\n")
     return 0
+
+
+def workers_table(entries: list[dict]) -> str:
+    """Per worker and rate (--tcp-workers), from each worker's own /metrics: requests that left its engine
+    and its engine thread's breakdown."""
+    rows = []
+    for entry in entries:
+        for w in entry.get("workers") or []:
+            if w.get("engine"):
+                rows.append({"rps": f"{entry['rps']:g} (worker {w['worker']}, "
+                                    f"{sum((w.get('requests') or {}).values())} requests)", "engine": w["engine"]})
+    if not rows:
+        return "Workers' /metrics reported no engine counters."
+    return "Engine thread per worker (its own /metrics):\n\n" + engine_table(rows)
 
 
 def summary_table(report: dict) -> str:
@@ -311,7 +522,8 @@ def engine_table(entries: list[dict]) -> str:
             continue
         us = e["schedule_us_per_decision"]
         rules = ", ".join(f"{rule} {count}" for rule, count in e["rules"].items())
-        lines.append(f"| {entry['rps']:g} | {stage(e, 'decode')} | {stage(e, 'code_predict')} | {stage(e, 'codec')} | "
+        rps = entry["rps"] if isinstance(entry["rps"], str) else f"{entry['rps']:g}"
+        lines.append(f"| {rps} | {stage(e, 'decode')} | {stage(e, 'code_predict')} | {stage(e, 'codec')} | "
                      f"{pct(e['codec_device_share'])} | {stage(e, 'prefill')} | {pct(e['schedule_share'])} "
                      f"({'-' if us is None else f'{us:.0f}'}) | {pct(e['idle_share'])} | {e['decisions']} | {rules} |")
     return "\n".join(lines)

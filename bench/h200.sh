@@ -12,7 +12,11 @@
 #   step[:ARGS]      bench/engine_step.py ARGS           -> $OUT/engine_step.json (then engine_step_2.json...)
 #   reference        qwen-tts 0.1.1 from .carry/refwhl   -> $OUT/reference.json
 #   load:RATES       bench/engine_load.py --rates RATES  -> $OUT/engine_load.json (WARMUP, DURATION, SEED or SEEDS,
-#                    LOAD_ARGS for extra flags such as "-o key=value")
+#                    LOAD_ARGS for extra flags such as "-o key=value"); where the engine runs, e.g.
+#                      WARMUP=5 DURATION=30 LOAD_ARGS=--worker bash bench/h200.sh setup load:10,20
+#                      LOAD_ARGS="--tcp-workers 2" bash bench/h200.sh setup load:10,20
+#                    (the second: two `voxgate worker` engines on the GPU, 64 KV slots each, on loopback TCP with
+#                    a token, behind the gateway's static pool; their logs are gateway.worker1.log, .worker2.log)
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
 #   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.tgz (if under 15 MiB)

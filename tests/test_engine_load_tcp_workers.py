@@ -1,0 +1,77 @@
+"""bench/engine_load.py --tcp-workers: the commands it would start (nothing is started here, no GPU): N workers
+on distinct loopback TCP ports with the token file and a health port each, the in-process run's KV slots
+shared out between them, the gateway's static pool naming every worker, and the token itself in no command."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+from bench import engine_load
+
+
+def option_values(command: list[str], flag: str) -> list[str]:
+    return [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == flag]
+
+
+def options(command: list[str]) -> dict[str, str]:
+    pairs = option_values(command, "--option") + option_values(command, "-o")
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def test_two_tcp_workers_share_the_slots_and_the_pool_names_both(tmp_path):
+    args = engine_load.parse_args(["--model", "/tmp/ckpt", "--tcp-workers", "2", "-o", "cuda_graphs=false"])
+    token_file = engine_load.write_token_file()
+    try:
+        token = token_file.read_text().strip()
+        assert len(token) >= 32 and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        ports = {8000}
+        layout = engine_load.plan_processes(args, 8000, ports, str(token_file))
+        workers = layout["workers"]
+        assert len(workers) == 2
+        listen = [option_values(w["command"], "--listen")[0] for w in workers]
+        health = [int(option_values(w["command"], "--health-port")[0]) for w in workers]
+        assert [w["address"] for w in workers] == listen
+        assert all(a.startswith("tcp://127.0.0.1:") for a in listen)
+        every_port = [int(a.rsplit(":", 1)[1]) for a in listen] + health + [8000]
+        assert len(set(every_port)) == 5 and set(every_port) == ports
+        assert [w["log_suffix"] for w in workers] == [".worker1.log", ".worker2.log"]
+        for w in workers:
+            command = w["command"]
+            assert command[command.index("-m") + 1:][:2] == ["gateway.cli", "worker"]
+            assert option_values(command, "--token-file") == [str(token_file)]
+            assert option_values(command, "--model") == ["/tmp/ckpt"]
+            opts = options(command)
+            assert opts["max_active"] == str(engine_load.BENCH_MAX_ACTIVE // 2)
+            assert opts["cuda_graphs"] == "false"  # the caller's -o items reach every worker
+            assert json.loads(opts["runner_options"]) == engine_load.BENCH_RUNNER_OPTIONS
+        assert engine_load.worker_max_active(args) == engine_load.BENCH_MAX_ACTIVE // 2
+        gateway = layout["gateway"]
+        assert option_values(gateway, "--backend") == ["remote"]
+        gateway_opts = options(gateway)
+        assert gateway_opts == {"workers": ",".join(listen), "token_file": str(token_file)}
+        for command in [gateway, *(w["command"] for w in workers)]:
+            assert token not in " ".join(command)
+    finally:
+        token_file.unlink()
+        token_file.parent.rmdir()
+
+
+def test_one_unix_worker_and_in_process_are_unchanged():
+    ports = {9000}
+    worker = engine_load.plan_processes(engine_load.parse_args(["--model", "m", "--worker"]), 9000, ports)
+    (spec,) = worker["workers"]
+    assert option_values(spec["command"], "--socket") == ["/tmp/voxgate-bench-9000.sock"]
+    assert options(spec["command"])["max_active"] == str(engine_load.BENCH_MAX_ACTIVE)
+    assert options(worker["gateway"]) == {"socket": "/tmp/voxgate-bench-9000.sock"}
+    local = engine_load.plan_processes(engine_load.parse_args(["--model", "m"]), 9000, ports)
+    assert local["workers"] == [] and option_values(local["gateway"], "--backend") == ["qwen3"]
+    assert options(local["gateway"])["max_active"] == str(engine_load.BENCH_MAX_ACTIVE)
+    assert ports == {9000}
+
+
+def test_worker_and_tcp_workers_exclude_each_other(capsys):
+    with pytest.raises(SystemExit):
+        engine_load.parse_args(["--model", "m", "--worker", "--tcp-workers", "2"])
