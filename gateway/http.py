@@ -378,6 +378,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             seed=body.seed,
             max_new_tokens=body.max_new_tokens,
             utterance_key=request_id,
+            session_key=request_id,
             request_id=f"{request_id}/{i}",
             extra=extra,
             word_timestamps=timestamps,

@@ -99,6 +99,7 @@ class SpeechPipeline:
             max_new_tokens=config.message.max_new_tokens,
             chunk_schedule=config.message.effective_chunk_schedule,
             utterance_key=f"{self.session_id}/{job.utterance.number}",
+            session_key=self.session_id,
             request_id=f"{self.session_id}/{job.index}",
             extra=config.message.backend_extra(),
             word_timestamps=config.timestamps is not None,

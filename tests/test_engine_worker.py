@@ -26,6 +26,11 @@ def start_worker(socket_path: str, *args: str) -> subprocess.Popen:
     )
 
 
+def only_worker(remote: RemoteSynthesizer):
+    (member,) = remote.members.values()
+    return member
+
+
 def stop_worker(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -68,10 +73,10 @@ async def test_closing_the_stream_cancels_it_in_the_worker(synthetic_worker):
         stream = remote.synthesize(SynthesisRequest(text=long_text, voice="tone-low"))
         await stream.__anext__()
         await asyncio.sleep(0.2)
-        assert (await remote._query_info())["streams"] == 1
+        assert (await only_worker(remote).query("info"))["streams"] == 1
         started = time.monotonic()
         await stream.aclose()
-        while (await remote._query_info())["streams"] != 0:
+        while (await only_worker(remote).query("info"))["streams"] != 0:
             assert time.monotonic() - started < 2.0, "worker kept streaming after the client left"
             await asyncio.sleep(0.02)
         # The worker still serves.

@@ -102,6 +102,8 @@ class SynthesisRequest:
     chunk_schedule: tuple[int, ...] | None = None
     # Sentences of one utterance share this key, so a backend may keep generation context across them.
     utterance_key: str | None = None
+    # Requests of one client session share this key, so a pool of workers keeps a session on one worker.
+    session_key: str | None = None
     # A caller-chosen id for logs and tracing; never affects the audio.
     request_id: str = ""
     extra: dict = field(default_factory=dict)

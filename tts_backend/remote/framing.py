@@ -1,4 +1,4 @@
-"""The small framed protocol between a gateway and a `voxgate worker` over a local (Unix) socket.
+"""The small framed protocol between a gateway and a `voxgate worker`, over a Unix socket or TCP (connection.py).
 
 Each frame: a 4-byte big-endian length of what follows, one type byte, the payload.
   b"J"  a JSON object (control: info, synthesize, words, done, error)
@@ -12,6 +12,11 @@ worker notices end-of-file and stops its stream within one chunk, which frees th
   client -> worker   {"op": "clone", "samples": base64, "ref_text": str|null, "x_vector_only": bool}
                                                             -> {"op": "clone", "prompt": base64}
                                                                or {"op": "error", ...}
+  client -> worker   {"op": "auth", "token": str}           first, where the worker has a token; no answer,
+                                                               the request frame follows at once. A wrong or
+                                                               missing token: {"op": "error", "code": "unauthorized"}
+A worker that is draining answers a synthesize for an utterance it has not served with
+{"op": "error", "code": "draining"}: the gateway's pool sends it to another worker.
 ("samples": a ReferenceAudio's float32 24 kHz mono samples; "prompt": the backend's voice prompt; a
 request's "voice_prompt" travels in base64 too, and is left out when there is none.)
 With "word_timestamps" in the request, {"op": "words", "words": [[word, start, end], ...]} frames (a
@@ -40,6 +45,10 @@ from ..base import (
 JSON = b"J"
 AUDIO = b"A"
 MAX_FRAME = 16 * 1024 * 1024
+# Where the worker has a token, a peer's first frame must be the (small) auth frame: a longer one is
+# refused before its payload is read, so an unauthenticated peer cannot make the worker buffer megabytes.
+MAX_AUTH_FRAME = 4096
+READ_LIMIT = 1 << 20  # StreamReader buffer: readexactly reads past it, this only bounds read-ahead
 _HEADER = struct.Struct(">IB")
 
 
@@ -55,8 +64,9 @@ def encode_json(message: dict) -> bytes:
     return encode(JSON, json.dumps(message, separators=(",", ":")).encode())
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
-    """(kind, payload), or None at a clean end of stream."""
+async def read_frame(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) -> tuple[bytes, bytes] | None:
+    """(kind, payload), or None at a clean end of stream; a frame longer than max_size is a ProtocolError
+    before any of its payload is read."""
     try:
         header = await reader.readexactly(_HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -64,7 +74,7 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None
             return None
         raise ProtocolError("connection closed inside a frame header") from exc
     length, kind = _HEADER.unpack(header)
-    if length < 1 or length > MAX_FRAME:
+    if length < 1 or length > max_size:
         raise ProtocolError(f"bad frame length {length}")
     payload = await reader.readexactly(length - 1)
     return bytes([kind]), payload
@@ -80,7 +90,7 @@ def decode_json(payload: bytes) -> dict:
     return message
 
 
-# The errors a gateway tells apart, by their code on the socket (the worker sends them, remote.py raises them again).
+# The errors a gateway tells apart, by their code on the socket (the worker sends them, pool.py raises them again).
 ERROR_CODES: dict[type[SynthesisError], str] = {
     UnknownVoiceError: "unknown_voice",
     BackendOverloadedError: "overloaded",
@@ -98,6 +108,8 @@ def request_to_json(request: SynthesisRequest) -> dict:
     data = dataclasses.asdict(request)
     if not data["word_timestamps"]:  # left out unless asked, so that a worker older than the field still serves
         del data["word_timestamps"]
+    if data["session_key"] is None:  # likewise
+        del data["session_key"]
     if data["voice_prompt"] is None:  # likewise
         del data["voice_prompt"]
     else:

@@ -1,7 +1,19 @@
-"""`voxgate worker`: a synthesis backend in its own process, served over a local Unix socket.
+"""`voxgate worker`: a synthesis backend in its own process, served over a Unix socket or TCP.
 
-One GPU host can run one worker (the engine, the model, the CUDA graphs) and several gateway replicas
-that reach it with `--backend remote --socket PATH`. The protocol is in framing.py.
+A GPU host runs one worker per GPU (`--gpus`, launcher.py); gateways reach them with `--backend remote`,
+one local socket (`-o socket=PATH`) or a pool (`-o workers=...`, or `-o discover=REDIS_URL` with the
+workers started with `--registry`). The protocol is in framing.py, addresses and TLS in connection.py.
+
+What a worker tells the gateways, in its `info` answer and its registry record: its capacity (streams it
+serves at once at full speed: the engine's KV slots, or `--capacity`), the streams it serves now, the
+requests queued for a place, and its measured real-time factor (wall seconds spent producing a second of
+audio, over the last few seconds, first chunks left out). A pool routes each new session by what is left.
+
+Drain (SIGTERM): the worker keeps serving the utterances it has served a sentence of, so those finish
+where they started; any other request is answered `draining`, which a pool sends to another worker at
+once. It says `draining` in its info and registry record, so gateways stop routing new sessions to it
+within a heartbeat. Once no stream has run for `drain_linger_s` (an open utterance's next sentence comes
+within that, as a talking client's do) or at `--drain-timeout-s`, it withdraws from the registry and exits.
 """
 
 from __future__ import annotations
@@ -9,24 +21,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import contextlib
 import dataclasses
 import gc
+import hmac
+import json
 import logging
 import os
 import signal
+import socket
+import time
 from typing import Any
 
-from . import framing
-from ..base import (
-    BackendMetric,
-    ReferenceAudio,
-    SynthesisError,
-    Synthesizer,
-)
+from ..base import BackendMetric, ReferenceAudio, SynthesisError, Synthesizer
 from ..registry import create_backend
+from . import framing
+from .connection import WorkerAddress, default_worker_id, listen_address, read_token, server_tls_context
+from .discovery import WorkerRegistry
+from .health import HealthServer
 
 log = logging.getLogger(__name__)
+
+FIRST_FRAME_TIMEOUT_S = 10.0  # a peer that opens a connection and says nothing is dropped after this
+_SEEN_UTTERANCES = 65536  # utterance keys remembered for the drain (oldest forgotten first)
 
 
 def error_code(exc: BaseException) -> str:
@@ -38,33 +56,127 @@ def error_code(exc: BaseException) -> str:
     return "internal"
 
 
+class RealTimeMeter:
+    """Wall seconds spent waiting for the backend per second of audio it produced, over the last
+    `window_s`: under 1 the backend keeps ahead of real time. A stream's first chunk is left out (that is
+    its time to first audio, not its pace)."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
+        self._wait = 0.0
+        self._audio = 0.0
+
+    def add(self, wait_s: float, audio_s: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, wait_s, audio_s))
+        self._wait += wait_s
+        self._audio += audio_s
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            _, wait_s, audio_s = self._samples.popleft()
+            self._wait -= wait_s
+            self._audio -= audio_s
+
+    def value(self, now: float | None = None) -> float:
+        self._expire(time.monotonic() if now is None else now)
+        return self._wait / self._audio if self._audio > 0.05 else 0.0
+
+
 class WorkerServer:
-    def __init__(self, backend: Synthesizer, socket_path: str) -> None:
+    """Serves `backend` on `listen` (a WorkerAddress, or a Unix socket path). token: every connection
+    must start with it (see framing.py). tls: the server context for tls:// addresses."""
+
+    def __init__(self, backend: Synthesizer, listen: WorkerAddress | str, *, token: str | None = None,
+                 tls=None, worker_id: str | None = None, advertise: WorkerAddress | None = None,
+                 capacity: int | None = None, drain_linger_s: float = 2.0, max_connections: int = 4096) -> None:
         self.backend = backend
-        self.socket_path = socket_path
+        self.listen = listen if isinstance(listen, WorkerAddress) else WorkerAddress.parse(listen)
+        if self.listen.scheme == "tls" and tls is None:
+            raise ValueError("a tls:// worker needs a certificate and key (--tls-cert, --tls-key)")
+        self.token = token
+        self.tls = tls if self.listen.scheme == "tls" else None
+        self.advertise = advertise or self.listen
+        self.worker_id = worker_id or default_worker_id(self.listen)
+        self._capacity = capacity
+        self.drain_linger_s = drain_linger_s
+        self.max_connections = max_connections
         self._server: asyncio.AbstractServer | None = None
         self.streams_in_flight = 0
+        self.connections = 0
+        self.draining = False
+        self.started_at = time.time()
+        self.meter = RealTimeMeter()
+        self._utterances: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._last_stream_at = time.monotonic()
+        self.refused_unauthorized = 0
+
+    @property
+    def socket_path(self) -> str:
+        return self.listen.path
+
+    @property
+    def bound_port(self) -> int:
+        """The TCP port listened on (the one the OS chose for port 0)."""
+        if self._server is None or not self._server.sockets:
+            return self.listen.port
+        return self._server.sockets[0].getsockname()[1]
+
+    def capacity(self) -> int | None:
+        return self._capacity if self._capacity is not None else self.backend.capacity()
 
     def info(self) -> dict:
         return {
             "op": "info",
+            "id": self.worker_id,
             "name": self.backend.name,
             "sample_rate": self.backend.sample_rate,
             "ready": self.backend.ready,
+            "draining": self.draining,
             "load": self.backend.load(),
             "streams": self.streams_in_flight,
+            "capacity": self.capacity(),
+            "queued": self.backend.queued(),
+            "rtf": round(self.meter.value(), 4),
             "default_voice": self.backend.default_voice,
             "voices": [dataclasses.asdict(v) for v in self.backend.voices()],
             "honours": sorted(self.backend.honours),
             "speaks_only_clones": self.backend.speaks_only_clones,
         }
 
+    def record(self) -> dict:
+        """What the registry holds of this worker (discovery.py)."""
+        info = self.info()
+        return {
+            "id": self.worker_id, "address": str(self.advertise), "backend": info["name"],
+            "voices": [v["id"] for v in info["voices"]], "capacity": info["capacity"], "streams": info["streams"],
+            "queued": info["queued"], "rtf": info["rtf"], "load": info["load"], "draining": self.draining,
+            "ready": info["ready"], "started_at": self.started_at, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    def own_metrics(self) -> list[BackendMetric]:
+        def gauge(name: str, help_text: str, value: float | None) -> BackendMetric:
+            return BackendMetric(name, "gauge", help_text, samples=(((), float(value if value is not None else 0)),))
+
+        return [
+            gauge("worker_streams", "Streams the worker is serving now", self.streams_in_flight),
+            gauge("worker_capacity", "Streams the worker serves at once at full speed (KV slots)", self.capacity()),
+            gauge("worker_queued", "Requests waiting for a place among the capacity", self.backend.queued()),
+            gauge("worker_rtf", "Wall seconds per second of audio produced, over the last 5 s", self.meter.value()),
+            gauge("worker_draining", "1 while the worker drains (SIGTERM)", 1.0 if self.draining else 0.0),
+            gauge("worker_connections", "Open connections", self.connections),
+            BackendMetric("worker_unauthorized_connections", "counter", "Connections refused for a wrong or "
+                          "missing token", samples=(((), float(self.refused_unauthorized)),)),
+        ]
+
+    async def all_metrics(self) -> list[BackendMetric]:
+        return [*self.own_metrics(), *await self.backend.metrics()]
+
     async def metrics(self) -> dict:
-        """The backend's metrics and the worker's own, for the gateway's /metrics (RemoteSynthesizer)."""
-        streams = BackendMetric("worker_streams", "gauge", "Streams the worker is serving now",
-                                samples=(((), float(self.streams_in_flight)),))
-        metrics = [streams, *await self.backend.metrics()]
-        return {"op": "metrics", "metrics": [m.to_json() for m in metrics]}
+        """The backend's metrics and the worker's own, for the gateway's /metrics (pool.py)."""
+        return {"op": "metrics", "metrics": [m.to_json() for m in await self.all_metrics()]}
 
     async def clone(self, message: dict) -> dict:
         reference = ReferenceAudio(framing.decode_base64(message.get("samples"), "samples"),
@@ -81,27 +193,86 @@ class WorkerServer:
         return {"op": "clone", "prompt": base64.b64encode(prompt).decode()}
 
     async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
-        self._server = await asyncio.start_unix_server(self._handle, path=self.socket_path)
-        os.chmod(self.socket_path, 0o660)
+        if self.listen.scheme == "unix":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.listen.path)
+            self._server = await asyncio.start_unix_server(self._handle, path=self.listen.path,
+                                                           limit=framing.READ_LIMIT)
+            os.chmod(self.listen.path, 0o660)
+        else:
+            self._server = await asyncio.start_server(self._handle, self.listen.host, self.listen.port,
+                                                      ssl=self.tls, limit=framing.READ_LIMIT,
+                                                      ssl_handshake_timeout=FIRST_FRAME_TIMEOUT_S)
+        if self.advertise.is_network and self.advertise.port == 0:  # port 0: the one the OS chose
+            self.advertise = self.advertise.with_port(self.bound_port)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        if self.listen.scheme == "unix":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.listen.path)
+
+    # ---- drain -------------------------------------------------------------------------------------
+    def _admit(self, request_data: dict) -> bool:
+        """May this request start? Always, unless draining: then only for an utterance already served."""
+        key = request_data.get("utterance_key") or request_data.get("session_key")
+        if self.draining:
+            return isinstance(key, str) and key in self._utterances
+        if isinstance(key, str):
+            self._utterances[key] = None
+            self._utterances.move_to_end(key)
+            while len(self._utterances) > _SEEN_UTTERANCES:
+                self._utterances.popitem(last=False)
+        return True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking new work and wait until the open utterances are done (see the module doc)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            idle = time.monotonic() - self._last_stream_at
+            if self.streams_in_flight == 0 and idle >= self.drain_linger_s:
+                return
+            await asyncio.sleep(0.05)
+        log.warning("drain timeout (%g s): %d streams still running are cut", timeout_s, self.streams_in_flight)
+
+    # ---- connections -------------------------------------------------------------------------------
+    async def _first_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict | None:
+        """The connection's request, once its token (where one is set) is right; None when refused."""
+        limit = framing.MAX_AUTH_FRAME if self.token is not None else framing.MAX_FRAME
+        frame = await asyncio.wait_for(framing.read_frame(reader, limit), FIRST_FRAME_TIMEOUT_S)
+        if frame is None:
+            return None
+        if self.token is not None:
+            message = framing.decode_json(frame[1]) if frame[0] == framing.JSON else {}
+            offered = message.get("token") if message.get("op") == "auth" else None
+            if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), self.token.encode()):
+                self.refused_unauthorized += 1
+                writer.write(framing.encode_json({"op": "error", "code": "unauthorized",
+                                                  "message": "this worker wants its token first"}))
+                await writer.drain()
+                return None
+            frame = await asyncio.wait_for(framing.read_frame(reader), FIRST_FRAME_TIMEOUT_S)
+            if frame is None:
+                return None
+        kind, payload = frame
+        if kind != framing.JSON:
+            raise framing.ProtocolError("expected a JSON frame first")
+        return framing.decode_json(payload)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
-            frame = await framing.read_frame(reader)
-            if frame is None:
+            if self.connections > self.max_connections:
+                writer.write(framing.encode_json({"op": "error", "code": "overloaded",
+                                                  "message": "too many connections to this worker"}))
+                await writer.drain()
                 return
-            kind, payload = frame
-            if kind != framing.JSON:
-                raise framing.ProtocolError("expected a JSON frame first")
-            message = framing.decode_json(payload)
+            message = await self._first_request(reader, writer)
+            if message is None:
+                return
             if message["op"] == "info":
                 writer.write(framing.encode_json(self.info()))
                 await writer.drain()
@@ -112,16 +283,25 @@ class WorkerServer:
                 writer.write(framing.encode_json(await self.clone(message)))
                 await writer.drain()
             elif message["op"] == "synthesize":
-                await self._synthesize(message.get("request") or {}, reader, writer)
+                data = message.get("request") or {}
+                if not isinstance(data, dict):
+                    raise framing.ProtocolError("request must be an object")
+                if not self._admit(data):
+                    writer.write(framing.encode_json({"op": "error", "code": "draining",
+                                                      "message": "this worker is draining"}))
+                    await writer.drain()
+                    return
+                await self._synthesize(data, reader, writer)
             else:
                 raise framing.ProtocolError(f"unknown op {message['op']!r}")
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away; its stream was cancelled with it
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            pass  # the client went away (its stream was cancelled with it), or never said anything
         except framing.ProtocolError as exc:
             with contextlib.suppress(ConnectionError):
                 writer.write(framing.encode_json({"op": "error", "code": "bad_request", "message": str(exc)}))
                 await writer.drain()
         finally:
+            self.connections -= 1
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -147,13 +327,25 @@ class WorkerServer:
             await self._stream_inner(data, writer)
         finally:
             self.streams_in_flight -= 1
+            self._last_stream_at = time.monotonic()
 
     async def _stream_inner(self, data: dict, writer: asyncio.StreamWriter) -> None:
+        seconds_per_byte = 1.0 / (2 * self.backend.sample_rate)
         try:
             request = framing.request_from_json(data)
             stream = self.backend.synthesize(request)
             try:
-                async for chunk in stream:
+                first_audio = True
+                while True:
+                    asked = time.monotonic()
+                    try:
+                        chunk = await anext(stream)
+                    except StopAsyncIteration:
+                        break
+                    if chunk.pcm:
+                        if not first_audio:
+                            self.meter.add(time.monotonic() - asked, len(chunk.pcm) * seconds_per_byte)
+                        first_audio = False
                     if chunk.words:  # before the chunk's audio, as the backend gave them
                         writer.write(framing.encode_json({"op": "words", "words": [w.to_json() for w in chunk.words]}))
                     if chunk.pcm:
@@ -172,23 +364,63 @@ class WorkerServer:
         await writer.drain()
 
 
+def default_advertise(listen: WorkerAddress) -> WorkerAddress:
+    """The listen address, with a wildcard host (0.0.0.0, ::) replaced by this host's address."""
+    if listen.scheme == "unix" or listen.host not in ("0.0.0.0", "::", ""):
+        return listen
+    try:
+        host = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        host = "127.0.0.1"
+    return WorkerAddress(listen.scheme, host, listen.port)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    env = os.environ.get
     parser = argparse.ArgumentParser(prog="voxgate worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--socket", default=os.environ.get("VOXGATE_WORKER_SOCKET", "/tmp/voxgate-worker.sock"),
-                        help="Unix socket path to listen on")
-    parser.add_argument("--backend", default=os.environ.get("VOXGATE_BACKEND", "qwen3"),
+    parser.add_argument("--listen", default=env("VOXGATE_WORKER_LISTEN"),
+                        help="unix:/PATH, tcp://HOST:PORT or tls://HOST:PORT (default unix:/tmp/voxgate-worker.sock)")
+    parser.add_argument("--socket", default=env("VOXGATE_WORKER_SOCKET"), help="Unix socket path (= --listen unix:PATH)")
+    parser.add_argument("--token-file", default=env("VOXGATE_WORKER_TOKEN_FILE"),
+                        help="file whose first line is the shared token (else $VOXGATE_WORKER_TOKEN)")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="listen on a non-loopback TCP address without a token")
+    parser.add_argument("--tls-cert", default=env("VOXGATE_WORKER_TLS_CERT"), help="certificate chain (tls://)")
+    parser.add_argument("--tls-key", default=env("VOXGATE_WORKER_TLS_KEY"), help="private key (tls://)")
+    parser.add_argument("--registry", default=env("VOXGATE_WORKER_REGISTRY"),
+                        help="Redis URL to register in, for gateways started with -o discover=URL")
+    parser.add_argument("--registry-cluster", action="store_true",
+                        default=env("VOXGATE_WORKER_REGISTRY_CLUSTER", "").lower() in ("1", "true", "yes"),
+                        help="--registry names a node of a Redis Cluster")
+    parser.add_argument("--registry-prefix", default=env("VOXGATE_WORKER_REGISTRY_PREFIX", "voxgate:"))
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between registry renewals")
+    parser.add_argument("--lease-s", type=float, default=3.0, help="seconds a registration lasts unrenewed")
+    parser.add_argument("--advertise", default=env("VOXGATE_WORKER_ADVERTISE"),
+                        help="the address gateways dial (default: --listen, a wildcard host made this host's)")
+    parser.add_argument("--worker-id", default=env("VOXGATE_WORKER_ID"), help="default: HOSTNAME-PORT")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="streams served at once at full speed (default: the backend's, e.g. its KV slots)")
+    parser.add_argument("--health-port", type=int, default=int(env("VOXGATE_WORKER_HEALTH_PORT", "0")) or None,
+                        help="HTTP port for /health, /ready and /metrics")
+    parser.add_argument("--drain-timeout-s", type=float, default=float(env("VOXGATE_WORKER_DRAIN_TIMEOUT_S", "30")),
+                        help="on SIGTERM: seconds open utterances get before the worker exits")
+    parser.add_argument("--drain-linger-s", type=float, default=2.0,
+                        help="on SIGTERM: exit once no stream has run for this long")
+    parser.add_argument("--gpus", help="one worker per GPU: a list (0,1,2) or 'all'; ports count up from --listen's")
+    parser.add_argument("--backend", default=env("VOXGATE_BACKEND", "qwen3"),
                         help="backend to serve (qwen3, synthetic, piper)")
-    parser.add_argument("--model", default=os.environ.get("VOXGATE_MODEL"), help="checkpoint folder (qwen3)")
-    parser.add_argument("--device", default=os.environ.get("VOXGATE_DEVICE"), help="torch device (qwen3)")
+    parser.add_argument("--model", default=env("VOXGATE_MODEL"), help="checkpoint folder (qwen3)")
+    parser.add_argument("--device", default=env("VOXGATE_DEVICE"), help="torch device (qwen3)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="extra backend option (repeatable); values are parsed as JSON when they can be")
     parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.listen and args.socket:
+        parser.error("give --listen or --socket, not both")
+    return args
 
 
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
-    import json
-
     options: dict[str, Any] = {}
     if args.model:
         options["model"] = args.model
@@ -205,17 +437,68 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def server_from_args(args: argparse.Namespace, backend: Synthesizer) -> WorkerServer:
+    """The server as the flags describe it; SystemExit with one line for a setting that cannot work."""
+    try:
+        listen = listen_address(args.listen, args.socket)
+        token = read_token(token_file=args.token_file)
+        advertise = WorkerAddress.parse(args.advertise) if args.advertise else default_advertise(listen)
+    except ValueError as exc:
+        raise SystemExit(f"voxgate worker: {exc}") from None
+    if listen.is_network and not listen.is_loopback and token is None and not args.insecure_no_auth:
+        raise SystemExit(f"voxgate worker: listening on {listen} without a token lets anyone on the network use "
+                         "this GPU; give --token-file (or VOXGATE_WORKER_TOKEN), or --insecure-no-auth")
+    tls = None
+    if listen.scheme == "tls":
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("voxgate worker: a tls:// address needs --tls-cert and --tls-key")
+        try:
+            tls = server_tls_context(args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"voxgate worker: cannot load the TLS certificate or key: {exc}") from None
+    return WorkerServer(backend, listen, token=token, tls=tls, worker_id=args.worker_id, advertise=advertise,
+                        capacity=args.capacity, drain_linger_s=args.drain_linger_s)
+
+
+async def keep_registered(server: WorkerServer, registry: WorkerRegistry, heartbeat_s: float) -> None:
+    """Renew the registration every heartbeat, with the live load; a Redis outage is logged and retried
+    (the lease runs out meanwhile, so gateways stop routing new sessions here, which is what they should do
+    when they cannot see this worker's load)."""
+    failing = False
+    while True:
+        try:
+            await registry.announce(server.record())
+            if failing:
+                log.info("registered again in %s", registry.url)
+            failing = False
+        except Exception as exc:  # noqa: BLE001 - any Redis failure: retry at the next beat
+            if not failing:
+                log.warning("cannot renew the registration: %s", exc)
+            failing = True
+        await asyncio.sleep(heartbeat_s)
+
+
 async def serve(args: argparse.Namespace) -> None:
     backend = create_backend(args.backend, **backend_options(args))
+    server = server_from_args(args, backend)  # refuses bad flags before the model loads
     await backend.start()
     # As `voxgate serve` does once its backend is up: keep the cyclic collector's full passes off the
     # model's and torch's objects, whose scans would pause the engine thread for hundreds of ms.
     gc.collect()
     gc.freeze()
-    server = WorkerServer(backend, args.socket)
     await server.start()
-    log.info("voxgate worker: %s backend ready on %s", backend.name, args.socket)
-    print(f"voxgate worker ready: backend={backend.name} socket={args.socket}", flush=True)
+    health = None
+    if args.health_port:
+        health = HealthServer(args.health_port, lambda: backend.ready and not server.draining, server.all_metrics)
+        await health.start()
+    registry = heartbeat = None
+    if args.registry:
+        registry = WorkerRegistry(args.registry, args.registry_cluster, args.registry_prefix, args.lease_s)
+        await registry.announce(server.record())
+        heartbeat = asyncio.create_task(keep_registered(server, registry, args.heartbeat_s))
+    listen = server.listen.with_port(server.bound_port) if server.listen.is_network else server.listen
+    log.info("voxgate worker %s: %s backend ready on %s", server.worker_id, backend.name, listen)
+    print(f"voxgate worker ready: backend={backend.name} listen={listen} id={server.worker_id}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -223,14 +506,40 @@ async def serve(args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        stop.clear()
+        log.info("draining: open utterances finish (at most %g s)", args.drain_timeout_s)
+        if registry is not None:  # tell the gateways now, not at the next beat
+            server.draining = True
+            with contextlib.suppress(Exception):
+                await registry.announce(server.record())
+        drained = asyncio.create_task(server.drain(args.drain_timeout_s))
+        again = asyncio.create_task(stop.wait())  # a second signal: stop now
+        await asyncio.wait({drained, again}, return_when=asyncio.FIRST_COMPLETED)
+        drained.cancel()
+        again.cancel()
     finally:
+        if heartbeat is not None:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+        if registry is not None:
+            with contextlib.suppress(Exception):
+                await registry.withdraw(server.worker_id)
+            await registry.close()
+        if health is not None:
+            await health.close()
         await server.close()
         await backend.stop()
+    log.info("voxgate worker %s: stopped", server.worker_id)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.gpus:
+        from .launcher import run_per_gpu
+
+        return run_per_gpu(args, argv if argv is not None else [])
     asyncio.run(serve(args))
     return 0
 

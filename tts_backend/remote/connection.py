@@ -1,0 +1,155 @@
+"""Where a worker listens and how a gateway reaches it: addresses, the shared token, TLS.
+
+Addresses are written as `unix:/path/to.sock` (or a bare absolute path), `tcp://HOST:PORT` or
+`tls://HOST:PORT`. A worker on TCP proves nothing about who dials it, so every connection to it starts with
+an `auth` frame carrying the shared token (framing.py); the client writes that frame and its request
+together, so authentication costs no round trip. Over plain TCP the token crosses the network in the clear:
+use `tls://` (the worker's certificate checked against `tls_ca`, or the system's CAs) anywhere the network
+between gateways and workers is not trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from . import framing
+
+SCHEMES = ("unix", "tcp", "tls")
+
+
+@dataclass(frozen=True)
+class WorkerAddress:
+    scheme: str  # "unix", "tcp" or "tls"
+    host: str = ""
+    port: int = 0
+    path: str = ""  # unix only
+
+    @classmethod
+    def parse(cls, text: str) -> "WorkerAddress":
+        text = text.strip()
+        if text.startswith("/"):
+            return cls("unix", path=text)
+        if text.startswith("unix:"):
+            path = text[len("unix:"):]
+            if path.startswith("//"):
+                path = path[2:]
+            if not path:
+                raise ValueError(f"worker address {text!r} names no socket path")
+            return cls("unix", path=path)
+        parts = urlsplit(text)
+        if parts.scheme not in ("tcp", "tls") or not parts.hostname:
+            raise ValueError(f"worker address {text!r}: write unix:/path, tcp://HOST:PORT or tls://HOST:PORT")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"worker address {text!r}: {exc}") from None
+        if port is None or (parts.path not in ("", "/")) or parts.query:
+            raise ValueError(f"worker address {text!r}: write {parts.scheme}://HOST:PORT")
+        return cls(parts.scheme, host=parts.hostname, port=port)
+
+    def __str__(self) -> str:
+        if self.scheme == "unix":
+            return f"unix:{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def is_network(self) -> bool:
+        return self.scheme != "unix"
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.scheme == "unix":
+            return True
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def with_port(self, port: int) -> "WorkerAddress":
+        return WorkerAddress(self.scheme, self.host, port, self.path)
+
+
+def listen_address(listen: str | None, socket_path: str | None = None) -> WorkerAddress:
+    """A worker's --listen, or its older --socket PATH; by default the local socket gateways look for."""
+    if socket_path:
+        return WorkerAddress("unix", path=socket_path)
+    return WorkerAddress.parse(listen or "unix:/tmp/voxgate-worker.sock")
+
+
+def default_worker_id(listen: WorkerAddress) -> str:
+    host = socket.gethostname()
+    if listen.scheme == "unix":
+        return f"{host}-{os.path.basename(listen.path)}"
+    return f"{host}-{listen.port}"
+
+
+def read_token(token: str | None = None, token_file: str | None = None) -> str | None:
+    """The shared secret: given, else the first line of `token_file`, else $VOXGATE_WORKER_TOKEN; None if
+    none is set. An empty token is refused (it would authenticate anyone)."""
+    if token is None and token_file:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").splitlines()[0] if Path(token_file).stat().st_size else ""
+        except OSError as exc:
+            raise ValueError(f"cannot read the worker token file {token_file}: {exc.strerror}") from None
+    if token is None:
+        token = os.environ.get("VOXGATE_WORKER_TOKEN")
+    if token is None:
+        return None
+    token = token.strip()
+    if not token:
+        raise ValueError("the worker token is empty")
+    return token
+
+
+def client_tls_context(ca_file: str | None = None) -> ssl.SSLContext:
+    """What a gateway checks a tls:// worker with: its certificate chain against `ca_file` (or the system's
+    CAs) and the host name it was dialled by."""
+    context = ssl.create_default_context(cafile=ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+@dataclass(frozen=True)
+class Dialer:
+    """Opens authenticated connections to workers: one per request, as the framing wants (closing it is the
+    cancel signal)."""
+
+    token: str | None = None
+    tls: ssl.SSLContext | None = None
+    timeout_s: float = 5.0
+
+    async def open(self, address: WorkerAddress) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if address.scheme == "unix":
+            opening = asyncio.open_unix_connection(address.path, limit=framing.READ_LIMIT)
+        elif address.scheme == "tcp":
+            opening = asyncio.open_connection(address.host, address.port, limit=framing.READ_LIMIT)
+        else:
+            opening = asyncio.open_connection(address.host, address.port, limit=framing.READ_LIMIT,
+                                              ssl=self.tls or client_tls_context(), server_hostname=address.host,
+                                              ssl_handshake_timeout=self.timeout_s)
+        try:
+            reader, writer = await asyncio.wait_for(opening, self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"no answer from {address} within {self.timeout_s:g} s") from None
+        except ssl.SSLError as exc:
+            raise ConnectionError(f"TLS with {address} failed: {exc.reason or exc}") from None
+        if self.token is not None:
+            writer.write(framing.encode_json({"op": "auth", "token": self.token}))
+        return reader, writer

@@ -1,0 +1,88 @@
+"""`voxgate worker --gpus 0,1,2,3` (or `all`): one worker process per GPU on one host.
+
+Each child is the same `voxgate worker` command without `--gpus`, with CUDA_VISIBLE_DEVICES set to its GPU
+(so inside it the GPU is `cuda:0`), and with the ports counted up from the given ones: `--listen
+tcp://0.0.0.0:7100 --health-port 9400` makes GPU i listen on 7100+i with its health port on 9400+i. Its
+worker id gets `-gpuI` (default ids already differ by port). A Unix socket gets `.I` after its path.
+
+SIGTERM and SIGINT are passed to every child, so each drains as it would alone; the launcher exits when
+all have, with the worst exit status. A child that dies is not restarted here: that is the job of what
+runs the launcher (systemd, Kubernetes), and the pools of the gateways move its sessions meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+from .connection import WorkerAddress, default_worker_id, listen_address
+
+
+def gpu_list(spec: str) -> list[str]:
+    """'all' (every GPU nvidia-smi lists) or a comma-separated list of indices."""
+    if spec.strip() == "all":
+        try:
+            listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SystemExit(f"voxgate worker --gpus all: cannot list the GPUs with nvidia-smi ({exc})") from None
+        gpus = [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+        if not gpus:
+            raise SystemExit("voxgate worker --gpus all: nvidia-smi lists no GPU")
+        return gpus
+    gpus = [part.strip() for part in spec.split(",") if part.strip()]
+    if not gpus or any(not g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
+        raise SystemExit(f"voxgate worker --gpus: give 'all' or distinct GPU indices like 0,1,2 (got {spec!r})")
+    return gpus
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """argv with each of `flags` and its value removed (as `--flag value` or `--flag=value`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def child_commands(args: argparse.Namespace, argv: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+    listen = listen_address(args.listen, args.socket)
+    base = _without(argv, "--gpus", "--listen", "--socket", "--worker-id", "--health-port", "--advertise")
+    advertise = WorkerAddress.parse(args.advertise) if args.advertise else None
+    commands = []
+    for i, gpu in enumerate(gpu_list(args.gpus)):
+        if listen.scheme == "unix":
+            own = WorkerAddress("unix", path=f"{listen.path}.{i}")
+        else:
+            if listen.port == 0:
+                raise SystemExit("voxgate worker --gpus: give --listen a fixed port (GPU i takes PORT+i)")
+            own = listen.with_port(listen.port + i)
+        command = [sys.executable, "-m", "tts_backend.remote.worker", *base, "--listen", str(own),
+                   "--worker-id", f"{args.worker_id or default_worker_id(listen)}-gpu{gpu}"]
+        if advertise is not None:
+            command += ["--advertise", str(advertise.with_port(advertise.port + i) if advertise.is_network else advertise)]
+        if args.health_port:
+            command += ["--health-port", str(args.health_port + i)]
+        commands.append((command, {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}))
+    return commands
+
+
+def run_per_gpu(args: argparse.Namespace, argv: list[str]) -> int:
+    children = [subprocess.Popen(command, env=env) for command, env in child_commands(args, argv or sys.argv[1:])]
+
+    def forward(signum, _frame) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return max(abs(child.wait()) for child in children)
