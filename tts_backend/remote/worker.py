@@ -99,6 +99,7 @@ class WorkerServer:
         self.token = token
         self.tls = tls if self.listen.scheme == "tls" else None
         self.advertise = advertise or self.listen
+        self._given_id = worker_id
         self.worker_id = worker_id or default_worker_id(self.listen)
         self._capacity = capacity
         self.drain_linger_s = drain_linger_s
@@ -139,7 +140,8 @@ class WorkerServer:
             "streams": self.streams_in_flight,
             "capacity": self.capacity(),
             "queued": self.backend.queued(),
-            "rtf": round(self.meter.value(), 4),
+            # The pace of the streams running now: an idle worker's last pace says nothing of its headroom.
+            "rtf": round(self.meter.value(), 4) if self.streams_in_flight else 0.0,
             "default_voice": self.backend.default_voice,
             "voices": [dataclasses.asdict(v) for v in self.backend.voices()],
             "honours": sorted(self.backend.honours),
@@ -200,11 +202,14 @@ class WorkerServer:
                                                            limit=framing.READ_LIMIT)
             os.chmod(self.listen.path, 0o660)
         else:
+            tls = {"ssl": self.tls, "ssl_handshake_timeout": FIRST_FRAME_TIMEOUT_S} if self.tls else {}
             self._server = await asyncio.start_server(self._handle, self.listen.host, self.listen.port,
-                                                      ssl=self.tls, limit=framing.READ_LIMIT,
-                                                      ssl_handshake_timeout=FIRST_FRAME_TIMEOUT_S)
-        if self.advertise.is_network and self.advertise.port == 0:  # port 0: the one the OS chose
-            self.advertise = self.advertise.with_port(self.bound_port)
+                                                      limit=framing.READ_LIMIT, **tls)
+        if self.listen.is_network and self.listen.port == 0:  # port 0: name the one the OS chose
+            if self.advertise.port == 0:
+                self.advertise = self.advertise.with_port(self.bound_port)
+            if self._given_id is None:
+                self.worker_id = default_worker_id(self.listen.with_port(self.bound_port))
 
     async def close(self) -> None:
         if self._server is not None:

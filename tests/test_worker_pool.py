@@ -1,0 +1,323 @@
+"""Workers on TCP and the gateway's pool of them (issue 17), against real `voxgate worker` processes
+(the synthetic backend, named as such: paced like an engine, deterministic per seed) and, where a session is
+involved, a real gateway on loopback with real WebSocket clients.
+
+- authentication: a token per connection, refused without it; a network address needs one;
+- TLS: the worker's certificate checked against the CA the gateway is given;
+- routing: each session to the worker with the most headroom, and kept there; `overloaded` only when every
+  worker is full;
+- worker death: a SIGKILLed worker's sentence goes on on another worker byte for byte;
+- drain: SIGTERM finishes the open utterance where it is, sends new sessions elsewhere, exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import signal
+import time
+
+import pytest
+
+from tests.gateway_server import audio_by_sentence, free_port, open_session, receive_until, running_gateway
+from tests.worker_fixtures import WorkerProcess, synthetic_worker_args, wait_for, wait_for_async, workers
+from tts_backend.base import SynthesisError, SynthesisRequest
+from tts_backend.remote import RemoteSynthesizer, framing
+from tts_backend.remote.connection import WorkerAddress
+from tts_backend.synthetic import SyntheticSynthesizer
+
+TOKEN = "pool-test-token-5d1e"
+LONG_TEXT = ("This sentence runs long enough that its audio takes several seconds to stream, so that a worker "
+             "can be stopped while it is speaking")
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return str(path)
+
+
+def pool(*addresses: str, **options) -> RemoteSynthesizer:
+    options.setdefault("token", TOKEN)
+    return RemoteSynthesizer(workers=",".join(addresses), connect_timeout_s=20, info_refresh_s=0.1, **options)
+
+
+def request(session: str, text: str = LONG_TEXT, utterance: int = 0, seed: int = 7) -> SynthesisRequest:
+    return SynthesisRequest(text=text, voice="tone-mid", seed=seed, session_key=session,
+                            utterance_key=f"{session}/{utterance}", request_id=f"{session}/0")
+
+
+async def raw_exchange(address: str, *frames: bytes) -> dict | None:
+    target = WorkerAddress.parse(address)
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        for frame in frames:
+            writer.write(frame)
+        await writer.drain()
+        answer = await asyncio.wait_for(framing.read_frame(reader), 10)
+        return framing.decode_json(answer[1]) if answer else None
+    finally:
+        writer.close()
+
+
+# ---------------------------------------------------------------------------------------- authentication
+
+
+async def test_a_tcp_worker_wants_its_token_on_every_connection(token_file):
+    with workers(synthetic_worker_args("--token-file", token_file)) as (worker,):
+        info = framing.encode_json({"op": "info"})
+        assert (await raw_exchange(worker.address, info))["code"] == "unauthorized"
+        wrong = framing.encode_json({"op": "auth", "token": TOKEN + "x"})
+        assert (await raw_exchange(worker.address, wrong, info))["code"] == "unauthorized"
+        right = framing.encode_json({"op": "auth", "token": TOKEN})
+        assert (await raw_exchange(worker.address, right, info))["op"] == "info"
+        # A peer that is not authenticated cannot make the worker read a large frame: refused on its header.
+        huge = framing._HEADER.pack(8 * 1024 * 1024, framing.JSON[0])
+        assert (await raw_exchange(worker.address, huge))["code"] == "bad_request"
+
+        with pytest.raises(SynthesisError, match="no ready worker"):
+            await RemoteSynthesizer(workers=worker.address, token="not-it", connect_timeout_s=1).start()
+        remote = pool(worker.address)
+        await remote.start()
+        try:
+            chunks = [c async for c in remote.synthesize(request("s1", "Hello there."))]
+            assert b"".join(c.pcm for c in chunks) == SyntheticSynthesizer().render(request("s1", "Hello there.")).tobytes()
+        finally:
+            await remote.stop()
+
+
+def test_a_worker_on_a_network_address_refuses_to_start_without_a_token():
+    worker = WorkerProcess("--backend", "synthetic", "--listen", f"tcp://0.0.0.0:{free_port()}")
+    assert worker.wait(30) != 0
+    assert any("without a token" in line for line in worker.output), worker.output
+
+
+def _self_signed(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "voxgate-test-worker")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                        x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "worker.crt", tmp_path / "worker.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+async def test_a_tls_worker_is_checked_against_the_given_ca(tmp_path, token_file):
+    cert, key = _self_signed(tmp_path)
+    args = synthetic_worker_args("--token-file", token_file, "--tls-cert", cert, "--tls-key", key,
+                                 listen="tls://127.0.0.1:0")
+    with workers(args) as (worker,):
+        assert worker.address.startswith("tls://127.0.0.1:")
+        remote = pool(worker.address, tls_ca=cert)
+        await remote.start()
+        try:
+            text = "Over TLS."
+            audio = b"".join([c.pcm async for c in remote.synthesize(request("t1", text))])
+            assert audio == SyntheticSynthesizer().render(request("t1", text)).tobytes()
+        finally:
+            await remote.stop()
+        # Without the CA the certificate does not verify: no worker is usable.
+        with pytest.raises(SynthesisError, match="no ready worker"):
+            await RemoteSynthesizer(workers=worker.address, token=TOKEN, connect_timeout_s=1).start()
+
+
+# ---------------------------------------------------------------------------------------- routing
+
+
+async def test_sessions_go_to_the_worker_with_most_headroom_and_stay_there(token_file):
+    args = synthetic_worker_args("--token-file", token_file, speed=4.0, capacity=3)
+    with workers(args, args) as procs:
+        remote = pool(*(w.address for w in procs))
+        await remote.start()
+        streams = []
+        try:
+            # Four sessions at once: the pool counts its own new streams before the workers report them.
+            for n in range(4):
+                stream = remote.synthesize(request(f"s{n}"))
+                await anext(stream)
+                streams.append(stream)
+            assert sorted(m.streams for m in remote.members.values()) == [2, 2]
+            assert remote.load() == pytest.approx(2 / 3, abs=0.01)
+            # Session s0 keeps its worker for its next sentence although the other is no emptier.
+            first = remote._bindings["s0"].worker
+            await streams.pop(0).aclose()
+            again = remote.synthesize(request("s0", utterance=1))
+            await anext(again)
+            streams.append(again)
+            assert remote._bindings["s0"].worker is first and first.streams == 2
+            # Two more fill both workers: the pool is full.
+            for n in (4, 5):
+                stream = remote.synthesize(request(f"s{n}"))
+                await anext(stream)
+                streams.append(stream)
+            assert sorted(m.streams for m in remote.members.values()) == [3, 3]
+            assert remote.load() >= 1.0
+        finally:
+            for stream in streams:
+                await stream.aclose()
+            await remote.stop()
+
+
+async def test_the_gateway_refuses_new_sessions_only_when_every_worker_is_full(token_file):
+    args = synthetic_worker_args("--token-file", token_file, speed=4.0, capacity=1)
+    with workers(args, args) as procs:
+        remote = pool(*(w.address for w in procs))
+        with running_gateway(remote) as gateway:
+            config = {"type": "session.config", "voice": "tone-mid", "response_format": "pcm", "seed": 3}
+            sockets = []
+            try:
+                for _ in range(2):
+                    ws, started, _ = await open_session(gateway.ws_url, config)
+                    assert ws is not None, started
+                    await ws.send(json.dumps({"type": "input.text", "text": LONG_TEXT + "."}))
+                    await ws.send(json.dumps({"type": "input.flush"}))
+                    await receive_until(ws, "audio.start")
+                    sockets.append(ws)
+                # audio.start goes out as its sentence's synthesis is being asked for
+                await wait_for_async(lambda: sorted(m.streams for m in remote.members.values()) == [1, 1],
+                                     what="one stream on each worker")
+                ws, error, code = await open_session(gateway.ws_url, config)
+                assert ws is None and error["code"] == "overloaded" and code == 1013
+            finally:
+                for ws in sockets:
+                    await ws.close()
+            # Once a stream ends there is room again.
+            await wait_for_async(lambda: remote.load() < 1.0, what="a worker freeing its stream")
+            ws, started, _ = await open_session(gateway.ws_url, config)
+            assert ws is not None, started
+            await ws.close()
+
+
+# ---------------------------------------------------------------------------------------- worker death
+
+
+async def speak_and_disturb(gateway, remote, disturb, text: str = LONG_TEXT + ".", seed: int = 11):
+    """One session speaking `text`; once a second of its audio has arrived, `disturb(worker process id)`
+    runs for the worker serving it. Returns (audio by sentence, sentence texts, frame arrival times)."""
+    config = {"type": "session.config", "voice": "tone-mid", "response_format": "pcm", "seed": seed,
+              "stream_audio": True}
+    ws, started, _ = await open_session(gateway.ws_url, config)
+    assert ws is not None, started
+    await ws.send(json.dumps({"type": "input.text", "text": text}))
+    await ws.send(json.dumps({"type": "input.done"}))
+    messages, arrivals, received, disturbed = [], [], 0, False
+    while True:
+        frame = await asyncio.wait_for(ws.recv(), 30)
+        if isinstance(frame, bytes):
+            messages.append(frame)
+            arrivals.append(time.monotonic())
+            received += len(frame)
+            if not disturbed and received >= 2 * 24000:
+                serving = [m for m in remote.members.values() if m.streams]
+                assert len(serving) == 1
+                disturb(serving[0].id)
+                disturbed = True
+            continue
+        message = json.loads(frame)
+        messages.append(message)
+        if message["type"] == "session.done":
+            break
+        assert message["type"] != "error", message
+    await ws.close()
+    texts = {m["sentence_index"]: m["sentence_text"] for m in messages
+             if isinstance(m, dict) and m["type"] == "audio.start"}
+    return audio_by_sentence(messages), texts, arrivals
+
+
+async def test_a_killed_workers_sentence_goes_on_elsewhere_byte_for_byte(token_file):
+    args = synthetic_worker_args("--token-file", token_file, speed=2.0)
+    with workers(args, args) as procs:
+        by_id = {w.worker_id: w for w in procs}
+        remote = pool(*(w.address for w in procs))
+        with running_gateway(remote) as gateway:
+            audio, texts, arrivals = await speak_and_disturb(gateway, remote, lambda wid: by_id[wid].kill())
+            assert remote.failovers == 1
+            expected = SyntheticSynthesizer()
+            for index, text in texts.items():
+                want = expected.render(SynthesisRequest(text=text, voice="tone-mid", seed=11)).tobytes()
+                assert audio[index] == want, f"sentence {index}: {len(audio[index])} bytes, want {len(want)}"
+            gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+            print(f"longest gap between audio frames across the kill: {max(gaps) * 1000:.0f} ms")
+            assert sum(1 for w in procs if w.proc.poll() is None) == 1
+
+
+# ---------------------------------------------------------------------------------------- drain
+
+
+async def test_a_draining_worker_finishes_its_utterance_takes_no_new_session_and_exits(token_file):
+    health = [free_port(), free_port()]
+    procs_args = [synthetic_worker_args("--token-file", token_file, "--health-port", str(port), speed=2.0)
+                  for port in health]
+    with workers(*procs_args) as procs:
+        by_id = {w.worker_id: w for w in procs}
+        remote = pool(*(w.address for w in procs))
+        await remote.start()
+        try:
+            stream = remote.synthesize(request("d1"))
+            first = await anext(stream)
+            serving = next(m for m in remote.members.values() if m.streams)
+            draining = by_id[serving.id]
+            draining.terminate()
+            await wait_for_async(lambda: serving.draining, what="the pool seeing the drain")
+            # Its /ready turns 503 at once (Kubernetes takes it out of rotation).
+            port = health[procs.index(draining)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /ready HTTP/1.0\r\n\r\n")
+            assert (await reader.read()).startswith(b"HTTP/1.0 503")
+            writer.close()
+            # A new session goes to the other worker; the open utterance's next sentence stays.
+            other = remote.synthesize(request("d2", "A new session."))
+            await anext(other)
+            assert remote._bindings["d2"].worker is not serving
+            await other.aclose()
+            same = remote.synthesize(request("d1", "The same utterance."))
+            await anext(same)
+            assert remote._bindings["d1"].worker is serving
+            await same.aclose()
+            # The utterance in progress finishes whole.
+            audio = first.pcm + b"".join([c.pcm async for c in stream])
+            assert audio == SyntheticSynthesizer().render(request("d1")).tobytes()
+            assert draining.wait(30) == 0
+            # Its next utterance moves.
+            later = remote.synthesize(request("d1", "The next utterance.", utterance=1))
+            await anext(later)
+            assert remote._bindings["d1"].worker is not serving
+            await later.aclose()
+        finally:
+            await remote.stop()
+
+
+def test_a_worker_that_drains_is_asked_for_no_new_utterance():
+    """Without a pool: the worker answers `draining` to an utterance it has not served (the raw protocol)."""
+    with workers(synthetic_worker_args(speed=1.0)) as (worker,):
+        async def scenario():
+            target = WorkerAddress.parse(worker.address)
+            reader, writer = await asyncio.open_connection(target.host, target.port)
+            writer.write(framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request("x"))}))
+            await writer.drain()
+            assert (await framing.read_frame(reader))[0] == framing.AUDIO
+            worker.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            fresh = framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request("y"))})
+            assert (await raw_exchange(worker.address, fresh))["code"] == "draining"
+            writer.close()
+
+        asyncio.run(scenario())
+        assert worker.wait(30) == 0
+        wait_for(lambda: worker.proc.poll() is not None)
