@@ -321,3 +321,91 @@ def test_a_worker_that_drains_is_asked_for_no_new_utterance():
         asyncio.run(scenario())
         assert worker.wait(30) == 0
         wait_for(lambda: worker.proc.poll() is not None)
+
+
+# ---------------------------------------------------------------------------------------- discovery
+
+from tests.redis_fixtures import redis_cluster, redis_prefix, redis_target  # noqa: E402,F401 (fixtures)
+
+
+def registered_args(target, prefix: str, *extra: str) -> tuple[str, ...]:
+    cluster = ("--registry-cluster",) if target.cluster else ()
+    return synthetic_worker_args("--registry", target.url, *cluster, "--registry-prefix", prefix,
+                                 "--heartbeat-s", "0.2", "--lease-s", "1", *extra, speed=4.0)
+
+
+async def test_gateways_find_workers_in_redis_and_see_them_come_and_go(redis_target, redis_prefix):
+    target = redis_target
+    remote = RemoteSynthesizer(discover=target.url, discover_cluster=target.cluster, discover_prefix=redis_prefix,
+                               connect_timeout_s=20, info_refresh_s=0.1, discover_refresh_s=0.1)
+    with workers(registered_args(target, redis_prefix), registered_args(target, redis_prefix)) as (a, b):
+        await remote.start()
+        try:
+            def ids():
+                return {m.id for m in remote.members.values()}
+
+            await wait_for_async(lambda: ids() == {a.worker_id, b.worker_id}, what="both workers in the pool")
+            audio = b"".join([c.pcm async for c in remote.synthesize(request("r1", "Found in Redis."))])
+            assert audio == SyntheticSynthesizer().render(request("r1", "Found in Redis.")).tobytes()
+            # A dead worker stops renewing: its lease runs out and it leaves the pool.
+            a.kill()
+            await wait_for_async(lambda: ids() == {b.worker_id}, what="the killed worker leaving the pool")
+            # A new one joins.
+            c = WorkerProcess(*registered_args(target, redis_prefix)).wait_ready()
+            try:
+                await wait_for_async(lambda: ids() == {b.worker_id, c.worker_id}, what="the new worker joining")
+                # A drained one says so at once, then withdraws when it exits.
+                c.terminate()
+                await wait_for_async(lambda: any(m.draining for m in remote.members.values() if m.id == c.worker_id)
+                                     or c.worker_id not in ids(), what="the drain being seen")
+                assert c.wait(30) == 0
+                await wait_for_async(lambda: ids() == {b.worker_id}, what="the drained worker withdrawing")
+            finally:
+                c.kill()
+        finally:
+            await remote.stop()
+
+
+def two_free_ports() -> int:
+    """A port P such that P and P+1 are both free now (GPU i listens on P+i)."""
+    import socket
+
+    for _ in range(100):
+        base = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_one_command_starts_a_worker_per_gpu(redis_prefix, tmp_path):
+    from tests.redis_fixtures import REDIS_URL
+    from tts_backend.remote.discovery import WorkerRegistry
+
+    base = two_free_ports()
+    launcher = WorkerProcess("--gpus", "0,1", "--listen", f"tcp://127.0.0.1:{base}", "--backend", "synthetic",
+                             "--registry", REDIS_URL, "--registry-prefix", redis_prefix, "--worker-id", "host",
+                             expect_ready=2)
+    try:
+        launcher.wait_ready()
+        assert sorted(launcher.ready_lines) == [(f"tcp://127.0.0.1:{base}", "host-gpu0"),
+                                                (f"tcp://127.0.0.1:{base + 1}", "host-gpu1")]
+
+        async def records():
+            registry = WorkerRegistry(REDIS_URL, prefix=redis_prefix)
+            try:
+                return {r["id"]: r for r in await registry.live()}
+            finally:
+                await registry.close()
+
+        live = asyncio.run(records())
+        assert {i: (r["gpu"], r["address"]) for i, r in live.items()} == {
+            "host-gpu0": ("0", f"tcp://127.0.0.1:{base}"), "host-gpu1": ("1", f"tcp://127.0.0.1:{base + 1}")}
+        launcher.terminate()  # passed to both: each drains and withdraws
+        assert launcher.wait(30) == 0
+        assert asyncio.run(records()) == {}
+    finally:
+        launcher.kill()
