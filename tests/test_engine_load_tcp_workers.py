@@ -1,15 +1,19 @@
-"""bench/engine_load.py --tcp-workers: the commands it would start (nothing is started here, no GPU): N workers
-on distinct loopback TCP ports with the token file and a health port each, the in-process run's KV slots
-shared out between them, the gateway's static pool naming every worker, and the token itself in no command."""
+"""bench/engine_load.py --tcp-workers: the commands it would start (no process started, no GPU): N workers on
+distinct loopback TCP ports with the token file and a health port each, the in-process run's KV slots shared
+out between them, the gateway's static pool naming every worker, and the token itself in no command. Then
+the whole run on the CPU: two qwen3 workers on a tiny checkpoint behind a real gateway, both serving, each
+one's engine counters in the report, and the token in neither the report nor any log."""
 
 from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import pytest
 
 from bench import engine_load
+from tests.qwen3_fixtures import tiny_custom_voice  # noqa: F401 - session fixture
 
 
 def option_values(command: list[str], flag: str) -> list[str]:
@@ -75,3 +79,39 @@ def test_one_unix_worker_and_in_process_are_unchanged():
 def test_worker_and_tcp_workers_exclude_each_other(capsys):
     with pytest.raises(SystemExit):
         engine_load.parse_args(["--model", "m", "--worker", "--tcp-workers", "2"])
+
+
+def test_two_tcp_workers_both_serve_on_the_cpu(tiny_custom_voice, tmp_path, monkeypatch):
+    tokens = []
+    write = engine_load.write_token_file
+
+    def recording_write():
+        path = write()
+        tokens.append(path.read_text().strip())
+        return path
+
+    monkeypatch.setattr(engine_load, "write_token_file", recording_write)
+    output, log = tmp_path / "load.json", tmp_path / "logs" / "gateway.log"
+    # 3 RPS for 4 s: a new session goes to an idle worker (ties broken at random), so each gets some.
+    assert engine_load.main(["--model", str(tiny_custom_voice), "--device", "cpu", "--rates", "3", "--warmup", "1",
+                             "--duration", "4", "--fail-ttfa-ms", "100000", "--tcp-workers", "2",
+                             "--output", str(output), "--log", str(log)]) == 0
+    (token,) = tokens
+    report = json.loads(output.read_text())
+    assert len(report["worker_commands"]) == 2 and report["worker_exit_codes"] == [0, 0]
+    assert not Path(report["token_file"]).exists()  # removed with its folder at the end
+    (entry,) = report["rates"]
+    # Not the verdict: on a small, busy CPU machine a request may underrun. Every request must be served.
+    summary = entry["summary"]
+    assert summary["failed"] == 0 and summary["completed"] == summary["requests"] > 0
+    served = [w["requests"]["completed"] for w in entry["workers"]]
+    assert all(n >= 1 for n in served), served
+    assert sum(served) >= entry["summary"]["requests"]  # warm-up requests go through the engines too
+    for w in entry["workers"]:
+        assert w["engine"]["stages"]["prefill"]["batches"] >= 1
+    # The gateway's /metrics sums the workers' counters.
+    assert entry["engine"]["decisions"] == sum(w["engine"]["decisions"] for w in entry["workers"])
+    files = [output, output.with_suffix(".md"), log, log.with_suffix(".worker1.log"), log.with_suffix(".worker2.log")]
+    for f in files:
+        assert token not in f.read_text(), f
+    assert "Engine thread per worker" in output.with_suffix(".md").read_text()
