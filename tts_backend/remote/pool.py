@@ -6,10 +6,11 @@ worker's info (readiness, capacity, live streams, queued requests, measured real
 
 Routing. A session (`SynthesisRequest.session_key`) is placed on its first request and stays on that
 worker for the rest of its life, so a backend may keep context across its sentences. It goes to the
-worker with the most headroom: 1 minus the larger of its streams over its capacity and its measured
-real-time factor; a worker with requests queued for a place has none. The streams are the worker's last
-report plus those this gateway started or ended on it since, so a burst of sessions within one refresh
-does not all land on the worker that looked emptiest. `load()` is the utilization of the emptiest ready
+worker with the most headroom: 1 minus its streams over its capacity; a worker with requests queued for a
+place, or whose running streams' measured real-time factor reaches RTF_LIMIT, has none. The streams are
+the worker's last report plus those this gateway started or ended on it since (counted the moment a
+worker is chosen), so a burst of sessions within one refresh does not all land on the worker that looked
+emptiest; other gateways' placements show at the next refresh. `load()` is the utilization of the emptiest ready
 worker, so the gateway refuses new sessions with `overloaded` only when every worker is full. A request of
 an admitted session is never refused for load: it goes to the worker with the most headroom, even when
 that is none, where it waits for a place (text already accepted is never dropped).
@@ -55,6 +56,9 @@ from .discovery import WorkerRegistry
 
 _ERRORS = {code: kind for kind, code in framing.ERROR_CODES.items()}
 _MAX_SESSIONS = 100_000  # session bindings remembered (least recently used forgotten first)
+# A worker whose running streams spend this many wall seconds per second of audio has no headroom: one more
+# stream and its listeners would outrun it.
+RTF_LIMIT = 0.9
 
 log = logging.getLogger("voxgate.pool")
 
@@ -114,7 +118,11 @@ class WorkerClient:
         capacity = self.capacity
         by_streams = self.estimated_streams() / capacity if capacity else float(self.info.get("load", 0.0))
         queued = float(self.info.get("queued", 0) or 0)
-        utilization = max(by_streams, float(self.info.get("rtf", 0.0) or 0.0))
+        utilization = by_streams
+        # The pace is a limit, not a measure of fill: streams that produce barely faster than real time mean
+        # no room, but a pace well under it says nothing of how many more streams fit.
+        if float(self.info.get("rtf", 0.0) or 0.0) >= RTF_LIMIT:
+            utilization = max(utilization, 1.0)
         if queued > 0:
             utilization = max(utilization, 1.0 + queued / (capacity or 1))
         return utilization
@@ -158,14 +166,22 @@ class WorkerClient:
             self.apply_info(info)
         except (WorkerLost, framing.ProtocolError, KeyError, TypeError, ValueError) as exc:
             if not self.down:
-                log.warning("worker %s (%s) is down: %s", self.id, self.address, exc)
+                if self.draining:  # the end of a drain: expected
+                    log.info("worker %s (%s) has stopped after draining", self.id, self.address)
+                else:
+                    log.warning("worker %s (%s) is down: %s", self.id, self.address, exc)
             self.down = True
 
     async def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         """The worker's chunks for `request`. Raises WorkerLost when the connection fails or breaks before
         "done", WorkerDraining, or the request's own error."""
-        reader, writer = await self._open()
+        # Counted before the first await, so that placements made in the same moment see each other.
         self.streams += 1
+        try:
+            reader, writer = await self._open()
+        except BaseException:
+            self.streams -= 1
+            raise
         try:
             writer.write(framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request)}))
             while True:
@@ -227,7 +243,7 @@ class RemoteSynthesizer(Synthesizer):
     def __init__(self, socket: str | None = None, workers: str | list | None = None, discover: str | None = None,
                  discover_cluster: bool = False, discover_prefix: str = "voxgate:", token: str | None = None,
                  token_file: str | None = None, tls_ca: str | None = None, connect_timeout_s: float = 600.0,
-                 info_refresh_s: float = 0.5, discover_refresh_s: float = 1.0, dial_timeout_s: float = 5.0) -> None:
+                 info_refresh_s: float = 0.25, discover_refresh_s: float = 1.0, dial_timeout_s: float = 5.0) -> None:
         addresses = _split(workers)
         if socket is not None:
             addresses.insert(0, f"unix:{socket}")
