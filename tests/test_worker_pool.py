@@ -399,6 +399,7 @@ def test_one_command_starts_a_worker_per_gpu(redis_prefix, tmp_path):
                 await registry.close()
 
         live = asyncio.run(records())
+        assert all(r["backend"] == "synthetic" and r["capacity"] is None and r["voices"] for r in live.values())
         assert {i: (r["gpu"], r["address"]) for i, r in live.items()} == {
             "host-gpu0": ("0", f"tcp://127.0.0.1:{base}"), "host-gpu1": ("1", f"tcp://127.0.0.1:{base + 1}")}
         launcher.terminate()  # passed to both: each drains and withdraws

@@ -91,7 +91,8 @@ class WorkerServer:
 
     def __init__(self, backend: Synthesizer, listen: WorkerAddress | str, *, token: str | None = None,
                  tls=None, worker_id: str | None = None, advertise: WorkerAddress | None = None,
-                 capacity: int | None = None, drain_linger_s: float = 2.0, max_connections: int = 4096) -> None:
+                 capacity: int | None = None, drain_linger_s: float = 2.0, max_connections: int = 4096,
+                 model: str | None = None) -> None:
         self.backend = backend
         self.listen = listen if isinstance(listen, WorkerAddress) else WorkerAddress.parse(listen)
         if self.listen.scheme == "tls" and tls is None:
@@ -102,6 +103,7 @@ class WorkerServer:
         self._given_id = worker_id
         self.worker_id = worker_id or default_worker_id(self.listen)
         self._capacity = capacity
+        self.model = model  # what it serves, for the registry: the checkpoint folder's name
         self.drain_linger_s = drain_linger_s
         self.max_connections = max_connections
         self._server: asyncio.AbstractServer | None = None
@@ -152,7 +154,7 @@ class WorkerServer:
         """What the registry holds of this worker (discovery.py)."""
         info = self.info()
         return {
-            "id": self.worker_id, "address": str(self.advertise), "backend": info["name"],
+            "id": self.worker_id, "address": str(self.advertise), "backend": info["name"], "model": self.model,
             "voices": [v["id"] for v in info["voices"]], "capacity": info["capacity"], "streams": info["streams"],
             "queued": info["queued"], "rtf": info["rtf"], "load": info["load"], "draining": self.draining,
             "ready": info["ready"], "started_at": self.started_at, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -462,7 +464,8 @@ def server_from_args(args: argparse.Namespace, backend: Synthesizer) -> WorkerSe
         except (OSError, ValueError) as exc:
             raise SystemExit(f"voxgate worker: cannot load the TLS certificate or key: {exc}") from None
     return WorkerServer(backend, listen, token=token, tls=tls, worker_id=args.worker_id, advertise=advertise,
-                        capacity=args.capacity, drain_linger_s=args.drain_linger_s)
+                        capacity=args.capacity, drain_linger_s=args.drain_linger_s,
+                        model=os.path.basename(os.path.normpath(args.model)) if args.model else None)
 
 
 async def keep_registered(server: WorkerServer, registry: WorkerRegistry, heartbeat_s: float) -> None:
