@@ -171,6 +171,34 @@ async def test_sessions_go_to_the_worker_with_most_headroom_and_stay_there(token
             await remote.stop()
 
 
+async def test_a_worker_says_it_is_full_to_a_gateway_that_has_not_heard_yet(token_file):
+    """Two gateways' pools: B's picture of the workers is from before A placed a session on one of them.
+    The worker refuses B's placement ("full") and B places the session on the other one."""
+    args = synthetic_worker_args("--token-file", token_file, speed=2.0, capacity=1)
+    with workers(args, args) as procs:
+        addresses = [w.address for w in procs]
+        a = pool(*addresses)
+        b = RemoteSynthesizer(workers=",".join(addresses), token=TOKEN, connect_timeout_s=20, info_refresh_s=3600)
+        await a.start()
+        await b.start()
+        streams = []
+        try:
+            for n in range(3):
+                streams.append(a.synthesize(request(f"a{n}")) if n == 0 else b.synthesize(request(f"b{n}")))
+                await anext(streams[-1])
+                if n == 0:
+                    taken = a._bindings["a0"].worker.id
+                    assert all(m.info["streams"] == 0 for m in b.members.values())  # B knows nothing of it
+            assert b._bindings["b1"].worker.id != taken
+            # Both full now: the third placement is refused by both and still served, waiting for a place.
+            assert b.placements_refused >= 2
+        finally:
+            for stream in streams:
+                await stream.aclose()
+            await a.stop()
+            await b.stop()
+
+
 async def test_the_gateway_refuses_new_sessions_only_when_every_worker_is_full(token_file):
     args = synthetic_worker_args("--token-file", token_file, speed=4.0, capacity=1)
     with workers(args, args) as procs:

@@ -16,7 +16,9 @@ worker notices end-of-file and stops its stream within one chunk, which frees th
                                                                the request frame follows at once. A wrong or
                                                                missing token: {"op": "error", "code": "unauthorized"}
 A worker that is draining answers a synthesize for an utterance it has not served with
-{"op": "error", "code": "draining"}: the gateway's pool sends it to another worker.
+{"op": "error", "code": "draining"}: the gateway's pool sends it to another worker. A synthesize with
+"place": true (a session's first request, placing the session) is answered {"op": "error", "code": "full"}
+by a worker whose capacity is in use, and the pool asks the next best.
 ("samples": a ReferenceAudio's float32 24 kHz mono samples; "prompt": the backend's voice prompt; a
 request's "voice_prompt" travels in base64 too, and is left out when there is none.)
 With "word_timestamps" in the request, {"op": "words", "words": [[word, start, end], ...]} frames (a

@@ -10,7 +10,9 @@ worker with the most headroom: 1 minus its streams over its capacity; a worker w
 place, or whose running streams' measured real-time factor reaches RTF_LIMIT, has none. The streams are
 the worker's last report plus those this gateway started or ended on it since (counted the moment a
 worker is chosen), so a burst of sessions within one refresh does not all land on the worker that looked
-emptiest; other gateways' placements show at the next refresh. `load()` is the utilization of the emptiest ready
+emptiest. Other gateways' placements show only at the next refresh, so the worker has the last word: a
+session's first request asks it to take the session ("place"), and a worker whose capacity is in use
+answers `full`, which sends the request to the next best at the cost of one round trip. `load()` is the utilization of the emptiest ready
 worker, so the gateway refuses new sessions with `overloaded` only when every worker is full. A request of
 an admitted session is never refused for load: it goes to the worker with the most headroom, even when
 that is none, where it waits for a place (text already accepted is never dropped).
@@ -71,6 +73,10 @@ class WorkerDraining(RuntimeError):
     """The worker refused new work because it is draining."""
 
 
+class WorkerFull(RuntimeError):
+    """The worker refused to take a new session's first request: its capacity is in use."""
+
+
 def _split(value: str | list | tuple | None) -> list[str]:
     if value is None:
         return []
@@ -127,6 +133,12 @@ class WorkerClient:
             utilization = max(utilization, 1.0 + queued / (capacity or 1))
         return utilization
 
+    def mark_full(self) -> None:
+        """It said it is full: count it so until its next report, for every placement of this gateway."""
+        if self.info is not None and self.capacity:
+            self.info = {**self.info, "streams": max(float(self.info.get("streams", 0)), self.capacity)}
+            self._streams_at_info = self.streams
+
     def apply_info(self, info: dict) -> None:
         self.info = info
         self._streams_at_info = self.streams
@@ -172,9 +184,10 @@ class WorkerClient:
                     log.warning("worker %s (%s) is down: %s", self.id, self.address, exc)
             self.down = True
 
-    async def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
-        """The worker's chunks for `request`. Raises WorkerLost when the connection fails or breaks before
-        "done", WorkerDraining, or the request's own error."""
+    async def stream(self, request: SynthesisRequest, place: bool = False) -> AsyncIterator[AudioChunk]:
+        """The worker's chunks for `request`. place: the request places a session here, and the worker may
+        answer that it is full. Raises WorkerLost when the connection fails or breaks before "done",
+        WorkerDraining, WorkerFull, or the request's own error."""
         # Counted before the first await, so that placements made in the same moment see each other.
         self.streams += 1
         try:
@@ -183,7 +196,10 @@ class WorkerClient:
             self.streams -= 1
             raise
         try:
-            writer.write(framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request)}))
+            message = {"op": "synthesize", "request": framing.request_to_json(request)}
+            if place:
+                message["place"] = True
+            writer.write(framing.encode_json(message))
             while True:
                 try:
                     await writer.drain()
@@ -212,6 +228,8 @@ class WorkerClient:
                     code = message.get("code")
                     if code == "draining":
                         raise WorkerDraining(message.get("message", "draining"))
+                    if code == "full":
+                        raise WorkerFull(message.get("message", "full"))
                     if code == "unauthorized":
                         raise SynthesisError(f"worker {self.id} refused this gateway's token")
                     raise _ERRORS.get(code, SynthesisError)(message.get("message", "worker error"))
@@ -268,6 +286,7 @@ class RemoteSynthesizer(Synthesizer):
         self._first: dict | None = None  # the info the pool's voices and rate come from
         self.failovers = 0
         self.moved_for_drain = 0
+        self.placements_refused = 0
 
     @property
     def socket_path(self) -> str | None:
@@ -401,17 +420,24 @@ class RemoteSynthesizer(Synthesizer):
             return None
         return min(candidates, key=lambda m: (m.utilization(), m.estimated_streams(), random.random()))
 
-    def _worker_for(self, request: SynthesisRequest, exclude: set[WorkerClient]) -> WorkerClient:
+    def _worker_for(self, request: SynthesisRequest, failed: set[WorkerClient],
+                    full: set[WorkerClient]) -> tuple[WorkerClient, bool]:
+        """The worker for `request`, and whether the request places its session there (the worker may then
+        say it is full, and the next best is asked). failed: workers that failed this request; full: those
+        that said they are full to it."""
         key = request.session_key or request.utterance_key or request.request_id
         binding = self._bindings.get(key) if key else None
-        if binding is not None and binding.worker not in exclude and binding.worker.ready \
-                and self.members.get(str(binding.worker.address)) is binding.worker:
+        if binding is not None and binding.worker not in failed and binding.worker not in full \
+                and binding.worker.ready and self.members.get(str(binding.worker.address)) is binding.worker:
             if not binding.worker.draining or binding.utterance_key == request.utterance_key:
                 binding.utterance_key = request.utterance_key
                 self._bindings.move_to_end(key)
-                return binding.worker
+                return binding.worker, False
             self.moved_for_drain += 1
-        worker = self._best(exclude)
+        worker = self._best(failed | full)
+        placing = worker is not None
+        if worker is None:  # every worker said it is full: the emptiest takes it, where it waits for a place
+            worker = self._best(failed)
         if worker is None:
             raise SynthesisError("no worker is reachable" if not exclude else
                                  "the worker serving this sentence failed and no other worker is reachable")
@@ -420,7 +446,7 @@ class RemoteSynthesizer(Synthesizer):
             self._bindings.move_to_end(key)
             while len(self._bindings) > _MAX_SESSIONS:
                 self._bindings.popitem(last=False)
-        return worker
+        return worker, placing
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         if request.voice_prompt is None and self._voices and not self.has_voice(request.voice):
@@ -428,13 +454,14 @@ class RemoteSynthesizer(Synthesizer):
         delivered = 0  # audio bytes yielded so far
         words_delivered = 0
         failed: set[WorkerClient] = set()
+        full: set[WorkerClient] = set()
         lost_at: float | None = None
         lost_from: WorkerClient | None = None
         while True:
-            worker = self._worker_for(request, failed)
+            worker, placing = self._worker_for(request, failed, full)
             skip_bytes, skip_words = delivered, words_delivered
             try:
-                async for chunk in worker.stream(request):
+                async for chunk in worker.stream(request, place=placing):
                     words = chunk.words
                     if words and skip_words:
                         words, skip_words = words[skip_words:], max(0, skip_words - len(words))
@@ -455,6 +482,10 @@ class RemoteSynthesizer(Synthesizer):
             except WorkerDraining:
                 worker.draining = True
                 failed.add(worker)
+            except WorkerFull:
+                worker.mark_full()
+                full.add(worker)
+                self.placements_refused += 1
             except WorkerLost as exc:
                 worker.down = True
                 failed.add(worker)
@@ -522,6 +553,8 @@ class RemoteSynthesizer(Synthesizer):
                           samples=(((), float(self.failovers)),)),
             BackendMetric("pool_drain_moves", "counter", "Sessions moved off a draining worker at a new utterance",
                           samples=(((), float(self.moved_for_drain)),)),
+            BackendMetric("pool_placements_refused", "counter", "Session placements a worker refused as full "
+                          "(the next best was asked)", samples=(((), float(self.placements_refused)),)),
         ]
         return own + [BackendMetric(f.name, f.kind, f.help, f.labels, tuple(values[f.name].items()))
                       for f in summed.values()]

@@ -130,6 +130,11 @@ class WorkerServer:
     def capacity(self) -> int | None:
         return self._capacity if self._capacity is not None else self.backend.capacity()
 
+    def full(self) -> bool:
+        """No room for another session: every place of the capacity is taken, or requests wait for one."""
+        capacity = self.capacity()
+        return capacity is not None and (self.streams_in_flight >= capacity or self.backend.queued() > 0)
+
     def info(self) -> dict:
         return {
             "op": "info",
@@ -296,6 +301,11 @@ class WorkerServer:
                 if not self._admit(data):
                     writer.write(framing.encode_json({"op": "error", "code": "draining",
                                                       "message": "this worker is draining"}))
+                    await writer.drain()
+                    return
+                if message.get("place") and self.full():
+                    writer.write(framing.encode_json({"op": "error", "code": "full",
+                                                      "message": "this worker's capacity is in use"}))
                     await writer.drain()
                     return
                 await self._synthesize(data, reader, writer)
