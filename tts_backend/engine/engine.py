@@ -167,6 +167,9 @@ class Engine:
         self._paused_waiting = False
         self._inline = False
         self._codec: _CodecInFlight | None = None
+        # When the codec batch now being launched or in flight began its launch (None: none is), so that a
+        # snapshot counts its time in flight up to now, as it counts the open section's seconds.
+        self._codec_since: float | None = None
 
     # ---- lifecycle (any thread) -------------------------------------------------------------------
     def start(self) -> None:
@@ -377,9 +380,11 @@ class Engine:
         synchronously (CPU, or codec_stream off) has the audio ready at once, and it is collected right here,
         exactly as a synchronous codec call was handled."""
         started = self._enter(_RUNNER[Stage.CODEC])
+        self._codec_since = started
         try:
             handle = self.runner.codec_launch(batch.requests, batch.frames)
         except Exception as exc:
+            self._codec_since = None
             self._enter(_POST[Stage.CODEC])
             self._fail_batch(batch, exc)
             elapsed = time.perf_counter() - started
@@ -439,6 +444,7 @@ class Engine:
             stats.busy_s += finished - collect_started
             stats.codec_collected += 1
             stats.codec_in_flight_s += finished - flight.launched
+            self._codec_since = None
             if device_s is not None:
                 stats.codec_timed += 1
                 stats.codec_device_s += device_s
@@ -505,7 +511,8 @@ class Engine:
                 "codec_frames": dict(stats.codec_frames),
                 "codec": {
                     "collected": stats.codec_collected,
-                    "in_flight_s": stats.codec_in_flight_s,
+                    "in_flight_s": stats.codec_in_flight_s + (
+                        now - self._codec_since if self._codec_since is not None else 0.0),
                     "device_s": stats.codec_device_s,
                     "timed": stats.codec_timed,
                 },
