@@ -512,7 +512,10 @@ async def serve(args: argparse.Namespace) -> None:
     registry = heartbeat = None
     if args.registry:
         registry = WorkerRegistry(args.registry, args.registry_cluster, args.registry_prefix, args.lease_s)
-        await registry.announce(server.record())
+        try:  # registered before it says it is ready; a Redis not up yet is retried by the heartbeat, not fatal
+            await registry.announce(server.record())
+        except Exception as exc:  # noqa: BLE001 - any Redis failure
+            log.warning("cannot register in %s yet: %s", args.registry, exc)
         heartbeat = asyncio.create_task(keep_registered(server, registry, args.heartbeat_s))
     listen = server.listen.with_port(server.bound_port) if server.listen.is_network else server.listen
     log.info("voxgate worker %s: %s backend ready on %s", server.worker_id, backend.name, listen)
