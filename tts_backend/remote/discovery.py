@@ -56,7 +56,9 @@ def connect(url: str, cluster: bool = False) -> Any:
     import redis.asyncio as aioredis
     from redis.asyncio.cluster import RedisCluster
 
-    return RedisCluster.from_url(url) if cluster else aioredis.Redis.from_url(url)
+    # Bounded waits: a heartbeat or a gateway's read must not hang on a Redis that stopped answering.
+    timeouts = {"socket_connect_timeout": 5, "socket_timeout": 5}
+    return RedisCluster.from_url(url, **timeouts) if cluster else aioredis.Redis.from_url(url, **timeouts)
 
 
 class WorkerRegistry:
