@@ -97,7 +97,6 @@ class WorkerClient:
         self.draining = False
         self.streams = 0  # streams this gateway has open on it now
         self._streams_at_info = 0
-        self.listed = True  # still in the registry (discovered pools)
 
     # ---- state -------------------------------------------------------------------------------------
     @property
@@ -106,7 +105,7 @@ class WorkerClient:
 
     @property
     def routable(self) -> bool:
-        return self.ready and not self.draining and self.listed
+        return self.ready and not self.draining
 
     @property
     def capacity(self) -> int | None:
@@ -288,11 +287,6 @@ class RemoteSynthesizer(Synthesizer):
         self.moved_for_drain = 0
         self.placements_refused = 0
 
-    @property
-    def socket_path(self) -> str | None:
-        first = next(iter(self.members.values()), None)
-        return first.address.path if first is not None and first.address.scheme == "unix" else None
-
     # ---- membership --------------------------------------------------------------------------------
     async def _discover(self) -> None:
         records = await self.registry.live()
@@ -310,13 +304,11 @@ class RemoteSynthesizer(Synthesizer):
                 member = self.members[key] = WorkerClient(address, self.dialer, record["id"])
                 log.info("worker %s joined the pool at %s", record["id"], address)
                 await member.refresh(self.dialer.timeout_s)
-            member.listed = True
             if record.get("draining"):
                 member.draining = True
         for key, member in list(self.members.items()):
             if key not in seen:
                 log.info("worker %s left the registry", member.id)
-                member.listed = False
                 del self.members[key]
 
     async def _refresh_all(self) -> None:
@@ -415,7 +407,7 @@ class RemoteSynthesizer(Synthesizer):
     def _best(self, exclude: set[WorkerClient] = frozenset()) -> WorkerClient | None:
         candidates = [m for m in self.members.values() if m.routable and m not in exclude]
         if not candidates:  # nothing takes new sessions: a draining one still beats failing the request
-            candidates = [m for m in self.members.values() if m.ready and m.listed and m not in exclude]
+            candidates = [m for m in self.members.values() if m.ready and m not in exclude]
         if not candidates:
             return None
         return min(candidates, key=lambda m: (m.utilization(), m.estimated_streams(), random.random()))
