@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -115,6 +116,18 @@ def http_ok(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def failover_pauses(log_path: Path) -> list[float]:
+    """The pool's `failover ... pause_ms=X` lines in the gateway's log: from a worker's death to the first
+    audio of each of its streams on another worker."""
+    import re
+
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [float(m.group(1)) for m in re.finditer(r"failover session=\S+ .*?pause_ms=([0-9.]+)", text)]
 
 
 def pool_ready_workers(base: str) -> float | None:
@@ -332,6 +345,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="run the engine in a `voxgate worker` process and the gateway on --backend remote "
                             "(the deployment that keeps the engine thread and the event loop in separate "
                             "interpreters)")
+    parser.add_argument("--kill-worker-at", type=float, metavar="S",
+                        help="SIGKILL worker 1 this many seconds into the first rate's run (warm-up included): "
+                             "its streams fail over to the others; the report gives the pool's failover pauses")
     where.add_argument("--tcp-workers", type=int, default=0, metavar="N",
                        help=f"run N `voxgate worker` processes on the one device, on loopback TCP with a token, "
                             f"each with max_active={BENCH_MAX_ACTIVE}//N, behind the gateway's static pool "
@@ -339,6 +355,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tcp_workers < 0:
         parser.error("--tcp-workers N needs N >= 1")
+    if args.kill_worker_at is not None and args.tcp_workers < 2:
+        parser.error("--kill-worker-at needs --tcp-workers 2 or more (the pool needs a worker to fail over to)")
     return args
 
 
@@ -417,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
             per_seed = []
             counters_before = scrape_counters(base)
             workers_before = scrape_workers()
+            kill = None
+            if args.kill_worker_at is not None and not report["rates"]:
+                kill = threading.Timer(args.kill_worker_at, workers[0].kill)
+                kill.start()
             for seed in seeds:
                 per_seed.append(asyncio.run(run_with_memory(seed))["summary"])
                 if len(seeds) > 1:
@@ -436,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
                      "exit_code": process.poll()}
                     for i, (spec, process, b, a) in enumerate(zip(layout["workers"], workers, workers_before,
                                                                    scrape_workers()), 1)]
+            if kill is not None:
+                kill.cancel()
+                entry["killed_worker"] = {"worker": 1, "at_s": args.kill_worker_at,
+                                          "failover_pause_ms": failover_pauses(args.log) if args.log else None}
+                print(f"worker 1 killed at {args.kill_worker_at:g} s; failover pauses (ms, the pool's log): "
+                      f"{entry['killed_worker']['failover_pause_ms']}", flush=True)
             if len(seeds) > 1:
                 entry["per_seed"] = per_seed
             report["rates"].append(entry)

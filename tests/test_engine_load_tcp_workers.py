@@ -115,3 +115,18 @@ def test_two_tcp_workers_both_serve_on_the_cpu(tiny_custom_voice, tmp_path, monk
     for f in files:
         assert token not in f.read_text(), f
     assert "Engine thread per worker" in output.with_suffix(".md").read_text()
+
+
+def test_a_worker_killed_mid_run_loses_no_request(tiny_custom_voice, tmp_path):
+    """--kill-worker-at: worker 1 is SIGKILLed during the run; every request is still served (its streams
+    fail over to worker 2), and the report says when and what the pool logged."""
+    output, log = tmp_path / "load.json", tmp_path / "gateway.log"
+    assert engine_load.main(["--model", str(tiny_custom_voice), "--device", "cpu", "--rates", "3", "--warmup", "1",
+                             "--duration", "5", "--fail-ttfa-ms", "100000", "--tcp-workers", "2",
+                             "--kill-worker-at", "3", "--output", str(output), "--log", str(log)]) == 0
+    report = json.loads(output.read_text())
+    (entry,) = report["rates"]
+    summary = entry["summary"]
+    assert summary["failed"] == 0 and summary["completed"] == summary["requests"] > 0
+    assert entry["killed_worker"]["at_s"] == 3 and isinstance(entry["killed_worker"]["failover_pause_ms"], list)
+    assert report["worker_exit_codes"][0] == -9
