@@ -98,9 +98,10 @@ def read_token(token: str | None = None, token_file: str | None = None) -> str |
     none is set. An empty token is refused (it would authenticate anyone)."""
     if token is None and token_file:
         try:
-            token = Path(token_file).read_text(encoding="utf-8").splitlines()[0] if Path(token_file).stat().st_size else ""
+            lines = Path(token_file).read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             raise ValueError(f"cannot read the worker token file {token_file}: {exc.strerror}") from None
+        token = lines[0] if lines else ""
     if token is None:
         token = os.environ.get("VOXGATE_WORKER_TOKEN")
     if token is None:

@@ -56,6 +56,12 @@ def error_code(exc: BaseException) -> str:
     return "internal"
 
 
+async def _refuse(writer: asyncio.StreamWriter, code: str, message: str) -> None:
+    """Answer a connection's request with an error (the connection is closed after it)."""
+    writer.write(framing.encode_json({"op": "error", "code": code, "message": message}))
+    await writer.drain()
+
+
 class RealTimeMeter:
     """Wall seconds spent waiting for the backend per second of audio it produced, over the last
     `window_s`: under 1 the backend keeps ahead of real time. A stream's first chunk is left out (that is
@@ -262,9 +268,7 @@ class WorkerServer:
             offered = message.get("token") if message.get("op") == "auth" else None
             if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), self.token.encode()):
                 self.refused_unauthorized += 1
-                writer.write(framing.encode_json({"op": "error", "code": "unauthorized",
-                                                  "message": "this worker wants its token first"}))
-                await writer.drain()
+                await _refuse(writer, "unauthorized", "this worker wants its token first")
                 return None
             frame = await asyncio.wait_for(framing.read_frame(reader), FIRST_FRAME_TIMEOUT_S)
             if frame is None:
@@ -278,9 +282,7 @@ class WorkerServer:
         self.connections += 1
         try:
             if self.connections > self.max_connections:
-                writer.write(framing.encode_json({"op": "error", "code": "overloaded",
-                                                  "message": "too many connections to this worker"}))
-                await writer.drain()
+                await _refuse(writer, "overloaded", "too many connections to this worker")
                 return
             message = await self._first_request(reader, writer)
             if message is None:
@@ -299,14 +301,10 @@ class WorkerServer:
                 if not isinstance(data, dict):
                     raise framing.ProtocolError("request must be an object")
                 if not self._admit(data):
-                    writer.write(framing.encode_json({"op": "error", "code": "draining",
-                                                      "message": "this worker is draining"}))
-                    await writer.drain()
+                    await _refuse(writer, "draining", "this worker is draining")
                     return
                 if message.get("place") and self.full():
-                    writer.write(framing.encode_json({"op": "error", "code": "full",
-                                                      "message": "this worker's capacity is in use"}))
-                    await writer.drain()
+                    await _refuse(writer, "full", "this worker's capacity is in use")
                     return
                 await self._synthesize(data, reader, writer)
             else:
@@ -315,8 +313,7 @@ class WorkerServer:
             pass  # the client went away (its stream was cancelled with it), or never said anything
         except framing.ProtocolError as exc:
             with contextlib.suppress(ConnectionError):
-                writer.write(framing.encode_json({"op": "error", "code": "bad_request", "message": str(exc)}))
-                await writer.drain()
+                await _refuse(writer, "bad_request", str(exc))
         finally:
             self.connections -= 1
             writer.close()
