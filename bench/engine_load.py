@@ -25,6 +25,12 @@ Where the engine runs:
                        fails the run at once. Each rate's entry adds `workers`: per worker, the engine
                        breakdown and requests by outcome read from that worker's own /metrics.
 
+The agent workload (bench/README.md): --agent-sentences N --words-per-s R sends each session's reply of N
+prompts one word per input.text; each rate then reports the audible TTFA from the first word and from the
+first sentence's last word, and underruns over whole replies. --granularity sets the sessions'
+split_granularity; --keep-going runs every rate even after one fails (a sentence-split run's first-word TTFA
+is over --fail-ttfa-ms by design, yet its rates are wanted beside the token-split run's).
+
 With --log FILE the workers log beside it: FILE with suffix .worker.log (--worker) or .worker1.log,
 .worker2.log, ... (--tcp-workers). On the H200: `LOAD_ARGS="--tcp-workers 2" bash bench/h200.sh setup
 load:10,20` (bench/h200.sh).
@@ -51,14 +57,18 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import (
+    GRANULARITIES,
     ClientOptions,
     RunPlan,
     Workload,
     across_seeds,
+    add_agent_arguments,
+    check_agent_arguments,
     json_safe,
     load_prompts,
     markdown_table,
     run_load,
+    sentences_per_request,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +95,7 @@ def combine_seeds(summaries: list[dict]) -> dict:
     combined["longest_stall_s"] = max(s["longest_stall_s"] for s in summaries)
     combined["max_in_flight"] = max(s["max_in_flight"] for s in summaries)
     combined["fail_reasons"] = [reason for s in summaries for reason in s["fail_reasons"]]
+    combined["warnings"] = sorted({w for s in summaries for w in s.get("warnings", [])})
     combined["seeds"] = len(summaries)
     return combined
 
@@ -335,6 +346,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(the median across seeds of each seed's percentiles); default 0")
     parser.add_argument("--voice", default="ryan")
     parser.add_argument("--fail-ttfa-ms", type=float, default=100.0, help="p95 audible TTFA above this fails a rate")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="run every rate even after one fails (to compare modes at the same rates)")
+    add_agent_arguments(parser)
+    parser.add_argument("--granularity", choices=GRANULARITIES,
+                        help="the sessions' split_granularity (default: the gateway's, sentence)")
     parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--output", type=Path)
@@ -357,6 +373,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--tcp-workers N needs N >= 1")
     if args.kill_worker_at is not None and args.tcp_workers < 2:
         parser.error("--kill-worker-at needs --tcp-workers 2 or more (the pool needs a worker to fail over to)")
+    args.sentences = (1, 1)
+    check_agent_arguments(args, parser)
     return args
 
 
@@ -401,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
         prompts = load_prompts(ROOT / "bench" / "data" / "arctic_en.jsonl")
-        client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=args.voice, timeout_s=60)
+        client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=args.voice, timeout_s=60,
+                               split_granularity=args.granularity,
+                               words_per_s=args.words_per_s if args.agent_sentences else None)
+        report["load"] = {"sentences": list(sentences_per_request(args)), "agent_sentences": args.agent_sentences,
+                          "words_per_s": client.words_per_s, "session_config": client.session_config()}
         seeds = args.seed or [0]
 
         def scrape_workers() -> list[dict | None]:
@@ -428,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan = RunPlan(seed=seed, warmup_s=args.warmup, duration_s=args.duration, rps=rate,
                                drain_timeout_s=60)
                 try:
-                    return await run_load(plan, Workload(prompts, seed, (1, 1)), client)
+                    return await run_load(plan, Workload(prompts, seed, sentences_per_request(args)), client)
                 finally:
                     sampler.cancel()
 
@@ -474,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(engine_table([entry]), flush=True)
             for w in entry.get("workers", []):
                 print(f"worker {w['worker']} ({w['address']}): requests {w['requests']}", flush=True)
-            if not passed:
+            if not passed and not args.keep_going:
                 break
     finally:
         for process in ([proc] if proc is not None else []) + workers:
@@ -518,6 +540,8 @@ def summary_table(report: dict) -> str:
         v = d.get(key)
         return "-" if v is None or v != v else f"{v * 1000:.1f}"
 
+    if (report.get("load") or {}).get("agent_sentences"):
+        return agent_table(report, ms)
     lines = ["| RPS | audible TTFA p50 / p95 / p99 (ms) | first playable p95 (ms) | TTFB p95 (ms) | E2E p95 (ms) | "
              "underruns | failed | requests | max in flight | GPU MiB | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -528,6 +552,28 @@ def summary_table(report: dict) -> str:
             f"| {entry['rps']:g} | {ms(a, 'p50')} / {ms(a, 'p95')} / {ms(a, 'p99')} | {ms(s['first_playable_s'], 'p95')} | "
             f"{ms(s['ttfb_s'], 'p95')} | {ms(s['e2e_s'], 'p95')} | {s['underrun_events']} | {s['failed']} | "
             f"{s['requests']} | {s['max_in_flight']} | {entry['gpu_memory_max_MiB']} | "
+            f"{'PASS' if entry['passed'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def agent_table(report: dict, ms) -> str:
+    """The agent workload's table: sessions/s, audible TTFA from the first word and from the first sentence's
+    last word, E2E, underruns over whole replies, and which options the server did not honour."""
+    load = report["load"]
+    lines = [f"{load['agent_sentences']} sentences per session, {load['words_per_s']:g} words/s, "
+             f"split_granularity {load['session_config'].get('split_granularity', 'sentence (default)')}", "",
+             "| sessions/s | audible TTFA from the first word p50 / p95 / p99 (ms) | from the first sentence's last "
+             "word p50 / p95 / p99 (ms) | E2E p95 (ms) | underruns (sessions) | failed | sessions | "
+             "max in flight | warnings | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for entry in report["rates"]:
+        s = entry["summary"]
+        a, b = s["audible_ttfa_s"], s["audible_ttfa_after_sentence_s"]
+        lines.append(
+            f"| {entry['rps']:g} | {ms(a, 'p50')} / {ms(a, 'p95')} / {ms(a, 'p99')} | "
+            f"{ms(b, 'p50')} / {ms(b, 'p95')} / {ms(b, 'p99')} | {ms(s['e2e_s'], 'p95')} | "
+            f"{s['underrun_events']} ({s['underrun_requests']}) | {s['failed']} | {s['requests']} | "
+            f"{s['max_in_flight']} | {', '.join(s.get('warnings') or []) or '-'} | "
             f"{'PASS' if entry['passed'] else 'FAIL'} |")
     return "\n".join(lines)
 

@@ -17,6 +17,9 @@
 #                      LOAD_ARGS="--tcp-workers 2" bash bench/h200.sh setup load:10,20
 #                    (the second: two `voxgate worker` engines on the GPU, 64 KV slots each, on loopback TCP with
 #                    a token, behind the gateway's static pool; their logs are gateway.worker1.log, .worker2.log)
+#                    the agent workload (3 sentences per session streamed word by word, bench/README.md):
+#                      LOAD_ARGS="--worker --agent-sentences 3 --words-per-s 40 --granularity token --keep-going" \
+#                        bash bench/h200.sh setup load:1,5,10,12
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
 #   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.tgz (if under 15 MiB)

@@ -44,6 +44,8 @@ if __package__ in (None, ""):  # run as a script: make `gateway` and `bench` imp
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/audio/speech/stream"
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "arctic_en.jsonl"
+# session.config's split_granularity values (token: each sentence's synthesis starts at its first words).
+GRANULARITIES = ("token", "sentence", "clause", "none")
 
 # Audible onset (bench/README.md): the first of two consecutive 20 ms windows, 10 ms hop, DC removed,
 # with RMS at least -45 dBFS. dBFS here is relative to 32768 (a full-scale square wave is 0 dBFS).
@@ -152,6 +154,10 @@ class RequestResult:
     audible_ttfa_s: float | None = None
     audible_offset_s: float | None = None  # onset position within the audio
     e2e_s: float | None = None  # last audio byte
+    # Agent workload (--agent-sentences): when the first sentence's last word was sent, and the audible
+    # TTFA counted from then instead of from time zero (what waiting for the sentence's end costs).
+    first_sentence_sent_s: float | None = None
+    audible_ttfa_after_sentence_s: float | None = None
     done_s: float | None = None  # session.done
     audio_s: float = 0.0
     rtf: float | None = None
@@ -164,6 +170,9 @@ class RequestResult:
     whole_samples: bool = True
     completed: bool = False
     errors: list[str] = field(default_factory=list)
+    # session.started's warnings as "code:field": options the server did not honour (e.g. a granularity
+    # its backend cannot stream), so a report shows which mode was really measured.
+    warnings: list[str] = field(default_factory=list)
     started_at: float | None = None  # seconds from the run start
     finished_at: float | None = None
 
@@ -221,7 +230,8 @@ def distribution(values: Sequence[float]) -> dict[str, float | int]:
     return out
 
 
-METRICS = ("ttfb_s", "first_playable_s", "audible_ttfa_s", "e2e_s", "rtf", "setup_s", "schedule_lag_s")
+METRICS = ("ttfb_s", "first_playable_s", "audible_ttfa_s", "audible_ttfa_after_sentence_s", "e2e_s", "rtf",
+           "setup_s", "schedule_lag_s")
 
 
 BACKLOG_MIN_SAMPLES = 40  # 10 s of in-flight samples at 4 per second
@@ -273,6 +283,7 @@ def summarize(
         completed=sum(r.completed for r in measured),
         failed=len(failed),
         errors=sorted({e for r in measured for e in r.errors}),
+        warnings=sorted({w for r in measured for w in r.warnings}),
         underrun_events=sum(r.underruns for r in measured),
         underrun_requests=len(underrun_requests),
         total_stall_s=sum(r.total_stall_s for r in measured),
@@ -325,6 +336,7 @@ class RequestSpec:
     index: int
     prompt_ids: list[str]
     text: str
+    first_sentence_chars: int = 0  # len of the first prompt's text: where the first sentence ends in `text`
 
 
 class Workload:
@@ -341,9 +353,8 @@ class Workload:
             n = self._rng.randint(*self.sentences)
             start = self._rng.randrange(len(self.prompts))
             rows = [self.prompts[(start + k) % len(self.prompts)] for k in range(n)]
-            self._specs.append(
-                RequestSpec(len(self._specs), [r["id"] for r in rows], " ".join(r["text"] for r in rows))
-            )
+            self._specs.append(RequestSpec(len(self._specs), [r["id"] for r in rows], " ".join(r["text"] for r in rows),
+                                           first_sentence_chars=len(rows[0]["text"])))
         return self._specs[index]
 
 
@@ -374,6 +385,23 @@ def token_pieces(text: str) -> list[str]:
     return pieces
 
 
+def word_pieces(text: str) -> list[str]:
+    """Text one word per piece, each word with the whitespace after it (the agent workload's input.text
+    messages, ../shared/bench/README.md). The pieces join back to `text`."""
+    return re.findall(r"\s*\S+\s*", text) or ([text] if text else [])
+
+
+def last_piece_of(pieces: Sequence[str], chars: int) -> int:
+    """Index of the piece that holds character `chars - 1` of the joined text: the last word of a first
+    sentence `chars` long."""
+    end = 0
+    for i, piece in enumerate(pieces):
+        end += len(piece)
+        if end >= chars:
+            return i
+    return len(pieces) - 1
+
+
 # -- client --------------------------------------------------------------------------------------------
 
 
@@ -388,6 +416,8 @@ class ClientOptions:
     extra_config: dict[str, Any] = field(default_factory=dict)
     stream_tokens: bool = False
     token_rate: float = 40.0
+    # Agent workload: each reply sent one word per input.text at this many words per second.
+    words_per_s: float | None = None
     timeout_s: float = 120.0
     api_key: str | None = None
 
@@ -439,11 +469,16 @@ async def run_request(spec: RequestSpec, options: ClientOptions, measured: bool,
             stream["format"] = started.get("format", stream["format"])
             stream["rate"] = rate = int(started.get("sample_rate", stream["rate"]))
             stream["bytes_per_sample"] = bytes_per_sample = 1 if stream["format"] in ("mulaw", "alaw") else 2
+            result.warnings = [f"{w.get('code')}:{w.get('field')}" for w in started.get("warnings") or []]
             t0 = time.perf_counter()
             result.setup_s = t0 - began
             try:
-                if options.stream_tokens:
-                    sender = asyncio.create_task(_send_tokens(ws, spec.text, options.token_rate, t0))
+                if options.words_per_s:
+                    pieces = word_pieces(spec.text)
+                    marks = {last_piece_of(pieces, spec.first_sentence_chars): "first_sentence_sent_s"}
+                    sender = asyncio.create_task(_send_pieces(ws, pieces, options.words_per_s, t0, result, marks))
+                elif options.stream_tokens:
+                    sender = asyncio.create_task(_send_pieces(ws, token_pieces(spec.text), options.token_rate, t0))
                 else:
                     await ws.send(json.dumps({"type": "input.text", "text": spec.text}))
                     await ws.send(json.dumps({"type": "input.done"}))
@@ -494,15 +529,22 @@ async def run_request(spec: RequestSpec, options: ClientOptions, measured: bool,
         result.errors.append(f"{type(exc).__name__}: {exc}"[:200])
     result.finished_at = time.perf_counter() - run_start
     audio = _decode(stream["format"], b"".join(prefix))
-    return request_metrics(result, frames, stream["bytes_per_sample"], stream["rate"] or 1, audio, result.completed)
+    request_metrics(result, frames, stream["bytes_per_sample"], stream["rate"] or 1, audio, result.completed)
+    if result.audible_ttfa_s is not None and result.first_sentence_sent_s is not None:
+        result.audible_ttfa_after_sentence_s = result.audible_ttfa_s - result.first_sentence_sent_s
+    return result
 
 
-async def _send_tokens(ws: Any, text: str, rate: float, t0: float) -> None:
-    """Send `text` as token-sized input.text messages at `rate` per second, then input.done."""
-    for i, piece in enumerate(token_pieces(text)):
+async def _send_pieces(ws: Any, pieces: Sequence[str], rate: float, t0: float, result: RequestResult | None = None,
+                       marks: dict[int, str] | None = None) -> None:
+    """Send `pieces` as input.text messages at `rate` per second from `t0`, then input.done. `marks`: piece
+    index -> the RequestResult field that records when that piece was sent (seconds from t0)."""
+    for i, piece in enumerate(pieces):
         delay = t0 + i / rate - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        if marks and i in marks and result is not None:
+            setattr(result, marks[i], time.perf_counter() - t0)
         await ws.send(json.dumps({"type": "input.text", "text": piece}))
     await ws.send(json.dumps({"type": "input.done"}))
 
@@ -648,6 +690,7 @@ def markdown_table(summary: dict[str, Any], title: str = "") -> str:
         ("TTFB (ms)", "ttfb_s", _ms),
         ("first playable (ms)", "first_playable_s", _ms),
         ("audible TTFA (ms)", "audible_ttfa_s", _ms),
+        ("audible TTFA from the 1st sentence's last word (ms)", "audible_ttfa_after_sentence_s", _ms),
         ("E2E (ms)", "e2e_s", _ms),
         ("RTF", "rtf", lambda v: "-" if v is None or math.isnan(v) else f"{v:.3f}"),
         ("setup: connect+config (ms)", "setup_s", _ms),
@@ -666,7 +709,8 @@ def markdown_table(summary: dict[str, Any], title: str = "") -> str:
         f"underrun events {summary['underrun_events']} in {summary['underrun_requests']} requests "
         f"(total stall {summary['total_stall_s'] * 1000:.0f} ms, longest {summary['longest_stall_s'] * 1000:.0f} ms), "
         f"audio s per wall s {summary['audio_s_per_wall_s']:.2f}, max in flight {summary['max_in_flight']}, "
-        f"client loop lag p99 {_ms(lag.get('p99'))} ms",
+        f"client loop lag p99 {_ms(lag.get('p99'))} ms"
+        + (f", warnings {', '.join(summary['warnings'])}" if summary.get("warnings") else ""),
         f"**{'PASS' if summary['passed'] else 'FAIL'}**" + ("" if summary["passed"] else ": " + "; ".join(summary["fail_reasons"])),
     ]
     return "\n".join(lines).lstrip("\n")
@@ -688,11 +732,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="consecutive prompts joined per request, e.g. 1 or 2-6 (default 1)")
     parser.add_argument("--stream-tokens", action="store_true", help="send text in token-sized pieces")
     parser.add_argument("--token-rate", type=float, default=40.0, help="tokens per second with --stream-tokens")
+    add_agent_arguments(parser)
     parser.add_argument("--voice")
     parser.add_argument("--language")
     parser.add_argument("--response-format", default="pcm", choices=["pcm", "mulaw", "alaw"])
     parser.add_argument("--sample-rate", type=int)
-    parser.add_argument("--split-granularity", choices=["sentence", "clause", "none"])
+    parser.add_argument("--split-granularity", "--granularity", choices=GRANULARITIES,
+                        help="the session's split_granularity (token: synthesis starts at a sentence's first words)")
     parser.add_argument("--config", type=json.loads, default={}, help="extra session.config fields as JSON")
     parser.add_argument("--api-key")
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request limit in seconds")
@@ -702,11 +748,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
+    """The agent workload's options (also engine_load.py's)."""
+    parser.add_argument("--agent-sentences", type=int, metavar="N",
+                        help="agent workload: each session's reply is N consecutive prompts, sent one word per "
+                             "input.text at --words-per-s; reports audible TTFA from the first word and from the "
+                             "first sentence's last word")
+    parser.add_argument("--words-per-s", type=float, default=40.0, help="agent workload: words sent per second")
+
+
+def check_agent_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.agent_sentences is None:
+        return
+    if args.agent_sentences < 1:
+        parser.error("--agent-sentences N needs N >= 1")
+    if args.words_per_s <= 0:
+        parser.error("--words-per-s must be positive")
+    if getattr(args, "stream_tokens", False):
+        parser.error("--agent-sentences sends words; it does not go with --stream-tokens")
+
+
+def sentences_per_request(args: argparse.Namespace) -> tuple[int, int]:
+    """Prompts joined per request: N exactly with --agent-sentences N, else --sentences."""
+    n = args.agent_sentences
+    return (n, n) if n else args.sentences
+
+
 def options_from_args(args: argparse.Namespace) -> ClientOptions:
     return ClientOptions(
         url=args.url, voice=args.voice, language=args.language, response_format=args.response_format,
         sample_rate=args.sample_rate, split_granularity=args.split_granularity, extra_config=args.config,
         stream_tokens=args.stream_tokens, token_rate=args.token_rate, timeout_s=args.timeout, api_key=args.api_key,
+        words_per_s=args.words_per_s if args.agent_sentences else None,
     )
 
 
@@ -718,7 +791,7 @@ async def run_seeds(args: argparse.Namespace) -> dict[str, Any]:
     for seed in args.seed or [0]:
         plan = RunPlan(seed=seed, warmup_s=args.warmup, duration_s=args.duration, concurrency=args.concurrency,
                        rps=args.rps, requests=args.requests, drain_timeout_s=args.drain_timeout)
-        run = await run_load(plan, Workload(prompts, seed, args.sentences), options)
+        run = await run_load(plan, Workload(prompts, seed, sentences_per_request(args)), options)
         if not args.per_request:
             run.pop("requests")
         runs.append(run)
@@ -729,8 +802,11 @@ async def run_seeds(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "hardware": hardware() | {"load_average_1m_before": load_before},
         "load": {"concurrency": args.concurrency, "rps": args.rps, "warmup_s": args.warmup,
-                 "duration_s": args.duration, "requests": args.requests, "sentences": list(args.sentences),
-                 "stream_tokens": args.stream_tokens, "token_rate": args.token_rate if args.stream_tokens else None},
+                 "duration_s": args.duration, "requests": args.requests,
+                 "sentences": list(sentences_per_request(args)),
+                 "stream_tokens": args.stream_tokens, "token_rate": args.token_rate if args.stream_tokens else None,
+                 "agent_sentences": args.agent_sentences,
+                 "words_per_s": args.words_per_s if args.agent_sentences else None},
         "session_config": options.session_config(),
         "runs": runs,
         "across_seeds": across_seeds([r["summary"] for r in runs]),
@@ -738,8 +814,15 @@ async def run_seeds(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_agent_arguments(args, parser)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     report = asyncio.run(run_seeds(args))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
