@@ -106,6 +106,11 @@ def option_warnings(backend: Synthesizer, options: dict[str, Any]) -> list[Confi
                          ("initial_codec_chunk_frames", "chunk_schedule"), ("chunk_schedule", "chunk_schedule")):
         if options.get(name) is not None and option not in honours:
             ignored(name, f"the {backend.name} backend does not use it")
+    if options.get("split_granularity") == "token":
+        # Accepted so that clients may ask for it by default; synthesis from a sentence's first words is
+        # not wired to the backends yet (issue 21).
+        ignored("split_granularity", "synthesis does not start before a sentence has ended yet; each sentence"
+                " is synthesized once it has ended (sentence granularity)")
     if options.get("speed", 1.0) not in (None, 1.0) and "speed" not in honours:
         ignored("speed", f"the {backend.name} backend speaks at its own pace")
     timestamp_type = options.get("timestamp_type")

@@ -149,7 +149,9 @@ class SessionConfig(_ClientMessage):
     max_new_tokens: int | None = Field(None, ge=1)
     initial_codec_chunk_frames: int | None = Field(None, ge=0)
     seed: int | None = None
-    split_granularity: Literal["sentence", "clause", "none"] = "sentence"
+    # "token" (ext): each sentence's synthesis starts at its first words, where the backend honours
+    # "text_streaming"; elsewhere sentences, with a warning (gateway/compat.py).
+    split_granularity: Literal["sentence", "clause", "none", "token"] = "sentence"
     sample_rate: int | None = None
     chunk_schedule: list[Annotated[int, Field(ge=1)]] | None = None
     # vLLM-Omni voice cloning inputs, forwarded in SynthesisRequest.extra.

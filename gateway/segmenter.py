@@ -17,6 +17,10 @@ moment each is certainly complete, never later:
   CJK character is a syllable or more). Shorter clauses stay with what follows, so the voice is never
   asked to speak two words on their own.
 - ``none`` releases text only on ``flush()``.
+- ``token`` finds sentences as ``sentence`` does, for a session that synthesizes each sentence from its first
+  words on (the session pushes the words of the unit still open, ``stable_chars``, as they arrive). What has
+  been pushed must stay the start of the unit, so a unit that grows too long is cut at its last whitespace,
+  never back at an earlier clause mark.
 - No unit is longer than ``max_unit_chars`` (``MAX_UNIT_CHARS`` by default; the gateway passes its
   ``max_synthesis_chars``): each unit is one synthesis call, and a backend's cost and memory grow with it.
   A unit that grows that long without a boundary is cut at its last clause mark, else at its last
@@ -43,8 +47,8 @@ from typing import Literal
 
 import pysbd
 
-Granularity = Literal["sentence", "clause", "none"]
-GRANULARITIES: tuple[str, ...] = ("sentence", "clause", "none")
+Granularity = Literal["sentence", "clause", "none", "token"]
+GRANULARITIES: tuple[str, ...] = ("sentence", "clause", "none", "token")
 
 # A token containing one of these may end a sentence; pysbd decides whether it does.
 SENTENCE_TERMINATORS = frozenset(".!?…‼⁇⁈⁉")
@@ -162,7 +166,7 @@ class SentenceSegmenter:
             examined += 1
             cut = self._examine(tail, i)
             if cut is None and i + 1 >= self.max_unit_chars:
-                cut = _forced_cut(tail[: i + 1])
+                cut = _forced_cut(tail[: i + 1], at_clause_marks=self.granularity != "token")
             if cut is None:
                 i += 1
                 continue
@@ -266,11 +270,14 @@ class SentenceSegmenter:
         return starts
 
 
-def _forced_cut(unit: str) -> tuple[int, int]:
-    """Where to cut an over-long unit: after its last clause mark, else at its last whitespace."""
+def _forced_cut(unit: str, at_clause_marks: bool = True) -> tuple[int, int]:
+    """Where to cut an over-long unit: after its last clause mark (with `at_clause_marks`), else at its last
+    whitespace."""
     last_space = -1
     for k in range(len(unit) - 1, 0, -1):
         if unit[k].isspace() and not unit[k - 1].isspace():
+            if not at_clause_marks:
+                return k, k
             if unit[k - 1] in CLAUSE_MARKS:
                 return k, k
             if last_space < 0:

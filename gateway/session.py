@@ -569,7 +569,11 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         """The segmenter of a new utterance: the session's granularity and language, and units no longer
         than one synthesis call may be."""
         assert self.config is not None
-        return SentenceSegmenter(self.config.message.split_granularity, language=self.config.message.language,
+        granularity = self.config.message.split_granularity
+        if granularity == "token":
+            # Synthesis from a sentence's first words is not wired to the backends yet (issue 21): sentences.
+            granularity = "sentence"
+        return SentenceSegmenter(granularity, language=self.config.message.language,
                                  max_unit_chars=self.settings.max_synthesis_chars)
 
     def _buffered_chars(self) -> int:
