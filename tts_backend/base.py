@@ -24,6 +24,30 @@ that speaks with that voice (`SynthesisRequest.voice_prompt`). A backend must re
 `InvalidVoicePromptError`, a prompt it cannot read (one made by another model or version), so the bytes
 should carry what identifies their maker.
 
+Text streaming (issue 21) is optional: a backend that has "text_streaming" in `honours` takes a request
+whose text is still being written (`SynthesisRequest.text_stream`, a `TextStream`). It starts speaking from
+the first words, while the caller pushes the rest, and ends the request only after the caller's `finish()`
+and the audio of all the text. Why: Qwen3-TTS's streaming-text mode feeds the Talker one text token per
+frame, so the model needs only the next token to make the next frame, not the whole sentence; a voice agent
+can then speak an LLM's reply as it is written instead of a sentence later. The contract:
+- What is said does not change, only when: the audio of a text pushed in pieces, whatever the pieces and
+  their timing, equals the audio of the same text given whole in the backend's streaming-text mode (same
+  voice, seed and options). The backend, not the caller, holds back a word until the text after it (or
+  `finish()`) shows that it is complete, so that its tokens are the whole text's tokens; callers should
+  still push whole words (a space-separated tail held back), because a word cut in two waits anyway.
+- A stream that has spoken all the text it has waits for more; that silence is the caller's, not an
+  underrun of the backend's making (the GPU engine counts it apart, as waiting for text).
+- Cancellation is as for any request: the consumer stops iterating. A caller that neither finishes nor
+  cancels a text stream leaves the request open; the gateway always does one or the other.
+`request.text` is the part known when the request was opened (it may be empty); `text_stream.text` is all
+of it so far. A backend without the ability treats `text_stream` as absent: the gateway gives it only whole
+sentences.
+
+The model's text mode is a per-request choice too (`SynthesisRequest.streaming_text`, vLLM-Omni's
+`non_streaming_mode` negated): True feeds the text one token per frame, False puts it all in the prompt,
+None leaves the server's default (`-o streaming_text`). A backend that acts on it has "text_mode" in
+`honours`. A text stream always runs in streaming-text mode.
+
 What a "word" is: `split_words` below, the one definition every backend uses, so that the gateway and
 clients can rebuild the text from the words (joined by single spaces).
 """
@@ -31,8 +55,9 @@ clients can rebuild the text from the words (joined by single spaces).
 from __future__ import annotations
 
 import abc
+import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 
@@ -90,6 +115,87 @@ class Voice:
     description: str = ""
 
 
+class TextStream:
+    """The text of one request, growing while the backend speaks it (see the module doc).
+
+    The caller `push`es pieces (they are concatenated as given, spaces included) and calls `finish()` once no
+    more will come; a backend reads `text` and waits for more with `wait_beyond` (or iterates `pieces`).
+    One event loop owns it: push, finish and the waits run on that loop, so no lock is needed. It is plain
+    data with no tie to a backend, so a worker pool forwards what is pushed as frames and the worker feeds
+    a TextStream of its own. A listener (`subscribe`) is called on the loop after every push and finish:
+    that is how a backend whose work runs on another thread (the GPU engine) learns of new text without
+    polling.
+    """
+
+    def __init__(self, text: str = "") -> None:
+        self._text = text
+        self._finished = False
+        self._waiters: list[asyncio.Future] = []
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def text(self) -> str:
+        """All the text so far, the part known at the start included."""
+        return self._text
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def push(self, text: str) -> None:
+        if self._finished:
+            raise RuntimeError("text pushed after finish()")
+        if not text:
+            return
+        self._text += text
+        self._changed()
+
+    def finish(self) -> None:
+        """No more text. Idempotent."""
+        if not self._finished:
+            self._finished = True
+            self._changed()
+
+    def _changed(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        for listener in list(self._listeners):
+            listener()
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener()` after every push and finish from now on; returns the function that stops it."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    async def wait_beyond(self, n_chars: int) -> bool:
+        """Wait until the text is longer than `n_chars` characters (True) or finished at or below it (False)."""
+        while len(self._text) <= n_chars and not self._finished:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        return len(self._text) > n_chars
+
+    async def pieces(self, start: int = 0) -> AsyncIterator[str]:
+        """The text after character `start`, as it comes (several pushes may arrive as one piece), until
+        finished."""
+        sent = start
+        while await self.wait_beyond(sent):
+            piece = self._text[sent:]
+            sent = len(self._text)
+            yield piece
+
+
 @dataclass(frozen=True)
 class SynthesisRequest:
     text: str
@@ -113,6 +219,17 @@ class SynthesisRequest:
     # (which then only names the voice, for logs); a backend that cannot clone raises
     # VoiceCloningUnsupportedError.
     voice_prompt: bytes | None = None
+    # Text still being written (backends with "text_streaming" in `honours`, see the module doc): the text
+    # is then `text_stream.text`, of which `text` is the part known when the request was opened.
+    text_stream: TextStream | None = None
+    # The model's text mode (backends with "text_mode"): True one token per frame, False all in the
+    # prompt (vLLM-Omni's non_streaming_mode), None the server's default.
+    streaming_text: bool | None = None
+
+    @property
+    def full_text(self) -> str:
+        """The request's text so far: the stream's when it has one."""
+        return self.text_stream.text if self.text_stream is not None else self.text
 
 
 @dataclass(frozen=True)
@@ -208,7 +325,8 @@ class Synthesizer(abc.ABC):
     # The optional parts of a SynthesisRequest this backend acts on, of: "language", "instructions",
     # "max_new_tokens", "chunk_schedule", "seed", "speed", "voice_design" (a voice made from the
     # instructions), "voice_cloning" (a voice from reference audio), "word_timestamps" (WordTimings when
-    # the request asks, see the module doc). The gateway tells a client which of
+    # the request asks, see the module doc), "text_streaming" (text pushed while it speaks, `text_stream`),
+    # "text_mode" (the per-request `streaming_text`). The gateway tells a client which of
     # its options take no effect here, instead of ignoring them silently.
     honours: frozenset[str] = frozenset()
     # Speaks only with a voice_prompt (a Qwen3 Base checkpoint): its voices() are placeholders, so the gateway
@@ -265,6 +383,12 @@ class Synthesizer(abc.ABC):
         with another voice."""
         if request.voice_prompt is not None and not self.can_clone:
             raise VoiceCloningUnsupportedError(f"the {self.name} backend cannot speak with a cloned voice")
+
+    def refuse_text_stream(self, request: SynthesisRequest) -> None:
+        """For backends without "text_streaming": a request whose text is still coming fails rather than
+        speaking only the part known when it was opened (text accepted is never dropped silently)."""
+        if request.text_stream is not None and "text_streaming" not in self.honours:
+            raise SynthesisError(f"the {self.name} backend cannot take text while it speaks; send whole sentences")
 
     async def metrics(self) -> list[BackendMetric]:
         """The backend's own metrics for the gateway's /metrics (the GPU engine's batches and time shares,

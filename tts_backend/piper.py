@@ -229,6 +229,7 @@ class PiperSynthesizer(Synthesizer):
         if self._executor is None:
             raise SynthesisError("the Piper backend is not started")
         self.refuse_voice_prompt(request)
+        self.refuse_text_stream(request)
         loaded = self._find(request.voice)
         if not request.text.strip():
             return

@@ -73,7 +73,8 @@ class Qwen3Synthesizer(Synthesizer):
     max_active: concurrent requests holding KV slots. max_len: Talker positions per slot.
     cuda_graphs: capture every steady-state shape at start-up (GPU only).
     sampler: "auto", "reference" or "stateless" (see engine/runner.py). greedy: argmax decoding.
-    streaming_text: feed the text one token per frame (fixed 10-position prefill) instead of all at once.
+    streaming_text: feed the text one token per frame (fixed 10-position prefill) instead of all at once; the
+      default of requests that do not choose (SynthesisRequest.streaming_text).
     chunk_schedule: default frames per codec chunk. max_new_tokens: cap on sampled codebook-0 tokens.
     frame_cap_chars_per_second: for random-weight checkpoints, whose EOS never comes naturally: cap each
       request at the frames its text takes at this speaking rate (bench/README.md: 15 characters/s).
@@ -83,7 +84,7 @@ class Qwen3Synthesizer(Synthesizer):
     """
 
     name = "qwen3"
-    honours = frozenset({"language", "instructions", "max_new_tokens", "chunk_schedule", "seed"})
+    honours = frozenset({"language", "instructions", "max_new_tokens", "chunk_schedule", "seed", "text_mode"})
 
     def __init__(
         self,
@@ -351,14 +352,16 @@ class Qwen3Synthesizer(Synthesizer):
         voice = self._voice_prompt(request)
         if voice is None and not self.has_voice(request.voice):
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
+        self.refuse_text_stream(request)
         if not request.text.strip():
             raise SynthesisError("text is empty")
+        streaming_text = self.streaming_text if request.streaming_text is None else bool(request.streaming_text)
         speaker = None if voice is not None or request.voice == _VOICE_DESIGN_VOICE else request.voice
         try:
             prompt = self.model.make_prompt(
                 request.text, speaker=speaker, language=self._language(request.language),
                 instruct=None if voice is not None else request.instructions,
-                non_streaming_mode=not self.streaming_text, voice=voice,
+                non_streaming_mode=not streaming_text, voice=voice,
             )
         except PromptError as exc:
             raise SynthesisError(str(exc)) from exc

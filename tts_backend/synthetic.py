@@ -4,8 +4,16 @@ It exists for gateway tests and load benchmarks (named as such wherever it is us
 its output for a given (text, voice, seed) is byte-for-byte reproducible, and its pacing can be set to
 mimic an engine that produces audio faster than real time after a first-chunk latency.
 
-Word timings are exact by construction: the audio of a text is spread evenly over its characters, so
-the word at characters [a, b) of a text of L characters in n samples is samples [a*n//L, b*n//L).
+Word timings are exact by construction: every character of a text (stripped) gets the same number of
+samples, `samples_per_char`, so the word at characters [a, b) is samples [a*s, b*s) for s samples per
+character (a*n//L .. b*n//L of a text of L characters in n samples).
+
+Text streaming (`text_stream`, see base.py) is exact by construction too, as it is in the real model's
+streaming-text mode: a character's samples depend only on the voice, the seed, the character, its position
+and the samples before it (the pitch's phase runs on from them), never on the text after it. So the audio of
+a text pushed in pieces is, byte for byte, the audio of the same text sent whole, whatever the pieces and
+their timing. A stream speaks its text as far as it has it and waits for more; a word's timing goes out once
+the word is complete (a later word has begun, or the text is finished).
 """
 
 from __future__ import annotations
@@ -18,7 +26,16 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from .base import AudioChunk, SynthesisRequest, Synthesizer, UnknownVoiceError, Voice, WordTiming, split_words
+from .base import (
+    AudioChunk,
+    SynthesisRequest,
+    Synthesizer,
+    TextStream,
+    UnknownVoiceError,
+    Voice,
+    WordTiming,
+    split_words,
+)
 
 _VOICES = {
     "tone-low": 140.0,
@@ -40,7 +57,7 @@ class SyntheticSynthesizer(Synthesizer):
     """
 
     name = "synthetic"
-    honours = frozenset({"seed", "word_timestamps"})
+    honours = frozenset({"seed", "word_timestamps", "text_streaming"})
 
     def __init__(
         self,
@@ -56,6 +73,9 @@ class SyntheticSynthesizer(Synthesizer):
         self.sample_rate = sample_rate
         self.chars_per_second = chars_per_second
         self.chunk_samples = max(1, sample_rate * chunk_ms // 1000)
+        # A whole number of samples per character, so a text's audio grows by the same amount with every
+        # character and the audio of a prefix is a prefix of the audio (text streaming).
+        self.samples_per_char = max(1, round(sample_rate / chars_per_second))
         self.first_chunk_delay_s = first_chunk_delay_s
         self.speed = speed
         self._capacity = capacity
@@ -105,29 +125,42 @@ class SyntheticSynthesizer(Synthesizer):
         return [Voice(id=v, name=v, language="en", description=f"synthetic {f:.0f} Hz tone") for v, f in _VOICES.items()]
 
     def render(self, request: SynthesisRequest) -> np.ndarray:
-        """The whole waveform for a request as int16 samples."""
-        if request.voice not in _VOICES:
-            raise UnknownVoiceError(f"unknown voice {request.voice!r}")
-        text = request.text.strip()
-        key = (request.voice, request.seed, text)
+        """The whole waveform for a request's text (its text stream's, so far) as int16 samples."""
+        return self._render(request.voice, request.seed, request.full_text.strip())
+
+    def _render(self, voice: str, seed: int | None, text: str, keep: bool = True) -> np.ndarray:
+        """keep: remember the waveform (not for the growing prefixes of a text stream, which would push
+        the whole sentences out)."""
+        if voice not in _VOICES:
+            raise UnknownVoiceError(f"unknown voice {voice!r}")
+        key = (voice, seed, text)
         if key in self._rendered:
             return self._rendered[key]
-        n = max(self.chunk_samples, int(len(text) / self.chars_per_second * self.sample_rate))
-        digest = hashlib.sha256(f"{request.voice}|{request.seed}|{text}".encode()).digest()
-        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-        t = np.arange(n) / self.sample_rate
-        base = _VOICES[request.voice] * (1.0 + 0.1 * rng.random())
+        n = len(text) * self.samples_per_char
+        k = np.arange(n)
+        t = k / self.sample_rate
+        # Each character's own pitch offset, from (voice, seed, position, character) alone.
+        offsets = np.array([self._char_offset(voice, seed, i, c) for i, c in enumerate(text)], dtype=np.float64)
+        base = _VOICES[voice] * (1.0 + 0.1 * offsets[k // self.samples_per_char]) if n else np.zeros(0)
         # One "syllable" every ~200 ms: a pitch wobble under a raised-cosine envelope.
         syllable = 0.2
         phase = (t % syllable) / syllable
         envelope = 0.5 - 0.5 * np.cos(2 * np.pi * phase)
         pitch = base * (1.0 + 0.05 * np.sin(2 * np.pi * 3.0 * t))
+        # cumsum adds in order, so the phase of a sample depends only on the samples before it.
         wave = np.sin(2 * np.pi * np.cumsum(pitch) / self.sample_rate) * envelope * 0.5
         samples = np.round(wave * 32767).astype("<i2")
+        if not keep:
+            return samples
         if len(self._rendered) >= 256:
             self._rendered.pop(next(iter(self._rendered)))
         self._rendered[key] = samples
         return samples
+
+    @staticmethod
+    def _char_offset(voice: str, seed: int | None, position: int, char: str) -> float:
+        digest = hashlib.sha256(f"{voice}|{seed}|{position}|{char}".encode()).digest()
+        return int.from_bytes(digest[:4], "little") / 2**32
 
     def word_timings(self, text: str, num_samples: int) -> tuple[WordTiming, ...]:
         """Where each word of `text` (as rendered: stripped) lies in its `num_samples` of audio."""
@@ -137,6 +170,12 @@ class SyntheticSynthesizer(Synthesizer):
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         self.refuse_voice_prompt(request)
+        if request.text_stream is not None:
+            # aclosing: closing this generator closes the inner one at once (its slot is given back then).
+            async with contextlib.aclosing(self._synthesize_stream(request, request.text_stream)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
         samples = self.render(request)
         words = self.word_timings(request.text, len(samples)) if request.word_timestamps else ()
         if self._capacity is not None:
@@ -151,6 +190,53 @@ class SyntheticSynthesizer(Synthesizer):
                 else:
                     await asyncio.sleep(0)  # a cancellation point between chunks, like a real engine
                 yield AudioChunk(piece.tobytes(), words if start == 0 else ())
+        finally:
+            if self._capacity is not None:
+                self._give_slot()
+
+    async def _synthesize_stream(self, request: SynthesisRequest, stream: TextStream) -> AsyncIterator[AudioChunk]:
+        """Speak the text as far as it has come: whole chunks while there is audio for them, what is left when
+        the stream must wait for text (so the listener is not kept from audio that is already known), the
+        rest at the end."""
+        if request.voice not in _VOICES:
+            raise UnknownVoiceError(f"unknown voice {request.voice!r}")
+        if self._capacity is not None:
+            await self._take_slot()
+        try:
+            if self.first_chunk_delay_s:
+                await asyncio.sleep(self.first_chunk_delay_s)
+            sent = 0  # samples yielded
+            words_sent = 0
+            first = True
+            while True:
+                finished = stream.finished  # read before the text: text pushed in between is spoken next turn
+                text = stream.text
+                spoken = text.strip()
+                samples = self._render(request.voice, request.seed, spoken, keep=finished)
+                words: tuple[WordTiming, ...] = ()
+                if request.word_timestamps:
+                    # A word is complete once a later word has begun, or the text is finished: until then
+                    # punctuation may still join it ("Hello -", see split_words).
+                    spans = split_words(spoken)
+                    complete = spans if finished else spans[:-1]
+                    words = tuple(WordTiming(w, a * self.samples_per_char, b * self.samples_per_char)
+                                  for w, a, b in complete[words_sent:])
+                    words_sent = len(complete)
+                while sent < len(samples):  # all of it: next the stream ends or waits for text
+                    piece = samples[sent: sent + self.chunk_samples]
+                    if not first and self.speed:
+                        await asyncio.sleep(len(piece) / self.sample_rate / self.speed)
+                    else:
+                        await asyncio.sleep(0)  # a cancellation point between chunks, like a real engine
+                    sent += len(piece)
+                    first = False
+                    yield AudioChunk(piece.tobytes(), words)
+                    words = ()
+                if words:
+                    yield AudioChunk(b"", words)
+                if finished:
+                    return
+                await stream.wait_beyond(len(text))
         finally:
             if self._capacity is not None:
                 self._give_slot()

@@ -107,7 +107,11 @@ ERROR_CODES: dict[type[SynthesisError], str] = {
 
 
 def request_to_json(request: SynthesisRequest) -> dict:
-    data = dataclasses.asdict(request)
+    # A text stream is a live object, not data (asdict would deep-copy it): it never travels in the request.
+    data = dataclasses.asdict(dataclasses.replace(request, text_stream=None))
+    del data["text_stream"]
+    if data["streaming_text"] is None:  # left out unless chosen, so that a worker older than the field serves
+        del data["streaming_text"]
     if not data["word_timestamps"]:  # left out unless asked, so that a worker older than the field still serves
         del data["word_timestamps"]
     if data["session_key"] is None:  # likewise
@@ -122,7 +126,7 @@ def request_to_json(request: SynthesisRequest) -> dict:
 
 
 def request_from_json(data: dict) -> SynthesisRequest:
-    fields = {f.name for f in dataclasses.fields(SynthesisRequest)}
+    fields = {f.name for f in dataclasses.fields(SynthesisRequest)} - {"text_stream"}  # never from a peer
     unknown = set(data) - fields
     if unknown:
         raise SynthesisError(f"unknown request fields: {sorted(unknown)}")
