@@ -74,6 +74,9 @@ def test_stream_session_fed_tokens(results):
         assert len(reply["segments"]) == 1 and reply["finals"] == 1, "one segment per reply, ended once"
     assert first["segments"] != second["segments"]
     assert observed["session_ids"][0] == observed["session_ids"][1], "replies share one WebSocket session"
+    # The gateway is asked to start each sentence at its first words; the session says whether it does.
+    assert observed["split_granularity"] == "token"
+    assert observed["text_streaming"] is ("split_granularity" not in observed["warnings"])
     assert len(observed["ttfb_s"]) == 2 and all(0 < t < 5 for t in observed["ttfb_s"])
 
 

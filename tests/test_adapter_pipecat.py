@@ -75,6 +75,10 @@ def test_two_llm_turns_on_one_connection(results):
     session_ids = observed["session_ids"]
     assert session_ids[0] and session_ids[0] == session_ids[1] and observed["reconnects"] == 0
     assert observed["errors"] == []
+    # Tokens as Pipecat's TOKEN aggregation gives them, and the gateway asked to start each sentence at its
+    # first words; the session says whether the backend does (else a warning names split_granularity).
+    assert observed["split_granularity"] == "token"
+    assert observed["text_streaming"] is ("split_granularity" not in observed["warnings"])
 
 
 def test_ttfb_metrics_are_reported(results):

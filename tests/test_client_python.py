@@ -77,6 +77,27 @@ async def test_full_utterance_events_and_audio(gateway):
     assert isinstance(events[-1], vg.SessionDone) and events[-1].total_sentences == 3
 
 
+class SentencesOnly(SyntheticSynthesizer):
+    """A backend that cannot take a sentence's text while it speaks (as Piper)."""
+
+    honours = SyntheticSynthesizer.honours - {"text_streaming"}
+
+
+async def test_token_granularity_is_asked_for_by_default_and_the_session_says_if_it_took_effect():
+    assert vg.SessionConfig().to_message()["split_granularity"] == "token"
+    with running_gateway(backend=SentencesOnly()) as server:
+        async with vg.connect(server.url, vg.SessionConfig(voice=VOICE)) as session:
+            assert [w["field"] for w in session.started.warnings] == ["split_granularity"]
+            assert session.text_streaming is False
+            words = TEXT.split(" ")
+            await session.stream_text([w + " " for w in words[:-1]] + [words[-1]])
+            events = [event async for event in session]
+        async with vg.connect(server.url, vg.SessionConfig(voice=VOICE, split_granularity="sentence")) as session:
+            assert session.started.warnings == [] and session.text_streaming is False
+    # Split at sentences, as asked for explicitly.
+    assert [e.sentence_text for e in events if isinstance(e, vg.AudioStart)] == SENTENCES
+
+
 async def test_speak_returns_the_pcm(gateway):
     async with vg.connect(gateway.url, vg.SessionConfig(voice=VOICE)) as session:
         pcm = await session.speak(TEXT)

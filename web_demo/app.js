@@ -168,6 +168,9 @@ function settings() {
     // timestamps sends none, and the page then highlights nothing.
     timestampType: "word",
     timestampTransportStrategy: "async",
+    // "Simulate LLM" sends tokens as they come: each sentence's synthesis starts at its first words where
+    // the backend can take text while it speaks; elsewhere the gateway splits at sentences and warns.
+    splitGranularity: "token",
   };
 }
 
@@ -259,7 +262,8 @@ async function ensureClient() {
   clearNotice("auth", "unreachable", "error");
   setStatus("live", `session ${client.sessionId.slice(0, 8)}`);
   ui.rates.textContent = `stream ${client.format} @ ${client.sampleRate} Hz → audio context @ ${state.player.sampleRate} Hz (resampled in the worklet)`;
-  logEvent(`session.started: voice ${client.voice}, ${client.format} ${client.sampleRate} Hz`);
+  logEvent(`session.started: voice ${client.voice}, ${client.format} ${client.sampleRate} Hz, ` +
+    (client.textStreaming ? "synthesis from each sentence's first words" : "synthesis sentence by sentence"));
   wireClient(client);
   return client;
 }
@@ -663,6 +667,8 @@ window.voxgateDemo = {
       sessionId: state.client?.sessionId ?? null,
       streamRate: state.client?.sampleRate ?? null,
       format: state.client?.format ?? null,
+      textStreaming: state.client?.textStreaming ?? null,
+      warnings: state.client ? state.client.warnings.map((warning) => warning.field) : null,
       bytesPerSample: state.client ? bytesPerSample(state.client.format) : null,
       contextRate: state.player?.sampleRate ?? null,
       player: state.player ? { ...state.player.stats } : null,

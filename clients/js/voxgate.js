@@ -157,8 +157,12 @@ async function resolveWebSocket(explicit) {
   }
 }
 
+// split_granularity "token" unless the options say otherwise: each sentence's synthesis starts at its first
+// words where the gateway's backend can take text while it speaks; elsewhere the gateway splits at sentences
+// and says so in session.started's warnings (`client.textStreaming`). `splitGranularity: null` sends none.
 function configMessage(options) {
-  const message = { type: "session.config", stream_audio: true, response_format: "pcm" };
+  const message = { type: "session.config", stream_audio: true, response_format: "pcm", split_granularity: "token" };
+  if (options.splitGranularity === null) delete message.split_granularity;
   for (const [option, field] of Object.entries(CONFIG_FIELDS)) {
     if (options[option] !== undefined && options[option] !== null) message[field] = options[option];
   }
@@ -196,6 +200,7 @@ export class VoxgateClient extends Emitter {
   #inputsSent = 0;
   #unacked = [];
   #resumeAck = undefined; // inputs_received of the latest session.started
+  #askedGranularity = undefined; // split_granularity of the session.config awaiting its session.started
 
   constructor(url, options = {}) {
     super();
@@ -208,6 +213,10 @@ export class VoxgateClient extends Emitter {
     this.voice = null;
     this.voices = [];
     this.closed = false;
+    // session.started's warnings for the latest session.config, and whether the gateway starts each
+    // sentence's synthesis at its first words (token granularity asked for and not refused in a warning).
+    this.warnings = [];
+    this.textStreaming = false;
     this.resuming = false;
     this.resumes = 0;
     // Where the audio stream stands: the sentence being received and its bytes so far. That names the
@@ -292,7 +301,10 @@ export class VoxgateClient extends Emitter {
         this.on("session.started", () => settle()),
         this.on("error", (message) => settle(VoxgateError.fromMessage(message))),
       );
-      socket.onopen = () => socket.send(JSON.stringify(firstMessage));
+      socket.onopen = () => {
+        if (firstMessage.type === "session.config") this.#askedGranularity = firstMessage.split_granularity ?? null;
+        socket.send(JSON.stringify(firstMessage));
+      };
       socket.onerror = (event) => settle(failed(`cannot connect to ${target}: ${event?.message || "socket error"}`));
       socket.onmessage = (event) => {
         if (socket === this.socket) this.#onFrame(event.data);
@@ -395,6 +407,12 @@ export class VoxgateClient extends Emitter {
         this.voices = message.voices ?? this.voices;
         this.voice = message.voice ?? this.voice;
         this.#resumeAck = message.inputs_received;
+        if (this.#askedGranularity !== undefined) {
+          this.warnings = message.warnings ?? [];
+          this.textStreaming = this.#askedGranularity === "token"
+            && !this.warnings.some((warning) => warning.field === "split_granularity");
+          this.#askedGranularity = undefined;
+        }
         break;
       case "audio.start": {
         const contextId = message.context_id ?? null;
@@ -547,7 +565,9 @@ export class VoxgateClient extends Emitter {
 
   /** Change the session's configuration between utterances (answered by session.started). */
   configure(options) {
-    this.#sendJson(configMessage(options));
+    const message = configMessage(options);
+    this.#askedGranularity = message.split_granularity ?? null;
+    this.#sendJson(message);
     return this.#waitFor("session.started");
   }
 

@@ -100,9 +100,12 @@ async def scenario_stream(url: str, replies: list[str]) -> dict:
         for text in replies:
             out.append(await speak(tts, llm_tokens(text), token_delay_s=0.002))
             session_ids.append(tts._shared.session.session_id)
+        session = tts._shared.session
+        granularity = {"split_granularity": session.config.split_granularity, "text_streaming": session.text_streaming,
+                       "warnings": [w.get("field") for w in session.started.warnings]}
     finally:
         await tts.aclose()
-    return {"replies": out, "session_ids": session_ids, "ttfb_s": metrics}
+    return {"replies": out, "session_ids": session_ids, "ttfb_s": metrics, **granularity}
 
 
 async def scenario_voice_change(url: str, reply: str) -> dict:

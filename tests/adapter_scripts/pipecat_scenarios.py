@@ -190,6 +190,9 @@ async def scenario_two_turns(url: str, turns: list[str]) -> dict:
             "turns": results,
             "session_ids": [session_id, h.tts.session.session_id],
             "reconnects": h.tts.session.reconnects,
+            "split_granularity": h.tts.session.config.split_granularity,
+            "text_streaming": h.tts.session.text_streaming,
+            "warnings": [w.get("field") for w in h.tts.session.started.warnings],
             "ttfb_s": h.ttfb(),
             "errors": h.errors,
         }

@@ -101,6 +101,21 @@ async function contexts() {
   };
 }
 
+// What split_granularity each way of configuring asks for, and what the gateway answered.
+async function granularity() {
+  const out = {};
+  for (const [name, options] of [["default", {}], ["sentence", { splitGranularity: "sentence" }], ["none", { splitGranularity: null }]]) {
+    const client = await VoxgateClient.connect(baseUrl, { voice, ...options });
+    out[name] = { textStreaming: client.textStreaming, warnings: client.warnings.map((w) => w.field) };
+    if (name === "sentence") {
+      await client.configure({ voice });  // the default again, on the same session
+      out.reconfigured = { textStreaming: client.textStreaming, warnings: client.warnings.map((w) => w.field) };
+    }
+    await client.close();
+  }
+  return out;
+}
+
 async function cancel() {
   const client = await VoxgateClient.connect(baseUrl, { voice, seed: 7 });
   const audio = recordAudio(client);
@@ -224,7 +239,7 @@ async function errors() {
   }
 }
 
-const scenarios = { fullUtterance, streamedTokens, contexts, cancel, resumePosition, autoResume, autoResumeLostInput, errors };
+const scenarios = { fullUtterance, granularity, streamedTokens, contexts, cancel, resumePosition, autoResume, autoResumeLostInput, errors };
 const output = { node: process.version, hasGlobalWebSocket: typeof globalThis.WebSocket !== "undefined" };
 output.voices = await listVoices(baseUrl);
 for (const [name, run] of Object.entries(scenarios)) {

@@ -148,7 +148,9 @@ class TTS(tts.TTS):
         api_key: Bearer key, when the gateway requires one.
         voice, model, language, instructions, seed: `session.config` fields (see protocol.md).
         sample_rate: Output rate (default 24000, LiveKit's room rate); the gateway resamples.
-        split_granularity: `sentence` (default), `clause` or `none`.
+        split_granularity: `token` (default: each sentence's synthesis starts at its first words where the
+            gateway's backend can take text while it speaks; elsewhere the gateway splits at sentences and
+            warns in session.started), `sentence`, `clause` or `none`.
         chunk_schedule: Codec frames per audio chunk (Qwen3 backends), e.g. `[2, 4, 8, 12]`.
         word_timestamps: Ask for word timestamps and push them as the aligned transcript (a backend without
             them sends none, and the framework then falls back to the plain text).
@@ -168,7 +170,7 @@ class TTS(tts.TTS):
         instructions: str | None = None,
         seed: int | None = None,
         sample_rate: int = 24000,
-        split_granularity: str | None = None,
+        split_granularity: str | None = "token",
         chunk_schedule: list[int] | None = None,
         word_timestamps: bool = True,
         http_session: aiohttp.ClientSession | None = None,

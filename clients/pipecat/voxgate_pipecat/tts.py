@@ -98,7 +98,10 @@ class VoxgateTTSService(WebsocketTTSService):
         api_key: Sent as `Authorization: Bearer ...` when the gateway requires keys.
         sample_rate: Output rate; default the pipeline's `audio_out_sample_rate`. The gateway resamples.
         settings: Voice, model, language, instructions, seed (runtime-updatable).
-        split_granularity: Gateway sentence splitting: `sentence` (default), `clause` or `none`.
+        split_granularity: Gateway splitting: `token` (default: each sentence's synthesis starts at its
+            first words where the gateway's backend can take text while it speaks, so with `TOKEN`
+            aggregation nothing waits for a sentence's end; elsewhere the gateway splits at sentences and
+            warns in session.started), `sentence`, `clause` or `none`.
         chunk_schedule: Codec frames per audio chunk (Qwen3 backends), e.g. `[2, 4, 8, 12]`.
         word_timestamps: Ask the gateway for word timestamps (`timestamp_type: "word"`, sent as soon as
             each word's audio is out) and report them with Pipecat's word-timestamp hooks. Without them, or
@@ -121,7 +124,7 @@ class VoxgateTTSService(WebsocketTTSService):
         api_key: str | None = None,
         sample_rate: int | None = None,
         settings: VoxgateTTSSettings | None = None,
-        split_granularity: str | None = None,
+        split_granularity: str | None = "token",
         chunk_schedule: list[int] | None = None,
         word_timestamps: bool = True,
         text_aggregation_mode: TextAggregationMode | None = None,

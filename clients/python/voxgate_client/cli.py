@@ -30,7 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-rate", type=int, choices=SAMPLE_RATES)
     parser.add_argument("--format", default="pcm", choices=("pcm", "mulaw", "alaw"), help="wire format")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--split", choices=("sentence", "clause", "none"), help="split granularity")
+    parser.add_argument("--split", choices=("token", "sentence", "clause", "none"), default="token",
+                        help="split granularity (default token: synthesis starts at each sentence's first words "
+                             "where the backend can)")
     parser.add_argument("--api-key", default=os.environ.get("VOXGATE_API_KEY"), help="or VOXGATE_API_KEY")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-sentence progress on stderr")
     return parser

@@ -29,7 +29,10 @@ class SessionConfig:
     max_new_tokens: int | None = None
     initial_codec_chunk_frames: int | None = None
     seed: int | None = None
-    split_granularity: str | None = None  # sentence, clause, none
+    # token (the default here): each sentence's synthesis starts at its first words, where the gateway's
+    # backend can take text while it speaks; elsewhere the gateway splits at sentences and says so in
+    # session.started's warnings (`Session.text_streaming`). Or sentence, clause, none.
+    split_granularity: str | None = "token"
     chunk_schedule: list[int] | None = None  # codec frames per chunk, e.g. [2, 4, 8, 12]
     # Voice cloning inputs (vLLM-Omni compatible), passed through to backends that support them.
     ref_audio: str | None = None

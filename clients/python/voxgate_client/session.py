@@ -254,6 +254,14 @@ class Session:
         return list(self.started.voices) if self.started else []
 
     @property
+    def text_streaming(self) -> bool:
+        """Whether the gateway starts each sentence's synthesis at its first words: `split_granularity`
+        "token" was asked for and session.started did not answer that it splits at sentences instead."""
+        if self.started is None or self.config.split_granularity != "token":
+            return False
+        return not any(w.get("field") == "split_granularity" for w in self.started.warnings)
+
+    @property
     def url(self) -> str:
         return self.urls[self._url_index]
 
