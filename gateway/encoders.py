@@ -13,7 +13,10 @@ Choices that keep a stream playable while it is being made, and cheap:
   leaves within that time of being made. The muxer is bit-exact and the Ogg serial number is the caller's
   `serial` (a sentence's index), so the same audio gives the same bytes: a resumed sentence's re-encoded
   bytes continue the ones logged before.
-- flac has no 8 KiB padding block; its header says "length unknown" as a non-seekable output must.
+- flac has no 8 KiB padding block; its header says "length unknown" as a non-seekable output must. A
+  caller that holds the whole file before sending it (HTTP without `stream`, a WebSocket sentence sent
+  whole) has `with_length` write the true length into it: libsndfile (soundfile) refuses a FLAC file of
+  unknown length, and ffprobe gives it no duration. `wav` likewise gets its true RIFF sizes.
 - Opus codes at 8, 12, 16, 24 or 48 kHz only: any other rate is resampled to 48 kHz (`coded_rate`).
 The codecs cost 0.4-0.7 ms of CPU per 100 ms of audio (bench/encode_cost.py; README, "Output formats"):
 too much to run on the event loop for every stream, so `encode`/`finish` of the compressed formats run
@@ -63,6 +66,8 @@ CODECS: dict[str, _Codec] = {
     "flac": _Codec("flac", "flac", "audio/flac", muxer_options={"metadata_header_padding": "0"}),
 }
 COMPRESSED_FORMATS: tuple[str, ...] = tuple(CODECS)
+# The formats whose header states the file's length: made as a stream, they say "unknown" (see with_length).
+LENGTH_IN_HEADER: tuple[str, ...] = ("wav", "flac")
 FORMATS: tuple[str, ...] = audio.FORMATS + COMPRESSED_FORMATS  # every response_format the gateway makes
 OPUS_FALLBACK_RATE = 48000
 OPUS_PRE_SKIP = 312  # libopus's priming at 48 kHz (its lookahead), written in every stream's OpusHead
@@ -195,6 +200,21 @@ def _ogg_opus_samples(data: bytes, rate: int) -> int:
     return end
 
 
+_FLAC_STREAMINFO = 8  # "fLaC", then the first metadata block's 4-byte header; STREAMINFO is always first
+_FLAC_SAMPLES_AT = _FLAC_STREAMINFO + 10  # after the block and frame sizes: rate, channels, bits, samples
+_FLAC_SAMPLES_MASK = (1 << 36) - 1  # total samples: the low 36 bits of that 64-bit field
+
+
+def _flac_with_total_samples(data: bytes, samples: int) -> bytes:
+    """A FLAC file whose STREAMINFO says `samples` in all (0 means unknown: how a stream is written). The
+    MD5 stays zero, which the format defines as "not computed"; decoders then skip the check."""
+    if data[:4] != b"fLaC" or data[4] & 0x7F != 0 or len(data) < _FLAC_SAMPLES_AT + 8:
+        raise ValueError("not a FLAC file that starts with its STREAMINFO block")
+    (field,) = struct.unpack_from(">Q", data, _FLAC_SAMPLES_AT)
+    field = (field & ~_FLAC_SAMPLES_MASK) | (samples & _FLAC_SAMPLES_MASK)
+    return data[:_FLAC_SAMPLES_AT] + struct.pack(">Q", field) + data[_FLAC_SAMPLES_AT + 8 :]
+
+
 class AudioFileEncoder:
     """One file (or raw stream) of `response_format` at `target_rate`, from s16le mono PCM at `source_rate`.
 
@@ -253,6 +273,17 @@ class AudioFileEncoder:
         data = self._emit(self._samples.flush())
         if self._muxed is not None:
             data += self._muxed.finish()
+        return data
+
+    def with_length(self, data: bytes) -> bytes:
+        """The whole file `data` (everything `encode` and `finish` returned, the encoder finished) with the
+        true length in its header where the format has one (LENGTH_IN_HEADER): a wav's RIFF and data
+        sizes, a FLAC STREAMINFO's total samples. Other formats are returned as they are."""
+        if self.response_format == "wav":
+            data_bytes = len(data) - len(audio.wav_header(self.output_rate))
+            return audio.wav_header(self.output_rate, data_bytes=data_bytes) + data[len(data) - data_bytes:]
+        if self.response_format == "flac":
+            return _flac_with_total_samples(data, self.decoded_samples)
         return data
 
     async def _run(self, method, *args) -> bytes:

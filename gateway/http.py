@@ -3,12 +3,18 @@
 `POST /v1/audio/speech` accepts what the OpenAI SDK sends (`client.audio.speech.create`, also through
 `with_streaming_response`) plus vLLM-Omni's fields. The body is split into sentences and synthesized
 with the same look-ahead as the WebSocket, so the first sentence's audio leaves before the last is made.
-The body is one file in `response_format`, streamed as it is encoded (gateway/encoders.py):
-- `mp3` (the default, as OpenAI's), `opus` (Ogg), `aac` (ADTS), `flac`;
-- `wav`: a header of unknown length, then PCM;
+The body is one file in `response_format`, sent as it is encoded (gateway/encoders.py):
+- `mp3` (the default, as OpenAI's), `opus` (Ogg), `aac` (ADTS), `flac`, `wav`;
 - `pcm` (24 kHz unless `sample_rate` says otherwise, as OpenAI documents), `mulaw`, `alaw` (8 kHz): raw;
-- `stream_format: "sse"` (or vLLM's `stream: true` alone): Server-Sent Events as OpenAI documents them,
-  `speech.audio.delta` with base64 pieces of that file (`pcm` by default), then `speech.audio.done`.
+- `stream_format: "sse"`: Server-Sent Events as OpenAI documents them, `speech.audio.delta` with base64
+  pieces of that file (`pcm` by default), then `speech.audio.done`.
+`wav` and `flac` state the file's length in their header, which a stream cannot know. Unless the client
+asks for a stream (`stream: true`, or a `stream_format`), such a file is held until it is whole (up to
+WHOLE_FILE_MAX_BYTES) and sent with its true length, so every reader opens it (libsndfile refuses a FLAC
+of unknown length); asked for a stream, it is sent as made, its header saying "length unknown".
+`stream: true` without `stream_format` is raw audio, as OpenAI's default `stream_format` and the clients
+that send it (vLLM-Omni's demos, `curl | play -t raw`) expect; SSE only when the request's `Accept` names
+text/event-stream (see speech_is_sse).
 Word timestamps (`timestamp_type: "word"` or `word_timestamps: true`), in seconds of the response's
 audio: with SSE a `speech.audio.words` event after the delta that completes the words; otherwise the
 header `X-Word-Timestamps`, which a header can only carry once all the audio is made, so such a body is
@@ -80,6 +86,9 @@ WORDS_HEADER = "X-Word-Timestamps"
 # Clients bound a response's header block (h11, under httpx and the OpenAI SDK: 16 KiB): a longer input
 # asks for its timestamps over SSE instead.
 MAX_WORDS_HEADER_BYTES = 12_000
+# A non-streamed wav or flac is held until whole so that its header can state its length; past this much
+# (about 5.8 minutes of 24 kHz wav) it is sent as a stream instead, its header saying "length unknown".
+WHOLE_FILE_MAX_BYTES = 16 * 1024 * 1024
 CLIENT_LEFT = 499  # nginx's status for "client closed request": logged, never delivered
 BACKEND_METRICS_TIMEOUT_S = 3.0  # a scrape waits this long for the backend's metrics, then goes without
 
@@ -186,8 +195,23 @@ class SpeechRequest(BaseModel):
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
     @property
-    def sse(self) -> bool:
-        return self.stream_format == "sse" or (self.stream is True and self.stream_format is None)
+    def streamed(self) -> bool:
+        """Whether the client asked for the audio as it is made: `stream: true`, or a `stream_format` without
+        `stream: false`. (Without either the body is still sent as it is made, except a file whose header
+        states its length: see the module doc.)"""
+        return self.stream if self.stream is not None else self.stream_format is not None
+
+
+def speech_is_sse(body: SpeechRequest, accept: str) -> bool:
+    """SSE for `stream_format: "sse"`; for `stream: true` without a `stream_format` only when the request
+    accepts text/event-stream. Raw audio otherwise: OpenAI's default `stream_format` is "audio", and the
+    clients that send `stream: true` alone and read the body as audio (vLLM-Omni's Gradio demos, its
+    README's `curl ... | play -t raw`) would play SSE text as noise, while an SSE client handed audio sees
+    no `data:` line and fails loudly. SSE clients that send only `stream: true` (current vLLM-Omni made it
+    SSE) get SSE by saying so, as EventSource and httpx-sse do with `Accept: text/event-stream`."""
+    if body.stream_format is not None:
+        return body.stream_format == "sse"
+    return body.stream is True and "text/event-stream" in accept.lower()
 
 
 async def pipelined_synthesis(
@@ -300,7 +324,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     arrived = time.monotonic()
     gateway = gateway_of(request)
     settings, backend = gateway.settings, gateway.backend
-    gateway.metrics.http_requests_total.labels("sse" if body.sse else "audio").inc()
+    sse = speech_is_sse(body, request.headers.get("accept", ""))
+    gateway.metrics.http_requests_total.labels("sse" if sse else "audio").inc()
     if not gateway.ready:
         reason = gateway.failure or "the speech backend is not ready"
         raise ApiError(ErrorCode.overloaded, f"{reason}; retry shortly", retry_after="5")
@@ -335,7 +360,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     options = body.model_dump()
     warnings = [w.model_dump(exclude_none=True) for w in (*choice.warnings, *option_warnings(backend, options))]
     timestamps = timestamp_transport(backend, options) is not None
-    if timestamps and not body.sse:
+    if timestamps and not sse:
         words = split_words(body.input)
         if len(json.dumps([w for w, _, _ in words])) + 24 * len(words) > MAX_WORDS_HEADER_BYTES:
             raise ApiError(
@@ -345,7 +370,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                 param="timestamp_type",
             )
     warning_headers = {WARNINGS_HEADER: json.dumps(warnings)} if warnings else {}
-    fmt = (body.response_format or ("pcm" if body.sse else "mp3")).lower()
+    fmt = (body.response_format or ("pcm" if sse else "mp3")).lower()
     try:
         rate = encoders.check_output(fmt, body.sample_rate or DEFAULT_RATES.get(fmt, backend.sample_rate),
                                      backend.sample_rate)
@@ -387,12 +412,12 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         for i, text in enumerate(await _sentences(body.input, body.language, settings.max_synthesis_chars))
     ]
     metrics = gateway.metrics
+    encoder = encoders.AudioFileEncoder(fmt, backend.sample_rate, rate)
     synthesis = pipelined_synthesis(backend, requests, settings.lookahead_sentences, gateway.admission.monitor, claim)
 
     async def encoded() -> AsyncIterator[tuple[bytes, list[dict[str, Any]]]]:
         """The response's audio file, piece by piece as it is made, recording time to first audio; with
         each piece the words whose audio it completes (`start`/`end` in seconds of the decoded file)."""
-        encoder = encoders.AudioFileEncoder(fmt, backend.sample_rate, rate)
         clock = _WordClock(encoder, backend.sample_rate)
         first = True
         async with contextlib.aclosing(synthesis) as chunks:
@@ -414,7 +439,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         if tail or words:
             yield tail, words
 
-    if body.sse:
+    if sse:
         async def events() -> AsyncIterator[bytes]:
             try:
                 async for data, words in encoded():
@@ -450,20 +475,33 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             return Response(status_code=CLIENT_LEFT)
         except Exception as exc:
             raise ApiError.from_synthesis_failure(exc) from None
+        data = encoder.with_length(data)
         alignment = {"words": [w["word"] for w in words], "word_start_times_seconds": [w["start"] for w in words],
                      "word_end_times_seconds": [w["end"] for w in words]}
         return Response(data, media_type=encoders.content_type(fmt, rate),
                         headers={"X-Sample-Rate": str(rate), WORDS_HEADER: json.dumps(alignment), **warning_headers})
 
-    # Fail before the status line if the first sentence cannot be made (e.g. the backend refuses it).
+    # Fail before the status line if the first sentence cannot be made (e.g. the backend refuses it); a
+    # file whose header states its length is held until it is whole (or too large to hold: then streamed).
     stream = (data async for data, _ in encoded())
+    held_whole = fmt in encoders.LENGTH_IN_HEADER and not body.streamed
     try:
-        first = await _until_client_leaves(request, anext(stream, b""))
+        if held_whole:
+            first, complete = await _until_client_leaves(request, _hold(stream, WHOLE_FILE_MAX_BYTES))
+        else:
+            first, complete = await _until_client_leaves(request, anext(stream, b"")), False
     except _ClientLeft:
         await stream.aclose()
         return Response(status_code=CLIENT_LEFT)
     except Exception as exc:
+        await stream.aclose()
         raise ApiError.from_synthesis_failure(exc) from None
+    if complete:
+        return Response(encoder.with_length(first), media_type=encoders.content_type(fmt, rate),
+                        headers={"X-Sample-Rate": str(rate), **warning_headers})
+    if held_whole:
+        log.info("a %s response outgrew %d bytes before it was whole: sent as a stream of unknown length",
+                 fmt, WHOLE_FILE_MAX_BYTES)
 
     async def rest() -> AsyncIterator[bytes]:
         async with contextlib.aclosing(stream):
@@ -474,6 +512,19 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
 
     return StreamingResponse(rest(), media_type=encoders.content_type(fmt, rate),
                              headers={"X-Sample-Rate": str(rate), **warning_headers})
+
+
+async def _hold(stream: AsyncIterator[bytes], limit: int) -> tuple[bytes, bool]:
+    """The bytes of `stream` joined, and True, once it ends; or, as soon as they exceed `limit`, those so
+    far and False (the rest stays in the stream)."""
+    parts: list[bytes] = []
+    size = 0
+    async for data in stream:
+        parts.append(data)
+        size += len(data)
+        if size > limit:
+            return b"".join(parts), False
+    return b"".join(parts), True
 
 
 class _WordClock:

@@ -347,6 +347,8 @@ class SpeechPipeline:
                 data = b"".join(whole) + tail
                 if whole_wav:
                     data = audio.wav_bytes(data, config.output_rate)
+                else:  # a flac sent whole states its length, as soundfile needs to read it
+                    data = encoder.with_length(data)
                 if data and not await self._send_new_audio(job, data, max(len(data), 1), encoder):
                     return
         async with self._send_lock:

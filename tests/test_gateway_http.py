@@ -92,10 +92,12 @@ def test_sse_stream_as_openai_documents_it(client):
     assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == expected_pcm()
 
 
-def test_vllm_style_stream_true_gives_sse(server):
-    response = httpx.post(server.url + "/v1/audio/speech", json={"input": "Hi there.", "voice": "tone-low", "stream": True})
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    assert '"speech.audio.done"' in response.text
+def test_vllm_style_stream_true_gives_raw_audio(server):
+    """`stream: true` alone is the audio itself (see tests/test_output_formats.py for SSE by Accept)."""
+    response = httpx.post(server.url + "/v1/audio/speech", json={"input": "Was it?", "voice": "tone-mid", "stream": True,
+                                                                  "response_format": "pcm"})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("audio/pcm")
+    assert response.content == expected_pcm(texts=["Was it?"])
 
 
 def test_mulaw_at_8k_and_resampled_pcm(server):
@@ -249,7 +251,12 @@ def test_a_backend_failure_is_an_error_response_or_an_sse_error_event():
         # Audio streams as it is made: a later sentence's failure cuts the body short, which the client sees
         # as an incomplete read, never as a shorter file that looks complete.
         with pytest.raises(openai.APIConnectionError):
+            client.audio.speech.create(model="voxgate", voice="tone-mid", input="Fine. BROKEN later.", response_format="pcm")
+        # A wav not asked for as a stream is held until whole (its header states its length), so a later
+        # sentence's failure is still an error response.
+        with pytest.raises(openai.InternalServerError) as info:
             client.audio.speech.create(model="voxgate", voice="tone-mid", input="Fine. BROKEN later.", response_format="wav")
+        assert info.value.body["code"] == "synthesis_failed"
         response = httpx.post(server.url + "/v1/audio/speech",
                               json={"input": "Fine first. BROKEN second.", "voice": "tone-mid", "stream_format": "sse"})
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import wave
 
 import av
 import av.logging
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -115,10 +117,13 @@ def test_http_whole_body_decodes_to_the_source(client, fmt):
 @pytest.mark.parametrize("fmt", [None, *FORMATS])
 def test_http_streams_the_first_sentence_while_the_next_is_being_made(client, backend, fmt):
     """The OpenAI docs' streaming call: the first bytes arrive while a later sentence cannot have been made
-    yet (the backend holds it until they have arrived)."""
+    yet (the backend holds it until they have arrived). wav and flac, whose header states the length,
+    stream when asked to (`stream: true`); without it they are sent whole (next tests)."""
     backend.released.clear()
     backend.resumed.clear()
     options = {} if fmt is None else {"response_format": fmt}
+    if fmt in ("wav", "flac"):
+        options["extra_body"] = {"stream": True}
     text = "The first sentence is spoken at once. Then HOLD this one."
     try:
         with client.audio.speech.with_streaming_response.create(model="tts-1", voice=VOICE, input=text, **options) as response:
@@ -130,6 +135,129 @@ def test_http_streams_the_first_sentence_while_the_next_is_being_made(client, ba
     finally:
         backend.released.set()
     assert_same_audio(fmt or "mp3", body, rendered(["The first sentence is spoken at once.", "Then HOLD this one."]))
+
+
+# Every format a client can ask for over HTTP, and how libsndfile (soundfile) opens it: the raw formats
+# have no header, so their rate and sample type are given; libsndfile has no AAC reader at all (PyAV,
+# the other reader tested, decodes it).
+ALL_HTTP_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw")
+SOUNDFILE_RAW = {"pcm": "PCM_16", "mulaw": "ULAW", "alaw": "ALAW"}
+HTTP_RATES = {"mulaw": 8000, "alaw": 8000}  # the telephony formats' default rate; every other one 24 kHz
+
+
+def soundfile_frames(fmt: str, data: bytes) -> tuple[int, int]:
+    """(frames, rate) as soundfile reads the file."""
+    import soundfile
+
+    if fmt in SOUNDFILE_RAW:
+        samples, rate = soundfile.read(io.BytesIO(data), format="RAW", subtype=SOUNDFILE_RAW[fmt], channels=1,
+                                       samplerate=HTTP_RATES.get(fmt, RATE), endian="LITTLE")
+    else:
+        samples, rate = soundfile.read(io.BytesIO(data))
+    return len(samples), rate
+
+
+def pyav_duration(fmt: str, data: bytes) -> float | None:
+    """The duration in seconds that FFmpeg's demuxer states for the file (what ffprobe prints), None when
+    it states none. Raw formats need their demuxer and rate named, as ffprobe -f s16le -ar N needs."""
+    raw = {"pcm": "s16le", "mulaw": "mulaw", "alaw": "alaw"}
+    options = {"sample_rate": str(HTTP_RATES.get(fmt, RATE)), "ch_layout": "mono"} if fmt in raw else {}
+    with av.open(io.BytesIO(data), format=raw.get(fmt), options=options) as container:
+        return None if container.duration is None else container.duration / av.time_base
+
+
+@pytest.mark.parametrize("fmt", ALL_HTTP_FORMATS)
+def test_a_non_streamed_http_file_opens_in_soundfile_and_pyav_with_its_length(server, fmt):
+    """A response the client did not ask to stream is a file every reader opens, and knows the length of:
+    soundfile (libsndfile: it refuses a FLAC whose header says "length unknown"), FFmpeg's demuxers as
+    ffprobe uses them (a duration), Python's wave module (a wav's frame count). wav and flac are held
+    until whole and sent with their length in the header and a Content-Length."""
+    response = httpx.post(server.url + "/v1/audio/speech", timeout=30,
+                          json={"input": TEXT, "voice": VOICE, "response_format": fmt})
+    assert response.status_code == 200, response.text
+    data = response.content
+    rate = HTTP_RATES.get(fmt, RATE)
+    reference = rendered(SENTENCES)
+    seconds = len(reference) / RATE
+    if fmt in ("wav", "flac"):
+        assert response.headers["content-length"] == str(len(data))
+    if fmt != "aac":
+        frames, read_rate = soundfile_frames(fmt, data)
+        expected = len(reference) * rate // RATE
+        assert read_rate == rate
+        if fmt in ("flac", "wav", "pcm", "mulaw", "alaw"):
+            assert abs(frames - expected) <= 1, f"{fmt}: soundfile read {frames} frames of {expected}"
+        else:  # lossy: the codec's start delay and last frame's padding
+            assert expected <= frames <= expected + START_DELAY.get(fmt, 0) + 1152, (fmt, frames, expected)
+    duration = pyav_duration(fmt, data)
+    assert duration is not None and duration == pytest.approx(seconds, abs=0.12), f"{fmt}: duration {duration}"
+    if fmt == "wav":
+        with wave.open(io.BytesIO(data)) as wav:
+            assert wav.getnframes() == len(reference)
+    if fmt not in ("mulaw", "alaw"):
+        assert_same_audio(fmt, data, reference)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_a_streamed_wav_or_flac_says_length_unknown(server, fmt):
+    """Asked for as a stream, the header is written before the length is known: the conventions for "unknown"
+    (RIFF sizes 0xFFFFFFFF; STREAMINFO total samples 0), and no Content-Length."""
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=30,
+                      json={"input": TEXT, "voice": VOICE, "response_format": fmt, "stream": True}) as response:
+        assert "content-length" not in response.headers
+        data = response.read()
+    if fmt == "wav":
+        assert data[4:8] == b"\xff\xff\xff\xff" and data[40:44] == b"\xff\xff\xff\xff"
+    else:
+        assert data[:4] == b"fLaC" and int.from_bytes(data[18:26], "big") & ((1 << 36) - 1) == 0
+    assert_same_audio(fmt, data, rendered(SENTENCES))
+
+
+def test_a_non_streamed_file_too_large_to_hold_is_streamed(server, monkeypatch):
+    """Holding a file until it is whole is bounded: past WHOLE_FILE_MAX_BYTES it goes out as a stream, its
+    header saying "length unknown", and still decodes to all of its audio."""
+    import gateway.http
+
+    monkeypatch.setattr(gateway.http, "WHOLE_FILE_MAX_BYTES", 20_000)
+    response = httpx.post(server.url + "/v1/audio/speech", timeout=30,
+                          json={"input": TEXT, "voice": VOICE, "response_format": "wav"})
+    assert "content-length" not in response.headers and response.content[4:8] == b"\xff\xff\xff\xff"
+    assert_same_audio("wav", response.content, rendered(SENTENCES))
+
+
+def test_stream_true_alone_is_raw_audio_as_it_is_made(server, backend):
+    """vLLM-Omni's Gradio demos and `curl ... | play -t raw` send {"stream": true, "response_format": "pcm"}
+    and play the body as raw PCM: it is raw PCM (not SSE), and its first bytes leave before a later
+    sentence is made."""
+    backend.released.clear()
+    backend.resumed.clear()
+    text = "The first sentence is spoken at once. Then HOLD this one."
+    try:
+        with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=30,
+                          json={"input": text, "voice": VOICE, "stream": True, "response_format": "pcm"}) as response:
+            assert response.headers["content-type"].startswith("audio/pcm")
+            pieces = response.iter_bytes()
+            first = next(pieces)
+            assert not backend.resumed.is_set(), "no audio came before the whole input was synthesized"
+            backend.released.set()
+            body = first + b"".join(pieces)
+    finally:
+        backend.released.set()
+    assert_same_audio("pcm", body, rendered(["The first sentence is spoken at once.", "Then HOLD this one."]))
+
+
+def test_stream_true_is_sse_for_a_client_that_accepts_event_streams(server):
+    """An SSE client that sends only `stream: true` (current vLLM-Omni answers it with SSE) says what it
+    reads in its Accept header, and gets SSE."""
+    response = httpx.post(server.url + "/v1/audio/speech", timeout=30, headers={"Accept": "text/event-stream"},
+                          json={"input": "Was it?", "voice": VOICE, "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    import base64
+
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert_same_audio("pcm", pcm, rendered(["Was it?"]))
 
 
 # -------------------------------------------------------------------------------------------- WebSocket
@@ -170,6 +298,8 @@ async def test_websocket_sentences_are_playable_files(server, fmt, stream_audio)
         assert dones[index]["total_bytes"] == len(data) and not dones[index]["error"]
         assert dones[index]["duration_ms"] == pytest.approx(len(rendered([SENTENCES[index]])) / RATE * 1000, abs=0.1)
         assert_same_audio(fmt, data, rendered([SENTENCES[index]]))
+        if not stream_audio and fmt in ("flac", "wav"):  # whole: its header states its length
+            assert soundfile_frames(fmt, data)[0] == len(rendered([SENTENCES[index]]))
 
 
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "aac"])
