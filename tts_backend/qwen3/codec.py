@@ -150,6 +150,8 @@ class CodecDecoderConfig:
         names = {f.name for f in fields(cls)}
         values = {}
         for key, value in block.items():
+            if value is None and key in names:
+                continue  # an unset field as the reference's config classes write it: the released default
             if key in names:
                 values[key] = value
             elif key == "rope_scaling":

@@ -23,6 +23,7 @@ Module names mirror `speech_tokenizer/model.safetensors` minus its `encoder.` pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -78,12 +79,22 @@ class CodecEncoderConfig:
         """The whole speech_tokenizer config (with `encoder_config`)."""
         if "encoder_config" not in d:
             raise CodecEncoderConfigError("speech tokenizer config.json has no encoder_config")
-        e = dict(d["encoder_config"])
+        # The reference's config classes write every attribute, unset ones as null ("_frame_rate": null in a
+        # Base checkpoint saved by qwen-tts itself): a null is an absent key here, filled as the reference fills it.
+        e = {k: v for k, v in dict(d["encoder_config"]).items() if v is not None}
 
-        def need(key: str):
-            if key not in e:
+        absent = object()
+
+        def typed(kind, key: str, default=absent):
+            """e[key] as `kind`; an error that names the field when it is missing or of another type."""
+            value = e.get(key, default)
+            if value is absent:
                 raise CodecEncoderConfigError(f"speech tokenizer encoder_config: missing key {key!r}")
-            return e[key]
+            try:
+                return kind(value)
+            except (TypeError, ValueError):
+                raise CodecEncoderConfigError(
+                    f"speech tokenizer encoder_config: {key} = {value!r} is not a valid {kind.__name__}") from None
 
         if not e.get("use_causal_conv", True):
             raise CodecEncoderConfigError("speech tokenizer encoder_config: only causal convolutions are supported")
@@ -95,35 +106,43 @@ class CodecEncoderConfig:
             raise CodecEncoderConfigError(f"speech tokenizer encoder_config: hidden_act {e['hidden_act']!r}")
         if e.get("pad_mode", "constant") != "constant":
             raise CodecEncoderConfigError(f"speech tokenizer encoder_config: pad_mode {e['pad_mode']!r}")
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
+        def int_tuple(value) -> tuple[int, ...]:
+            return tuple(int(v) for v in value)
+
+        heads = typed(int, "num_attention_heads")
+        hidden = typed(int, "hidden_size")
         cfg = cls(
-            audio_channels=int(e.get("audio_channels", 1)),
-            num_filters=int(need("num_filters")),
-            kernel_size=int(need("kernel_size")),
-            last_kernel_size=int(need("last_kernel_size")),
-            residual_kernel_size=int(need("residual_kernel_size")),
-            num_residual_layers=int(need("num_residual_layers")),
-            dilation_growth_rate=int(need("dilation_growth_rate")),
-            compress=int(need("compress")),
-            upsampling_ratios=tuple(int(r) for r in need("upsampling_ratios")),
+            audio_channels=typed(int, "audio_channels", 1),
+            num_filters=typed(int, "num_filters"),
+            kernel_size=typed(int, "kernel_size"),
+            last_kernel_size=typed(int, "last_kernel_size"),
+            residual_kernel_size=typed(int, "residual_kernel_size"),
+            num_residual_layers=typed(int, "num_residual_layers"),
+            dilation_growth_rate=typed(int, "dilation_growth_rate"),
+            compress=typed(int, "compress"),
+            upsampling_ratios=typed(int_tuple, "upsampling_ratios"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            intermediate_size=typed(int, "intermediate_size"),
+            num_hidden_layers=typed(int, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(e.get("num_key_value_heads") or heads),
-            head_dim=int(e.get("head_dim") or hidden // heads),
-            norm_eps=float(need("norm_eps")),
-            rope_theta=float(need("rope_theta")),
-            frame_rate=float(e.get("_frame_rate", e.get("frame_rate", 12.5))),
-            sampling_rate=int(need("sampling_rate")),
-            codebook_size=int(need("codebook_size")),
-            codebook_dim=int(need("codebook_dim")),
-            vector_quantization_hidden_dimension=int(need("vector_quantization_hidden_dimension")),
-            num_quantizers=int(need("num_quantizers")),
-            num_semantic_quantizers=int(need("num_semantic_quantizers")),
-            valid_num_quantizers=int(d.get("encoder_valid_num_quantizers", need("num_quantizers"))),
+            num_key_value_heads=typed(int, "num_key_value_heads", heads),
+            head_dim=typed(int, "head_dim", hidden // heads),
+            norm_eps=typed(float, "norm_eps"),
+            rope_theta=typed(float, "rope_theta"),
+            frame_rate=typed(float, "_frame_rate", e.get("frame_rate", 0.0)),
+            sampling_rate=typed(int, "sampling_rate"),
+            codebook_size=typed(int, "codebook_size"),
+            codebook_dim=typed(int, "codebook_dim"),
+            vector_quantization_hidden_dimension=typed(int, "vector_quantization_hidden_dimension"),
+            num_quantizers=typed(int, "num_quantizers"),
+            num_semantic_quantizers=typed(int, "num_semantic_quantizers"),
+            valid_num_quantizers=(typed(int, "num_quantizers") if d.get("encoder_valid_num_quantizers") is None
+                                  else int(d["encoder_valid_num_quantizers"])),
         )
+        if cfg.frame_rate <= 0:
+            # As MimiConfig.frame_rate: the sampling rate over the encoder's hop (every conv stride: the
+            # upsampling ratios, then the stride-2 downsampling layer).
+            cfg = dataclasses.replace(cfg, frame_rate=cfg.sampling_rate / cfg.samples_per_frame)
         if not cfg.num_semantic_quantizers <= cfg.valid_num_quantizers <= cfg.num_quantizers:
             raise CodecEncoderConfigError("encoder_valid_num_quantizers must lie between the semantic and the total "
                                           "number of quantizers")
@@ -136,7 +155,13 @@ class CodecEncoderConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            return cls.from_dict(data)
+        except CodecEncoderConfigError as exc:
+            raise CodecEncoderConfigError(f"{path}: {exc}") from None
+        except (TypeError, ValueError) as exc:  # a field of the wrong type: "abc" where a number belongs
+            raise CodecEncoderConfigError(f"{path}: speech tokenizer encoder_config: {exc}") from None
 
     @property
     def samples_per_frame(self) -> int:
@@ -149,7 +174,7 @@ class CodecEncoderConfig:
 
     @property
     def downsample_kernel(self) -> int:
-        encodec_frame_rate = self.sampling_rate / math.prod(self.upsampling_ratios)
+        encodec_frame_rate = math.ceil(self.sampling_rate / math.prod(self.upsampling_ratios))  # as MimiConfig
         return 2 * int(encodec_frame_rate / self.frame_rate)
 
 

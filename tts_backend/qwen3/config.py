@@ -17,9 +17,33 @@ class ConfigError(ValueError):
 
 
 def _require(d: dict, key: str, where: str) -> Any:
-    if key not in d:
+    if d.get(key) is None:  # the reference's config classes write an unset attribute as null
         raise ConfigError(f"{where}: missing key {key!r}")
     return d[key]
+
+
+def _from_file(cls, path: str | Path):
+    """cls.from_dict of a JSON file, with the file's path in any error about its fields, so that a start-up
+    failure names the file and the field (not "float() argument must be ... not 'NoneType'")."""
+    path = Path(path)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return cls.from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{path}: a field has a value of the wrong type ({exc})") from None
+
+
+def _int_or(d: dict, key: str, default: int) -> int:
+    """d[key] as an int, the default where it is absent or null; a ConfigError naming the key otherwise."""
+    value = d.get(key)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config.json: {key} = {value!r} is not an integer") from None
 
 
 def checked_stack_head_dim(d: dict, where: str) -> int:
@@ -156,14 +180,13 @@ class SpeakerEncoderConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "SpeakerEncoderConfig":
         where = "speaker_encoder_config"
-        if "enc_dim" not in d:
-            raise ConfigError(f"{where}: missing key 'enc_dim'")
-        kw = {"enc_dim": int(d["enc_dim"])}
+        kw = {"enc_dim": int(_require(d, "enc_dim", where))}
+        # null, as the reference's config classes write an unset field, takes the class default as absence does
         for name in ("mel_dim", "enc_attention_channels", "enc_res2net_scale", "enc_se_channels", "sample_rate"):
-            if name in d:
+            if d.get(name) is not None:
                 kw[name] = int(d[name])
         for name in ("enc_channels", "enc_kernel_sizes", "enc_dilations"):
-            if name in d:
+            if d.get(name) is not None:
                 kw[name] = tuple(int(v) for v in d[name])
         cfg = cls(**kw)
         if not len(cfg.enc_channels) == len(cfg.enc_kernel_sizes) == len(cfg.enc_dilations) >= 3:
@@ -199,12 +222,12 @@ class Qwen3TTSConfig:
             tokenizer_type=str(d.get("tokenizer_type") or ""),
             tts_model_size=str(d.get("tts_model_size") or ""),
             tts_model_type=str(d.get("tts_model_type") or ""),
-            im_start_token_id=int(d.get("im_start_token_id", 151644)),
-            im_end_token_id=int(d.get("im_end_token_id", 151645)),
-            tts_pad_token_id=int(d.get("tts_pad_token_id", 151671)),
-            tts_bos_token_id=int(d.get("tts_bos_token_id", 151672)),
-            tts_eos_token_id=int(d.get("tts_eos_token_id", 151673)),
-            assistant_token_id=int(d.get("assistant_token_id", 77091)),
+            im_start_token_id=_int_or(d, "im_start_token_id", 151644),
+            im_end_token_id=_int_or(d, "im_end_token_id", 151645),
+            tts_pad_token_id=_int_or(d, "tts_pad_token_id", 151671),
+            tts_bos_token_id=_int_or(d, "tts_bos_token_id", 151672),
+            tts_eos_token_id=_int_or(d, "tts_eos_token_id", 151673),
+            assistant_token_id=_int_or(d, "assistant_token_id", 77091),
             speaker_encoder=(SpeakerEncoderConfig.from_dict(_require(d, "speaker_encoder_config", "config.json"))
                              if d.get("tts_model_type") == "base" else None),
         )
@@ -219,7 +242,7 @@ class Qwen3TTSConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Qwen3TTSConfig":
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        return _from_file(cls, path)
 
     @property
     def supports_instruct(self) -> bool:
@@ -257,4 +280,4 @@ class GenerationConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "GenerationConfig":
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        return _from_file(cls, path)
