@@ -217,6 +217,9 @@ class InputDone(_ClientMessage):
 class InputCancel(_ClientMessage):
     type: Literal["input.cancel"]
     context_id: ContextId | None = None
+    # ext: how much of this context's audio the client has played, in ms from the start of its cut
+    # utterance's audio: context.cancelled's spoken_text is then what was heard, not what was sent.
+    played_ms: float | None = Field(None, ge=0)
 
 
 class SessionResume(_ClientMessage):

@@ -542,7 +542,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         elif isinstance(message, InputDone):
             await self._on_done(message.context_id)
         elif isinstance(message, InputCancel):
-            await self._on_cancel(message.context_id)
+            await self._on_cancel(message.context_id, message.played_ms)
         elif isinstance(message, SessionConfig):
             await self._apply_config(message)
         elif isinstance(message, SessionClose):
@@ -702,15 +702,25 @@ class StreamingSession(SpeechPipeline, SessionResumer):
     # -------------------------------------------------------------- cancel
 
     @staticmethod
-    def _spoken_before_cut(utterances: list[Utterance], current, stopped: list[SentenceJob]) -> list[SpokenWord]:
+    def _spoken_before_cut(utterances: list[Utterance], current, stopped: list[SentenceJob],
+                           played_ms: float | None) -> list[SpokenWord]:
         """The words of the cut utterances whose audio went out in full: those of their sentences sent
-        whole, then those of the sentence cut while being sent, from the bytes it had sent."""
-        spoken = [word for utterance in utterances for word in utterance.spoken]
-        if isinstance(current, SentenceJob) and current in stopped and current.started_sending:
-            spoken.extend(w.model_copy(update={"sentence_index": current.index}) for w in current.spoken_words())
+        whole, then those of the sentence cut while being sent, from the bytes it had sent; of those, with
+        the client's playback position, the ones it played. The position counts from the start of the first
+        cut utterance's audio, the utterances' audio end to end."""
+        cut = current if isinstance(current, SentenceJob) and current in stopped and current.started_sending else None
+        spoken: list[SpokenWord] = []
+        offset_s = 0.0
+        for utterance in utterances:
+            words = list(utterance.spoken)
+            if cut is not None and cut.utterance is utterance:
+                words.extend(w.model_copy(update={"sentence_index": cut.index}) for w in cut.spoken_words())
+            played_s = None if played_ms is None else played_ms / 1000 - offset_s
+            spoken.extend(utterance.heard(words, played_s, cut))
+            offset_s += utterance.audio_s
         return spoken
 
-    async def _on_cancel(self, context_id: str | None) -> None:
+    async def _on_cancel(self, context_id: str | None, played_ms: float | None = None) -> None:
         """Barge-in: everything of this context (its open utterance and any finished ones still queued)
         stops now. Answered by context.cancelled even when nothing was left to cancel."""
         open_utterance = self._open.pop(context_id, None)
@@ -754,7 +764,8 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             first_unsent = stopped[0].index if stopped else None
             cancelled = ContextCancelled(context_id=context_id, sentence_index=first_unsent)
             if self.config is not None and self.config.timestamps is not None:
-                cancelled.spoken_words = self._spoken_before_cut([cut[n] for n in sorted(cut)], current, stopped)
+                cancelled.spoken_words = self._spoken_before_cut([cut[n] for n in sorted(cut)], current, stopped,
+                                                                 played_ms)
                 cancelled.spoken_text = " ".join(w.word for w in cancelled.spoken_words)
             await self._send_text_locked(cancelled.encode())
         self._fill_pipeline()

@@ -13,7 +13,7 @@ from . import audio
 from .protocol import ConfigWarning, SessionConfig, SpokenWord
 from .segmenter import SentenceSegmenter
 from .store import MarkerRecord
-from .word_times import count_reached, in_seconds
+from .word_times import count_reached, in_seconds, keep_spoken
 
 
 class ClientGone(Exception):
@@ -56,6 +56,32 @@ class Utterance:
     sentences: int = 0
     cancelled: bool = False
     spoken: list[SpokenWord] = field(default_factory=list)  # words of its sentences fully sent (timestamps on)
+    # Where the client's playback position (input.cancel's played_ms) falls in these words: the seconds of
+    # audio of its sentences sent whole, end to end, and where each sentence with words in `spoken` began.
+    audio_s: float = 0.0
+    sentence_starts: dict[int, float] = field(default_factory=dict)
+
+    def keep_sentence(self, index: int, words: list[SpokenWord], duration_s: float) -> None:
+        """A sentence of it went out (whole, or as far as a failure let it): keep its words for
+        context.cancelled, placed in the utterance's audio."""
+        self.sentence_starts[index] = self.audio_s
+        self.audio_s += duration_s
+        keep_spoken(self.spoken, [w.model_copy(update={"sentence_index": index}) for w in words])
+        first = self.spoken[0].sentence_index if self.spoken else index
+        for old in [i for i in self.sentence_starts if i < first]:  # their words were let go
+            del self.sentence_starts[old]
+
+    def heard(self, words: list[SpokenWord], played_s: float | None, cut: "SentenceJob | None" = None) -> list[SpokenWord]:
+        """Of `words` (its spoken words, then those of `cut`, the sentence being sent when it was cut), those
+        whose end the client's playback position `played_s` (seconds into this utterance's audio) reached;
+        all of them when the client did not say."""
+        if played_s is None:
+            return words
+        # A millisecond of slack: the client adds up its sentences' lengths in floating point.
+        reach = played_s + 0.001
+        return [w for w in words
+                if (self.audio_s if cut is not None and w.sentence_index == cut.index
+                    else self.sentence_starts.get(w.sentence_index, 0.0)) + w.end <= reach]
 
 
 @dataclass(eq=False)
@@ -84,6 +110,13 @@ class SentenceJob:
     words_told: int = 0
     coded_samples_sent: int = 0
     time_offset_samples: int = 0  # output samples a decoder plays before the audio (mp3/aac priming)
+
+    def heard_duration_s(self) -> float:
+        """Its audio as a client plays it: the decoder's priming (mp3, aac), then the samples made; from the
+        words when a replayed sentence's length is unknown."""
+        if self.source_samples is None:
+            return max((w.end for w in self.words), default=0) / self.config.source_rate
+        return self.time_offset_samples / self.config.output_rate + self.source_samples / self.config.source_rate
 
     def spoken_words(self, everything: bool = False) -> list[SpokenWord]:
         """Its words whose audio went out in full (`everything`: all of them, the sentence is sent). A word

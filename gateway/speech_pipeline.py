@@ -45,7 +45,7 @@ from .protocol import (
     backend_error_code,
 )
 from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, sent_marker
-from .word_times import append_monotonic, keep_spoken
+from .word_times import append_monotonic
 
 log = logging.getLogger("voxgate.session")
 
@@ -357,8 +357,8 @@ class SpeechPipeline:
             job.finished = True
             self._pending_chars -= len(job.text)
             if config.timestamps is not None:
-                keep_spoken(job.utterance.spoken, [w.model_copy(update={"sentence_index": job.index})
-                                                   for w in job.spoken_words(everything=failure is None)])
+                job.utterance.keep_sentence(job.index, job.spoken_words(everything=failure is None),
+                                            job.heard_duration_s())
                 if failure is None:
                     await self._tell_words_locked(job, everything=True)
             if failure is not None:

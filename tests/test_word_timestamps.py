@@ -261,6 +261,45 @@ async def test_cancel_reports_exactly_the_words_the_client_received(slow_server,
         assert cut_done["timestamp_info"]["word_alignment"]["words"] == [w for i, w, _, _ in expected if i == 1]
 
 
+@pytest.mark.parametrize("played_into_second_s", [0.3, 0.0, None])
+async def test_cancel_with_the_playback_position_reports_what_was_heard(server, played_into_second_s):
+    """The 8x backend sends sentences long before they play: at the cut the client holds two whole
+    sentences and part of a third, but has played the first and 0.3 s of the second. With `played_ms` the
+    words are those whose end the playback reached, not those sent."""
+    client = await session(server.ws_url, timestamp_type="word", timestamp_transport_strategy="async")
+    await client.send(type="input.text", text=TEXT, context_id="turn-1")
+    await client.send(type="input.flush", context_id="turn-1")
+    await client.into_sentence(2, 2000)  # sentences 0 and 1 sent whole
+    first_s = len(client.audio[0]) / 2 / RATE
+    played = None if played_into_second_s is None else (first_s + played_into_second_s) * 1000
+    if played_into_second_s == 0.0:
+        played = 0.0  # nothing has played yet
+    await client.send(type="input.cancel", context_id="turn-1", **({} if played is None else {"played_ms": played}))
+    cancelled = await client.until("context.cancelled")
+    await client.ws.close()
+    if played is None:  # the fallback: what was sent in full
+        expected = [(0, w) for w, _, _ in exact_words(SENTENCES[0])] + [(1, w) for w, _, _ in exact_words(SENTENCES[1])]
+        cut = [(2, w) for w, _, end in exact_words(SENTENCES[2]) if end * RATE <= len(client.audio[2]) // 2 + 1e-6]
+        expected += cut
+    elif played == 0.0:
+        expected = []
+    else:
+        expected = [(0, w) for w, _, _ in exact_words(SENTENCES[0])]
+        expected += [(1, w) for w, _, end in exact_words(SENTENCES[1]) if end <= played_into_second_s]
+        assert 0 < len(expected) - len(exact_words(SENTENCES[0])) < len(exact_words(SENTENCES[1]))
+    assert [(w["sentence_index"], w["word"]) for w in cancelled["spoken_words"]] == expected
+    assert cancelled["spoken_text"] == " ".join(w for _, w in expected)
+
+
+async def test_a_playback_position_that_is_not_a_number_is_refused(server):
+    client = await session(server.ws_url, timestamp_type="word")
+    await client.send(type="input.text", text="Hello there.", context_id="c")
+    await client.send(type="input.cancel", context_id="c", played_ms=-5)
+    error = await client.until("error")
+    await client.ws.close()
+    assert error["code"] == "invalid_message" and "played_ms" in error["message"]
+
+
 async def test_cancel_before_any_audio_of_the_context_speaks_nothing(server):
     client = await session(server.ws_url, timestamp_type="word")
     await client.send(type="input.text", text="Half a sentence without an end", context_id="c")
