@@ -2,7 +2,7 @@
 
 Their sources stay where they are developed (web_demo/, clients/js/, the latter an npm package with its
 own tests); the build copies the files the page needs to `gateway/static/` in the wheel, in the same
-layout, so `gateway.web` serves a non-editable install the same way it serves a checkout. An editable
+layout, so `gateway.http.static` serves a non-editable install the same way it serves a checkout. An editable
 install copies nothing: it serves the checkout's folders.
 """
 

@@ -1,7 +1,7 @@
 """CPU cost of the output formats: seconds of CPU per second of audio, per format, for one stream.
 
 A speech-like test signal (a gliding tone with syllable-rate loudness changes) is fed to
-`gateway.encoders.AudioFileEncoder` in chunks of --chunk-ms, as a session's sender does, one file per
+`gateway.audio.encoders.AudioFileEncoder` in chunks of --chunk-ms, as a session's sender does, one file per
 --sentence-s of audio, all on this thread. Reported per format: CPU time per second of audio, the median
 and longest CPU time of one `encode` call (what a call would hold the event loop for, were it run there),
 and the bit rate produced.
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from gateway.encoders import AudioFileEncoder
+from gateway.audio.encoders import AudioFileEncoder
 
 FORMATS = ("pcm", "wav", "mulaw", "alaw", "flac", "mp3", "aac", "opus")
 

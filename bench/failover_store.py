@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from gateway.redis_store import RedisSessionStore  # noqa: E402
+from gateway.store.redis import RedisSessionStore  # noqa: E402
 from loadgen import hardware  # noqa: E402
 
 FRAME = bytes(9600)  # 200 ms at 24 kHz s16le

@@ -48,7 +48,7 @@ from bench.loadgen import (  # noqa: E402
     request_metrics,
     run_request,
 )
-from gateway.segmenter import SentenceSegmenter  # noqa: E402
+from gateway.session.segmenter import SentenceSegmenter  # noqa: E402
 from tts_backend.base import SynthesisRequest, Synthesizer  # noqa: E402
 from tts_backend.registry import create_backend  # noqa: E402
 

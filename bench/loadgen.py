@@ -433,7 +433,7 @@ class ClientOptions:
 
 def _decode(fmt: str, data: bytes) -> np.ndarray:
     if fmt in ("mulaw", "alaw"):
-        from gateway.audio import alaw_decode, mulaw_decode  # numpy only; no server imports
+        from gateway.audio.pcm import alaw_decode, mulaw_decode  # numpy only; no server imports
 
         return mulaw_decode(data) if fmt == "mulaw" else alaw_decode(data)
     return np.frombuffer(data[: len(data) & ~1], dtype="<i2")

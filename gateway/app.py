@@ -1,6 +1,6 @@
 """The FastAPI application factory: routes, lifespan (backend and store start/stop), per-app state.
 
-Everything mutable belongs to one `Gateway` object per app (gateway/state.py: backend, store, metrics,
+Everything mutable belongs to one `Gateway` object per app (gateway/gateway.py: backend, store, metrics,
 admission), so tests and embedders can run several apps in one process.
 """
 
@@ -22,18 +22,18 @@ from tts_backend.base import Synthesizer
 from tts_backend.registry import create_backend
 
 from .auth import AuthError, Authenticator, api_key_authenticator, authorization_scheme
-from .http import ApiError, router
+from .http.routes import ApiError, router
 from .limits import Admission
 from .metrics import GatewayMetrics
 from .protocol import CloseCode, ErrorCode, ProtocolError
-from .request_guard import RequestGuard
-from .session import StreamingSession
+from .http.guard import RequestGuard
+from .session.connection import StreamingSession
 from .settings import GatewaySettings
-from .state import Gateway
-from .store import SessionStore
-from .stores import create_store
+from .gateway import Gateway
+from .store.base import SessionStore
+from .store.factory import create_store
 from .voices import VoiceRegistry
-from .web import mount_web_demo
+from .http.static import mount_web_demo
 
 log = logging.getLogger("voxgate")
 

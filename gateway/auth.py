@@ -46,7 +46,7 @@ class Principal:
 
 
 Authenticator = Callable[[HTTPConnection], Awaitable[Principal]]
-# Where an HTTP request's principal is kept once gateway.request_guard has authenticated it (before its
+# Where an HTTP request's principal is kept once gateway.http.guard has authenticated it (before its
 # body), so that the route's dependency does not run the hook a second time.
 PRINCIPAL_SCOPE_KEY = "voxgate.principal"
 

@@ -18,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from .web import web_root
+from .http.static import web_root
 
 log = logging.getLogger("voxgate")
 

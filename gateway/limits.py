@@ -248,7 +248,7 @@ class RedisCounters:
         self._renewer: asyncio.Task | None = None
 
     async def start(self) -> None:
-        from .redis_client import connect
+        from .store.redis_connection import connect
 
         self._client = connect(self.url, cluster=self.cluster)
         self._take = self._client.register_script(_TAKE_LUA)
@@ -262,7 +262,7 @@ class RedisCounters:
             with contextlib.suppress(BaseException):
                 await self._renewer
         if self._client is not None:
-            from .redis_client import close
+            from .store.redis_connection import close
 
             await close(self._client)
 

@@ -251,7 +251,7 @@ class VoiceAdd(_ClientMessage):
     """Register a cloned voice from reference audio (before or after session.config), as LiveKit's Baseten
     client sends it. Other fields servers take (speaker_description, ...) are accepted and unused; it is as
     large as a session.config may be. `audio_format` is a hint only: the clip's own container says what
-    it is (gateway/reference_audio.py)."""
+    it is (gateway/audio/reference.py)."""
 
     model_config = ConfigDict(extra="allow")
 

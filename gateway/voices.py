@@ -1,7 +1,7 @@
 """Cloned voices: one registry behind the WebSocket's voice.add / voice.list, the HTTP voice routes, and
 `voice: "<name>"` in session.config and POST /v1/audio/speech (issue 15).
 
-A voice is cloned once: the reference clip is decoded (gateway/reference_audio.py), the backend computes
+A voice is cloned once: the reference clip is decoded (gateway/audio/reference.py), the backend computes
 its voice prompt (`Synthesizer.clone_voice`), and the prompt is stored with its metadata (owner key
 fingerprint, consent, created time, size, ...) in the session store, so with `--store redis` every replica
 can use it at once. Each replica keeps the prompts it used lately in an LRU cache bounded in bytes
@@ -32,9 +32,9 @@ from .auth import Principal
 from .compat import backend_voice
 from .limits import Admission
 from .protocol import ErrorCode, ProtocolError, backend_error_code
-from .reference_audio import InvalidReferenceAudio, load_reference
+from .audio.reference import InvalidReferenceAudio, load_reference
 from .settings import GatewaySettings
-from .store import SessionStore
+from .store.base import SessionStore
 
 log = logging.getLogger(__name__)
 

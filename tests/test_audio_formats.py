@@ -11,7 +11,7 @@ import wave
 import numpy as np
 import pytest
 
-from gateway.audio import (
+from gateway.audio.pcm import (
     FORMATS,
     SAMPLE_RATES,
     StreamEncoder,

@@ -293,7 +293,7 @@ def test_cli_reports_an_unreachable_gateway(tmp_path):
 def test_g711_codecs_match_the_gateway():
     import numpy as np
 
-    from gateway import audio as gateway_audio
+    from gateway.audio import pcm as gateway_audio
 
     samples = (np.sin(np.linspace(0, 60, 4000)) * 30000).astype("<i2")
     pcm = samples.tobytes()

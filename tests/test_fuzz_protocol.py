@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from gateway import protocol
 from gateway.protocol import CLIENT_TYPES, ErrorCode, ProtocolError, parse_client_message
-from gateway.segmenter import SentenceSegmenter
+from gateway.session.segmenter import SentenceSegmenter
 from tests.gateway_server import running_gateway
 
 FIELDS = ["text", "context_id", "voice", "speaker", "response_format", "stream_audio", "speed", "sample_rate",

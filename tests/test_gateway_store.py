@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.store import MemorySessionStore, ReplayOutOfRange
-from gateway.stores import create_store
+from gateway.store.base import MemorySessionStore, ReplayOutOfRange
+from gateway.store.factory import create_store
 
 
 async def filled_store(replay_log_bytes=1000):
@@ -76,19 +76,19 @@ def test_create_store_names():
 
 
 def gateway_imports(module: str) -> set[str]:
-    """The gateway modules `module` imports, at its top or inside a function."""
-    source = (Path(__file__).parent.parent / "gateway" / f"{module}.py").read_text()
+    """The gateway/store modules `module` imports, at its top or inside a function."""
+    source = (Path(__file__).parent.parent / "gateway" / "store" / f"{module}.py").read_text()
     imported = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             imported |= {node.module} if node.module else {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gateway."):
-            imported.add(node.module.removeprefix("gateway."))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gateway.store."):
+            imported.add(node.module.removeprefix("gateway.store."))
     return imported
 
 
 def test_the_store_modules_import_one_way():
-    """stores (the factory) -> redis_store -> store: the interface knows no implementation of it."""
-    assert gateway_imports("store").isdisjoint({"redis_store", "stores"})
-    assert "stores" not in gateway_imports("redis_store")
-    assert {"store", "redis_store"} <= gateway_imports("stores")
+    """factory -> redis -> base: the interface knows no implementation of it."""
+    assert gateway_imports("base").isdisjoint({"redis", "factory"})
+    assert "factory" not in gateway_imports("redis")
+    assert {"base", "redis"} <= gateway_imports("factory")

@@ -363,7 +363,7 @@ async def test_a_compressed_sentence_resumed_mid_way_continues_byte_for_byte(fmt
 def test_the_encoder_is_incremental_and_reproducible(fmt):
     """Bytes leave as the audio arrives, not at the end; the same audio gives the same bytes (a resumed
     sentence's re-encoded audio continues what was logged); consecutive Ogg files differ in serial."""
-    from gateway.encoders import AudioFileEncoder  # here: the tests above also run where it does not exist
+    from gateway.audio.encoders import AudioFileEncoder  # here: the tests above also run where it does not exist
 
     pcm = np.round(rendered(SENTENCES[:1]) * 32767).astype("<i2").tobytes()
     chunk = RATE // 10 * 2
@@ -380,7 +380,7 @@ def test_the_encoder_is_incremental_and_reproducible(fmt):
 
 
 def test_coded_rates():
-    from gateway.encoders import coded_rate
+    from gateway.audio.encoders import coded_rate
 
     assert [coded_rate("opus", r) for r in (8000, 16000, 22050, 24000, 44100, 48000)] == [8000, 16000, 48000, 24000, 48000, 48000]
     assert [coded_rate(f, 22050) for f in ("mp3", "aac", "flac", "wav", "pcm")] == [22050] * 5

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.redis_store import RedisSessionStore
-from gateway.store import MAX_ENDS_KEPT, AppendMismatch, LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
-from gateway.stores import create_store
+from gateway.store.redis import RedisSessionStore
+from gateway.store.base import MAX_ENDS_KEPT, AppendMismatch, LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
+from gateway.store.factory import create_store
 from tests.redis_fixtures import REDIS_URL, redis_cluster, redis_prefix  # noqa: F401 (fixture)
 
 

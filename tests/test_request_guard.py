@@ -1,4 +1,4 @@
-"""gateway/request_guard.py authenticates an API request from its headers before its body is read; the
+"""gateway/http/guard.py authenticates an API request from its headers before its body is read; the
 route then uses that principal instead of asking the auth hook again (a hook may be costly: a lookup in
 another service, a rate count of its own)."""
 

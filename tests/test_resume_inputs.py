@@ -173,8 +173,8 @@ async def test_a_session_done_lost_at_the_end_comes_again_once_and_a_count_too_h
 
 @pytest.fixture(params=["memory", "redis"])
 async def store(request, redis_prefix):  # noqa: F811
-    from gateway.redis_store import RedisSessionStore
-    from gateway.store import MemorySessionStore
+    from gateway.store.redis import RedisSessionStore
+    from gateway.store.base import MemorySessionStore
 
     store = MemorySessionStore() if request.param == "memory" else RedisSessionStore(REDIS_URL, key_prefix=redis_prefix)
     await store.start()
@@ -183,7 +183,7 @@ async def store(request, redis_prefix):  # noqa: F811
 
 
 async def test_one_input_and_its_effects_are_written_together_or_not_at_all(store):
-    from gateway.store import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges
+    from gateway.store.base import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges
 
     await store.create("s", {"voice": "v"}, owner="old")
     await store.apply(

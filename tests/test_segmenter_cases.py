@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from gateway.segmenter import CJK_TERMINATORS, SentenceSegmenter
+from gateway.session.segmenter import CJK_TERMINATORS, SentenceSegmenter
 
 # (name, granularity, text, expected units)
 CASES = [

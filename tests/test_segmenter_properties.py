@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway import segmenter as segmenter_module
-from gateway.segmenter import MAX_UNIT_CHARS, PYSBD_WINDOW, SentenceSegmenter, pysbd_language
+from gateway.session import segmenter as segmenter_module
+from gateway.session.segmenter import MAX_UNIT_CHARS, PYSBD_WINDOW, SentenceSegmenter, pysbd_language
 
 FRAGMENTS = [
     "Dr.", "Mr.", "e.g.", "i.e.", "etc.", "U.S.", "p.m.", "a.m.", "J.", "R.", "$3.50", "3.14", "1,000", "No.",

@@ -11,7 +11,7 @@ import pytest
 import redis
 import websockets
 
-from gateway.store import MAX_ENDS_KEPT
+from gateway.store.base import MAX_ENDS_KEPT
 from tests.gateway_server import HeldSynthesizer, running_gateway
 from tests.redis_fixtures import REDIS_URL, RedisProxy, redis_prefix  # noqa: F401 (fixture)
 from tests.resume_fixtures import Listener, config_message, start_session, uninterrupted_pcm

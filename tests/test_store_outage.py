@@ -14,7 +14,8 @@ import httpx
 import redis
 import websockets
 
-from gateway import limits, redis_store
+from gateway import limits
+from gateway.store import redis as redis_store
 from tests.gateway_server import running_gateway
 from tests.redis_fixtures import REDIS_URL, RedisProxy, private_redis, redis_prefix  # noqa: F401 (fixture)
 from tests.resume_fixtures import Listener, config_message, start_session

@@ -8,7 +8,7 @@ import json
 import pytest
 import websockets
 
-from gateway.segmenter import SentenceSegmenter
+from gateway.session.segmenter import SentenceSegmenter
 from tests.gateway_server import audio_by_sentence, receive_until, running_gateway
 
 TEXT = "Hello there, friend. Dr. Smith paid $3.50 at 5 p.m. today! Is the weather nice? It is"

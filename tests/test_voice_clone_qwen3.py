@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import websockets
 
-from gateway.reference_audio import decode_clip
+from gateway.audio.reference import decode_clip
 from gateway.auth import Principal, key_fingerprint
 from tests.cloning_fixtures import encode_clip
 from tests.gateway_server import audio_by_sentence, open_session, receive_until, running_gateway

@@ -310,9 +310,9 @@ async def test_cancel_before_any_audio_of_the_context_speaks_nothing(server):
 
 
 async def test_an_utterance_keeps_a_bounded_number_of_spoken_words(slow_server, monkeypatch):
-    import gateway.word_times
+    import gateway.session.word_times
 
-    monkeypatch.setattr(gateway.word_times, "MAX_SPOKEN_WORDS", 12)
+    monkeypatch.setattr(gateway.session.word_times, "MAX_SPOKEN_WORDS", 12)
     client = await session(slow_server.ws_url, timestamp_type="word")
     await client.send(type="input.text", text=TEXT, context_id="long")
     await client.send(type="input.flush", context_id="long")

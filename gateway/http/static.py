@@ -42,8 +42,8 @@ class _HttpOnly:
             await websocket_not_found(scope, receive, send)
 
 
-PACKAGE_ROOT = Path(__file__).resolve().parent / "static"  # a wheel's copies
-CHECKOUT_ROOT = Path(__file__).resolve().parent.parent  # an editable install's repository
+PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "static"  # a wheel's copies: gateway/static/
+CHECKOUT_ROOT = Path(__file__).resolve().parents[2]  # an editable install's repository
 
 
 def _has_web_demo(root: Path) -> bool:

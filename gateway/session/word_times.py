@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tts_backend.base import WordTiming
 
-from .protocol import SpokenWord
+from ..protocol import SpokenWord
 
 # The words an utterance keeps for context.cancelled's spoken_text: about 15 minutes of speech, far more
 # than one turn of an agent says, and a bound on what a context fed text for hours holds.

@@ -28,7 +28,7 @@ import soxr
 
 from tts_backend.base import REFERENCE_SAMPLE_RATE, ReferenceAudio
 
-from .settings import GatewaySettings
+from ..settings import GatewaySettings
 
 _DATA_URL = re.compile(r"^data:([\w.+/-]*)(;[\w=.+-]+)*;base64,", re.IGNORECASE)
 _FETCH_CHUNK = 64 * 1024

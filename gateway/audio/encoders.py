@@ -1,7 +1,7 @@
 """Compressed output formats: mp3, opus (in Ogg), aac (in ADTS) and flac, encoded with PyAV as audio arrives.
 
 One `AudioFileEncoder` makes one file: it is fed s16le mono PCM at the backend's rate in chunks of any
-size (resampled by gateway.audio.StreamEncoder) and returns the file's bytes as the muxer produces them, so
+size (resampled by gateway.audio.pcm.StreamEncoder) and returns the file's bytes as the muxer produces them, so
 the concatenation of everything `encode` and `finish` return is one valid file that a browser or ffmpeg
 plays from its first bytes. It is also how the raw and WAV formats are made, so callers treat all formats
 alike: raw formats are the samples themselves, and `wav` is a header of unknown length followed by PCM.
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import av
 import numpy as np
 
-from . import audio
+from . import pcm as audio
 
 OGG_PAGE_MS = 60
 

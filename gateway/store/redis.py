@@ -38,7 +38,7 @@ renewal (every `lease_s / 3` while a connection is open) pushes every key's expi
 future and trims the log to `replay_log_s`, so a session whose replica died without a word disappears
 `ttl_s` after its last write or renewal.
 
-Sentence records are pruned as gateway/store.py says: a cancelled sentence without audio when it is
+Sentence records are pruned as gateway/store/base.py says: a cancelled sentence without audio when it is
 cancelled, finished ones when a trim of the log passes them (the `prune` function below), and with them
 the utterance ends sent before them (`prune_markers`); a cancelled end goes when it is cancelled. A resume reads
 the session's hashes and only the newest entries of the log that it replays (`XREVRANGE`/`XRANGE` from the
@@ -55,9 +55,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from .logs import redact
-from .redis_client import close, connect
-from .store import (
+from ..logs import redact
+from .base import (
     MAX_ENDS_KEPT,
     AppendMismatch,
     LeaseLost,
@@ -72,6 +71,7 @@ from .store import (
     replay_owed,
     select_replay,
 )
+from .redis_connection import close, connect
 
 UNAVAILABLE_AFTER_S = 2.0  # /ready: a store that does not answer a PING this fast is reported unreachable
 
@@ -108,7 +108,7 @@ local function drop_sentence(index)
   redis.call('HDEL', KEYS[5], index)
 end
 -- The utterance ends sent before sentence meta 'trimmed', and the oldest sent ones past MAX_ENDS_KEPT (see
--- gateway/store.py, prune_markers); they are numbered in send order, so the walk from meta 'markerpruned'
+-- gateway/store/base.py, prune_markers); they are numbered in send order, so the walk from meta 'markerpruned'
 -- stops at the first one still needed.
 local function prune_markers()
   local through = tonumber(redis.call('HGET', KEYS[1], 'trimmed') or '-1')
@@ -140,7 +140,7 @@ local function raise_to(name, value)
   if value > tonumber(redis.call('HGET', KEYS[1], name) or '0') then redis.call('HSET', KEYS[1], name, value) end
 end
 -- After a trim of the log: the finished sentences older than its oldest entry's sentence can never be
--- resumed at again (see gateway/store.py, prune_sentences). meta 'pruned' remembers where to go on.
+-- resumed at again (see gateway/store/base.py, prune_sentences). meta 'pruned' remembers where to go on.
 local function prune()
   local head = redis.call('XRANGE', KEYS[8], '-', '+', 'COUNT', 1)[1]
   if not head then return end
@@ -166,7 +166,7 @@ end
 
 # ARGV[4..]: groups of (op, key position, field, value); op H = HSET, N = HSETNX, D = HDEL, S = a sentence's state
 # (field: its index) if the sentence is recorded, C = cancelled: dropped if no audio was recorded for it,
-# M = an utterance end (MarkerRecord JSON; field: its number), as gateway/store.py's record_marker.
+# M = an utterance end (MarkerRecord JSON; field: its number), as gateway/store/base.py's record_marker.
 _WRITE = _PRELUDE + """
 if not fence() then return 0 end
 local i = 4
@@ -367,7 +367,7 @@ class RedisSessionStore(SessionStore):
 
     async def start(self) -> None:
         # Hundreds of sessions write at once: callers wait for one of a bounded set of connections.
-        # A connection error is retried (gateway/redis_client.py), so a write may run twice: each is
+        # A connection error is retried (gateway/store/redis_connection.py), so a write may run twice: each is
         # idempotent (the audio append names its offset; the rest set values, or take the lease for the
         # same owner), and a batch of them may run again whole.
         self._redis = connect(self.redis_url, cluster=self.cluster, max_connections=self.max_connections)

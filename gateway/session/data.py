@@ -9,10 +9,10 @@ from typing import Any
 
 from tts_backend.base import WordTiming
 
-from . import audio
-from .protocol import ConfigWarning, SessionConfig, SpokenWord
+from ..audio import pcm as audio
+from ..protocol import ConfigWarning, SessionConfig, SpokenWord
+from ..store.base import MarkerRecord
 from .segmenter import SentenceSegmenter
-from .store import MarkerRecord
 from .word_times import count_reached, in_seconds, keep_spoken
 
 

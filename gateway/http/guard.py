@@ -20,10 +20,10 @@ from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .auth import PRINCIPAL_SCOPE_KEY, AuthError
-from .http import ApiError
-from .protocol import ErrorCode
-from .state import Gateway
+from ..auth import PRINCIPAL_SCOPE_KEY, AuthError
+from ..gateway import Gateway
+from ..protocol import ErrorCode
+from .routes import ApiError
 
 VOICE_UPLOAD_PATH = "/v1/audio/voices"
 UPLOAD_FIELDS_BYTES = 64 * 1024  # a voice upload's fields besides the clip, and multipart's boundaries

@@ -1,7 +1,7 @@
 """`Gateway`: everything one app owns and its handlers share (backend, store, metrics, admission, state).
 
-Its own module so that the app factory (gateway/app.py) and the code its routes run (gateway/http.py,
-gateway/request_guard.py) both import it: http.py and request_guard.py need not import app.py, which
+Its own module so that the app factory (gateway/app.py) and the code its routes run (gateway/http/routes.py,
+gateway/http/guard.py) both import it: routes.py and guard.py need not import app.py, which
 imports them (tests/test_import_cycles.py).
 """
 
@@ -17,9 +17,9 @@ from .compat import resolve_voice
 from .limits import Admission
 from .metrics import GatewayMetrics
 from .protocol import ProtocolError
-from .session import StreamingSession
+from .session.connection import StreamingSession
 from .settings import GatewaySettings
-from .store import SessionStore
+from .store.base import SessionStore
 from .voices import VoiceRegistry
 
 

@@ -1,12 +1,12 @@
 """Choosing the session store by name (`--store memory|redis`).
 
-The one module that knows every store: gateway/store.py defines the interface and the memory store,
-gateway/redis_store.py builds on it, and both are imported from here, never from each other's side.
+The one module that knows every store: gateway/store/base.py defines the interface and the memory store,
+gateway/store/redis.py builds on it, and both are imported from here, never from each other's side.
 """
 
 from __future__ import annotations
 
-from .store import MemorySessionStore, SessionStore
+from .base import MemorySessionStore, SessionStore
 
 
 def create_store(
@@ -23,7 +23,7 @@ def create_store(
     if kind == "memory":
         return MemorySessionStore(ttl_s=ttl_s, replay_log_bytes=replay_log_bytes, replay_log_s=replay_log_s)
     if kind == "redis":
-        from .redis_store import RedisSessionStore  # the redis package is loaded only for this store
+        from .redis import RedisSessionStore  # the redis package is loaded only for this store
 
         return RedisSessionStore(
             redis_url=redis_url or "redis://127.0.0.1:6379/0",

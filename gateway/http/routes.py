@@ -3,7 +3,7 @@
 `POST /v1/audio/speech` accepts what the OpenAI SDK sends (`client.audio.speech.create`, also through
 `with_streaming_response`) plus vLLM-Omni's fields. The body is split into sentences and synthesized
 with the same look-ahead as the WebSocket, so the first sentence's audio leaves before the last is made.
-The body is one file in `response_format`, sent as it is encoded (gateway/encoders.py):
+The body is one file in `response_format`, sent as it is encoded (gateway/audio/encoders.py):
 - `mp3` (the default, as OpenAI's), `opus` (Ogg), `aac` (ADTS), `flac`, `wav`;
 - `pcm` (24 kHz unless `sample_rate` says otherwise, as OpenAI documents), `mulaw`, `alaw` (8 kHz): raw;
 - `stream_format: "sse"`: Server-Sent Events as OpenAI documents them, `speech.audio.delta` with base64
@@ -45,14 +45,15 @@ from tts_backend.base import (
     split_words,
 )
 
-from . import audio, encoders
-from .auth import PRINCIPAL_SCOPE_KEY, AuthError, Principal, TokenSigner
-from .compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
-from .limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
-from .protocol import ErrorCode, ProtocolError, backend_error_code, loads_client_json
-from .segmenter import SentenceSegmenter, push_in_slices
-from .word_times import append_monotonic, count_reached, in_seconds
-from .state import Gateway
+from ..audio import encoders
+from ..audio import pcm as audio
+from ..auth import PRINCIPAL_SCOPE_KEY, AuthError, Principal, TokenSigner
+from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
+from ..gateway import Gateway
+from ..limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
+from ..protocol import ErrorCode, ProtocolError, backend_error_code, loads_client_json
+from ..session.segmenter import SentenceSegmenter, push_in_slices
+from ..session.word_times import append_monotonic, count_reached, in_seconds
 
 
 class _StrictJsonRequest(Request):

@@ -11,7 +11,7 @@ that span sessions (the store's group commit) are split by node by the cluster c
 After a Redis restart every pooled connection is dead, and the first command on each finds out: a
 connection error is retried once, at once, on a new connection. A connection may also break after Redis
 ran a command and before its reply arrived, so a retry may deliver a command twice: every write Voxgate
-sends is idempotent (see gateway/redis_store.py and gateway/limits.py), and a pipeline of them may run
+sends is idempotent (see gateway/store/redis.py and gateway/limits.py), and a pipeline of them may run
 again whole. Timeouts are not retried (none is set: a command waits for its answer).
 """
 

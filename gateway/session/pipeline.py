@@ -1,7 +1,7 @@
 """The speech pipeline of a streaming session: synthesis of queued sentences with back-pressure, and the
 sender that puts them on the socket in order.
 
-`SpeechPipeline` is a part of `StreamingSession` (gateway/session.py), split out to be read on its own;
+`SpeechPipeline` is a part of `StreamingSession` (gateway/session/connection.py), split out to be read on its own;
 it works on the session's send queue (`_queue`, `_current`), its synthesis tasks (`_synthesis`), the
 send lock, and the store, and writes to the socket only through the session's `_send_*_locked`.
 
@@ -30,8 +30,9 @@ from starlette.websockets import WebSocket
 
 from tts_backend.base import SynthesisRequest
 
-from . import audio, encoders
-from .protocol import (
+from ..audio import encoders
+from ..audio import pcm as audio
+from ..protocol import (
     AudioDone,
     AudioStart,
     AudioWords,
@@ -44,7 +45,7 @@ from .protocol import (
     WordAlignment,
     backend_error_code,
 )
-from .session_state import SentenceJob, SlowConsumer, UtteranceEnd, sent_marker
+from .data import SentenceJob, SlowConsumer, UtteranceEnd, sent_marker
 from .word_times import append_monotonic
 
 log = logging.getLogger("voxgate.session")

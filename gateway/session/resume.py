@@ -1,5 +1,5 @@
 """Resuming a streaming session from the store (`session.resume`, issue 5): a part of `StreamingSession`
-(gateway/session.py), split out to be read on its own.
+(gateway/session/connection.py), split out to be read on its own.
 
 A connection to any replica takes the session over (the newest connection wins; the old one's next
 write fails with LeaseLost) and rebuilds it: it replays the logged bytes the client lacks, queues for
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 
-from .protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
+from ..protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
+from ..store.base import MarkerRecord, ReplayOutOfRange, SessionRecord, replay_owed
+from .data import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
 from .segmenter import push_in_slices
-from .session_state import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
-from .store import MarkerRecord, ReplayOutOfRange, SessionRecord, replay_owed
 
 
 class SessionResumer:
@@ -84,7 +84,7 @@ class SessionResumer:
             ends = record.ends_pruned + len(_ends_with_a_message(record))
             if message.ends_received is not None and message.ends_received > ends:
                 raise ReplayOutOfRange(f"only {ends} utterance.done/session.done were ever sent")
-            # An end the client lacks may be pruned (gateway/store.py, prune_markers): by its count, or, without
+            # An end the client lacks may be pruned (gateway/store/base.py, prune_markers): by its count, or, without
             # one, by a position before the end.
             if message.ends_received is not None and message.ends_received < record.ends_pruned:
                 raise ReplayOutOfRange(f"utterance.done/session.done {message.ends_received + 1} is no longer kept")

@@ -3,10 +3,10 @@
 `StreamingSession` is assembled from three modules, each readable on its own:
 - this one: the connection's lifecycle, the handshake and `session.config`, reading and handling client
   messages (text into each context's segmenter, flush, done, cancel, close), socket writes;
-- gateway/speech_pipeline.py (`SpeechPipeline`): synthesis of queued sentences with back-pressure, and
+- gateway/session/pipeline.py (`SpeechPipeline`): synthesis of queued sentences with back-pressure, and
   the sender that puts audio and utterance ends on the socket in order;
-- gateway/session_resume.py (`SessionResumer`): `session.resume`, rebuilding a session from the store.
-The data they share (resolved config, utterances, send-queue items) is in gateway/session_state.py.
+- gateway/session/resume.py (`SessionResumer`): `session.resume`, rebuilding a session from the store.
+The data they share (resolved config, utterances, send-queue items) is in gateway/session/data.py.
 
 Ownership of tasks (all created and ended by `StreamingSession.run`): the reader (`_read_loop`) parses
 client messages, feeds each context's segmenter and appends work to the send queue; it never waits on
@@ -39,13 +39,14 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from tts_backend.base import Synthesizer
 
-from . import audio, encoders
-from .auth import Principal
-from .compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
-from .limits import Admission, AdmissionClaim
-from .logs import session_id_var
-from .metrics import GatewayMetrics
-from .protocol import (
+from ..audio import encoders
+from ..audio import pcm as audio
+from ..auth import Principal
+from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
+from ..limits import Admission, AdmissionClaim
+from ..logs import session_id_var
+from ..metrics import GatewayMetrics
+from ..protocol import (
     DEFAULT_SAMPLE_RATE,
     HANDSHAKE_MESSAGES,
     TELEPHONY_SAMPLE_RATE,
@@ -70,9 +71,10 @@ from .protocol import (
     VoiceListed,
     parse_client_message,
 )
-from .segmenter import SentenceSegmenter, push_in_slices
-from .session_resume import SessionResumer
-from .session_state import (
+from ..settings import GatewaySettings
+from ..store.base import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges, SessionStore
+from ..voices import VoiceRegistry
+from .data import (
     ClientGone,
     ResolvedConfig,
     SentenceJob,
@@ -82,10 +84,9 @@ from .session_state import (
     UtteranceEnd,
     sent_marker,
 )
-from .settings import GatewaySettings
-from .speech_pipeline import SpeechPipeline, abort_transport
-from .voices import VoiceRegistry
-from .store import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges, SessionStore
+from .pipeline import SpeechPipeline, abort_transport
+from .resume import SessionResumer
+from .segmenter import SentenceSegmenter, push_in_slices
 
 log = logging.getLogger("voxgate.session")
 

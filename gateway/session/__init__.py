@@ -1,0 +1,3 @@
+"""One WebSocket connection's session: the connection loop (connection.py), the speech pipeline that
+synthesizes and sends its sentences (pipeline.py), resume from the store (resume.py), the data they share
+(data.py), sentence splitting (segmenter.py) and word times (word_times.py)."""
