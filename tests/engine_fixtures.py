@@ -97,6 +97,10 @@ class ScriptedRunnerTestDouble(ModelRunner):
         # frames_generated frames exist; EOS is sampled once the script's frames are all made.
         return [r.frames_generated >= r.prompt.frames for r in requests]
 
+    def push_text(self, request, tokens):
+        # Text is opaque here (the script says when EOS comes); the engine counts the tokens.
+        self.calls.append(("text", [request.request_id], len(tokens)))
+
     def codec_launch(self, requests, frames):
         self._check(not self.codec_in_flight, "a codec batch launched while another is in flight")
         self._record("codec", requests, frames)

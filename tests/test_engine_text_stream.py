@@ -6,12 +6,14 @@ pieces gives exactly the codes (and so the audio) of the same text sent whole in
 
 from __future__ import annotations
 
+import asyncio
+import random
+
 import numpy as np
 import pytest
-import torch
 
 from tests.qwen3_fixtures import tiny_custom_voice  # noqa: F401 - session fixture
-from tts_backend.base import SynthesisRequest
+from tts_backend.base import SynthesisRequest, TextStream
 from tts_backend.registry import create_backend
 
 TEXT = "Hello world, this is a small test of the engine."
@@ -49,5 +51,106 @@ async def test_the_text_mode_is_chosen_per_request(tiny_custom_voice, server_def
             mode = server_default if choice is None else choice
             assert same_audio(got, reference_audio(backend.model, TEXT, "ryan", 3, 20, mode))
             assert not same_audio(got, reference_audio(backend.model, TEXT, "ryan", 3, 20, not mode))
+    finally:
+        await backend.stop()
+
+
+SENTENCES = [
+    "Hello world, this is a small test of the engine.",
+    "It's $3.50 - or so they said... then the rain came.",
+    "One more sentence, spoken beside the others.",
+]
+
+
+def record_codes(backend) -> dict:
+    """A spy on the real runner: after each code-predictor batch, each request's new frame (its 16 codes,
+    read back from the frame ring), by the request's seed."""
+    runner = backend.engine.runner
+    code_predict = runner.code_predict
+    frames: dict = {}
+
+    def recording(requests):
+        code_predict(requests)
+        ring = runner.config.frame_ring
+        for r in requests:
+            written = int(runner.written[r.slot])
+            frames.setdefault(r.seed, []).append(runner.ring[r.slot, (written - 1) % ring].tolist())
+
+    runner.code_predict = recording
+    return frames
+
+
+def random_pieces(text: str, rng) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(2, 10)))
+    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+async def pushed_in_pieces(backend, text, seed, rng, max_new_tokens) -> tuple[np.ndarray, int]:
+    """Audio of `text` pushed in random pieces (cut anywhere, words too) after random delays; and how much
+    audio had come before finish()."""
+    pieces = random_pieces(text, rng)
+    stream = TextStream(pieces[0])
+    request = SynthesisRequest(text=pieces[0], voice="ryan", seed=seed, max_new_tokens=max_new_tokens,
+                               text_stream=stream)
+    audio = bytearray()
+    before_finish = []
+
+    async def write():
+        for i, piece in enumerate(pieces[1:]):
+            if i == len(pieces) - 2:
+                # Before the last piece, at the least, the engine runs out of text: wait until it says so.
+                while backend.engine.stats_snapshot()["text"]["waiting"] == 0:
+                    await asyncio.sleep(0.005)
+            else:
+                await asyncio.sleep(rng.choice([0, 0, 0.002, 0.01, 0.05]))
+            stream.push(piece)
+        await asyncio.sleep(rng.choice([0, 0.02]))
+        before_finish.append(len(audio))
+        stream.finish()
+
+    async def read():
+        async for chunk in backend.synthesize(request):
+            audio.extend(chunk.pcm)
+
+    await asyncio.gather(write(), read())
+    return np.frombuffer(bytes(audio), "<i2"), before_finish[0]
+
+
+@pytest.mark.parametrize("case", range(4))
+async def test_text_in_random_pieces_says_exactly_what_the_whole_text_says(tiny_custom_voice, case):
+    """Batched with other requests, the text cut at random places and pushed after random delays: the
+    codes are exactly those of the whole text in streaming-text mode, for the seed (sampled, not greedy).
+    In fp32: in bf16 the CPU's matmuls round differently for different batch shapes, which can flip a
+    sampled code of any request, whole or not, whose batch company changed (the pieces' timing changes it);
+    that is not what this test is about."""
+    rng = random.Random(case)
+    backend = await started(tiny_custom_voice, trim_leading_silence=False, dtype="float32")
+    try:
+        frames = record_codes(backend)
+        n = 24 + 4 * case
+        sentences = [SENTENCES[(case + i) % 3] for i in range(3)]
+        streamed = sentences[0]
+        got = await asyncio.gather(
+            pushed_in_pieces(backend, streamed, 100, rng, n),
+            *(audio_of(backend, SynthesisRequest(text=t, voice="aiden", seed=200 + i, max_new_tokens=n))
+              for i, t in enumerate(sentences[1:])))
+        pieces_audio, before_finish = got[0]
+        assert before_finish > 0  # it spoke before the text was finished
+        pieces_codes = frames.pop(100)
+        frames.clear()
+        whole = SynthesisRequest(text=streamed, voice="ryan", seed=100, max_new_tokens=n, streaming_text=True)
+        whole_audio, *_ = await asyncio.gather(
+            audio_of(backend, whole),
+            *(audio_of(backend, SynthesisRequest(text=t, voice="vivian", seed=300 + i, max_new_tokens=n + 3))
+              for i, t in enumerate(sentences[1:])))
+        assert pieces_codes == frames[100]  # what is said: the same, frame for frame
+        assert len(pieces_codes) > 3
+        # The audio: the same codes through the codec, chunked where each run's timing cut it (fp32 rounding
+        # moves a sample by at most one step between chunkings, as for any batched request).
+        assert len(pieces_audio) == len(whole_audio) == len(pieces_codes) * 1920
+        assert int(np.abs(pieces_audio.astype(np.int32) - whole_audio).max()) <= 1
+        want = reference_audio(backend.model, streamed, "ryan", 100, n, streaming_text=True)
+        assert int(np.abs(whole_audio.astype(np.int32) - want).max()) <= 1
+        assert backend.engine.stats.text_waits > 0  # it did wait for text on the way
     finally:
         await backend.stop()

@@ -13,6 +13,15 @@ held for them.
 A Base checkpoint (Qwen3-TTS-12Hz-1.7B-Base, 0.6B-Base) speaks only in cloned voices: `clone_voice` turns
 reference audio into a voice prompt (qwen3/prompt.py VoicePrompt: x-vector, reference codes, reference text ids,
 stamped with the checkpoint's identity), computed once, and every request carries it as `voice_prompt`.
+
+Text streaming (base.py's module doc): a request with a `text_stream` runs in streaming-text mode, whose
+Talker takes one text token per frame, so it can start at the first word. Its tokens go to the engine as they
+settle (TextTokenizer.settled_text_ids: never a token that more text could change, so they are the whole
+text's tokens), then tts_eos once the text is finished; a stream that has used every token it has waits for
+text outside the engine's batches (engine/scheduler.py). Before the first token settles (for an in-context
+clone: enough text to fill its prefill, as the whole text would) the request waits here, holding no slot.
+`streaming_text` chooses the text mode of a whole-text request; the server's `-o streaming_text` is the
+default.
 """
 
 from __future__ import annotations
@@ -84,7 +93,8 @@ class Qwen3Synthesizer(Synthesizer):
     """
 
     name = "qwen3"
-    honours = frozenset({"language", "instructions", "max_new_tokens", "chunk_schedule", "seed", "text_mode"})
+    honours = frozenset({"language", "instructions", "max_new_tokens", "chunk_schedule", "seed", "text_mode",
+                         "text_streaming"})
 
     def __init__(
         self,
@@ -336,11 +346,11 @@ class Qwen3Synthesizer(Synthesizer):
         lang = (language or "auto").lower()
         return _LANGUAGE_CODES.get(lang.split("-")[0], lang) if lang != "auto" else "auto"
 
-    def _max_frames(self, request: SynthesisRequest, prompt_len: int) -> int:
+    def _max_frames(self, request: SynthesisRequest, prompt_len: int, text: str) -> int:
         max_new = request.max_new_tokens or self.max_new_tokens or self.model.generation_config.max_new_tokens
         frames = max(1, max_new - 1)  # N sampled codebook-0 tokens give N-1 frames (the last is EOS or the cap)
         if self.frame_cap_chars_per_second:
-            spoken = len(request.text.strip()) / self.frame_cap_chars_per_second
+            spoken = len(text.strip()) / self.frame_cap_chars_per_second
             frames = min(frames, max(2, math.ceil(spoken * 12.5)))
         return min(frames, self.max_len - prompt_len - 1)
 
@@ -352,16 +362,27 @@ class Qwen3Synthesizer(Synthesizer):
         voice = self._voice_prompt(request)
         if voice is None and not self.has_voice(request.voice):
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
-        self.refuse_text_stream(request)
-        if not request.text.strip():
+        text_stream = request.text_stream
+        ids = None  # the text's ids, when only part of the text has come (else make_prompt tokenises it)
+        if text_stream is not None:
+            # Before the engine: no slot is held while the first words are awaited.
+            ids = await self._first_text_ids(text_stream, voice)
+            if ids is None:  # finished before the prefill's tokens came: a whole text, in streaming-text mode
+                text_stream = None
+        text = request.full_text
+        if not text.strip():
             raise SynthesisError("text is empty")
-        streaming_text = self.streaming_text if request.streaming_text is None else bool(request.streaming_text)
+        if request.text_stream is not None:
+            streaming_text = True  # the text comes one token per frame: the only mode that can take it growing
+        else:
+            streaming_text = self.streaming_text if request.streaming_text is None else bool(request.streaming_text)
         speaker = None if voice is not None or request.voice == _VOICE_DESIGN_VOICE else request.voice
         try:
             prompt = self.model.make_prompt(
-                request.text, speaker=speaker, language=self._language(request.language),
+                text, speaker=speaker, language=self._language(request.language),
                 instruct=None if voice is not None else request.instructions,
                 non_streaming_mode=not streaming_text, voice=voice,
+                text_complete=text_stream is None, text_ids=ids,
             )
         except PromptError as exc:
             raise SynthesisError(str(exc)) from exc
@@ -375,11 +396,16 @@ class Qwen3Synthesizer(Synthesizer):
                                  f"{trailing_capacity}")
         try:
             stream = self.engine.submit(
-                prompt, seed=request.seed, max_frames=self._max_frames(request, len(prompt)),
+                prompt, seed=request.seed, max_frames=self._max_frames(request, len(prompt), text),
                 chunk_schedule=request.chunk_schedule,
+                text_tokens=len(prompt.trailing) if text_stream is not None else None,
             )
         except ValueError as exc:  # e.g. a chunk schedule outside 1..64 frames
             raise SynthesisError(str(exc)) from exc
+        feeder = None
+        if text_stream is not None:
+            feeder = asyncio.ensure_future(self._feed_text(stream, text_stream, ids, len(prompt.trailing),
+                                                           request, len(prompt)))
         timed = request.word_timestamps and self.aligner_batcher is not None
         audio = bytearray()
         try:
@@ -389,8 +415,58 @@ class Qwen3Synthesizer(Synthesizer):
                 yield AudioChunk(pcm)
         finally:
             stream.cancel()  # frees the slot at once if the consumer left early; no-op once finished
+            if feeder is not None:
+                feeder.cancel()
         if timed:
-            yield AudioChunk(b"", words=await self._word_timings(request.text, bytes(audio)))
+            yield AudioChunk(b"", words=await self._word_timings(request.full_text, bytes(audio)))
+
+    # ---- text streaming -----------------------------------------------------------------------------
+    async def _first_text_ids(self, text_stream, voice) -> list[int] | None:
+        """The settled ids of a growing text once there are enough for the prefill, or None if the text was
+        finished first. The prefill holds the text's first token; an in-context clone's holds the reference
+        transcript and the text up to one past its reference frames (prompt.build_clone_prompt), so its
+        text must reach that far before the prompt is the whole text's."""
+        need = 1
+        if voice is not None and voice.ref_codes is not None:
+            need = max(1, voice.ref_codes.shape[0] + 2 - len(voice.ref_text_ids or []))
+        tokenizer = self.model.tokenizer
+        while True:
+            finished, text = text_stream.finished, text_stream.text
+            if finished:
+                return None
+            ids = tokenizer.settled_text_ids(text)
+            if len(ids) >= need:
+                return ids
+            await text_stream.wait_beyond(len(text))
+
+    async def _feed_text(self, stream, text_stream, committed: list[int], held: int, request: SynthesisRequest,
+                         prompt_len: int) -> None:
+        """Push the text's tokens into the engine as they settle, then its end (tts_eos). `held`: the text
+        tokens the engine already has for decode steps. A problem fails this request (stream.abort)."""
+        tokenizer = self.model.tokenizer
+        eos = self.model.config.tts_eos_token_id
+        capacity = self.engine.runner.config.trailing_capacity
+        try:
+            while True:
+                finished, text = text_stream.finished, text_stream.text  # finished first: no text missed
+                ids = tokenizer.text_ids(text) if finished else tokenizer.settled_text_ids(text)
+                if ids[: len(committed)] != committed:
+                    # Cannot happen with Qwen2's pre-tokenizer (TextTokenizer.settled_text_ids); were it to, the
+                    # model would already have spoken other tokens than the whole text's, so say so.
+                    raise SynthesisError("the text's tokens changed as more of it came; send it whole")
+                new = ids[len(committed):] + ([eos] if finished else [])
+                if held + len(new) > capacity:
+                    raise SynthesisError(f"text too long for streaming-text mode: more than {capacity} tokens")
+                if new:
+                    self.engine.push_text(stream.request_id, new, final=finished,
+                                          max_frames=self._max_frames(request, prompt_len, text))
+                held += len(new)
+                committed = ids
+                if finished:
+                    return
+                await text_stream.wait_beyond(len(text))
+        except SynthesisError as exc:
+            stream.abort(exc)
 
     async def _word_timings(self, text: str, pcm: bytes) -> tuple[WordTiming, ...]:
         """The sentence's words (base.split_words) with sample positions in its audio, from the aligner."""

@@ -1,6 +1,6 @@
 """The engine thread: owns the scheduler and the runner, and hands audio to asyncio.
 
-asyncio side -> engine: `submit` and `cancel` put commands on a thread-safe queue and wake the thread.
+asyncio side -> engine: `submit`, `push_text` and `cancel` put commands on a thread-safe queue and wake the thread.
 engine -> asyncio side: each chunk goes into the stream's `asyncio.Queue` through
 `loop.call_soon_threadsafe`, so the event loop never blocks on the device and the device never waits on the
 event loop. Only the engine thread touches scheduler and runner state.
@@ -84,6 +84,16 @@ class EngineStats:
     codec_in_flight_s: float = 0.0
     codec_device_s: float = 0.0
     codec_timed: int = 0  # collected batches whose device time is known
+    # Text streaming: a stream's listener may run out of audio because the engine was late (late_chunks,
+    # late_s: the engine's making) or because the stream waited for text (text_gaps, text_gap_s: the
+    # caller's). text_waits counts the waits (a stream's next step needed a token not yet pushed) and
+    # text_wait_s their stream-seconds, gaps or not.
+    late_chunks: int = 0
+    late_s: float = 0.0
+    text_waits: int = 0
+    text_wait_s: float = 0.0
+    text_gaps: int = 0
+    text_gap_s: float = 0.0
 
 
 @dataclass
@@ -138,6 +148,13 @@ class EngineStream:
             self._finished = True
             self._engine.cancel(self.request_id)
 
+    def abort(self, error: BaseException) -> None:
+        """Event loop: end the request with `error` (the caller found its pushed text unusable): the engine
+        cancels it and the consumer's next read raises `error`, after any audio already queued."""
+        if not self._finished:
+            self._queue.put_nowait(error)
+            self._engine.cancel(self.request_id)
+
 
 class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig | None = None,
@@ -170,6 +187,9 @@ class Engine:
         # When the codec batch now being launched or in flight began its launch (None: none is), so that a
         # snapshot counts its time in flight up to now, as it counts the open section's seconds.
         self._codec_since: float | None = None
+        # Streams waiting for text now: request id -> engine clock when the wait began. Written by the
+        # engine thread under the stats lock, so a snapshot sees open waits too.
+        self._text_waiting: dict[int, float] = {}
 
     # ---- lifecycle (any thread) -------------------------------------------------------------------
     def start(self) -> None:
@@ -226,7 +246,9 @@ class Engine:
     # ---- requests (event-loop thread) -------------------------------------------------------------
     def submit(self, prompt: object, *, seed: int | None, max_frames: int,
                chunk_schedule: tuple[int, ...] | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> EngineStream:
+               loop: asyncio.AbstractEventLoop | None = None, text_tokens: int | None = None) -> EngineStream:
+        """text_tokens: None for a complete text; for text still being written (`push_text`), how many text
+        tokens the prompt already holds for decode steps to take one by one."""
         if not self.ready:
             raise SynthesisError("engine is not ready")
         if len(self._streams) >= self.config.scheduler.max_active + self.config.max_queued:
@@ -241,6 +263,8 @@ class Engine:
             arrival=self.clock(),
             sample_rate=self.runner.sample_rate,
             samples_per_frame=self.runner.samples_per_frame,
+            text_open=text_tokens is not None,
+            text_ready=int(text_tokens or 0),
         )
         stream = EngineStream(self, request.request_id, request.output, loop or asyncio.get_running_loop())
         self._streams[request.request_id] = stream
@@ -250,6 +274,13 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         self._commands.append(("cancel", request_id))
+        self._wake.set()
+
+    def push_text(self, request_id: int, tokens: list, final: bool = False, max_frames: int | None = None) -> None:
+        """More text tokens for a request submitted with `text_tokens` (opaque to the engine: the runner
+        takes them, ModelRunner.push_text); `final`: the text is complete with these (the tokens then carry
+        whatever marks its end). max_frames: the request's frame cap, grown with its text. Any thread."""
+        self._commands.append(("text", (request_id, list(tokens), bool(final), max_frames)))
         self._wake.set()
 
     # ---- the engine thread ------------------------------------------------------------------------
@@ -318,12 +349,53 @@ class Engine:
                     arg.sample_rate, self.config.silence_threshold_dbfs
                 ) if self.config.trim_leading_silence else None
                 self.scheduler.add(arg)
+            elif kind == "text":
+                self._take_text(*arg)
             elif kind == "cancel":
                 request = self.scheduler.get(arg)
                 if request is not None and not request.done:  # done: already left, its slot held for a codec batch
                     request.cancelled = True
                     self.stats.cancelled += 1
                     self._finish(request, None)
+
+    def _take_text(self, request_id: int, tokens: list, final: bool, max_frames: int | None) -> None:
+        request = self.scheduler.get(request_id)
+        if request is None or request.done or not request.text_open:
+            return
+        try:
+            if tokens:
+                self.runner.push_text(request, tokens)
+        except Exception as exc:  # e.g. more text than the runner holds: this request fails, no other
+            self.stats.failed += 1
+            self._finish(request, SynthesisError(str(exc)))
+            return
+        request.text_ready += len(tokens)
+        if max_frames is not None:
+            request.max_frames = max(request.max_frames, int(max_frames))
+        if final:
+            request.text_open = False
+        if request.text_wait_since is not None and not request.waiting_for_text:
+            self._end_text_wait(request)
+        if not request.text_open and request.phase is Phase.NEED_DECODE \
+                and request.frames_generated >= request.max_frames:
+            request.phase = Phase.FINISHED  # it reached its cap while the text was open
+            self._complete_finished([request])
+
+    def _note_text_waits(self, requests: list[RequestState]) -> None:
+        """After a code-predictor batch: the streams whose next step must wait for text start waiting."""
+        for r in requests:
+            if r.text_open and r.text_wait_since is None and r.waiting_for_text:
+                r.text_wait_since = self.clock()
+                r.text_waited = True
+                with self._stats_lock:
+                    self.stats.text_waits += 1
+                    self._text_waiting[r.request_id] = r.text_wait_since
+
+    def _end_text_wait(self, request: RequestState) -> None:
+        with self._stats_lock:
+            self.stats.text_wait_s += self.clock() - request.text_wait_since
+            self._text_waiting.pop(request.request_id, None)
+        request.text_wait_since = None
 
     def _execute(self, batch: Batch) -> None:
         if batch.stage is Stage.CODEC:
@@ -345,11 +417,15 @@ class Engine:
                 self._enter(post)
                 for r in requests:
                     r.frames_generated += 1
-                    r.phase = Phase.FINISHED if r.frames_generated >= r.max_frames else Phase.NEED_DECODE
+                    # While its text is open a request's cap may still grow: it waits for text there instead.
+                    capped = r.frames_generated >= r.max_frames and not r.text_open
+                    r.phase = Phase.FINISHED if capped else Phase.NEED_DECODE
+                self._note_text_waits(requests)
             else:
                 eos = runner.decode(requests)
                 self._enter(post)
                 for r, stop in zip(requests, eos):
+                    r.text_fed += 1
                     r.phase = Phase.FINISHED if stop else Phase.NEED_CODE_PREDICT
         except Exception as exc:  # a failed batch fails its requests, not the engine
             self._enter(post)
@@ -490,6 +566,8 @@ class Engine:
             stats = self.stats
             seconds = dict(stats.seconds)
             seconds[self._section] = seconds.get(self._section, 0.0) + (now - self._section_started)
+            waiting = list(self._text_waiting.values())
+            clock_now = self.clock()
             return {
                 "time_s": now,
                 "decisions": stats.decisions,
@@ -498,6 +576,16 @@ class Engine:
                 "failed": stats.failed,
                 "idle_waits": stats.idle_waits,
                 "busy_s": stats.busy_s,
+                "late_chunks": stats.late_chunks,
+                "late_s": stats.late_s,
+                "text": {
+                    "waits": stats.text_waits,
+                    # Open waits count up to now, as the open section's seconds do.
+                    "wait_s": stats.text_wait_s + sum(clock_now - since for since in waiting),
+                    "gaps": stats.text_gaps,
+                    "gap_s": stats.text_gap_s,
+                    "waiting": len(waiting),
+                },
                 "stages": {
                     s.name: {
                         "batches": stats.batches[s.name],
@@ -541,6 +629,21 @@ class Engine:
         now = self.clock()
         if request.playback_start is None:
             request.playback_start = now
+        else:
+            late = now - (request.playback_start + request.output.emitted_samples / request.sample_rate)
+            if late > 0:
+                with self._stats_lock:
+                    if request.text_waited:
+                        # The listener ran out while the stream waited for text: the caller's silence. Its
+                        # playback starts again now, as the first chunk's did, so the stream is not treated
+                        # as late (urgent) for ever after.
+                        self.stats.text_gaps += 1
+                        self.stats.text_gap_s += late
+                        request.playback_start += late
+                    else:
+                        self.stats.late_chunks += 1
+                        self.stats.late_s += late
+        request.text_waited = request.text_wait_since is not None
         request.output.emitted_samples += len(data) // 2
         stream = self._streams.get(request.request_id)
         if stream is not None:
@@ -554,6 +657,8 @@ class Engine:
         if request.done:
             return
         request.done = True
+        if request.text_wait_since is not None:
+            self._end_text_wait(request)
         trimmer = self._trimmers.pop(request.request_id, None)
         if error is None and not request.cancelled and trimmer is not None and not trimmer.started:
             self._send_audio(request, trimmer.flush())

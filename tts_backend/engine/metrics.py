@@ -3,7 +3,9 @@
 From `Engine.stats_snapshot()`: per stage, batches, the requests they carried (mean batch = items /
 batches) and the engine thread's seconds in the runner and on the results; the thread's other sections
 (scheduling, idle, start-up); batches by the urgency rule that chose them; the codec's device seconds
-(it runs on its own stream, beside the thread); requests by outcome; and slots and streams now. Rates and
+(it runs on its own stream, beside the thread); requests by outcome; and slots and streams now. Chunks
+that reached a listener after its audio ran out are told apart by cause: the engine's lateness, or a
+stream that waited for its text (text streaming), which is the caller's. Rates and
 shares come from differences between scrapes, as Prometheus does with any counter.
 """
 
@@ -24,6 +26,7 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
     rules = [((rule, stage.lower()), float(count)) for rule, by_stage in sorted(snapshot["rules"].items())
              for stage, count in sorted(by_stage.items())]
     codec = snapshot["codec"]
+    text = snapshot["text"]
     extra = []
     if fast_path is not None:
         extra.append(BackendMetric("engine_fast_path", "gauge", "1 where a piece of the GPU fast path serves, 0 "
@@ -54,6 +57,17 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
                       samples=(((), float(codec["collected"])),)),
         BackendMetric("engine_requests", "counter", "Requests that left the engine, by outcome", ("outcome",),
                       tuple(((outcome,), float(snapshot[outcome])) for outcome in ("completed", "cancelled", "failed"))),
+        BackendMetric("engine_late_chunks", "counter", "Chunks emitted after the stream's listener ran out of audio, "
+                      "by cause: the engine was late, or the stream waited for its text (the caller's silence)",
+                      ("cause",), ((("engine",), float(snapshot["late_chunks"])), (("text",), float(text["gaps"])))),
+        BackendMetric("engine_late_seconds", "counter", "How long listeners were out of audio before those chunks, "
+                      "by cause", ("cause",), ((("engine",), snapshot["late_s"]), (("text",), text["gap_s"]))),
+        BackendMetric("engine_text_waits", "counter", "Times a stream's next step needed text not yet pushed "
+                      "(it waits outside the batches)", samples=(((), float(text["waits"])),)),
+        BackendMetric("engine_text_wait_seconds", "counter", "Stream-seconds spent waiting for text",
+                      samples=(((), text["wait_s"]),)),
+        BackendMetric("engine_streams_waiting_for_text", "gauge", "Streams waiting for their text now",
+                      samples=(((), float(text["waiting"])),)),
         BackendMetric("engine_slots", "gauge", "KV slots (requests generating at once)",
                       samples=(((), float(snapshot["slots"])),)),
         BackendMetric("engine_slots_in_use", "gauge", "KV slots held by requests now",

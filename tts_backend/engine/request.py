@@ -75,8 +75,22 @@ class RequestState:
     frames_generated: int = 0  # complete frames (all 16 codebooks)
     frames_decoded: int = 0  # frames the codec has turned into PCM
     chunks_decoded: int = 0  # codec calls that shipped audio, for the chunk schedule
-    playback_start: float | None = None  # when the first audio left the engine
+    playback_start: float | None = None  # when the first audio left the engine (moved on after a text wait)
     done: bool = False
+    # Text streaming: the text is still being written. Each Talker decode step takes one text token (the
+    # runner holds them); `text_ready` counts those it holds, `text_fed` those the steps took. While the text
+    # is open the step after the last ready token cannot run: the request waits for text.
+    text_open: bool = False
+    text_ready: int = 0
+    text_fed: int = 0
+    text_wait_since: float | None = None  # engine clock when its wait for text began (None: not waiting)
+    text_waited: bool = False  # it waited for text since it last shipped audio
+
+    @property
+    def waiting_for_text(self) -> bool:
+        """Its next Talker step needs a text token that has not come (or its frame cap may still grow)."""
+        return self.text_open and self.phase is Phase.NEED_DECODE and (
+            self.text_fed >= self.text_ready or self.frames_generated >= self.max_frames)
 
     @property
     def pending_frames(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .request import RequestState
+from .request import Phase, RequestState
 
 import torch
 
@@ -78,6 +78,12 @@ class ModelRunner(abc.ABC):
 
     def release(self, request: RequestState) -> None:
         """The request left the engine (done or cancelled); its slot may be reused at once."""
+
+    def push_text(self, request: RequestState, tokens: list) -> None:
+        """More text for a request whose text is still being written: its decode steps take these tokens
+        one per step after those it already holds (before or after its prefill). Raises ValueError when the
+        request cannot hold them; the engine then fails that request alone."""
+        raise ValueError("this model runner cannot take text while it speaks")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -312,6 +318,7 @@ class Qwen3ModelRunner(ModelRunner):
         self.suppress = m.suppress_mask
         # Host mirrors (reference sampler, attention bucket choice); never read from the device.
         self.pos_host = [0] * S
+        self.trail_len_host = [0] * S  # mirrors trail_len, so pushed text lands after what a slot holds
         self.generators: dict[int, torch.Generator] = {}
         self.history: dict[int, list[int]] = {}
         self._host_slots: list[int] = []
@@ -621,6 +628,7 @@ class Qwen3ModelRunner(ModelRunner):
                     raise ValueError(f"{n} trailing text tokens exceed trailing_capacity")
                 self.trail_buf[r.slot, :n] = m.talker.embed_text(torch.tensor(prompt.trailing, device=self.device))
                 self.trail_len[r.slot] = n
+            self.trail_len_host[r.slot] = len(prompt.trailing)
             self.pos_host[r.slot] = len(prompt)
             if self.sampler == "reference":
                 self.generators[r.slot] = torch.Generator(device=self.device).manual_seed(seed)
@@ -774,6 +782,27 @@ class Qwen3ModelRunner(ModelRunner):
             self._codec_fn(slots, frames, None)
         else:
             self.graphs.run(("codec", frames, b), lambda s: self._codec_fn(s, frames, self.codec_static[b]), [slots])
+
+    @torch.inference_mode()
+    def push_text(self, request: RequestState, tokens: list) -> None:
+        """Text ids for a streaming-text request. Before its prefill they join its prompt's trailing text,
+        which the prefill writes; after it, they go into the slot's trailing buffer after what it holds, on
+        the main stream between two steps, where the next decode step (eager or captured: it reads trail_buf
+        and trail_len, never a copy) finds them."""
+        capacity = self.config.trailing_capacity
+        if request.phase in (Phase.WAITING, Phase.NEED_PREFILL):
+            if len(request.prompt.trailing) + len(tokens) > capacity:
+                raise ValueError(f"text too long for streaming-text mode: more than {capacity} tokens")
+            request.prompt.trailing.extend(tokens)
+            return
+        slot = request.slot
+        n = self.trail_len_host[slot]
+        if n + len(tokens) > capacity:
+            raise ValueError(f"text too long for streaming-text mode: more than {capacity} tokens")
+        ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
+        self.trail_buf[slot, n: n + len(tokens)] = self.model.talker.embed_text(ids)
+        self.trail_len[slot] = n + len(tokens)
+        self.trail_len_host[slot] = n + len(tokens)
 
     def release(self, request: RequestState) -> None:
         self.generators.pop(request.slot, None)

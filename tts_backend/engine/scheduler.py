@@ -15,6 +15,17 @@ Urgency, highest first (engine.md):
    then arrival;
 4. work of a stream within `pressing_lead_s` of its deadline, earliest deadline first;
 5. otherwise round-robin: the stage served least recently.
+
+A stream whose text is still being written (text streaming, issue 21) takes one text token per Talker
+step. When its next step needs a token that has not come, it waits for text outside the batches: it has no
+generation item at all, so it is never decoded on a pad (which would change what it says: the model reads
+a pad as the text running out), it is not a candidate of rule 2 however late its deadline (its listener's
+silence is the text's, not the engine's: the engine counts it apart, EngineStats.text_*), and it cannot
+hold back the streams that have their text, since a batch is built only from items that are ready. Its
+generated frames still go to the codec, the chunk schedule notwithstanding: they are audio the listener
+would otherwise wait for, for as long as the text takes. The step after the wait becomes ready in the
+decision after its token arrives (the engine applies pushed text before it decides), and it joins that
+decision's batch like any other item.
 """
 
 from __future__ import annotations
@@ -177,7 +188,12 @@ class Scheduler:
             want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
             phase = request.phase
             # Phases compared by identity: an Enum's hash runs in Python, and this loop runs per decision.
-            if phase is Phase.NEED_DECODE:
+            # Waiting for text (RequestState.waiting_for_text, inlined): no generation item, see the module doc.
+            waiting = request.text_open and phase is Phase.NEED_DECODE and (
+                request.text_fed >= request.text_ready or request.frames_generated >= request.max_frames)
+            if waiting:
+                stage = None
+            elif phase is Phase.NEED_DECODE:
                 stage = Stage.DECODE
             elif phase is Phase.NEED_CODE_PREDICT:
                 stage = Stage.CODE_PREDICT
@@ -198,8 +214,8 @@ class Scheduler:
                     if deadline <= pressing_limit:
                         ready.pressing.append(item)
             # Codec work is ready once the next chunk's frames are there, or whatever is left once generation
-            # has finished; it decodes the chunk's frames (or the rest).
-            if not codec_in_flight and pending > 0 and (pending >= want or phase is Phase.FINISHED):
+            # has finished or waits for text; it decodes the chunk's frames (or the rest).
+            if not codec_in_flight and pending > 0 and (pending >= want or phase is Phase.FINISHED or waiting):
                 item = _Item(request, Stage.CODEC, deadline, min(pending, want))
                 codec_items.append(item)
                 if deadline is None:

@@ -193,19 +193,22 @@ class Qwen3TTS:
         non_streaming_mode: bool = True,
         text_complete: bool = True,
         voice: VoicePrompt | None = None,
+        text_ids: Sequence[int] | None = None,
     ) -> Prompt:
         """Tokenise and lay out one request (CustomVoice needs `speaker`; VoiceDesign takes `instruct`; Base
-        needs `voice`, from `clone_prompt`)."""
+        needs `voice`, from `clone_prompt`). text_ids: the text's ids when the caller has them already (the
+        settled part of a text still being written, TextTokenizer.settled_text_ids); `text` is then unused."""
+        ids = list(text_ids) if text_ids is not None else self.tokenizer.text_ids(text)
         if voice is not None or self.config.tts_model_type == "base":
             if voice is None:
                 raise PromptError("a Base checkpoint speaks in a cloned voice: give a voice prompt")
             if speaker or instruct:
                 raise PromptError("a cloned voice takes neither a named speaker nor instructions")
-            return build_clone_prompt(self.config, self.tokenizer.text_ids(text), voice, language=language,
+            return build_clone_prompt(self.config, ids, voice, language=language,
                                       non_streaming_mode=non_streaming_mode, text_complete=text_complete)
         instruct_ids = self.tokenizer.instruct_ids(instruct) if instruct else None
         return build_prompt(
-            self.config, self.tokenizer.text_ids(text), speaker=speaker, language=language,
+            self.config, ids, speaker=speaker, language=language,
             instruct_ids=instruct_ids, non_streaming_mode=non_streaming_mode, text_complete=text_complete,
         )
 

@@ -8,6 +8,7 @@ and the added/special tokens with the ids listed in `tokenizer_config.json`.
 from __future__ import annotations
 
 import json
+import unicodedata
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -25,6 +26,7 @@ class TokenizerFilesError(ValueError):
 class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer
+        self._added_tokens: list[str] | None = None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "TextTokenizer":
@@ -80,6 +82,45 @@ class TextTokenizer:
     def instruct_ids(self, instruct: str) -> list[int]:
         """All ids of `<|im_start|>user\\n{instruct}<|im_end|>\\n` (the reference embeds every one)."""
         return self.encode(f"<|im_start|>user\n{instruct}<|im_end|>\n")
+
+    def settled_text_ids(self, text: str) -> list[int]:
+        """For a text that is still being written: the first of `text_ids(text)` that no text appended to
+        it can change, so that tokens fed to the model before the text is complete are the complete text's.
+
+        Byte-level BPE merges only inside a pre-token (a word with its leading space, a run of
+        punctuation, a digit, ...: QWEN2_SPLIT_PATTERN) and the pattern's matches left of the last one are
+        fixed by characters already there, so appending text can change only the last pre-token: "Hello
+        wor" may become "Hello world", "Hello." may become "Hello.\n" (one pre-token), "it'" may become
+        "it's". Two things the pre-tokenizer alone does not see hold the cut back further: a special token
+        half written at the end ("<|im_" before "end|>"), which is split out before pre-tokenisation once
+        complete, and the NFC normalisation (the cut is taken in the normalised text). A candidate cut is
+        kept only if its ids really are a prefix of the text's ids."""
+        normalized = unicodedata.normalize("NFC", text)
+        starts = [start for _, (start, _) in self._tok.pre_tokenizer.pre_tokenize_str(normalized)]
+        if len(starts) < 2:
+            return []
+        cut = starts[-1]
+        for i in range(max(0, len(normalized) - self._longest_added), len(normalized)):
+            tail = normalized[i:]
+            if any(token.startswith(tail) for token in self._added):
+                cut = min(cut, i)
+                break
+        whole = self.text_ids(normalized)
+        for start in reversed([s for s in starts if 0 < s <= cut]):
+            ids = self.text_ids(normalized[:start])
+            if ids == whole[: len(ids)]:
+                return ids
+        return []
+
+    @property
+    def _added(self) -> list[str]:
+        if self._added_tokens is None:
+            self._added_tokens = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+        return self._added_tokens
+
+    @property
+    def _longest_added(self) -> int:
+        return max((len(t) for t in self._added), default=0)
 
     def continuation_ids(self, text: str) -> list[int]:
         """Ids of a piece of text pushed into a running streaming-text generation (tokenised on its own)."""
