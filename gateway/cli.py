@@ -18,8 +18,8 @@ from pydantic_settings import SettingsError
 from tts_backend.base import SynthesisError
 
 from .auth import is_loopback
-from .limits import abortable_ws_protocol, header_timeout_protocol
 from .settings import GatewaySettings, settings_error_line
+from .transport import abortable_ws_protocol, header_timeout_protocol
 
 WS_FRAME_MARGIN = 64 * 1024  # the transport accepts a little more than the largest message we answer
 
