@@ -31,6 +31,16 @@ first sentence's last word, and underruns over whole replies. --granularity sets
 split_granularity; --keep-going runs every rate even after one fails (a sentence-split run's first-word TTFA
 is over --fail-ttfa-ms by design, yet its rates are wanted beside the token-split run's).
 
+Cloned voices and word timestamps (issue 23), with a Base checkpoint (bench/make_checkpoint.py --model-type base)
+and, for timestamps, `-o aligner=DIR` (bench/make_checkpoint.py --aligner):
+
+    --clone x_vector|icl   once ready, register one voice per --clone-seconds clip (3,10,30 s of a synthetic voiced
+                           signal) through POST /v1/audio/voices, timing each (`voice_add` in the report; the
+                           first of each length is also timed again, to separate a cold first clone from the
+                           steady cost), then run the load in the voice of the --clone-voice-s clip (10 s)
+    --timestamps sync|async  every session asks for word timestamps (timestamp_type "word") in that transport;
+                           each rate's entry adds the aligner's counters where the backend exports them
+
 With --log FILE the workers log beside it: FILE with suffix .worker.log (--worker) or .worker1.log,
 .worker2.log, ... (--tcp-workers). On the H200: `LOAD_ARGS="--tcp-workers 2" bash bench/h200.sh setup
 load:10,20` (bench/h200.sh).
@@ -50,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -245,6 +256,29 @@ def engine_breakdown(before: dict, after: dict) -> dict | None:
     }
 
 
+def aligner_breakdown(before: dict, after: dict, engine: dict | None) -> dict | None:
+    """The forced aligner's work between two scrapes (voxgate_aligner_*): sentences, passes, mean seconds per
+    sentence and per pass, and its thread's busy time as a share of the engine thread's wall time over the same
+    window. None when the backend exports no aligner counters (no -o aligner=, or no timestamps asked)."""
+    def delta(name: str) -> float | None:
+        total = None
+        for (sample, labels), value in after.items():
+            if sample == name:
+                total = (total or 0.0) + value - before.get((sample, labels), 0.0)
+        return total
+
+    sentences, batches = delta("voxgate_aligner_sentences_total"), delta("voxgate_aligner_batches_total")
+    seconds = delta("voxgate_aligner_seconds_total")
+    if sentences is None or batches is None or seconds is None:
+        return None
+    wall = engine["engine_wall_s"] if engine else None
+    return {"sentences": int(sentences), "batches": int(batches), "seconds": seconds,
+            "ms_per_sentence": seconds / sentences * 1000 if sentences else None,
+            "ms_per_batch": seconds / batches * 1000 if batches else None,
+            "mean_batch": sentences / batches if batches else None,
+            "share_of_engine_wall": seconds / wall if wall else None}
+
+
 def requests_by_outcome(before: dict, after: dict) -> dict[str, int]:
     """voxgate_engine_requests_total between two scrapes, by outcome."""
     out: dict[str, int] = {}
@@ -352,6 +386,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--granularity", choices=GRANULARITIES,
                         help="the sessions' split_granularity (default: the gateway's, sentence)")
     parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
+    parser.add_argument("--clone", choices=["x_vector", "icl"],
+                        help="speak in a cloned voice of this kind (needs a Base checkpoint)")
+    parser.add_argument("--clone-seconds", default="3,10,30", help="clip lengths registered with --clone")
+    parser.add_argument("--clone-voice-s", type=float, default=10.0, help="the clip length whose voice is spoken")
+    parser.add_argument("--timestamps", choices=["sync", "async"], help="ask every session for word timestamps")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--output", type=Path)
     parser.add_argument("--log", type=Path, help="gateway log file (the workers' go beside it: .worker.log, "
@@ -375,7 +414,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--kill-worker-at needs --tcp-workers 2 or more (the pool needs a worker to fail over to)")
     args.sentences = (1, 1)
     check_agent_arguments(args, parser)
+    args.clone_seconds = [float(x) for x in args.clone_seconds.split(",")] if args.clone else []
+    if args.clone and args.clone_voice_s not in args.clone_seconds:
+        parser.error("--clone-voice-s must be one of --clone-seconds")
     return args
+
+
+REF_TEXT = "This is the reference recording of the voice that the benchmark clones."
+
+
+def reference_wav(seconds: float, seed: int = 0) -> bytes:
+    """A voiced-like clip (a gliding 100-180 Hz pitch with five harmonics, amplitude-modulated, plus a little
+    noise) as a 24 kHz mono s16 WAV: what the speaker encoder and the codec's encoder need to do their full
+    work (random weights make any clip's voice noise anyway)."""
+    import io
+    import wave
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = int(seconds * 24000)
+    t = np.arange(n) / 24000
+    phase = 2 * np.pi * np.cumsum(140 + 40 * np.sin(2 * np.pi * 0.7 * t)) / 24000
+    x = sum(0.3 / k * np.sin(k * phase) for k in range(1, 6)) * (0.6 + 0.4 * np.sin(2 * np.pi * 2.1 * t))
+    pcm = np.clip((x + 0.02 * rng.standard_normal(n)) * 32767, -32768, 32767).astype("<i2")
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(pcm.tobytes())
+    return buffer.getvalue()
+
+
+def register_clones(base: str, mode: str, lengths: list[float]) -> list[dict]:
+    """POST /v1/audio/voices once per clip length, then once more per length under another name: the time of
+    each (the first may include the encoders' first use on the device). Returns the report's entries."""
+    import base64
+
+    entries = []
+    for attempt in ("first", "again"):
+        for seconds in lengths:
+            name = f"bench-{mode}-{seconds:g}s" + ("" if attempt == "first" else "-again")
+            body = {"name": name, "consent": "benchmark clip, synthetic", "x_vector_only_mode": mode == "x_vector",
+                    "audio_sample": base64.b64encode(reference_wav(seconds)).decode()}
+            if mode == "icl":
+                body["ref_text"] = REF_TEXT
+            request = urllib.request.Request(base + "/v1/audio/voices", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"}, method="POST")
+            started = time.perf_counter()
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    answer = json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                raise RuntimeError(f"voice.add {name} failed: {error.code} {error.read()[:500]!r}") from None
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            entries.append({"name": name, "clip_s": seconds, "attempt": attempt, "ms": elapsed_ms,
+                            "voice": answer.get("voice")})
+            print(f"voice.add {name}: {elapsed_ms:.0f} ms", flush=True)
+    return entries
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,8 +516,15 @@ def main(argv: list[str] | None = None) -> int:
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
         prompts = load_prompts(ROOT / "bench" / "data" / "arctic_en.jsonl")
-        client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=args.voice, timeout_s=60,
-                               split_granularity=args.granularity,
+        voice = args.voice
+        if args.clone:
+            report["voice_add"] = register_clones(base, args.clone, args.clone_seconds)
+            voice = f"bench-{args.clone}-{args.clone_voice_s:g}s"
+        extra_config = {}
+        if args.timestamps:
+            extra_config = {"timestamp_type": "word", "timestamp_transport_strategy": args.timestamps}
+        client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=voice, timeout_s=60,
+                               extra_config=extra_config, split_granularity=args.granularity,
                                words_per_s=args.words_per_s if args.agent_sentences else None)
         report["load"] = {"sentences": list(sentences_per_request(args)), "agent_sentences": args.agent_sentences,
                           "words_per_s": client.words_per_s, "session_config": client.session_config()}
@@ -469,9 +573,11 @@ def main(argv: list[str] | None = None) -> int:
             p95 = summary["audible_ttfa_s"]["p95"]
             passed = bool(summary["passed"]) and p95 is not None and p95 * 1000 <= args.fail_ttfa_ms
             # Over the whole of this rate's runs (every seed's warm-up, measured window and drain).
-            engine = engine_breakdown(counters_before, scrape_counters(base))
+            counters_after = scrape_counters(base)
+            engine = engine_breakdown(counters_before, counters_after)
             entry = {"rps": rate, "passed": passed, "gpu_memory_max_MiB": max(memory) if memory else None,
-                     "seeds": seeds, "summary": summary, "engine": engine}
+                     "seeds": seeds, "summary": summary, "engine": engine,
+                     "aligner": aligner_breakdown(counters_before, counters_after, engine)}
             if health:
                 entry["workers"] = [
                     {"worker": i, "address": spec["address"],

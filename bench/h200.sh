@@ -22,6 +22,11 @@
 #                        bash bench/h200.sh setup load:1,5,10,12
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
+#   use:TYPE         build (once) the random 1.7B checkpoint of TYPE (custom_voice, base, voice_design) in
+#                    /tmp/ckpt-TYPE and point the later steps at it (setup's /tmp/ckpt is custom_voice), e.g.
+#                      LOAD_ARGS="--worker --clone icl" bash bench/h200.sh setup use:base load:1,10,20
+#   aligner          build (once) the random Qwen3-ForcedAligner-0.6B in /tmp/aligner, for LOAD_ARGS such as
+#                    "--worker --timestamps async -o aligner=/tmp/aligner"
 #   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.tgz (if under 15 MiB)
 #
 # Only 8 files come back from $OUT, so after each step everything there except h200.log, the *.json
@@ -85,6 +90,25 @@ step_step() {  # step_step "ARGS" (e.g. "--kernels inductor")
     STEP_RUNS=$((STEP_RUNS + 1))
     ((STEP_RUNS > 1)) && suffix=_$STEP_RUNS
     run "$PY" bench/engine_step.py "${args[@]}" --model "$CKPT" --output "$OUT/engine_step$suffix.json"
+}
+
+step_use() {  # step_use TYPE
+    local type=${1:-custom_voice} folder
+    if [[ $type == custom_voice ]]; then folder=/tmp/ckpt; else folder=/tmp/ckpt-$type; fi
+    if [[ -f $folder/config.json ]]; then
+        echo "checkpoint $folder already there"
+    else
+        run "$PY" bench/make_checkpoint.py --size 1.7b --model-type "$type" --out "$folder" --device cuda || return 1
+    fi
+    CKPT=$folder
+}
+
+step_aligner() {
+    if [[ -f /tmp/aligner/config.json ]]; then
+        echo "aligner /tmp/aligner already there"
+    else
+        run "$PY" bench/make_checkpoint.py --aligner --size 0.6b --out /tmp/aligner || return 1
+    fi
 }
 
 step_reference() {
@@ -173,9 +197,11 @@ for arg in "$@"; do
         reference) step_reference ;;
         load) step_load "$value" ;;
         profile) step_profile "$value" ;;
+        use) step_use "$value" ;;
+        aligner) step_aligner ;;
         tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
         savecache) step_savecache ;;
-        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, savecache)"; false ;;
+        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, use:TYPE, aligner, savecache)"; false ;;
     esac
     rc=$?
     if ((rc != 0)); then

@@ -270,7 +270,18 @@ class Qwen3Synthesizer(Synthesizer):
         from .engine.metrics import engine_metrics
 
         runner = self.engine.runner
-        return engine_metrics(self.engine.stats_snapshot(), runner.fast_path(), runner.kernel_check)
+        families = engine_metrics(self.engine.stats_snapshot(), runner.fast_path(), runner.kernel_check)
+        batcher = self.aligner_batcher
+        if batcher is not None:
+            families += [
+                BackendMetric("aligner_batches", "counter", "Forced-aligner forward passes (word timestamps)",
+                              samples=(((), float(batcher.batches)),)),
+                BackendMetric("aligner_sentences", "counter", "Sentences aligned for word timestamps",
+                              samples=(((), float(batcher.sentences)),)),
+                BackendMetric("aligner_seconds", "counter", "Wall seconds of the aligner thread's forward passes",
+                              samples=(((), batcher.seconds),)),
+            ]
+        return families
 
     # ---- voice cloning ------------------------------------------------------------------------------
     async def _warm_up_voice(self) -> bytes:

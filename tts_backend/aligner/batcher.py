@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ class AlignmentBatcher:
         self.max_batch = max_batch
         self.batches = 0  # forward passes run (for tests and metrics)
         self.sentences = 0
+        # Wall time of the forward passes on this thread, results on the host included: what alignment costs
+        # beside the speech engine (its share of the device when both run, with the backend's metrics).
+        self.seconds = 0.0
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stream = torch.cuda.Stream(aligner.device) if aligner.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="voxgate-aligner", daemon=True)
@@ -88,6 +92,7 @@ class AlignmentBatcher:
             jobs = [j for j in jobs if not j.future.done()]
             if not jobs:
                 continue
+            started = time.perf_counter()
             try:
                 results = self._align([j.request for j in jobs])
             except Exception as exc:
@@ -103,6 +108,7 @@ class AlignmentBatcher:
                     except Exception as single:
                         log.exception("alignment failed")
                         results.append(single)
+            self.seconds += time.perf_counter() - started
             self.batches += 1
             self.sentences += len(jobs)
             for j, result in zip(jobs, results):
