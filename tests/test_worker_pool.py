@@ -25,7 +25,7 @@ from tests.gateway_server import audio_by_sentence, free_port, open_session, rec
 from tests.worker_fixtures import WorkerProcess, synthetic_worker_args, wait_for, wait_for_async, workers
 from tts_backend.base import SynthesisError, SynthesisRequest
 from tts_backend.remote import RemoteSynthesizer, framing
-from tts_backend.remote.connection import WorkerAddress
+from tts_backend.remote.connection import Dialer, WorkerAddress
 from tts_backend.synthetic import SyntheticSynthesizer
 
 TOKEN = "pool-test-token-5d1e"
@@ -57,7 +57,7 @@ async def raw_exchange(address: str, *frames: bytes) -> dict | None:
         for frame in frames:
             writer.write(frame)
         await writer.drain()
-        answer = await asyncio.wait_for(framing.read_frame(reader), 10)
+        answer = await asyncio.wait_for(framing.read_frame(reader, framing.MAX_ANSWER_FRAME), 10)
         return framing.decode_json(answer[1]) if answer else None
     finally:
         writer.close()
@@ -66,14 +66,29 @@ async def raw_exchange(address: str, *frames: bytes) -> dict | None:
 # ---------------------------------------------------------------------------------------- authentication
 
 
-async def test_a_tcp_worker_wants_its_token_on_every_connection(token_file):
+async def test_a_tcp_worker_wants_its_token_proved_on_every_connection(token_file):
     with workers(synthetic_worker_args("--token-file", token_file)) as (worker,):
         info = framing.encode_json({"op": "info"})
         assert (await raw_exchange(worker.address, info))["code"] == "unauthorized"
-        wrong = framing.encode_json({"op": "auth", "token": TOKEN + "x"})
-        assert (await raw_exchange(worker.address, wrong, info))["code"] == "unauthorized"
-        right = framing.encode_json({"op": "auth", "token": TOKEN})
-        assert (await raw_exchange(worker.address, right, info))["op"] == "info"
+        # The token itself is never what a worker takes (a gateway never sends it).
+        old_style = framing.encode_json({"op": "auth", "token": TOKEN})
+        assert (await raw_exchange(worker.address, old_style, info))["code"] == "unauthorized"
+        # A hello with a wrong proof after it.
+        target = WorkerAddress.parse(worker.address)
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+        writer.write(framing.encode_json({"op": "hello", "nonce": framing.new_nonce()}))
+        hello = framing.decode_json((await framing.read_frame(reader, framing.MAX_AUTH_FRAME))[1])
+        assert hello["op"] == "hello" and hello["id"] == worker.worker_id and "token" not in json.dumps(hello)
+        writer.write(framing.encode_json({"op": "auth", "proof": "0" * 64}) + info)
+        refused = framing.decode_json((await framing.read_frame(reader, framing.MAX_AUTH_FRAME))[1])
+        assert refused["code"] == "unauthorized"
+        writer.close()
+        # The Dialer's handshake gets in.
+        dialer = Dialer(token=TOKEN)
+        reader, writer = await dialer.open(target)
+        writer.write(info)
+        assert framing.decode_json((await framing.read_frame(reader, framing.MAX_ANSWER_FRAME))[1])["op"] == "info"
+        writer.close()
         # A peer that is not authenticated cannot make the worker read a large frame: refused on its header.
         huge = framing._HEADER.pack(8 * 1024 * 1024, framing.JSON[0])
         assert (await raw_exchange(worker.address, huge))["code"] == "bad_request"
@@ -336,7 +351,7 @@ def test_a_worker_that_drains_is_asked_for_no_new_utterance():
             reader, writer = await asyncio.open_connection(target.host, target.port)
             writer.write(framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request("x"))}))
             await writer.drain()
-            assert (await framing.read_frame(reader))[0] == framing.AUDIO
+            assert (await framing.read_frame(reader, framing.MAX_STREAM_FRAME))[0] == framing.AUDIO
             worker.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             fresh = framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request("y"))})
@@ -353,17 +368,18 @@ def test_a_worker_that_drains_is_asked_for_no_new_utterance():
 from tests.redis_fixtures import redis_cluster, redis_prefix, redis_target  # noqa: E402,F401 (fixtures)
 
 
-def registered_args(target, prefix: str, *extra: str) -> tuple[str, ...]:
+def registered_args(target, prefix: str, token_file: str, *extra: str) -> tuple[str, ...]:
     cluster = ("--registry-cluster",) if target.cluster else ()
-    return synthetic_worker_args("--registry", target.url, *cluster, "--registry-prefix", prefix,
-                                 "--heartbeat-s", "0.2", "--lease-s", "1", *extra, speed=4.0)
+    return synthetic_worker_args("--registry", target.url, *cluster, "--registry-prefix", prefix, "--token-file",
+                                 token_file, "--heartbeat-s", "0.2", "--lease-s", "1", *extra, speed=4.0)
 
 
-async def test_gateways_find_workers_in_redis_and_see_them_come_and_go(redis_target, redis_prefix):
+async def test_gateways_find_workers_in_redis_and_see_them_come_and_go(redis_target, redis_prefix, token_file):
     target = redis_target
     remote = RemoteSynthesizer(discover=target.url, discover_cluster=target.cluster, discover_prefix=redis_prefix,
-                               connect_timeout_s=20, info_refresh_s=0.1, discover_refresh_s=0.1)
-    with workers(registered_args(target, redis_prefix), registered_args(target, redis_prefix)) as (a, b):
+                               token=TOKEN, connect_timeout_s=20, info_refresh_s=0.1, discover_refresh_s=0.1)
+    args = registered_args(target, redis_prefix, token_file)
+    with workers(args, args) as (a, b):
         await remote.start()
         try:
             def ids():
@@ -376,7 +392,7 @@ async def test_gateways_find_workers_in_redis_and_see_them_come_and_go(redis_tar
             a.kill()
             await wait_for_async(lambda: ids() == {b.worker_id}, what="the killed worker leaving the pool")
             # A new one joins.
-            c = WorkerProcess(*registered_args(target, redis_prefix)).wait_ready()
+            c = WorkerProcess(*args).wait_ready()
             try:
                 await wait_for_async(lambda: ids() == {b.worker_id, c.worker_id}, what="the new worker joining")
                 # A drained one says so at once, then withdraws when it exits.
@@ -406,21 +422,21 @@ def two_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def test_one_command_starts_a_worker_per_gpu(redis_prefix, tmp_path):
+def test_one_command_starts_a_worker_per_gpu(redis_prefix, token_file):
     from tests.redis_fixtures import REDIS_URL
-    from tts_backend.remote.discovery import WorkerRegistry
+    from tts_backend.remote.discovery import WorkerRegistry, registry_key
 
     base = two_free_ports()
     launcher = WorkerProcess("--gpus", "0,1", "--listen", f"tcp://127.0.0.1:{base}", "--backend", "synthetic",
                              "--registry", REDIS_URL, "--registry-prefix", redis_prefix, "--worker-id", "host",
-                             expect_ready=2)
+                             "--token-file", token_file, expect_ready=2)
     try:
         launcher.wait_ready()
         assert sorted(launcher.ready_lines) == [(f"tcp://127.0.0.1:{base}", "host-gpu0"),
                                                 (f"tcp://127.0.0.1:{base + 1}", "host-gpu1")]
 
         async def records():
-            registry = WorkerRegistry(REDIS_URL, prefix=redis_prefix)
+            registry = WorkerRegistry(REDIS_URL, prefix=redis_prefix, key=registry_key(TOKEN))
             try:
                 return {r["id"]: r for r in await registry.live()}
             finally:

@@ -176,7 +176,9 @@ class SyntheticSynthesizer(Synthesizer):
                 async for chunk in chunks:
                     yield chunk
             return
-        samples = self.render(request)
+        # A long text takes this process's CPU for a while to render (4,000 characters: ~2 s): off the event
+        # loop, which every other stream shares.
+        samples = await asyncio.to_thread(self.render, request) if len(request.text) > 500 else self.render(request)
         words = self.word_timings(request.text, len(samples)) if request.word_timestamps else ()
         if self._capacity is not None:
             await self._take_slot()

@@ -1,11 +1,11 @@
 """Where a worker listens and how a gateway reaches it: addresses, the shared token, TLS.
 
 Addresses are written as `unix:/path/to.sock` (or a bare absolute path), `tcp://HOST:PORT` or
-`tls://HOST:PORT`. A worker on TCP proves nothing about who dials it, so every connection to it starts with
-an `auth` frame carrying the shared token (framing.py); the client writes that frame and its request
-together, so authentication costs no round trip. Over plain TCP the token crosses the network in the clear:
-use `tls://` (the worker's certificate checked against `tls_ca`, or the system's CAs) anywhere the network
-between gateways and workers is not trusted.
+`tls://HOST:PORT`. An address proves nothing about who answers at it, nor a connection about who dialled,
+so where there is a shared token every connection starts with a handshake in which the worker proves it
+holds the token, then the gateway (framing.py); the token itself never crosses the wire. Plain TCP does not
+hide what follows (the text, the audio) from the network in between: use `tls://` (the worker's certificate
+checked against `tls_ca`, or the system's CAs) anywhere that network is not trusted.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import secrets
 import socket
 import ssl
 from dataclasses import dataclass
@@ -127,6 +128,11 @@ def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     return context
 
 
+class WorkerNotProven(ConnectionError):
+    """The peer at a worker's address did not prove that it holds the token (or is another worker than the
+    one expected there): nothing was sent to it but a nonce."""
+
+
 @dataclass(frozen=True)
 class Dialer:
     """Opens authenticated connections to workers: one per request, as the framing wants (closing it is the
@@ -136,7 +142,11 @@ class Dialer:
     tls: ssl.SSLContext | None = None
     timeout_s: float = 5.0
 
-    async def open(self, address: WorkerAddress) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open(self, address: WorkerAddress, expect_id: str | None = None,
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection on which the request may be written at once. With a token, the worker has proved that
+        it holds it (and, given `expect_id`, that it is that worker) before this returns; otherwise
+        WorkerNotProven."""
         if address.scheme == "unix":
             opening = asyncio.open_unix_connection(address.path, limit=framing.READ_LIMIT)
         elif address.scheme == "tcp":
@@ -152,5 +162,35 @@ class Dialer:
         except ssl.SSLError as exc:
             raise ConnectionError(f"TLS with {address} failed: {exc.reason or exc}") from None
         if self.token is not None:
-            writer.write(framing.encode_json({"op": "auth", "token": self.token}))
+            try:
+                await asyncio.wait_for(self._handshake(reader, writer, address, expect_id), self.timeout_s)
+            except BaseException as exc:
+                writer.close()
+                if isinstance(exc, asyncio.TimeoutError):
+                    raise WorkerNotProven(f"{address} did not finish the handshake within {self.timeout_s:g} s") from None
+                raise
         return reader, writer
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: WorkerAddress,
+                         expect_id: str | None) -> None:
+        client_nonce = secrets.token_bytes(framing.NONCE_BYTES)
+        writer.write(framing.encode_json({"op": "hello", "nonce": client_nonce.hex()}))
+        await writer.drain()
+        try:
+            frame = await framing.read_frame(reader, framing.MAX_AUTH_FRAME)
+            answer = framing.decode_json(frame[1]) if frame is not None and frame[0] == framing.JSON else {}
+            if answer.get("op") == "error":
+                raise WorkerNotProven(f"{address} refused the handshake: {str(answer.get('code'))[:64]}")
+            if answer.get("op") != "hello" or not isinstance(answer.get("id"), str):
+                raise WorkerNotProven(f"{address} did not answer the handshake")
+            worker_nonce = framing.parse_nonce(answer.get("nonce"))
+        except (framing.ProtocolError, asyncio.IncompleteReadError) as exc:
+            raise WorkerNotProven(f"{address} did not answer the handshake: {exc}") from None
+        worker_id = answer["id"]
+        if not framing.proof_matches(answer.get("proof"),
+                                     framing.worker_proof(self.token, client_nonce, worker_nonce, worker_id)):
+            raise WorkerNotProven(f"{address} does not hold the worker token")
+        if expect_id is not None and worker_id != expect_id:
+            raise WorkerNotProven(f"{address} proved to be worker {worker_id[:64]!r}, not {expect_id[:64]!r}")
+        writer.write(framing.encode_json({"op": "auth",
+                                          "proof": framing.gateway_proof(self.token, worker_nonce, client_nonce)}))

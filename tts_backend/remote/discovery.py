@@ -13,15 +13,67 @@ Two keys with one hash tag, so that on a Redis Cluster both live on one node and
 
 Lease times come from Redis's own clock (TIME inside the scripts), so hosts with skewed clocks agree on
 who is alive. Expired entries are removed by the next announcement of any worker.
+
+Whoever can write to that Redis must not be able to add a worker: a gateway sends sessions' text to the
+workers it finds there. So each record is signed, an HMAC-SHA256 with a key derived from the workers'
+shared token (which Redis never sees), over the record and the time it was signed:
+
+  {"record": "<the record's JSON>", "sig": hex}      the record's JSON holds "signed_at" (Unix seconds)
+
+A gateway ignores (and logs) a record that is not signed so, and one signed more than
+RECORD_MAX_AGE_S from its own clock (a record copied from the registry replays for at most that long, and
+only ever names the worker that signed it, which the connection's handshake checks again). Workers
+re-sign theirs at every heartbeat.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+RECORD_MAX_AGE_S = 30.0  # also the clock difference between a worker's host and a gateway's that is tolerated
+_REFUSAL_LOG_EVERY_S = 10.0  # a refused record is logged at most this often (a gateway reads the registry every second)
+
+
+def registry_key(token: str) -> bytes:
+    """The key records are signed with: derived from the workers' token, labelled so that it is no use
+    anywhere else (the token's handshake proofs use other labels)."""
+    return hmac.new(token.encode(), b"voxgate registry record v1", hashlib.sha256).digest()
+
+
+def sign_record(record: dict, key: bytes, now: float | None = None) -> str:
+    body = json.dumps({**record, "signed_at": time.time() if now is None else now}, separators=(",", ":"))
+    return json.dumps({"record": body, "sig": hmac.new(key, body.encode(), hashlib.sha256).hexdigest()},
+                      separators=(",", ":"))
+
+
+def open_record(raw: str | bytes, key: bytes, now: float | None = None) -> dict:
+    """The record a signed entry holds; ValueError saying why it is refused."""
+    try:
+        envelope = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ValueError("not JSON") from None
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("record"), str) \
+            or not isinstance(envelope.get("sig"), str):
+        raise ValueError("not signed")
+    body = envelope["record"]
+    expected = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(envelope["sig"].encode(), expected.encode()):
+        raise ValueError("bad signature")
+    record = json.loads(body)
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str) or not isinstance(record.get("address"), str):
+        raise ValueError("signed, but no id and address")
+    signed_at = record.get("signed_at")
+    now = time.time() if now is None else now
+    if not isinstance(signed_at, (int, float)) or not abs(now - signed_at) <= RECORD_MAX_AGE_S:
+        raise ValueError(f"signed at {signed_at!r}, more than {RECORD_MAX_AGE_S:g} s from now")
+    return record
 
 # KEYS: leases, info. ARGV: id, lease ms, record. Renews the lease, stores the record, drops the expired.
 _ANNOUNCE = """
@@ -63,12 +115,16 @@ def connect(url: str, cluster: bool = False) -> Any:
 
 class WorkerRegistry:
     """The registry on one Redis (or Redis Cluster) at `url`. Workers call `announce`/`withdraw`,
-    gateways `live`."""
+    gateways `live`; `key` (registry_key) signs and checks the records."""
 
-    def __init__(self, url: str, cluster: bool = False, prefix: str = "voxgate:", lease_s: float = 3.0) -> None:
+    def __init__(self, url: str, cluster: bool = False, prefix: str = "voxgate:", lease_s: float = 3.0, *,
+                 key: bytes) -> None:
         if "{" in prefix or "}" in prefix:
             raise ValueError("the registry's key prefix must hold no braces (they are the hash tag)")
         self.url = url
+        self.key = key
+        self.refused = 0  # entries left out of live(): unsigned, badly signed or stale
+        self._last_refusal_logged = float("-inf")
         self.lease_ms = int(lease_s * 1000)
         self.keys = [f"{prefix}{{workers}}:leases", f"{prefix}{{workers}}:info"]
         self._redis = connect(url, cluster)
@@ -77,24 +133,33 @@ class WorkerRegistry:
         self._withdraw = self._redis.register_script(_WITHDRAW)
 
     async def announce(self, record: dict) -> None:
-        await self._announce(keys=self.keys, args=[record["id"], self.lease_ms, json.dumps(record, separators=(",", ":"))])
+        await self._announce(keys=self.keys, args=[record["id"], self.lease_ms, sign_record(record, self.key)])
 
     async def withdraw(self, worker_id: str) -> None:
         await self._withdraw(keys=self.keys, args=[worker_id])
 
     async def live(self) -> list[dict]:
+        """The records of the live workers that are signed with the key; any other entry is logged (once)
+        and left out."""
         records = []
+        now = time.time()
         for raw in await self._live(keys=self.keys, args=[]):
             if raw is None:  # a lease with no record: written by hand, or by something that is no worker
                 continue
             try:
-                record = json.loads(raw)
-            except ValueError:
-                log.warning("a worker record in the registry is not JSON; ignored")
-                continue
-            if isinstance(record, dict) and isinstance(record.get("id"), str) and isinstance(record.get("address"), str):
-                records.append(record)
+                records.append(open_record(raw, self.key, now))
+            except ValueError as exc:
+                self._log_refused(raw, str(exc))
         return records
+
+    def _log_refused(self, raw: bytes | str, why: str) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._last_refusal_logged < _REFUSAL_LOG_EVERY_S:
+            return
+        self._last_refusal_logged = now
+        log.warning("registry: ignored a worker record (%s; %d refused so far); only records signed with the "
+                    "workers' token count", why, self.refused)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -12,9 +12,19 @@ worker notices end-of-file and stops its stream within one chunk, which frees th
   client -> worker   {"op": "clone", "samples": base64, "ref_text": str|null, "x_vector_only": bool}
                                                             -> {"op": "clone", "prompt": base64}
                                                                or {"op": "error", ...}
-  client -> worker   {"op": "auth", "token": str}           first, where the worker has a token; no answer,
-                                                               the request frame follows at once. A wrong or
-                                                               missing token: {"op": "error", "code": "unauthorized"}
+Authentication, where the worker has a token (connection.py's Dialer does the client's part): neither side
+ever sends the token; each proves that it holds it with an HMAC-SHA256 over both sides' fresh nonces, the
+worker first, so that a peer posing as a worker (an address planted in the registry, say) learns nothing of
+the token and is sent no text, and a peer posing as a gateway gets nothing served:
+  client -> worker   {"op": "hello", "nonce": hex}           16 random bytes
+  worker -> client   {"op": "hello", "nonce": hex, "id": str, "proof": hex}
+                                                             proof = worker_proof(token, client nonce, worker nonce, id)
+  client -> worker   {"op": "auth", "proof": hex}            gateway_proof(token, worker nonce, client nonce), and in
+                                                             the same write the request frame
+  A wrong proof, or anything else first: {"op": "error", "code": "unauthorized"}. The gateway checks the
+  worker's proof (and, for a worker found in the registry, its id) before it writes its own proof or any
+  request. This costs one round trip per connection; a worker without a token (a local Unix socket) skips
+  it. Handshake frames are at most MAX_AUTH_FRAME bytes.
 A worker that is draining answers a synthesize for an utterance it has not served with
 {"op": "error", "code": "draining"}: the gateway's pool sends it to another worker. A synthesize with
 "place": true (a session's first request, placing the session) is answered {"op": "error", "code": "full"}
@@ -31,7 +41,10 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import hashlib
+import hmac
 import json
+import secrets
 import struct
 
 from ..base import (
@@ -46,10 +59,22 @@ from ..base import (
 
 JSON = b"J"
 AUDIO = b"A"
-MAX_FRAME = 16 * 1024 * 1024
-# Where the worker has a token, a peer's first frame must be the (small) auth frame: a longer one is
-# refused before its payload is read, so an unauthenticated peer cannot make the worker buffer megabytes.
+# Frame size limits, each checked on the header, before any of the payload is read. Every frame type has
+# the smallest limit that what it carries allows, so that a peer cannot make the other side buffer more.
+# A handshake frame, from a peer that has proved nothing yet:
 MAX_AUTH_FRAME = 4096
+# A request (the first frame after the handshake): a clone carries its reference clip's samples in base64
+# (30 s of float32 at 24 kHz: 3.8 MB), a synthesize may carry a voice prompt.
+MAX_REQUEST_FRAME = 8 * 1024 * 1024
+# Any later frame a client sends on a request's connection (small control messages).
+MAX_CONTROL_FRAME = 64 * 1024
+# What a gateway takes from a worker in a stream: audio frames (the worker cuts a chunk's PCM into frames
+# of at most AUDIO_FRAME_BYTES) and words frames (at most WORDS_PER_FRAME words each).
+MAX_STREAM_FRAME = 256 * 1024
+AUDIO_FRAME_BYTES = 64 * 1024
+WORDS_PER_FRAME = 256
+# A worker's answer to info or metrics; a clone's answer carries a prompt, which must fit a request frame.
+MAX_ANSWER_FRAME = 1024 * 1024
 READ_LIMIT = 1 << 20  # StreamReader buffer: readexactly reads past it, this only bounds read-ahead
 _HEADER = struct.Struct(">IB")
 
@@ -58,7 +83,7 @@ class ProtocolError(RuntimeError):
     pass
 
 
-def encode(kind: bytes, payload: bytes) -> bytes:
+def encode(kind: bytes, payload: bytes | memoryview) -> bytes:
     return _HEADER.pack(len(payload) + 1, kind[0]) + payload
 
 
@@ -66,9 +91,9 @@ def encode_json(message: dict) -> bytes:
     return encode(JSON, json.dumps(message, separators=(",", ":")).encode())
 
 
-async def read_frame(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) -> tuple[bytes, bytes] | None:
-    """(kind, payload), or None at a clean end of stream; a frame longer than max_size is a ProtocolError
-    before any of its payload is read."""
+async def read_header(reader: asyncio.StreamReader, max_size: int) -> tuple[bytes, int] | None:
+    """A frame's (kind, payload length), or None at a clean end of stream; a frame longer than max_size
+    is a ProtocolError, before any of its payload is read."""
     try:
         header = await reader.readexactly(_HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -78,8 +103,16 @@ async def read_frame(reader: asyncio.StreamReader, max_size: int = MAX_FRAME) ->
     length, kind = _HEADER.unpack(header)
     if length < 1 or length > max_size:
         raise ProtocolError(f"bad frame length {length}")
-    payload = await reader.readexactly(length - 1)
-    return bytes([kind]), payload
+    return bytes([kind]), length - 1
+
+
+async def read_frame(reader: asyncio.StreamReader, max_size: int) -> tuple[bytes, bytes] | None:
+    """(kind, payload), or None at a clean end of stream (see read_header)."""
+    head = await read_header(reader, max_size)
+    if head is None:
+        return None
+    kind, size = head
+    return kind, await reader.readexactly(size)
 
 
 def decode_json(payload: bytes) -> dict:
@@ -87,9 +120,50 @@ def decode_json(payload: bytes) -> dict:
         message = json.loads(payload)
     except ValueError as exc:
         raise ProtocolError(f"bad JSON frame: {exc}") from exc
+    except RecursionError:  # nesting deeper than the interpreter's recursion limit: "[[[[..."
+        raise ProtocolError("bad JSON frame: nested too deep") from None
     if not isinstance(message, dict) or "op" not in message:
         raise ProtocolError("JSON frame without an op")
     return message
+
+
+# ---- the handshake (see the module doc) ----------------------------------------------------------------
+NONCE_BYTES = 16
+# Each side's proof is labelled with its role, so that one side's proof is never valid as the other's.
+_WORKER_LABEL = b"voxgate worker proof v1\0"
+_GATEWAY_LABEL = b"voxgate gateway proof v1\0"
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def parse_nonce(value: object) -> bytes:
+    """A nonce as the peer sent it (hex of NONCE_BYTES bytes); a ProtocolError for anything else."""
+    if not isinstance(value, str) or len(value) != 2 * NONCE_BYTES:
+        raise ProtocolError("the handshake wants a nonce of 32 hex digits")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ProtocolError("the handshake wants a nonce of 32 hex digits") from None
+
+
+def _mac(token: str, *parts: bytes) -> str:
+    return hmac.new(token.encode(), b"".join(parts), hashlib.sha256).hexdigest()
+
+
+def worker_proof(token: str, client_nonce: bytes, worker_nonce: bytes, worker_id: str) -> str:
+    # The nonces have a fixed length and the id comes last, so no two inputs join into the same bytes.
+    return _mac(token, _WORKER_LABEL, client_nonce, worker_nonce, worker_id.encode())
+
+
+def gateway_proof(token: str, worker_nonce: bytes, client_nonce: bytes) -> str:
+    return _mac(token, _GATEWAY_LABEL, worker_nonce, client_nonce)
+
+
+def proof_matches(offered: object, expected: str) -> bool:
+    """Constant-time comparison of a proof the peer sent with the one it should have sent."""
+    return isinstance(offered, str) and hmac.compare_digest(offered.encode(), expected.encode())
 
 
 # The errors a gateway tells apart, by their code on the socket (the worker sends them, pool.py raises them again).

@@ -53,7 +53,7 @@ class HealthServer:
     """is_alive / is_ready: callables read at each probe; metrics: the families for /metrics."""
 
     def __init__(self, port: int, is_ready: Callable[[], bool],
-                 metrics: Callable[[], Awaitable[list[BackendMetric]]], host: str = "0.0.0.0") -> None:
+                 metrics: Callable[[], Awaitable[list[BackendMetric]]], host: str = "127.0.0.1") -> None:
         self.port = port
         self.host = host
         self.is_ready = is_ready

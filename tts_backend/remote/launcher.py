@@ -7,18 +7,46 @@ worker id gets `-gpuI` (default ids already differ by port). A Unix socket gets 
 
 SIGTERM and SIGINT are passed to every child, so each drains as it would alone; the launcher exits when
 all have, with the worst exit status. A child that dies is not restarted here: that is the job of what
-runs the launcher (systemd, Kubernetes), and the pools of the gateways move its sessions meanwhile.
+runs the launcher (systemd, Kubernetes), and the pools of the gateways move its sessions meanwhile. A
+launcher that dies without passing a signal on (SIGKILL, an OOM kill) takes its children with it: on Linux
+each asks the kernel for SIGTERM when its parent ends (PR_SET_PDEATHSIG), and drains as on any SIGTERM,
+instead of serving on unsupervised with its GPU and ports held.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
 
 from .connection import WorkerAddress, default_worker_id, listen_address
+
+log = logging.getLogger(__name__)
+
+LAUNCHER_PID = "VOXGATE_WORKER_LAUNCHER_PID"  # set in each child's environment: the launcher's process id
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def follow_launcher() -> None:
+    """In a child of the launcher: be sent SIGTERM when the launcher ends. Outside Linux this is a no-op
+    (logged once)."""
+    launcher = os.environ.pop(LAUNCHER_PID, None)
+    if launcher is None:
+        return
+    if not sys.platform.startswith("linux"):
+        log.warning("this platform cannot tie a worker to its launcher: the workers outlive a killed launcher")
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker outlives a killed launcher",
+                    ctypes.get_errno())
+    # The launcher may have died before the call above, when nothing would tell us any more.
+    if os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def gpu_list(spec: str) -> list[str]:
@@ -71,7 +99,7 @@ def child_commands(args: argparse.Namespace, argv: list[str]) -> list[tuple[list
             command += ["--advertise", str(advertise.with_port(advertise.port + i) if advertise.is_network else advertise)]
         if args.health_port:
             command += ["--health-port", str(args.health_port + i)]
-        commands.append((command, {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}))
+        commands.append((command, {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, LAUNCHER_PID: str(os.getpid())}))
     return commands
 
 

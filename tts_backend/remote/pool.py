@@ -23,6 +23,17 @@ word timings) already delivered are dropped from the new stream, as a session re
 request the audio goes on byte for byte, and the client sees only a pause. The failed worker counts as
 down until it answers an info query again, and the session is bound to its new worker.
 
+Trust. A worker is used only once it has proved that it holds the shared token (connection.py, on every
+connection, before any text is sent), and a worker found in the registry only through a record signed with
+that token (discovery.py), whose id it must prove too. Whatever a worker sends is bounded before it is
+believed: frame sizes (framing.py), an info answer's every field (a sample rate of 8-48 kHz, numbers that are
+numbers), and per sentence the audio (MAX_SECONDS_PER_CHAR of the text's characters, at the worker's rate),
+the word timings (one per character at most) and the time it may keep the sentence waiting
+(first_audio_timeout_s for the first frame, chunk_timeout_s for each next one, and in all no more than the
+audio it may send would last). A worker that breaks a bound is set aside for QUARANTINE_S (logged, counted
+in voxgate_pool_workers_quarantined_total) and its sentence goes to another worker as if it had died; with no
+other worker the sentence fails with a retryable error, never silence.
+
 Drain. A worker that drains takes no new session; a session bound to it stays there for the utterance in
 progress (the worker still serves it) and moves with its next utterance. A worker that answers
 `draining` anyway (it started draining since the last refresh) is left for the next one at once.
@@ -35,6 +46,7 @@ import base64
 import collections
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator
@@ -54,19 +66,78 @@ from ..base import (
 )
 from . import framing
 from .connection import Dialer, WorkerAddress, client_tls_context, read_token
-from .discovery import WorkerRegistry
+from .discovery import WorkerRegistry, registry_key
 
 _ERRORS = {code: kind for kind, code in framing.ERROR_CODES.items()}
 _MAX_SESSIONS = 100_000  # session bindings remembered (least recently used forgotten first)
 # A worker whose running streams spend this many wall seconds per second of audio has no headroom: one more
 # stream and its listeners would outrun it.
 RTF_LIMIT = 0.9
+# What a gateway believes of a worker (see the module doc).
+SAMPLE_RATES = (8000, 48000)  # the lowest and highest sample rate a worker may say it has
+MAX_SECONDS_PER_CHAR = 0.5  # audio per character of text, at most: natural speech is ~0.07 s
+MIN_SENTENCE_S = 10.0  # ...and at least this much for any text (a short "Hmm." with a pause around it)
+MAX_VOICES = 10_000
+QUARANTINE_S = 30.0  # a worker that broke a bound gets no stream for this long
 
 log = logging.getLogger("voxgate.pool")
 
 
 class WorkerLost(ConnectionError):
     """The connection to a worker failed or broke before its answer was complete."""
+
+
+class WorkerMisbehaved(WorkerLost):
+    """The worker sent what no worker of this version sends (too much, too late, malformed): it is set aside
+    and its work goes elsewhere."""
+
+
+def _number(info: dict, name: str, default: float = 0.0) -> float:
+    value = info.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise framing.ProtocolError(f"info.{name} is {str(value)[:40]!r}, not a number >= 0")
+    return float(value)
+
+
+def checked_info(info: dict) -> dict:
+    """A worker's info answer with every field the pool reads checked and normalised; a ProtocolError
+    names the first that is not what a worker sends."""
+    rate = info.get("sample_rate")
+    if isinstance(rate, bool) or not isinstance(rate, int) or not SAMPLE_RATES[0] <= rate <= SAMPLE_RATES[1]:
+        raise framing.ProtocolError(f"info.sample_rate is {str(rate)[:40]!r}, not a whole number of "
+                                    f"{SAMPLE_RATES[0]}-{SAMPLE_RATES[1]} Hz")
+    capacity = info.get("capacity")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise framing.ProtocolError(f"info.capacity is {str(capacity)[:40]!r}, not a whole number >= 1")
+    voices = info.get("voices", [])
+    if not isinstance(voices, list) or len(voices) > MAX_VOICES:
+        raise framing.ProtocolError("info.voices is not a list of voices")
+    try:
+        parsed = [Voice(**v) for v in voices]
+    except TypeError as exc:
+        raise framing.ProtocolError(f"info.voices: {exc}") from None
+    if not all(isinstance(v.id, str) and isinstance(v.name, str) for v in parsed):
+        raise framing.ProtocolError("info.voices: a voice's id and name must be strings")
+    honours = info.get("honours", [])
+    if not isinstance(honours, list) or not all(isinstance(h, str) for h in honours):
+        raise framing.ProtocolError("info.honours is not a list of strings")
+    for name in ("id", "name", "default_voice"):
+        if info.get(name) is not None and not isinstance(info[name], str):
+            raise framing.ProtocolError(f"info.{name} is not a string")
+    return {
+        **info, "sample_rate": rate, "capacity": capacity, "voices": voices, "honours": honours,
+        "ready": info.get("ready") is True, "draining": info.get("draining") is True,
+        "speaks_only_clones": info.get("speaks_only_clones") is True,
+        "streams": _number(info, "streams"), "queued": _number(info, "queued"), "rtf": _number(info, "rtf"),
+        "load": _number(info, "load"),
+    }
+
+
+def max_audio_bytes(text: str, sample_rate: int) -> int:
+    """The most s16 audio a worker may send for `text` (see MAX_SECONDS_PER_CHAR)."""
+    return int((MIN_SENTENCE_S + MAX_SECONDS_PER_CHAR * len(text)) * sample_rate) * 2
 
 
 class WorkerDraining(RuntimeError):
@@ -88,20 +159,32 @@ class WorkerClient:
     """One worker of the pool: how to reach it, what it last said of itself, and what this gateway runs
     on it now."""
 
-    def __init__(self, address: WorkerAddress, dialer: Dialer, worker_id: str | None = None) -> None:
+    def __init__(self, address: WorkerAddress, dialer: Dialer, worker_id: str | None = None, *,
+                 first_audio_timeout_s: float = 10.0, chunk_timeout_s: float = 5.0) -> None:
         self.address = address
         self.dialer = dialer
         self.id = worker_id or str(address)
+        # A worker found in the registry must prove it is the one its signed record names.
+        self.expected_id = worker_id
+        self.first_audio_timeout_s = first_audio_timeout_s
+        self.chunk_timeout_s = chunk_timeout_s
         self.info: dict | None = None
         self.down = False  # the last contact failed
         self.draining = False
         self.streams = 0  # streams this gateway has open on it now
         self._streams_at_info = 0
+        self.quarantined_until = 0.0  # monotonic; it broke a bound (module doc)
+        self.wrong_rate = False  # its sample rate is not the pool's
 
     # ---- state -------------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return bool(self.info and self.info.get("ready")) and not self.down
+        return bool(self.info and self.info.get("ready")) and not self.down and not self.wrong_rate \
+            and time.monotonic() >= self.quarantined_until
+
+    def quarantine(self, why: str) -> None:
+        log.warning("worker %s (%s) set aside for %g s: %s", self.id, self.address, QUARANTINE_S, why)
+        self.quarantined_until = time.monotonic() + QUARANTINE_S
 
     @property
     def routable(self) -> bool:
@@ -109,11 +192,10 @@ class WorkerClient:
 
     @property
     def capacity(self) -> int | None:
-        value = self.info.get("capacity") if self.info else None
-        return int(value) if isinstance(value, (int, float)) and value > 0 else None
+        return self.info["capacity"] if self.info else None
 
     def estimated_streams(self) -> float:
-        reported = float(self.info.get("streams", 0)) if self.info else 0.0
+        reported = self.info["streams"] if self.info else 0.0
         return max(0.0, reported + self.streams - self._streams_at_info)
 
     def utilization(self) -> float:
@@ -121,12 +203,12 @@ class WorkerClient:
         if not self.info:
             return 1.0
         capacity = self.capacity
-        by_streams = self.estimated_streams() / capacity if capacity else float(self.info.get("load", 0.0))
-        queued = float(self.info.get("queued", 0) or 0)
+        by_streams = self.estimated_streams() / capacity if capacity else self.info["load"]
+        queued = self.info["queued"]
         utilization = by_streams
         # The pace is a limit, not a measure of fill: streams that produce barely faster than real time mean
         # no room, but a pace well under it says nothing of how many more streams fit.
-        if float(self.info.get("rtf", 0.0) or 0.0) >= RTF_LIMIT:
+        if self.info["rtf"] >= RTF_LIMIT:
             utilization = max(utilization, 1.0)
         if queued > 0:
             utilization = max(utilization, 1.0 + queued / (capacity or 1))
@@ -135,32 +217,36 @@ class WorkerClient:
     def mark_full(self) -> None:
         """It said it is full: count it so until its next report, for every placement of this gateway."""
         if self.info is not None and self.capacity:
-            self.info = {**self.info, "streams": max(float(self.info.get("streams", 0)), self.capacity)}
+            self.info = {**self.info, "streams": max(self.info["streams"], float(self.capacity))}
             self._streams_at_info = self.streams
 
     def apply_info(self, info: dict) -> None:
+        """A checked_info answer."""
         self.info = info
         self._streams_at_info = self.streams
         self.down = False
-        self.draining = bool(info.get("draining", False))
-        if isinstance(info.get("id"), str):
+        self.draining = info["draining"]
+        if info.get("id") is not None:
             self.id = info["id"]
 
     # ---- talking to it -----------------------------------------------------------------------------
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
-            return await self.dialer.open(self.address)
+            return await self.dialer.open(self.address, self.expected_id)
         except OSError as exc:
             raise WorkerLost(f"worker {self.id} unreachable: {exc}") from exc
 
-    async def query(self, op: str, timeout_s: float | None = None, **fields) -> dict:
+    async def query(self, op: str, timeout_s: float | None = None, max_answer: int = framing.MAX_ANSWER_FRAME,
+                    **fields) -> dict:
         reader, writer = await self._open()
         try:
             writer.write(framing.encode_json({"op": op, **fields}))
             await writer.drain()
-            frame = await asyncio.wait_for(framing.read_frame(reader), timeout_s)
+            frame = await asyncio.wait_for(framing.read_frame(reader, max_answer), timeout_s)
             if frame is None or frame[0] != framing.JSON:
                 raise WorkerLost(f"worker {self.id} closed the connection without answering")
+            if len(frame[1]) > framing.MAX_STREAM_FRAME:  # a clone's prompt: milliseconds of parsing, off the loop
+                return await asyncio.to_thread(framing.decode_json, frame[1])
             return framing.decode_json(frame[1])
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             raise WorkerLost(f"worker {self.id}: {exc or type(exc).__name__}") from exc
@@ -170,12 +256,16 @@ class WorkerClient:
                 await writer.wait_closed()
 
     async def refresh(self, timeout_s: float) -> None:
+        """Read its info; any failure, whatever the worker sent, marks it down (logged once) and never
+        raises."""
         try:
             info = await self.query("info", timeout_s)
             if info.get("op") == "error":
-                raise WorkerLost(f"worker {self.id}: {info.get('message', info.get('code'))}")
-            self.apply_info(info)
-        except (WorkerLost, framing.ProtocolError, KeyError, TypeError, ValueError) as exc:
+                raise WorkerLost(f"worker {self.id}: {str(info.get('message', info.get('code')))[:200]}")
+            if info.get("op") != "info":
+                raise framing.ProtocolError(f"answered info with op {str(info.get('op'))[:40]!r}")
+            self.apply_info(checked_info(info))
+        except Exception as exc:  # noqa: BLE001 - a worker's answer, however wrong, only makes it down
             if not self.down:
                 if self.draining:  # the end of a drain: expected
                     log.info("worker %s (%s) has stopped after draining", self.id, self.address)
@@ -185,8 +275,9 @@ class WorkerClient:
 
     async def stream(self, request: SynthesisRequest, place: bool = False) -> AsyncIterator[AudioChunk]:
         """The worker's chunks for `request`. place: the request places a session here, and the worker may
-        answer that it is full. Raises WorkerLost when the connection fails or breaks before "done",
-        WorkerDraining, WorkerFull, or the request's own error."""
+        answer that it is full. Raises WorkerLost when the connection fails or breaks before "done"
+        (WorkerMisbehaved when the worker breaks a bound, see the module doc), WorkerDraining, WorkerFull,
+        or the request's own error."""
         # Counted before the first await, so that placements made in the same moment see each other.
         self.streams += 1
         try:
@@ -194,51 +285,93 @@ class WorkerClient:
         except BaseException:
             self.streams -= 1
             raise
+        rate = self.info["sample_rate"] if self.info else SAMPLE_RATES[1]
+        audio_left = max_audio_bytes(request.text, rate)
+        words_left = len(request.text) + 16
+        # Seconds the worker may keep this request waiting, all waits together: the first frame's, then the
+        # time the most audio it may send would last.
+        wait_left = self.first_audio_timeout_s + audio_left / (2 * rate)
+        first = True
         try:
             message = {"op": "synthesize", "request": framing.request_to_json(request)}
             if place:
                 message["place"] = True
             writer.write(framing.encode_json(message))
+            try:
+                await writer.drain()
+            except OSError as exc:
+                raise WorkerLost(f"worker {self.id} broke off: {exc or type(exc).__name__}") from exc
             while True:
+                deadline = min(self.first_audio_timeout_s if first else self.chunk_timeout_s, wait_left)
+                waited = time.monotonic()
                 try:
-                    await writer.drain()
-                    frame = await framing.read_frame(reader)
+                    frame = await asyncio.wait_for(framing.read_frame(reader, framing.MAX_STREAM_FRAME), deadline)
+                except asyncio.TimeoutError:
+                    raise WorkerMisbehaved(f"worker {self.id} sent nothing for {deadline:.1f} s") from None
                 except (OSError, asyncio.IncompleteReadError) as exc:
                     raise WorkerLost(f"worker {self.id} broke off: {exc or type(exc).__name__}") from exc
                 except framing.ProtocolError as exc:
-                    raise WorkerLost(f"worker {self.id} broke off inside a frame: {exc}") from exc
+                    raise WorkerMisbehaved(f"worker {self.id} sent a bad frame: {exc}") from exc
+                wait_left -= time.monotonic() - waited
+                first = False
                 if frame is None:
                     raise WorkerLost(f"worker {self.id} closed the stream before it was done")
                 kind, payload = frame
                 if kind == framing.AUDIO:
+                    audio_left -= len(payload)
+                    if audio_left < 0 or len(payload) % 2:
+                        raise WorkerMisbehaved(f"worker {self.id} sent more audio than {len(request.text)} "
+                                               "characters can hold, or a partial sample")
                     yield AudioChunk(payload)
-                    continue
-                message = framing.decode_json(payload)
-                if message["op"] == "words":
+                else:
                     try:
-                        words = tuple(WordTiming.from_json(w) for w in message["words"])
-                    except (KeyError, TypeError, ValueError) as exc:
-                        raise framing.ProtocolError(f"bad words frame: {exc}") from exc
-                    yield AudioChunk(b"", words)
-                    continue
-                if message["op"] == "done":
-                    return
-                if message["op"] == "error":
-                    code = message.get("code")
-                    if code == "draining":
-                        raise WorkerDraining(message.get("message", "draining"))
-                    if code == "full":
-                        raise WorkerFull(message.get("message", "full"))
-                    if code == "unauthorized":
-                        raise SynthesisError(f"worker {self.id} refused this gateway's token")
-                    raise _ERRORS.get(code, SynthesisError)(message.get("message", "worker error"))
-                raise framing.ProtocolError(f"unexpected op {message['op']!r}")
+                        message = framing.decode_json(payload)
+                    except framing.ProtocolError as exc:
+                        raise WorkerMisbehaved(f"worker {self.id} sent a bad frame: {exc}") from exc
+                    op = message["op"]
+                    if op == "words":
+                        words = _words(message.get("words"), self.id)
+                        words_left -= len(words)
+                        if words_left < 0:
+                            raise WorkerMisbehaved(f"worker {self.id} sent more word timings than the text has "
+                                                   "characters")
+                        yield AudioChunk(b"", words)
+                    elif op == "done":
+                        return
+                    elif op == "error":
+                        raise _worker_error(message, self.id)
+                    else:
+                        raise WorkerMisbehaved(f"worker {self.id} sent op {str(op)[:40]!r} in a stream")
+                # Frames that were already buffered are read without a pause: let the rest of the gateway (its
+                # /health, its other sessions) run between any two of them, however fast the worker sends.
+                await asyncio.sleep(0)
         finally:
             self.streams -= 1
             # Closing the connection is the cancel signal when we stop early; harmless after "done".
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+def _words(value: object, worker_id: str) -> tuple[WordTiming, ...]:
+    if not isinstance(value, list):
+        raise WorkerMisbehaved(f"worker {worker_id} sent a words frame without a list of words")
+    try:
+        return tuple(WordTiming.from_json(w) for w in value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WorkerMisbehaved(f"worker {worker_id} sent a bad word timing: {str(exc)[:100]}") from None
+
+
+def _worker_error(message: dict, worker_id: str) -> Exception:
+    code, text = message.get("code"), str(message.get("message", "worker error"))[:500]
+    code = code if isinstance(code, str) else None
+    if code == "draining":
+        return WorkerDraining(text)
+    if code == "full":
+        return WorkerFull(text)
+    if code == "unauthorized":
+        return SynthesisError(f"worker {worker_id} refused this gateway's token")
+    return _ERRORS.get(code, SynthesisError)(text)
 
 
 @dataclass
@@ -250,17 +383,20 @@ class _Binding:
 class RemoteSynthesizer(Synthesizer):
     """socket: one local worker's socket path. workers: addresses (comma-separated or a list). discover: a
     Redis URL whose registry lists the workers (discover_cluster: a Redis Cluster). token / token_file: the
-    workers' shared secret (default $VOXGATE_WORKER_TOKEN). tls_ca: CA file for tls:// workers.
-    start() waits up to `connect_timeout_s` for a ready worker (it may still be loading its model and
-    capturing graphs); `info_refresh_s`: how often each worker's info is read; `discover_refresh_s`: how
-    often the registry is."""
+    workers' shared secret (default $VOXGATE_WORKER_TOKEN); discovery needs it (records are signed with it).
+    tls_ca: CA file for tls:// workers. start() waits up to `connect_timeout_s` for a ready worker (it may
+    still be loading its model and capturing graphs); `info_refresh_s`: how often each worker's info is
+    read; `discover_refresh_s`: how often the registry is. first_audio_timeout_s / chunk_timeout_s: how long
+    a worker may keep a sentence waiting for its first frame / each next one before it is set aside and the
+    sentence goes to another worker."""
 
     name = "remote"
 
     def __init__(self, socket: str | None = None, workers: str | list | None = None, discover: str | None = None,
                  discover_cluster: bool = False, discover_prefix: str = "voxgate:", token: str | None = None,
                  token_file: str | None = None, tls_ca: str | None = None, connect_timeout_s: float = 600.0,
-                 info_refresh_s: float = 0.25, discover_refresh_s: float = 1.0, dial_timeout_s: float = 5.0) -> None:
+                 info_refresh_s: float = 0.25, discover_refresh_s: float = 1.0, dial_timeout_s: float = 5.0,
+                 first_audio_timeout_s: float = 10.0, chunk_timeout_s: float = 5.0) -> None:
         addresses = _split(workers)
         if socket is not None:
             addresses.insert(0, f"unix:{socket}")
@@ -271,12 +407,18 @@ class RemoteSynthesizer(Synthesizer):
             token = read_token(token, token_file)
         except ValueError as exc:
             raise SynthesisError(str(exc)) from None
+        if discover and token is None:
+            raise SynthesisError("discover= needs the workers' token (token_file=, token= or $VOXGATE_WORKER_TOKEN): "
+                                 "registry records are signed with it, and only signed ones are used")
+        self._timeouts = {"first_audio_timeout_s": float(first_audio_timeout_s),
+                          "chunk_timeout_s": float(chunk_timeout_s)}
         tls = client_tls_context(tls_ca) if tls_ca or any(a.scheme == "tls" for a in parsed) or discover else None
         self.dialer = Dialer(token=token, tls=tls, timeout_s=dial_timeout_s)
         self.members: dict[str, WorkerClient] = {}
         for address in parsed:
-            self.members[str(address)] = WorkerClient(address, self.dialer)
-        self.registry = WorkerRegistry(discover, discover_cluster, discover_prefix) if discover else None
+            self.members[str(address)] = WorkerClient(address, self.dialer, **self._timeouts)
+        self.registry = WorkerRegistry(discover, discover_cluster, discover_prefix,
+                                       key=registry_key(token)) if discover else None
         self.connect_timeout_s = connect_timeout_s
         self.info_refresh_s = info_refresh_s
         self.discover_refresh_s = discover_refresh_s
@@ -286,6 +428,8 @@ class RemoteSynthesizer(Synthesizer):
         self.failovers = 0
         self.moved_for_drain = 0
         self.placements_refused = 0
+        self.quarantined = 0
+        self._rate: int | None = None  # the pool's sample rate: the first ready worker's, for good
 
     # ---- membership --------------------------------------------------------------------------------
     async def _discover(self) -> None:
@@ -301,7 +445,7 @@ class RemoteSynthesizer(Synthesizer):
             seen.add(key)
             member = self.members.get(key)
             if member is None:
-                member = self.members[key] = WorkerClient(address, self.dialer, record["id"])
+                member = self.members[key] = WorkerClient(address, self.dialer, record["id"], **self._timeouts)
                 log.info("worker %s joined the pool at %s", record["id"], address)
                 await member.refresh(self.dialer.timeout_s)
             if record.get("draining"):
@@ -315,6 +459,15 @@ class RemoteSynthesizer(Synthesizer):
         members = list(self.members.values())
         if members:
             await asyncio.gather(*(m.refresh(max(1.0, self.info_refresh_s * 4)) for m in members))
+        if self._rate is None:
+            self._rate = next((m.info["sample_rate"] for m in members if m.ready), None)
+        for member in members:
+            # Audio is bytes at the pool's rate: a worker at another rate would be played at the wrong speed.
+            wrong = member.info is not None and self._rate is not None and member.info["sample_rate"] != self._rate
+            if wrong and not member.wrong_rate:
+                log.warning("worker %s (%s) runs at %d Hz, the pool at %d Hz: not used", member.id, member.address,
+                            member.info["sample_rate"], self._rate)
+            member.wrong_rate = wrong
         ready = [m for m in members if m.ready]
         if ready:
             self._first = ready[0].info
@@ -323,7 +476,7 @@ class RemoteSynthesizer(Synthesizer):
         info = self._first
         if info is None:
             return
-        self.sample_rate = int(info["sample_rate"])
+        self.sample_rate = self._rate
         self._voices = [Voice(**v) for v in info.get("voices", [])]
         # A worker too old to say honours nothing. Text streaming needs the pool to forward what is pushed,
         # which it does not do yet: not offered, whatever the workers' backends can do.
@@ -354,8 +507,11 @@ class RemoteSynthesizer(Synthesizer):
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.info_refresh_s)
-            await self._refresh_all()
-            self._apply_first()
+            try:
+                await self._refresh_all()
+                self._apply_first()
+            except Exception:  # noqa: BLE001 - the pool must go on following its workers whatever happened
+                log.exception("refreshing the workers' info failed; trying again")
 
     async def _discover_forever(self) -> None:
         failing = False
@@ -403,7 +559,7 @@ class RemoteSynthesizer(Synthesizer):
         return sum(c for c in capacities if c) or None
 
     def queued(self) -> int:
-        return sum(int(m.info.get("queued", 0) or 0) for m in self.members.values() if m.ready and m.info)
+        return sum(int(m.info["queued"]) for m in self.members.values() if m.ready and m.info)
 
     # ---- routing -----------------------------------------------------------------------------------
     def _best(self, exclude: set[WorkerClient] = frozenset()) -> WorkerClient | None:
@@ -433,7 +589,7 @@ class RemoteSynthesizer(Synthesizer):
         if worker is None:  # every worker said it is full: the emptiest takes it, where it waits for a place
             worker = self._best(failed)
         if worker is None:
-            raise SynthesisError("no worker is reachable" if not exclude else
+            raise SynthesisError("no worker is reachable" if not failed else
                                  "the worker serving this sentence failed and no other worker is reachable")
         if key:
             self._bindings[key] = _Binding(worker, request.utterance_key)
@@ -483,6 +639,9 @@ class RemoteSynthesizer(Synthesizer):
                 self.placements_refused += 1
             except WorkerLost as exc:
                 worker.down = True
+                if isinstance(exc, WorkerMisbehaved):
+                    worker.quarantine(str(exc))
+                    self.quarantined += 1
                 failed.add(worker)
                 self.failovers += 1
                 if lost_at is None:
@@ -499,7 +658,8 @@ class RemoteSynthesizer(Synthesizer):
             if worker is None:
                 raise BackendOverloadedError("no worker is reachable to clone the voice")
             try:
-                answer = await worker.query("clone", samples=base64.b64encode(reference.samples).decode(),
+                answer = await worker.query("clone", max_answer=framing.MAX_REQUEST_FRAME,
+                                            samples=base64.b64encode(reference.samples).decode(),
                                             ref_text=reference.ref_text, x_vector_only=x_vector_only)
                 break
             except WorkerLost as exc:
@@ -507,7 +667,7 @@ class RemoteSynthesizer(Synthesizer):
                 worker.down = True
                 failed.add(worker)
         if answer.get("op") == "error":
-            raise _ERRORS.get(answer.get("code"), SynthesisError)(answer.get("message", "worker error"))
+            raise _worker_error(answer, worker.id)
         if answer.get("op") != "clone":
             raise framing.ProtocolError(f"unexpected op {answer.get('op')!r}")
         return framing.decode_base64(answer.get("prompt"), "prompt")
@@ -550,6 +710,11 @@ class RemoteSynthesizer(Synthesizer):
                           samples=(((), float(self.moved_for_drain)),)),
             BackendMetric("pool_placements_refused", "counter", "Session placements a worker refused as full "
                           "(the next best was asked)", samples=(((), float(self.placements_refused)),)),
+            BackendMetric("pool_workers_quarantined", "counter", "Times a worker was set aside for breaking a bound "
+                          "(too much audio or too many words for its text, a bad frame, a deadline)",
+                          samples=(((), float(self.quarantined)),)),
+            BackendMetric("pool_registry_records_refused", "counter", "Registry entries ignored: unsigned, badly "
+                          "signed or stale", samples=(((), float(self.registry.refused if self.registry else 0)),)),
         ]
         return own + [BackendMetric(f.name, f.kind, f.help, f.labels, tuple(values[f.name].items()))
                       for f in summed.values()]

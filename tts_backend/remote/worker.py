@@ -25,10 +25,10 @@ import collections
 import contextlib
 import dataclasses
 import gc
-import hmac
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -38,12 +38,24 @@ from ..base import BackendMetric, ReferenceAudio, SynthesisError, Synthesizer
 from ..registry import create_backend
 from . import framing
 from .connection import WorkerAddress, default_worker_id, listen_address, read_token, server_tls_context
-from .discovery import WorkerRegistry
+from .discovery import WorkerRegistry, registry_key
 from .health import HealthServer
 
 log = logging.getLogger(__name__)
 
-FIRST_FRAME_TIMEOUT_S = 10.0  # a peer that opens a connection and says nothing is dropped after this
+# Connections that have not finished the handshake (framing.py) count apart from the authenticated ones
+# (max_connections), at most MAX_UNAUTHENTICATED at once, the oldest dropped for a newer one, each given
+# AUTH_TIMEOUT_S from its accept (a TLS handshake included): idle or slow peers cannot hold the worker's
+# connection cap, and a gateway's handshake, one round trip, gets through a flood of them.
+MAX_UNAUTHENTICATED = 64
+AUTH_TIMEOUT_S = 3.0
+REQUEST_TIMEOUT_S = 10.0  # the request frame must have arrived this long after the handshake (or the accept)
+# Request frames larger than LARGE_REQUEST are counted against one budget for the whole worker while they
+# are read and served, so that many connections sending large frames (clones carry megabytes) cannot take
+# more memory than the budget; one that would pass it is answered `overloaded`.
+LARGE_REQUEST = 64 * 1024
+LARGE_REQUEST_BUDGET = 32 * 1024 * 1024
+MAX_TEXT_CHARS = 2000  # default --max-text-chars: the longest text of one synthesize (the gateway's cap is 300)
 _SEEN_UTTERANCES = 65536  # utterance keys remembered for the drain (oldest forgotten first)
 
 
@@ -54,6 +66,10 @@ def error_code(exc: BaseException) -> str:
     if isinstance(exc, SynthesisError):
         return "synthesis_failed"
     return "internal"
+
+
+class _Busy(Exception):
+    """A request the worker cannot take now (answered `overloaded`)."""
 
 
 async def _refuse(writer: asyncio.StreamWriter, code: str, message: str) -> None:
@@ -98,7 +114,7 @@ class WorkerServer:
     def __init__(self, backend: Synthesizer, listen: WorkerAddress | str, *, token: str | None = None,
                  tls=None, worker_id: str | None = None, advertise: WorkerAddress | None = None,
                  capacity: int | None = None, drain_linger_s: float = 2.0, max_connections: int = 4096,
-                 model: str | None = None) -> None:
+                 model: str | None = None, max_text_chars: int = MAX_TEXT_CHARS) -> None:
         self.backend = backend
         self.listen = listen if isinstance(listen, WorkerAddress) else WorkerAddress.parse(listen)
         if self.listen.scheme == "tls" and tls is None:
@@ -111,7 +127,10 @@ class WorkerServer:
         self._capacity = capacity
         self.model = model  # what it serves, for the registry: the checkpoint folder's name
         self.drain_linger_s = drain_linger_s
-        self.max_connections = max_connections
+        self.max_connections = max_connections  # authenticated connections (all, without a token)
+        self.max_text_chars = max_text_chars
+        self._unauthenticated: collections.OrderedDict[asyncio.StreamWriter, None] = collections.OrderedDict()
+        self._large_request_bytes = 0
         self._server: asyncio.AbstractServer | None = None
         self.streams_in_flight = 0
         self.connections = 0
@@ -121,6 +140,8 @@ class WorkerServer:
         self._utterances: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._last_stream_at = time.monotonic()
         self.refused_unauthorized = 0
+        self.handshakes_dropped = 0  # unfinished in time, or dropped for a newer one past the cap
+        self.bad_requests = 0
 
     @property
     def socket_path(self) -> str:
@@ -183,7 +204,11 @@ class WorkerServer:
             gauge("worker_draining", "1 while the worker drains (SIGTERM)", 1.0 if self.draining else 0.0),
             gauge("worker_connections", "Open connections", self.connections),
             BackendMetric("worker_unauthorized_connections", "counter", "Connections refused for a wrong or "
-                          "missing token", samples=(((), float(self.refused_unauthorized)),)),
+                          "missing proof of the token", samples=(((), float(self.refused_unauthorized)),)),
+            BackendMetric("worker_handshakes_dropped", "counter", "Connections dropped before finishing the handshake "
+                          "(too slow, or the oldest past the cap)", samples=(((), float(self.handshakes_dropped)),)),
+            BackendMetric("worker_bad_requests", "counter", "Connections refused for a malformed frame or request",
+                          samples=(((), float(self.bad_requests)),)),
         ]
 
     async def all_metrics(self) -> list[BackendMetric]:
@@ -194,10 +219,13 @@ class WorkerServer:
         return {"op": "metrics", "metrics": [m.to_json() for m in await self.all_metrics()]}
 
     async def clone(self, message: dict) -> dict:
-        reference = ReferenceAudio(framing.decode_base64(message.get("samples"), "samples"),
-                                   message.get("ref_text"))
-        if reference.ref_text is not None and not isinstance(reference.ref_text, str):
-            raise framing.ProtocolError("ref_text must be a string or null")
+        ref_text = message.get("ref_text")
+        if ref_text is not None and (not isinstance(ref_text, str) or len(ref_text) > self.max_text_chars):
+            raise framing.ProtocolError(f"ref_text must be null or a string of at most {self.max_text_chars} characters")
+        samples = message.get("samples")
+        samples = await asyncio.to_thread(framing.decode_base64, samples, "samples") \
+            if isinstance(samples, str) and len(samples) > LARGE_REQUEST else framing.decode_base64(samples, "samples")
+        reference = ReferenceAudio(samples, ref_text)
         try:
             prompt = await self.backend.clone_voice(reference, bool(message.get("x_vector_only", False)))
         except SynthesisError as exc:
@@ -215,7 +243,7 @@ class WorkerServer:
                                                            limit=framing.READ_LIMIT)
             os.chmod(self.listen.path, 0o660)
         else:
-            tls = {"ssl": self.tls, "ssl_handshake_timeout": FIRST_FRAME_TIMEOUT_S} if self.tls else {}
+            tls = {"ssl": self.tls, "ssl_handshake_timeout": AUTH_TIMEOUT_S} if self.tls else {}
             self._server = await asyncio.start_server(self._handle, self.listen.host, self.listen.port,
                                                       limit=framing.READ_LIMIT, **tls)
         if self.listen.is_network and self.listen.port == 0:  # port 0: name the one the OS chose
@@ -257,34 +285,81 @@ class WorkerServer:
         log.warning("drain timeout (%g s): %d streams still running are cut", timeout_s, self.streams_in_flight)
 
     # ---- connections -------------------------------------------------------------------------------
-    async def _first_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict | None:
-        """The connection's request, once its token (where one is set) is right; None when refused."""
-        limit = framing.MAX_AUTH_FRAME if self.token is not None else framing.MAX_FRAME
-        frame = await asyncio.wait_for(framing.read_frame(reader, limit), FIRST_FRAME_TIMEOUT_S)
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """The handshake (framing.py), within AUTH_TIMEOUT_S, as one of at most MAX_UNAUTHENTICATED."""
+        self._unauthenticated[writer] = None
+        while len(self._unauthenticated) > MAX_UNAUTHENTICATED:
+            oldest, _ = self._unauthenticated.popitem(last=False)
+            oldest.transport.abort()  # its handler ends on the broken read
+            self.handshakes_dropped += 1
+        try:
+            return await asyncio.wait_for(self._handshake(reader, writer), AUTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.handshakes_dropped += 1
+            return False
+        finally:
+            self._unauthenticated.pop(writer, None)
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        frame = await framing.read_frame(reader, framing.MAX_AUTH_FRAME)
         if frame is None:
-            return None
-        if self.token is not None:
-            message = framing.decode_json(frame[1]) if frame[0] == framing.JSON else {}
-            offered = message.get("token") if message.get("op") == "auth" else None
-            if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), self.token.encode()):
-                self.refused_unauthorized += 1
-                await _refuse(writer, "unauthorized", "this worker wants its token first")
-                return None
-            frame = await asyncio.wait_for(framing.read_frame(reader), FIRST_FRAME_TIMEOUT_S)
-            if frame is None:
-                return None
-        kind, payload = frame
+            return False
+        hello = framing.decode_json(frame[1]) if frame[0] == framing.JSON else {}
+        if hello.get("op") != "hello":
+            self.refused_unauthorized += 1
+            await _refuse(writer, "unauthorized", "this worker wants the hello handshake first (a gateway of this version)")
+            return False
+        client_nonce = framing.parse_nonce(hello.get("nonce"))
+        worker_nonce = secrets.token_bytes(framing.NONCE_BYTES)
+        writer.write(framing.encode_json({
+            "op": "hello", "nonce": worker_nonce.hex(), "id": self.worker_id,
+            "proof": framing.worker_proof(self.token, client_nonce, worker_nonce, self.worker_id)}))
+        await writer.drain()
+        frame = await framing.read_frame(reader, framing.MAX_AUTH_FRAME)
+        if frame is None:
+            return False
+        auth = framing.decode_json(frame[1]) if frame[0] == framing.JSON else {}
+        expected = framing.gateway_proof(self.token, worker_nonce, client_nonce)
+        if auth.get("op") != "auth" or not framing.proof_matches(auth.get("proof"), expected):
+            self.refused_unauthorized += 1
+            await _refuse(writer, "unauthorized", "wrong proof of the worker token")
+            return False
+        return True
+
+    async def _read_request(self, reader: asyncio.StreamReader) -> tuple[dict | None, int]:
+        """The connection's request, and the bytes of LARGE_REQUEST_BUDGET it holds (the caller gives them
+        back when the request is done)."""
+        head = await framing.read_header(reader, framing.MAX_REQUEST_FRAME)
+        if head is None:
+            return None, 0
+        kind, size = head
         if kind != framing.JSON:
             raise framing.ProtocolError("expected a JSON frame first")
-        return framing.decode_json(payload)
+        held = size if size > LARGE_REQUEST else 0
+        if held and self._large_request_bytes + held > LARGE_REQUEST_BUDGET:
+            raise _Busy("this worker is reading as many large requests as it takes at once")
+        self._large_request_bytes += held
+        try:
+            payload = await reader.readexactly(size)
+            # A large frame's JSON takes milliseconds to parse: off the loop, which other streams share.
+            message = await asyncio.to_thread(framing.decode_json, payload) if held else framing.decode_json(payload)
+        except BaseException:
+            self._large_request_bytes -= held
+            raise
+        return message, held
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
+        held = 0
+        counted = False
         try:
-            if self.connections > self.max_connections:
+            if self.token is not None and not await self._authenticate(reader, writer):
+                return
+            if self.connections >= self.max_connections:
                 await _refuse(writer, "overloaded", "too many connections to this worker")
                 return
-            message = await self._first_request(reader, writer)
+            self.connections += 1
+            counted = True
+            message, held = await asyncio.wait_for(self._read_request(reader), REQUEST_TIMEOUT_S)
             if message is None:
                 return
             if message["op"] == "info":
@@ -300,6 +375,9 @@ class WorkerServer:
                 data = message.get("request") or {}
                 if not isinstance(data, dict):
                     raise framing.ProtocolError("request must be an object")
+                text = data.get("text")
+                if not isinstance(text, str) or len(text) > self.max_text_chars:
+                    raise framing.ProtocolError(f"text must be a string of at most {self.max_text_chars} characters")
                 if not self._admit(data):
                     await _refuse(writer, "draining", "this worker is draining")
                     return
@@ -308,14 +386,21 @@ class WorkerServer:
                     return
                 await self._synthesize(data, reader, writer)
             else:
-                raise framing.ProtocolError(f"unknown op {message['op']!r}")
+                raise framing.ProtocolError(f"unknown op {str(message['op'])[:64]!r}")
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass  # the client went away (its stream was cancelled with it), or never said anything
         except framing.ProtocolError as exc:
+            self.bad_requests += 1
+            log.debug("refused a malformed request: %s", exc)
             with contextlib.suppress(ConnectionError):
-                await _refuse(writer, "bad_request", str(exc))
+                await _refuse(writer, "bad_request", str(exc)[:200])
+        except _Busy as exc:
+            with contextlib.suppress(ConnectionError):
+                await _refuse(writer, "overloaded", str(exc))
         finally:
-            self.connections -= 1
+            self._large_request_bytes -= held
+            if counted:
+                self.connections -= 1
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -360,10 +445,14 @@ class WorkerServer:
                         if not first_audio:
                             self.meter.add(time.monotonic() - asked, len(chunk.pcm) * seconds_per_byte)
                         first_audio = False
-                    if chunk.words:  # before the chunk's audio, as the backend gave them
-                        writer.write(framing.encode_json({"op": "words", "words": [w.to_json() for w in chunk.words]}))
-                    if chunk.pcm:
-                        writer.write(framing.encode(framing.AUDIO, chunk.pcm))
+                    # The words before the chunk's audio, as the backend gave them; both in frames no larger
+                    # than a gateway takes (framing.MAX_STREAM_FRAME).
+                    for at in range(0, len(chunk.words), framing.WORDS_PER_FRAME):
+                        words = chunk.words[at:at + framing.WORDS_PER_FRAME]
+                        writer.write(framing.encode_json({"op": "words", "words": [w.to_json() for w in words]}))
+                    pcm = memoryview(chunk.pcm)
+                    for at in range(0, len(pcm), framing.AUDIO_FRAME_BYTES):
+                        writer.write(framing.encode(framing.AUDIO, pcm[at:at + framing.AUDIO_FRAME_BYTES]))
                     await writer.drain()  # a slow reader slows the stream: back-pressure reaches the engine
             finally:
                 await stream.aclose()
@@ -416,6 +505,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="streams served at once at full speed (default: the backend's, e.g. its KV slots)")
     parser.add_argument("--health-port", type=int, default=int(env("VOXGATE_WORKER_HEALTH_PORT", "0")) or None,
                         help="HTTP port for /health, /ready and /metrics")
+    parser.add_argument("--health-host", default=env("VOXGATE_WORKER_HEALTH_HOST"),
+                        help="address the health port binds (default: --listen's host; loopback for a Unix socket)")
+    parser.add_argument("--max-text-chars", type=int, default=MAX_TEXT_CHARS,
+                        help="longest text of one synthesis request (longer ones are refused)")
     parser.add_argument("--drain-timeout-s", type=float, default=float(env("VOXGATE_WORKER_DRAIN_TIMEOUT_S", "30")),
                         help="on SIGTERM: seconds open utterances get before the worker exits")
     parser.add_argument("--drain-linger-s", type=float, default=2.0,
@@ -462,6 +555,9 @@ def server_from_args(args: argparse.Namespace, backend: Synthesizer) -> WorkerSe
     if listen.is_network and not listen.is_loopback and token is None and not args.insecure_no_auth:
         raise SystemExit(f"voxgate worker: listening on {listen} without a token lets anyone on the network use "
                          "this GPU; give --token-file (or VOXGATE_WORKER_TOKEN), or --insecure-no-auth")
+    if args.registry and token is None:
+        raise SystemExit("voxgate worker: --registry needs the token (--token-file or VOXGATE_WORKER_TOKEN): the "
+                         "record is signed with it, and gateways ignore records that are not")
     tls = None
     if listen.scheme == "tls":
         if not (args.tls_cert and args.tls_key):
@@ -471,8 +567,18 @@ def server_from_args(args: argparse.Namespace, backend: Synthesizer) -> WorkerSe
         except (OSError, ValueError) as exc:
             raise SystemExit(f"voxgate worker: cannot load the TLS certificate or key: {exc}") from None
     return WorkerServer(backend, listen, token=token, tls=tls, worker_id=args.worker_id, advertise=advertise,
-                        capacity=args.capacity, drain_linger_s=args.drain_linger_s,
+                        capacity=args.capacity, drain_linger_s=args.drain_linger_s, max_text_chars=args.max_text_chars,
                         model=os.path.basename(os.path.normpath(args.model)) if args.model else None)
+
+
+def health_host(listen: WorkerAddress, given: str | None) -> str:
+    """Where the health port binds: `given`, else the listen address's host (a wildcard stays a wildcard,
+    so probes reach it from outside), loopback for a Unix socket; never wider than the worker itself."""
+    if given:
+        return given
+    if listen.scheme == "unix" or listen.host == "localhost":
+        return "127.0.0.1"
+    return listen.host
 
 
 async def keep_registered(server: WorkerServer, registry: WorkerRegistry, heartbeat_s: float) -> None:
@@ -504,11 +610,13 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     health = None
     if args.health_port:
-        health = HealthServer(args.health_port, lambda: backend.ready and not server.draining, server.all_metrics)
+        health = HealthServer(args.health_port, lambda: backend.ready and not server.draining, server.all_metrics,
+                              host=health_host(server.listen, args.health_host))
         await health.start()
     registry = heartbeat = None
     if args.registry:
-        registry = WorkerRegistry(args.registry, args.registry_cluster, args.registry_prefix, args.lease_s)
+        registry = WorkerRegistry(args.registry, args.registry_cluster, args.registry_prefix, args.lease_s,
+                                  key=registry_key(server.token))
         try:  # registered before it says it is ready; a Redis not up yet is retried by the heartbeat, not fatal
             await registry.announce(server.record())
         except Exception as exc:  # noqa: BLE001 - any Redis failure
@@ -554,6 +662,9 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .launcher import follow_launcher
+
+    follow_launcher()  # a worker started by --gpus ends with its launcher
     if args.gpus:
         from .launcher import run_per_gpu
 
