@@ -26,6 +26,7 @@ from .http.routes import ApiError, router
 from .limits import Admission
 from .metrics import GatewayMetrics
 from .protocol import CloseCode, ErrorCode, ProtocolError
+from .audio.decoder import ReferenceDecoder
 from .http.guard import RequestGuard
 from .session.connection import StreamingSession
 from .settings import GatewaySettings
@@ -84,12 +85,14 @@ def create_app(
     store: SessionStore | None = None,
     authenticate: Authenticator | None = None,
     freeze_gc_when_ready: bool = False,
+    reference_decoder: ReferenceDecoder | None = None,
 ) -> FastAPI:
     """A gateway app. `backend` defaults to the one `settings.backend` names (created, started and
     stopped by the app's lifespan); `authenticate` is the auth hook (default: API keys from settings).
     `freeze_gc_when_ready`: once the backend is up, move every object alive then out of the cyclic
     collector's reach (`gc.freeze`); for a process that is the server (`voxgate serve` sets it), not for an
-    app embedded in a larger one."""
+    app embedded in a larger one. `reference_decoder`: the processes that decode reference clips (default:
+    gateway/audio/decoder.py's, started when first needed)."""
     settings = settings or GatewaySettings()
     if backend is None:
         backend = create_backend(settings.backend, **backend_options(settings))
@@ -112,7 +115,7 @@ def create_app(
         metrics=GatewayMetrics(),
         authenticate=authenticate or api_key_authenticator(settings),
         admission=admission,
-        voices=VoiceRegistry(backend, store, settings, admission),
+        voices=VoiceRegistry(backend, store, settings, admission, reference_decoder),
     )
 
     @asynccontextmanager
@@ -168,6 +171,7 @@ def create_app(
                 starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             await gateway.backend.stop()
+            await gateway.voices.stop()
             await gateway.admission.stop()
             await gateway.store.stop()
 

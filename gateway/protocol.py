@@ -182,9 +182,10 @@ class SessionConfig(_ClientMessage):
         return None
 
     def backend_extra(self) -> dict[str, Any]:
-        """Request options that only some backends understand."""
+        """Request options that only some backends understand. Not the reference clip: its voice reaches the
+        backend as the prompt computed from it (SynthesisRequest.voice_prompt), not megabytes per sentence."""
         extra: dict[str, Any] = {}
-        for name in ("task_type", "ref_audio", "ref_text", "x_vector_only_mode"):
+        for name in ("task_type", "ref_text", "x_vector_only_mode"):
             value = getattr(self, name)
             if value is not None:
                 extra[name] = value

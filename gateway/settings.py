@@ -6,10 +6,11 @@ Values come from (highest priority first) `voxgate serve` flags, environment var
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any, Literal, get_origin
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 KIB = 1024
@@ -52,7 +53,13 @@ class GatewaySettings(BaseSettings):
     reference_audio_fetch: bool = Field(
         False, description="accept http(s) URLs as ref_audio and fetch them (off: base64 and data URLs only)"
     )
-    reference_fetch_timeout_s: float = Field(10.0, gt=0, description="time a reference audio URL may take to fetch")
+    reference_fetch_timeout_s: float = Field(
+        10.0, gt=0, description="time a reference audio URL may take to fetch, redirects included"
+    )
+    reference_fetch_allowed_networks: list[str] = Field(
+        default_factory=list, description="networks (CIDR, e.g. 10.1.2.0/24) a reference audio URL may reach although"
+        " they are loopback, private or link-local; every other such address is refused"
+    )
     voice_cache_bytes: int = Field(
         64 * MIB, ge=0, description="voice prompts each replica keeps in memory (LRU), beside the session store"
     )
@@ -167,6 +174,13 @@ class GatewaySettings(BaseSettings):
     log_format: Literal["auto", "json", "text"] = Field(
         "auto", description="json: one object per line; text: for people; auto: text on a terminal, else json"
     )
+
+    @field_validator("reference_fetch_allowed_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for network in value:
+            ipaddress.ip_network(network, strict=False)  # ValueError: one line from settings_error_line
+        return value
 
     @model_validator(mode="after")
     def _redis_url_selects_redis(self) -> GatewaySettings:

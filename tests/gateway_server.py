@@ -91,10 +91,12 @@ def running_gateway(
     ready_path: str = "/ready",
     store: Any = None,
     authenticate: Any = None,
+    reference_decoder: Any = None,
     **settings_overrides: Any,
 ) -> Iterator[RunningGateway]:
     """Start a gateway (settings = defaults + overrides; `backend` a name or a Synthesizer instance;
-    `store` a SessionStore and `authenticate` an auth hook, both passed to create_app). It is entered once
+    `store` a SessionStore, `authenticate` an auth hook and `reference_decoder` a ReferenceDecoder, passed to
+    create_app). It is entered once
     `ready_path` answers 200: "/health" to see the gateway before its backend is ready."""
     if isinstance(store, str):  # the settings' store kind ("memory", "redis"), not an instance
         settings_overrides["store"], store = store, None
@@ -102,7 +104,8 @@ def running_gateway(
     instance = backend if isinstance(backend, Synthesizer) else None
     name = backend.name if instance is not None else backend
     settings = GatewaySettings(host="127.0.0.1", port=port, backend=name, log_level="warning", **settings_overrides)
-    app = create_app(settings, backend=instance, store=store, authenticate=authenticate)
+    app = create_app(settings, backend=instance, store=store, authenticate=authenticate,
+                     reference_decoder=reference_decoder)
     config = uvicorn.Config(app, lifespan="on", **uvicorn_options(settings))
     server = uvicorn.Server(config)
     loop_box: dict[str, asyncio.AbstractEventLoop] = {}

@@ -19,7 +19,7 @@ from tests.cloning_fixtures import encode_clip
 from tests.gateway_server import audio_by_sentence, open_session, receive_until, running_gateway
 from tests.qwen3_fixtures import single_torch_thread, tiny_base  # noqa: F401 - fixtures
 from tests.test_qwen3_clone_parity import REF_TEXT, _clip
-from tts_backend.base import ReferenceAudio, SynthesisRequest
+from tts_backend.base import REFERENCE_SAMPLE_RATE, ReferenceAudio, SynthesisRequest
 from tts_backend.registry import create_backend
 
 KEY_A, KEY_B = "qwen3-key-a-" + "a" * 16, "qwen3-key-b-" + "b" * 16
@@ -42,7 +42,7 @@ def test_a_base_checkpoint_clones_registers_and_speaks_through_the_gateway(tiny_
         assert made.status_code == 200, made.text
 
         # The stored prompt is the backend's prompt for the decoded clip, byte for byte.
-        reference = ReferenceAudio(decode_clip(wav, 3.0, 30.0).astype("<f4").tobytes(), REF_TEXT)
+        reference = ReferenceAudio(decode_clip(wav, 3.0, 30.0, REFERENCE_SAMPLE_RATE).astype("<f4").tobytes(), REF_TEXT)
         direct = server.call(backend.clone_voice, reference, False, timeout=120)
         stored = server.call(server.gateway.voices.find, Principal(key_id=key_fingerprint(KEY_A)), "anna")
         assert stored.prompt == direct

@@ -1,41 +1,41 @@
-"""Reference audio for voice cloning: from what a client sends to the backend's `ReferenceAudio`.
+"""Reference audio for voice cloning: what a client sends, read as bytes and decoded to samples.
 
-A client sends a clip as base64, a data URL (`data:audio/wav;base64,...`), or, only where the operator
-allows fetching (`reference_audio_fetch`), an http(s) URL. Any container and codec FFmpeg reads (wav,
-flac, mp3, ogg/vorbis/opus, ...), at any rate, mono or multichannel, is decoded with PyAV, mixed down to
-mono and resampled with soxr to the one rate backends take (24 kHz float32).
+A client sends a clip as base64 or a data URL (`data:audio/wav;base64,...`), or, only where the operator
+allows fetching, an http(s) URL (gateway/audio/fetch.py). Any container and codec FFmpeg reads (wav,
+flac, mp3, ogg/vorbis/opus, ...), at any rate, mono or stereo, is decoded with PyAV, mixed down to mono
+and resampled with soxr to the rate backends take (24 kHz float32).
 
-Bounded: the encoded clip is at most `max_reference_audio_bytes`; decoding stops as soon as the audio
-passes `max_reference_audio_s` and a clip shorter than `min_reference_audio_s` is refused; a fetch has a
-time limit and the same byte limit. Decoding runs on worker threads, as many at once as the caller's
-semaphore lets (the voice registry's), never on the event loop. Every refusal is `InvalidReferenceAudio`, with a message that says why.
+`decode_clip` is the untrusted part: FFmpeg parsing a stranger's file. It runs only in a decoder
+process (gateway/audio/decoder.py), never in the gateway's own, so that a decoder bug costs one
+request, not the replica. Every refusal is `InvalidReferenceAudio`, with a message that says why.
+
+Knows nothing of the rest of the gateway: its callers pass the limits.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import io
 import re
-import time
-import urllib.error
-import urllib.request
 
 import av
 import numpy as np
 import soxr
 
-from tts_backend.base import REFERENCE_SAMPLE_RATE, ReferenceAudio
-
-from ..settings import GatewaySettings
-
-_DATA_URL = re.compile(r"^data:([\w.+/-]*)(;[\w=.+-]+)*;base64,", re.IGNORECASE)
-_FETCH_CHUNK = 64 * 1024
+_DATA_URL = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*;base64,", re.IGNORECASE)
+_URL = re.compile(r"[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+MAX_CHANNELS = 2  # mono or stereo: PyAV's planar frames of 8+ channels crash in to_ndarray
 
 
 class InvalidReferenceAudio(ValueError):
     """A clip that cannot be used to clone a voice; the message is safe to show to the client."""
+
+
+def url_scheme(value: str) -> str | None:
+    """The scheme of a `ref_audio` that is a URL (lower case), None for base64 or a data URL."""
+    match = _URL.match(value)
+    return match.group(0)[:-3].lower() if match else None
 
 
 def decode_base64_audio(value: str, max_bytes: int) -> bytes:
@@ -53,39 +53,8 @@ def decode_base64_audio(value: str, max_bytes: int) -> bytes:
     return data
 
 
-def _fetch(url: str, max_bytes: int, timeout_s: float) -> bytes:
-    deadline = time.monotonic() + timeout_s
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http(s) only, checked
-            while chunk := response.read(_FETCH_CHUNK):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise InvalidReferenceAudio(f"the reference audio at the URL is larger than {max_bytes} bytes")
-                if time.monotonic() > deadline:
-                    raise InvalidReferenceAudio(f"fetching the reference audio took longer than {timeout_s:g} s")
-                chunks.append(chunk)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise InvalidReferenceAudio(f"the reference audio could not be fetched: {exc}") from None
-    return b"".join(chunks)
-
-
-async def reference_bytes(value: str, settings: GatewaySettings) -> bytes:
-    """The encoded clip a client's `ref_audio` / `audio_data` names: base64, a data URL, or a URL."""
-    if re.match(r"^https?://", value, re.IGNORECASE):
-        if not settings.reference_audio_fetch:
-            raise InvalidReferenceAudio("this server does not fetch reference audio from URLs; send it as base64"
-                                        " or a data URL")
-        return await asyncio.to_thread(_fetch, value, settings.max_reference_audio_bytes,
-                                       settings.reference_fetch_timeout_s)
-    if re.match(r"^[a-z][a-z0-9+.-]*://", value, re.IGNORECASE):
-        raise InvalidReferenceAudio("ref_audio must be base64, a base64 data URL or an http(s) URL")
-    return decode_base64_audio(value, settings.max_reference_audio_bytes)
-
-
-def decode_clip(data: bytes, min_s: float, max_s: float) -> np.ndarray:
-    """float32 mono samples at REFERENCE_SAMPLE_RATE of an encoded clip (any container FFmpeg reads)."""
+def decode_clip(data: bytes, min_s: float, max_s: float, output_rate: int) -> np.ndarray:
+    """float32 mono samples at `output_rate` of an encoded clip (any container FFmpeg reads)."""
     try:
         container = av.open(io.BytesIO(data), "r")
     except (av.FFmpegError, ValueError) as exc:
@@ -97,40 +66,41 @@ def decode_clip(data: bytes, min_s: float, max_s: float) -> np.ndarray:
         rate = stream.codec_context.sample_rate or stream.rate
         if not rate:
             raise InvalidReferenceAudio("the reference audio does not state its sample rate")
-        # Planar float keeps the channels apart whatever the codec's own sample format; mixed down below.
-        to_float = av.AudioResampler(format="fltp", rate=rate)
+        _check_channels(stream.codec_context.channels)
+        # Packed float: one plane whatever the channel count (PyAV's planar frames of 8+ channels have a
+        # plane too many, and to_ndarray reads past the frame).
+        to_float = av.AudioResampler(format="flt", rate=rate)
         pieces: list[np.ndarray] = []
         samples = 0
         limit = int(max_s * rate)
         try:
             for frame in container.decode(stream):
+                # A stream may change its layout or rate mid-way (FLAC frames each state theirs).
+                channels = _check_channels(frame.layout.nb_channels)
+                if frame.sample_rate != rate:
+                    raise InvalidReferenceAudio("the reference audio changes its sample rate mid-stream")
                 for converted in to_float.resample(frame):
-                    mono = converted.to_ndarray().mean(axis=0, dtype=np.float32)
+                    packed = converted.to_ndarray().reshape(-1, channels)
+                    mono = packed.mean(axis=1, dtype=np.float32)
                     pieces.append(mono)
                     samples += len(mono)
                 if samples > limit:
                     raise InvalidReferenceAudio(f"the reference audio is longer than {max_s:g} s")
-        except av.FFmpegError as exc:
+        except (av.FFmpegError, ValueError) as exc:
+            if isinstance(exc, InvalidReferenceAudio):
+                raise
             raise InvalidReferenceAudio(f"the reference audio cannot be decoded: {exc}") from None
     if samples < min_s * rate:
         raise InvalidReferenceAudio(f"the reference audio lasts {samples / rate:.2f} s; at least {min_s:g} s is needed")
     mono = np.concatenate(pieces)
-    if rate != REFERENCE_SAMPLE_RATE:
-        mono = soxr.resample(mono, rate, REFERENCE_SAMPLE_RATE, quality="HQ").astype(np.float32)
+    if rate != output_rate:
+        mono = soxr.resample(mono, rate, output_rate, quality="HQ").astype(np.float32)
     if not np.all(np.isfinite(mono)):
         raise InvalidReferenceAudio("the reference audio has samples that are not numbers")
     return np.clip(mono, -1.0, 1.0)
 
 
-async def load_reference(value: str | bytes, ref_text: str | None, settings: GatewaySettings,
-                         slots: asyncio.Semaphore) -> ReferenceAudio:
-    """A client's clip (a ref_audio string, or the bytes of an uploaded file) as the backend takes it;
-    decoded once one of `slots` is free."""
-    data = value if isinstance(value, bytes) else await reference_bytes(value, settings)
-    if len(data) > settings.max_reference_audio_bytes:
-        raise InvalidReferenceAudio(f"the reference audio is larger than {settings.max_reference_audio_bytes} bytes")
-    async with slots:
-        samples = await asyncio.to_thread(decode_clip, data, settings.min_reference_audio_s,
-                                          settings.max_reference_audio_s)
-    text = ref_text.strip() if ref_text else None
-    return ReferenceAudio(samples.astype("<f4").tobytes(), text or None)
+def _check_channels(channels: int) -> int:
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise InvalidReferenceAudio(f"the reference audio has {channels} channels; send mono or stereo")
+    return channels

@@ -342,7 +342,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         try:
             return await gateway.voices.voice_for(
                 principal, voice=body.voice_id, ref_audio=ref_audio, ref_text=body.ref_text,
-                x_vector_only=body.x_vector_only_mode, task_type=body.task_type)
+                x_vector_only=body.x_vector_only_mode, task_type=body.task_type,
+                admitted=True)  # the request's own admission (below, before its clip is cloned) counts it
         except ProtocolError as exc:
             raise ApiError(exc.code, exc.message, param="ref_audio" if ref_audio is not None else "voice") from None
 
@@ -389,7 +390,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             raise
 
     extra: dict[str, Any] = {
-        k: v for k, v in (("task_type", body.task_type), ("ref_audio", body.ref_audio), ("ref_text", body.ref_text),
+        k: v for k, v in (("task_type", body.task_type), ("ref_text", body.ref_text),
                           ("x_vector_only_mode", body.x_vector_only_mode)) if v is not None
     }
     if body.speed != 1.0:
@@ -624,29 +625,36 @@ async def add_voice(request: Request, principal: Principal = Depends(require_aut
     clip), `name`, `consent`, optional `ref_text` (and our `x_vector_only_mode`); or the same fields as
     JSON with the clip in base64 as `audio_sample` (or `audio_data`, as voice.add)."""
     gateway = gateway_of(request)
-    content_type = request.headers.get("content-type", "")
-    if content_type.startswith("multipart/form-data"):
-        async with request.form(max_files=1, max_fields=16) as form:
-            upload = form.get("audio_sample")
-            if upload is None or isinstance(upload, str):
-                raise ApiError(ErrorCode.invalid_reference_audio, "audio_sample (a file) is required",
+    # The key's allowance, its registrations in progress and the load are checked before a byte of the
+    # body is parsed: a refused upload costs no parsing and holds no clip.
+    async with contextlib.AsyncExitStack() as stack:
+        registration = await _voice_call(stack.enter_async_context(gateway.voices.registering(principal)))
+        content_type = request.headers.get("content-type", "")
+        if content_type.startswith("multipart/form-data"):
+            async with request.form(max_files=1, max_fields=16) as form:
+                upload = form.get("audio_sample")
+                if upload is None or isinstance(upload, str):
+                    raise ApiError(ErrorCode.invalid_reference_audio, "audio_sample (a file) is required",
+                                   param="audio_sample")
+                audio_data: str | bytes = await upload.read()
+                fields = {name: _form_text(form, name) for name in ("name", "consent", "ref_text", "x_vector_only_mode")}
+            x_vector_only = (fields["x_vector_only_mode"] or "").lower() in ("1", "true", "yes")
+        else:
+            try:
+                fields = loads_client_json(await request.body())
+            except ValueError as exc:
+                raise ApiError(ErrorCode.invalid_json, f"the body is not valid JSON: {exc}") from None
+            if not isinstance(fields, dict):
+                raise ApiError(ErrorCode.invalid_message, "the body must be a JSON object or multipart/form-data")
+            audio_data = fields.get("audio_sample") or fields.get("audio_data")
+            if not isinstance(audio_data, str):
+                raise ApiError(ErrorCode.invalid_reference_audio, "audio_sample (base64 audio) is required",
                                param="audio_sample")
-            audio_data: str | bytes = await upload.read()
-            fields = {name: _form_text(form, name) for name in ("name", "consent", "ref_text", "x_vector_only_mode")}
-        x_vector_only = (fields["x_vector_only_mode"] or "").lower() in ("1", "true", "yes")
-    else:
-        fields = loads_client_json(await request.body())
-        if not isinstance(fields, dict):
-            raise ApiError(ErrorCode.invalid_message, "the body must be a JSON object or multipart/form-data")
-        audio_data = fields.get("audio_sample") or fields.get("audio_data")
-        if not isinstance(audio_data, str):
-            raise ApiError(ErrorCode.invalid_reference_audio, "audio_sample (base64 audio) is required",
-                           param="audio_sample")
-        x_vector_only = fields.get("x_vector_only_mode") is True
-        if fields.get("ref_text") is not None and not isinstance(fields["ref_text"], str):
-            raise ApiError(ErrorCode.invalid_message, "ref_text must be a string", param="ref_text")
-    voice = await _voice_call(gateway.voices.add(principal, fields.get("name"), audio_data, consent=fields.get("consent"),
-                                                 ref_text=fields.get("ref_text"), x_vector_only=x_vector_only))
+            x_vector_only = fields.get("x_vector_only_mode") is True
+            if fields.get("ref_text") is not None and not isinstance(fields["ref_text"], str):
+                raise ApiError(ErrorCode.invalid_message, "ref_text must be a string", param="ref_text")
+        voice = await _voice_call(registration.add(fields.get("name"), audio_data, consent=fields.get("consent"),
+                                                   ref_text=fields.get("ref_text"), x_vector_only=x_vector_only))
     return {"success": True, "voice": voice}
 
 

@@ -420,14 +420,17 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                                       ref_text=message.ref_text, x_vector_only=bool(message.x_vector_only_mode))
         await self._send_json(VoiceAdded(voice=voice))
 
-    async def _resolved(self, message: SessionConfig) -> ResolvedConfig:
-        """The session's config, with its cloned voice when it names one (registered, or its ref_audio)."""
+    async def _resolved(self, message: SessionConfig, *, admitted: bool) -> ResolvedConfig:
+        """The session's config, with its cloned voice when it names one (registered, or its ref_audio).
+        `admitted`: the session's admission counts a clone of its ref_audio (its first config); a later
+        config's clone is a request of its own (rate, overload)."""
         cloned = await self.voices.voice_for(
             self.principal, voice=message.voice, ref_audio=message.ref_audio, ref_text=message.ref_text,
-            x_vector_only=message.x_vector_only_mode, task_type=message.task_type)
+            x_vector_only=message.x_vector_only_mode, task_type=message.task_type, admitted=admitted)
         if cloned is None:
             return self._resolve(message)
-        return dataclasses.replace(self._resolve(message, VoiceChoice(cloned.name)), voice_prompt=cloned.prompt)
+        return dataclasses.replace(self._resolve(message, VoiceChoice(cloned.name)), voice_prompt=cloned.prompt,
+                                   own_clip=message.ref_audio is not None)
 
     def _resolve(self, message: SessionConfig, choice: VoiceChoice | None = None) -> ResolvedConfig:
         choice = choice or resolve_voice(self.backend, self.settings, message.voice)
@@ -457,8 +460,8 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 ErrorCode.config_locked,
                 "session.config is allowed only between utterances; finish (input.done) or cancel open ones first",
             )
-        resolved = await self._resolved(message)
         first = self.config is None
+        resolved = await self._resolved(message, admitted=first)
         self.config = resolved
         if first:
             self.session_id = uuid.uuid4().hex

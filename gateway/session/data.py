@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,10 @@ from ..protocol import ConfigWarning, SessionConfig, SpokenWord
 from ..store.base import MarkerRecord
 from .segmenter import SentenceSegmenter
 from .word_times import count_reached, in_seconds, keep_spoken
+
+
+# In a recorded config (ResolvedConfig.snapshot): the prompt of the session's own clip, base64.
+INLINE_PROMPT_KEY = "inline_voice_prompt"
 
 
 class ClientGone(Exception):
@@ -37,12 +42,19 @@ class ResolvedConfig:
     warnings: tuple[ConfigWarning, ...] = ()  # told in session.started; not part of the recorded config
     # Word timestamps: None (off, or the backend gives none), "sync" (in audio.done) or "async" (audio.words)
     timestamps: str | None = None
-    # A cloned voice's prompt (gateway/voices.py), found again from `voice` or ref_audio on a resume.
+    # A cloned voice's prompt (gateway/voices.py): a registered voice's is found again by its name on a
+    # resume, a session's own clip's (ref_audio) is recorded in the snapshot.
     voice_prompt: bytes | None = None
+    own_clip: bool = False  # voice_prompt was cloned from the session's ref_audio (recorded in the snapshot)
 
     def snapshot(self) -> dict[str, Any]:
-        data = self.message.model_dump(exclude_none=True)
+        """The config as the store records it. The reference clip is not kept (a voice recording is
+        biometric data, and megabytes): the prompt computed from it is, so that a resume speaks with the
+        same voice, byte for byte, without cloning again."""
+        data = self.message.model_dump(exclude_none=True, exclude={"ref_audio"})
         data.update(voice=self.voice, response_format=self.response_format, sample_rate=self.output_rate)
+        if self.own_clip and self.voice_prompt is not None:
+            data[INLINE_PROMPT_KEY] = base64.b64encode(self.voice_prompt).decode("ascii")
         return data
 
 

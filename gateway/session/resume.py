@@ -11,11 +11,15 @@ sends again its inputs after that many.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import time
 
+from ..compat import VoiceChoice
 from ..protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
 from ..store.base import MarkerRecord, ReplayOutOfRange, SessionRecord, replay_owed
-from .data import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
+from .data import INLINE_PROMPT_KEY, ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
 from .segmenter import push_in_slices
 
 
@@ -80,7 +84,7 @@ class SessionResumer:
             else:
                 pieces = []
                 replay_owed(record, message.sentence_index, message.bytes_received)
-            config = await self._resolved(SessionConfig.model_validate(record.config))
+            config = await self._recorded_config(record.config)
             ends = record.ends_pruned + len(_ends_with_a_message(record))
             if message.ends_received is not None and message.ends_received > ends:
                 raise ReplayOutOfRange(f"only {ends} utterance.done/session.done were ever sent")
@@ -92,9 +96,24 @@ class SessionResumer:
                 raise ReplayOutOfRange(f"an utterance.done/session.done after sentence {message.sentence_index} is no longer kept")
         except ReplayOutOfRange as exc:
             raise _out_of_range(message, exc) from None
-        except KeyError:  # gone meanwhile (expired or closed)
+        except KeyError:  # gone meanwhile (expired or closed), or a record it cannot use
             raise _not_found(session_id) from None
         return pieces, config
+
+    async def _recorded_config(self, recorded: dict) -> ResolvedConfig:
+        """The config the session was recorded with (ResolvedConfig.snapshot). A voice cloned from the
+        session's own clip comes back as its recorded prompt: a resume does not clone again."""
+        recorded = dict(recorded)
+        prompt = recorded.pop(INLINE_PROMPT_KEY, None)
+        message = SessionConfig.model_validate(recorded)
+        if prompt is None:  # a preset or registered voice (found again by name)
+            return await self._resolved(message, admitted=True)
+        try:
+            voice_prompt = base64.b64decode(prompt, validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise KeyError("unusable voice prompt in the session's record") from None
+        return dataclasses.replace(self._resolve(message, VoiceChoice(message.voice or "ref_audio")),
+                                   voice_prompt=voice_prompt, own_clip=True)
 
     async def _rebuild(self, record: SessionRecord, pieces, position: SessionResume) -> None:
         """Queue what the client is owed, in the original send order, and reopen open utterances."""
