@@ -331,7 +331,9 @@ class Qwen3ModelRunner(ModelRunner):
         whole fast path."""
         dev = self.device
         started = time.perf_counter()
+        mark = self._capture_mark()
         self._capture_generation_with_fallbacks()
+        mark = self._log_capture("Talker decode and code-predictor", mark)
         try:
             self._capture_codec()
         except Exception:
@@ -345,6 +347,7 @@ class Qwen3ModelRunner(ModelRunner):
             self.codec_compiled = False
             self.graphs.discard("codec")
             self._capture_codec()
+        mark = self._log_capture("codec", mark)
         try:
             self._capture_prefill()
         except Exception:
@@ -354,9 +357,23 @@ class Qwen3ModelRunner(ModelRunner):
             self.fused_prefill = False
             self.graphs.discard("prefill")
             self._capture_prefill()
+        self._log_capture("prefill", mark)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
+
+    def _capture_mark(self) -> tuple[float, int, int]:
+        """(now, graphs captured, functions compiled so far): start-up time is mostly compilation, and which
+        kind of step compiles how many variants is what decides where to cut it (issue 22)."""
+        from torch._dynamo.utils import counters
+
+        return time.perf_counter(), len(self.graphs), int(counters["stats"]["unique_graphs"])
+
+    def _log_capture(self, what: str, mark: tuple[float, int, int]) -> tuple[float, int, int]:
+        now = self._capture_mark()
+        log.info("captured %d %s graphs in %.1f s, compiling %d graph variants", now[1] - mark[1], what,
+                 now[0] - mark[0], now[2] - mark[2])
+        return now
 
     def _capture_generation_with_fallbacks(self) -> None:
         """The Talker decode and code-predictor graphs as configured; if that fails, without the predictor's
