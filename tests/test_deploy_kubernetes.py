@@ -51,6 +51,17 @@ PROMETHEUS_TRIGGER_KEYS = {"serverAddress", "query", "queryParameters", "thresho
 WEBSOCKET_TIMEOUT_S = 3600
 WORKER_PORT, HEALTH_PORT = 7100, 9400
 TOKEN_SECRET, TOKEN_DIR = "voxgate-worker-token", "/etc/voxgate/worker-token"
+# What the Secrets docs/deploy.md creates hold, for the kubelet's expansion here: (secret, key) -> value.
+REDIS_PASSWORD = "0f3c9a"
+SECRETS = {("voxgate-redis", "password"): REDIS_PASSWORD,
+           ("voxgate-redis", "url"): f"redis://:{REDIS_PASSWORD}@voxgate-redis:6379/0",
+           ("voxgate-api-keys", "VOXGATE_API_KEYS"): '["a-key-for-the-test"]'}
+REDIS_URL_REF = {"secretKeyRef": {"name": "voxgate-redis", "key": "url"}}
+
+
+def _secret(value: dict, secrets: dict = SECRETS) -> str | None:
+    ref = value.get("secretKeyRef")
+    return secrets.get((ref["name"], ref["key"])) if ref else None
 # What a worker's health port serves on /metrics (issue 17's worker contract).
 WORKER_GAUGES = {"voxgate_worker_streams", "voxgate_worker_capacity", "voxgate_worker_queued",
                  "voxgate_worker_rtf", "voxgate_worker_draining"}
@@ -151,14 +162,17 @@ def _expand(text: str, values: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: values.get(m[1], m[0]), text)
 
 
-def _args(container: dict, docs: list[dict], **runtime: str) -> list[str]:
+def _args(container: dict, docs: list[dict], secrets: dict = SECRETS, **runtime: str) -> list[str]:
     """The container's args after the kubelet's $(VAR) expansion: plain values from the environment, the
-    downward API's fields from `runtime` (POD_IP=...); a reference to nothing stays as written."""
+    downward API's fields from `runtime` (POD_IP=...), a Secret's from `secrets`; a reference to nothing
+    stays as written."""
     env = _env(container, docs)
     values = {name: value for name, value in env.items() if isinstance(value, str)}
     for name, value in env.items():
         if isinstance(value, dict) and "fieldRef" in value:
             values[name] = runtime[value["fieldRef"]["fieldPath"]]
+        elif isinstance(value, dict) and _secret(value, secrets) is not None:
+            values[name] = _secret(value, secrets)
     return [_expand(arg, values) for arg in container["args"]]
 
 
@@ -210,7 +224,9 @@ def _mounted_secret(workload: dict, path: str) -> str:
 
 
 def _redis_url_reaches_the_redis_service(url: str, docs: list[dict]) -> None:
-    host, port = re.fullmatch(r"redis://([\w-]+):(\d+)/\d+", url).groups()
+    """A URL with the password Redis requires, to the Redis Service's port."""
+    password, host, port = re.fullmatch(r"redis://:([^@]+)@([\w-]+):(\d+)/\d+", url).groups()
+    assert password == REDIS_PASSWORD, url
     assert int(port) in [p["port"] for p in _one(docs, "Service", host)["spec"]["ports"]], url
 
 
@@ -289,9 +305,11 @@ def test_worker_command_registers_on_tcp_with_the_token_and_drains(rendered, dep
                              f"{WORKER_PORT}")
         for flag in ("--tls-cert", "--tls-key"):
             assert _mounted_secret(worker, _flag(args, flag)) == "voxgate-worker-tls"
-    # Registers in the Redis the gateways read (the same URL as their session store).
-    assert _flag(args, "--registry") == env["VOXGATE_REDIS_URL"]
-    _redis_url_reaches_the_redis_service(env["VOXGATE_REDIS_URL"], docs)
+    # Registers in the Redis the gateways read (the same URL as their session store), password and all,
+    # from the Secret.
+    assert env["VOXGATE_REDIS_URL"] == REDIS_URL_REF
+    assert _flag(args, "--registry") == _secret(REDIS_URL_REF)
+    _redis_url_reaches_the_redis_service(_flag(args, "--registry"), docs)
     # The shared token from its Secret, mounted read-only.
     assert _mounted_secret(worker, _flag(args, "--token-file")) == TOKEN_SECRET
     assert _flag(args, "--token-file").startswith(TOKEN_DIR + "/")
@@ -430,15 +448,15 @@ def test_multi_gpu_probes_ask_every_process(rendered):
             server.server_close()
 
 
-def _container_environment(monkeypatch, container: dict, docs: list[dict]) -> None:
-    """This process's environment replaced by the container's (its plain values; a Secret's value faked)."""
+def _container_environment(monkeypatch, container: dict, docs: list[dict], secrets: dict = SECRETS) -> None:
+    """This process's environment replaced by the container's (its plain values; a Secret's from `secrets`)."""
     for name in [n for n in os.environ if n.startswith("VOXGATE_")]:
         monkeypatch.delenv(name)
     for name, value in _env(container, docs).items():
         if isinstance(value, str):
             monkeypatch.setenv(name, value)
-        elif "secretKeyRef" in value and name == "VOXGATE_API_KEYS":
-            monkeypatch.setenv(name, '["a-key-for-the-test"]')
+        elif _secret(value, secrets) is not None:
+            monkeypatch.setenv(name, _secret(value, secrets))
 
 
 def _worker_cli():
@@ -493,7 +511,8 @@ def test_gateway_serves_the_remote_pool_with_probes_drain_and_secrets(rendered, 
     settings = settings_from_args(parsed)
     assert settings.backend == "remote" and settings.store == "redis" and settings.redis_cluster is False
     options = settings.backend_options
-    assert options["discover"] == settings.redis_url == env["VOXGATE_REDIS_URL"]  # the registry workers join
+    assert env["VOXGATE_REDIS_URL"] == REDIS_URL_REF
+    assert options["discover"] == settings.redis_url == _secret(REDIS_URL_REF)  # the registry workers join
     assert options["discover_cluster"] is False
     _redis_url_reaches_the_redis_service(options["discover"], docs)
     assert _mounted_secret(gateway, options["token_file"]) == TOKEN_SECRET
@@ -538,6 +557,34 @@ def test_no_secret_is_written_into_the_manifests(rendered, deployment):
     for workload in (_gateway(docs), _worker(docs)):
         env = _env(_container(workload), docs)
         assert "VOXGATE_WORKER_TOKEN" not in env
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_redis_requires_the_password_its_clients_are_given(rendered, deployment):
+    """Issue 24: whoever can write to the registry's Redis could add workers (records are signed now) and
+    rewrite sessions, so the Redis of the manifests requires a password, from the Secret voxgate-redis, and
+    every gateway and worker reaches it with a URL holding that password, from the same Secret. The
+    deploy guide creates the Secret with the same password in both keys."""
+    docs = _docs(rendered[deployment])
+    redis = _container(_one(docs, "Deployment", "voxgate-redis"))
+    env = _env(redis, docs)
+    args = _args(redis, docs, **RUNTIME)
+    assert _flag(args, "--requirepass") == REDIS_PASSWORD
+    (name,) = re.fullmatch(r"\$\((\w+)\)", _flag(redis["args"], "--requirepass")).groups()
+    assert env[name] == {"secretKeyRef": {"name": "voxgate-redis", "key": "password"}}
+    # The probe authenticates: redis-cli reads REDISCLI_AUTH.
+    assert redis["readinessProbe"]["exec"]["command"][0] == "redis-cli"
+    assert env["REDISCLI_AUTH"] == {"secretKeyRef": {"name": "voxgate-redis", "key": "password"}}
+    for workload in (_gateway(docs), _worker(docs)):
+        client_env = _env(_container(workload), docs)
+        assert client_env["VOXGATE_REDIS_URL"] == REDIS_URL_REF, workload["metadata"]["name"]
+    settings = _one(docs, "ConfigMap", next(d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"
+                                            and d["metadata"]["name"].startswith("voxgate-settings")))
+    assert "VOXGATE_REDIS_URL" not in settings["data"]
+    guide = (REPO_ROOT / "docs" / "deploy.md").read_text()
+    (command,) = re.findall(r"^kubectl -n voxgate create secret generic voxgate-redis .*$", guide, re.M)
+    assert '--from-literal=password="$REDIS_PASSWORD"' in command
+    assert '--from-literal=url="redis://:$REDIS_PASSWORD@voxgate-redis:6379/0"' in command
 
 
 # --- Services, Ingress, budgets, policies
@@ -672,13 +719,13 @@ def test_one_switch_puts_gateways_and_workers_on_a_redis_cluster(rendered, deplo
     docs = _docs(rendered[deployment])
     (settings_map,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("voxgate-settings")]
     settings_map["data"]["VOXGATE_REDIS_CLUSTER"] = "true"
-    settings_map["data"]["VOXGATE_REDIS_URL"] = "redis://redis-cluster-0.redis-cluster:6379/0"
+    secrets = {**SECRETS, ("voxgate-redis", "url"): "redis://:pw@redis-cluster-0.redis-cluster:6379/0"}
     gateway, worker = _container(_gateway(docs)), _container(_worker(docs))
-    _container_environment(monkeypatch, gateway, docs)
-    settings = settings_from_args(build_parser().parse_args(_args(gateway, docs, **RUNTIME)))
+    _container_environment(monkeypatch, gateway, docs, secrets)
+    settings = settings_from_args(build_parser().parse_args(_args(gateway, docs, secrets, **RUNTIME)))
     assert settings.redis_cluster is True and settings.backend_options["discover_cluster"] is True
-    _container_environment(monkeypatch, worker, docs)
-    parsed = worker_cli.parse_args(_args(worker, docs, **RUNTIME)[1:])
+    _container_environment(monkeypatch, worker, docs, secrets)
+    parsed = worker_cli.parse_args(_args(worker, docs, secrets, **RUNTIME)[1:])
     assert parsed.registry_cluster is True
     assert parsed.registry == settings.backend_options["discover"] == settings.redis_url
 
