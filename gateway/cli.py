@@ -18,6 +18,7 @@ from pydantic_settings import SettingsError
 from tts_backend.base import SynthesisError
 
 from .auth import is_loopback
+from .logs import redact
 from .settings import GatewaySettings, settings_error_line
 from .transport import abortable_ws_protocol, header_timeout_protocol
 
@@ -182,7 +183,7 @@ def serve(settings: GatewaySettings) -> None:
     try:
         app = create_app(settings, freeze_gc_when_ready=True)
     except (SynthesisError, ValueError) as exc:  # the backend cannot even be built (options, missing torch)
-        raise SystemExit(f"voxgate: {exc}") from None
+        raise SystemExit(redact(f"voxgate: {exc}")) from None
     gateway = app.state.gateway
     sock = listening_socket(settings.host, settings.port)
     # timeout_graceful_shutdown: after the drain, uvicorn waits for leftover connections this long at most.
@@ -193,8 +194,8 @@ def serve(settings: GatewaySettings) -> None:
         **uvicorn_options(settings),
     )
     DrainingServer(config, gateway, settings.drain_timeout_s).run(sockets=[sock])
-    if gateway.failure is not None:
-        raise SystemExit(f"voxgate: {gateway.failure}")
+    if gateway.failure is not None:  # a backend's error may name a URL with a password (-o discover=...)
+        raise SystemExit(redact(f"voxgate: {gateway.failure}"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,7 @@ from ..base import (
     Voice,
     WordTiming,
 )
+from ..log_format import redact
 from . import framing
 from .connection import Dialer, WorkerAddress, client_tls_context, read_token
 from .discovery import WorkerRegistry, registry_key
@@ -496,7 +497,7 @@ class RemoteSynthesizer(Synthesizer):
             if self._first is not None:
                 break
             if time.monotonic() > deadline:
-                where = self.registry.url if self.registry else ", ".join(self.members) or "nowhere"
+                where = redact(self.registry.url) if self.registry else ", ".join(self.members) or "nowhere"
                 raise SynthesisError(f"no ready worker at {where} after {self.connect_timeout_s:.0f} s")
             await asyncio.sleep(0.1)
         self._apply_first()

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from ..base import BackendMetric, ReferenceAudio, SynthesisError, Synthesizer
+from ..log_format import TextFormatter, redact
 from ..registry import create_backend
 from . import framing
 from .connection import WorkerAddress, default_worker_id, listen_address, read_token, server_tls_context
@@ -590,7 +591,7 @@ async def keep_registered(server: WorkerServer, registry: WorkerRegistry, heartb
         try:
             await registry.announce(server.record())
             if failing:
-                log.info("registered again in %s", registry.url)
+                log.info("registered again in %s", redact(registry.url))
             failing = False
         except Exception as exc:  # noqa: BLE001 - any Redis failure: retry at the next beat
             if not failing:
@@ -620,7 +621,7 @@ async def serve(args: argparse.Namespace) -> None:
         try:  # registered before it says it is ready; a Redis not up yet is retried by the heartbeat, not fatal
             await registry.announce(server.record())
         except Exception as exc:  # noqa: BLE001 - any Redis failure
-            log.warning("cannot register in %s yet: %s", args.registry, exc)
+            log.warning("cannot register in %s yet: %s", redact(args.registry), exc)
         heartbeat = asyncio.create_task(keep_registered(server, registry, args.heartbeat_s))
     listen = server.listen.with_port(server.bound_port) if server.listen.is_network else server.listen
     log.info("voxgate worker %s: %s backend ready on %s", server.worker_id, backend.name, listen)
@@ -661,7 +662,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(TextFormatter())  # as the gateway's text lines: fields shown, credentials masked
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     from .launcher import follow_launcher
 
     follow_launcher()  # a worker started by --gpus ends with its launcher
