@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import json
+import signal
 import socket
 import sys
 from typing import Any
@@ -19,7 +21,7 @@ from tts_backend.base import SynthesisError
 
 from .auth import is_loopback
 from .logs import redact
-from .settings import GatewaySettings, settings_error_line
+from .settings import LOG_LEVELS, GatewaySettings, settings_error_line
 from .transport import abortable_ws_protocol, header_timeout_protocol
 
 WS_FRAME_MARGIN = 64 * 1024  # the transport accepts a little more than the largest message we answer
@@ -42,13 +44,39 @@ def _voice_alias(text: str) -> tuple[str, str]:
     return name.strip(), voice.strip()
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 0 to 65535, got {text!r}")
+    return port
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("voxgate")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A usage error is one line (what is wrong, and where help is) and exit status 2, not the usage
+    synopsis of every flag followed by the error."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="voxgate", description="Real-time streaming TTS gateway")
+    parser = OneLineErrorParser(prog="voxgate", description="Real-time streaming TTS gateway")
+    parser.add_argument("--version", action="version", version=f"voxgate {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the gateway (HTTP + WebSocket)")
     serve.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="TCP port (default 8000)")
+    serve.add_argument("--port", type=_port, help="TCP port (default 8000)")
     serve.add_argument("--backend", help="piper (default), synthetic, qwen3, remote")
     serve.add_argument("--voice", help="default voice (default: the backend's first)")
     serve.add_argument("--model", help="model path or name for the backend")
@@ -100,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--redis-url names a node of a Redis Cluster (the client finds the others)")
     serve.add_argument("--session-ttl", dest="session_ttl_s", type=float, help="seconds a disconnected session stays resumable")
     serve.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, help="seconds open utterances get on SIGTERM")
-    serve.add_argument("--log-level", help="debug, info, warning, error")
+    serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, help="info (default), debug, warning, error,"
+                       " critical, trace")
     serve.add_argument("--log-format", choices=["auto", "json", "text"],
                        help="auto (default): text on a terminal, else json (one object per line)")
 
@@ -193,7 +222,10 @@ def serve(settings: GatewaySettings) -> None:
         timeout_graceful_shutdown=CLOSE_GRACE_S,
         **uvicorn_options(settings),
     )
-    DrainingServer(config, gateway, settings.drain_timeout_s).run(sockets=[sock])
+    server = DrainingServer(config, gateway, settings.drain_timeout_s)
+    server.run(sockets=[sock])
+    if server.stopped_at_once_by is not None:  # a second signal cut the drain short: say so in the status
+        raise SystemExit(128 + server.stopped_at_once_by)
     if gateway.failure is not None:  # a backend's error may name a URL with a password (-o discover=...)
         raise SystemExit(redact(f"voxgate: {gateway.failure}"))
 
@@ -209,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
     except (ValidationError, SettingsError) as exc:
         raise SystemExit(f"voxgate: {settings_error_line(exc)}") from None
-    serve(settings)
+    try:
+        serve(settings)
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal (while the app was being built)
+        raise SystemExit(128 + signal.SIGINT) from None
     return 0
 
 

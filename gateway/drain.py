@@ -1,12 +1,13 @@
-"""Graceful drain on SIGTERM (issue 5).
+"""Graceful drain on SIGTERM or Ctrl-C (SIGINT) (issue 5).
 
 uvicorn's own shutdown closes every WebSocket at once (close code 1012) and only then runs the app's
 shutdown, which would cut utterances mid-sentence. `voxgate serve` therefore runs `DrainingServer`: the
-first SIGTERM starts `drain()` while uvicorn keeps serving - /ready turns false, new WebSockets are
+first SIGTERM or SIGINT starts `drain()` while uvicorn keeps serving - /ready turns false, new WebSockets are
 refused with `overloaded` (close 1013, retryable), open utterances finish - and only when every session
 is gone, or `drain_timeout_s` has passed and the rest were told to resume elsewhere (close 1012 with the
-session id as the reason; their state is in the store), does uvicorn shut down. A second SIGTERM or a
-SIGINT (Ctrl-C) exits at once, the way uvicorn always does.
+session id as the reason; their state is in the store), does uvicorn shut down, and the process exits 0.
+A second signal, of either kind, stops at once: open connections are closed without waiting, and the
+process exits with 128 + the signal's number (130 for Ctrl-C), without a traceback.
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ def startup_line(host: str, port: int, backend: str) -> str:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM drains the gateway before uvicorn's shutdown starts, and a backend
-    that fails to start stops the server (`voxgate serve` then exits non-zero).
+    """uvicorn, but the first SIGTERM or SIGINT drains the gateway before uvicorn's shutdown starts, a
+    second one stops at once (`stopped_at_once_by` is then that signal), and a backend that fails to start
+    stops the server (`voxgate serve` then exits non-zero).
 
-    The signal handler only sets a flag, which a task started with the server polls - the way uvicorn
-    itself polls `should_exit` - so nothing is scheduled from inside a signal handler."""
+    The signal handler only sets flags, which a task started with the server polls - the way uvicorn
+    itself polls `should_exit` - so nothing is scheduled or logged from inside a signal handler. No signal
+    is handed back to uvicorn, which would raise it again once the server has stopped: SIGINT's default
+    handler then prints a KeyboardInterrupt traceback."""
 
     POLL_S = 0.05
 
@@ -67,6 +71,8 @@ class DrainingServer(uvicorn.Server):
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
         self._drain_requested = False
+        self.stopped_at_once_by: int | None = None
+        self._cut_off = 0  # sessions open when the second signal came
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -81,12 +87,20 @@ class DrainingServer(uvicorn.Server):
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+            if self.stopped_at_once_by is not None:
+                log.warning("stopped at once by a second %s: %d session(s) cut off",
+                            signal.Signals(self.stopped_at_once_by).name, self._cut_off)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self._drain_requested and not self.should_exit:
+        if self._drain_requested or self.should_exit:
+            self.stopped_at_once_by = sig
+            self._cut_off = len(self.gateway.sessions)
+            # uvicorn's shutdown then closes the connections without waiting for them; the app's own shutdown
+            # (backend, store) still runs (force_exit would skip it, and its task would die cancelled).
+            self.config.timeout_graceful_shutdown = 0
+            self.should_exit = True
+        else:
             self._drain_requested = True
-            return
-        super().handle_exit(sig, frame)
 
     async def _drain_when_asked(self) -> None:
         while not self._drain_requested:
@@ -94,6 +108,7 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
                 return
             await asyncio.sleep(self.POLL_S)
+        log.info("stopping: open utterances finish first (Ctrl-C or SIGTERM again stops at once)")
         try:
             await drain(self.gateway, self.drain_timeout_s)
         finally:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any, Literal, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 KIB = 1024
 MIB = 1024 * KIB
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's; trace: every connection
+LogLevel = Annotated[Literal[LOG_LEVELS], BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
 
 
 class GatewaySettings(BaseSettings):
@@ -22,8 +25,8 @@ class GatewaySettings(BaseSettings):
 
     # --- network
     host: str = Field("127.0.0.1", description="interface to listen on")
-    port: int = Field(8000, description="TCP port")
-    log_level: str = Field("info", description="uvicorn/gateway log level")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port")
+    log_level: LogLevel = Field("info", description="uvicorn/gateway log level")
 
     # --- synthesis backend
     backend: str = Field("piper", description="piper (CPU default), synthetic (tests/load), qwen3, remote")

@@ -77,3 +77,44 @@ def test_voxgate_serve_process_speaks(backend_args):
     finally:
         process.terminate()
         process.wait(10)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **(env or {})))
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--port", "99999"], "--port"), (["--port", "-1"], "--port"), (["--port", "http"], "--port"),
+    (["--log-level", "loud"], "--log-level"),
+])
+def test_a_bad_port_or_log_level_is_one_line_and_exit_status_2(flags, named):
+    """Before: `--port 99999` and `--log-level loud` ended in tracebacks (socket.bind's OverflowError,
+    logging's unknown level), and `--port http` printed the whole usage synopsis above its error."""
+    result = run_cli("serve", *flags)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("voxgate serve: ") and named in lines[0], result.stderr
+    assert "voxgate serve --help" in lines[0]
+
+
+@pytest.mark.parametrize("variable,value", [("VOXGATE_PORT", "99999"), ("VOXGATE_LOG_LEVEL", "loud")])
+def test_the_same_values_from_the_environment_are_one_line(variable, value):
+    result = run_cli("serve", env={variable: value})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"voxgate: invalid settings: {variable}"), result.stderr
+
+
+def test_log_levels_are_read_in_any_case():
+    assert settings_from_args(build_parser().parse_args(["serve", "--log-level", "WARNING"])).log_level == "warning"
+    assert settings_from_args(build_parser().parse_args(["serve", "--port", "0"])).port == 0
+
+
+def test_voxgate_version_is_the_installed_package_version():
+    import importlib.metadata
+
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"voxgate {importlib.metadata.version('voxgate')}"
