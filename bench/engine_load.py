@@ -391,6 +391,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--clone-seconds", default="3,10,30", help="clip lengths registered with --clone")
     parser.add_argument("--clone-voice-s", type=float, default=10.0, help="the clip length whose voice is spoken")
     parser.add_argument("--timestamps", choices=["sync", "async"], help="ask every session for word timestamps")
+    parser.add_argument("--variant", action="append", default=[], metavar="'LABEL FLAGS'",
+                        help="after the main run, run again on the same server (no second start-up) with these "
+                             "client flags instead: a label, then any of --rates --voice --clone --timestamps "
+                             "--granularity --agent-sentences --words-per-s, e.g. 'ts-async --timestamps async "
+                             "--rates 10,20,40'; repeatable; reported under `variants`")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--output", type=Path)
     parser.add_argument("--log", type=Path, help="gateway log file (the workers' go beside it: .worker.log, "
@@ -414,10 +419,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--kill-worker-at needs --tcp-workers 2 or more (the pool needs a worker to fail over to)")
     args.sentences = (1, 1)
     check_agent_arguments(args, parser)
-    args.clone_seconds = [float(x) for x in args.clone_seconds.split(",")] if args.clone else []
-    if args.clone and args.clone_voice_s not in args.clone_seconds:
+    args.clone_seconds_text = args.clone_seconds
+    args.clone_seconds = [float(x) for x in args.clone_seconds.split(",")]
+    if args.clone_voice_s not in args.clone_seconds:
         parser.error("--clone-voice-s must be one of --clone-seconds")
+    args.label = "main"
+    try:
+        args.variants = [parse_variant(text, args) for text in args.variant]
+    except SystemExit:
+        parser.error(f"bad --variant in {args.variant!r}")
     return args
+
+
+VARIANT_FLAGS = ("rates", "voice", "clone", "timestamps", "granularity", "agent_sentences", "words_per_s")
+
+
+def parse_variant(text: str, main: argparse.Namespace) -> argparse.Namespace:
+    """A --variant's label and client flags, on top of the main run's values for the flags it leaves out."""
+    import shlex
+
+    label, *flags = shlex.split(text)
+    parser = argparse.ArgumentParser(prog=f"--variant {label}", add_help=False)
+    parser.add_argument("--rates")
+    parser.add_argument("--voice")
+    parser.add_argument("--clone", choices=["x_vector", "icl", "none"])
+    parser.add_argument("--timestamps", choices=["sync", "async", "none"])
+    parser.add_argument("--granularity", choices=[*GRANULARITIES, "default"])
+    parser.add_argument("--agent-sentences", type=int)
+    parser.add_argument("--words-per-s", type=float)
+    given = parser.parse_args(flags)
+    variant = argparse.Namespace(**vars(main))
+    variant.label = label
+    for name in VARIANT_FLAGS:
+        value = getattr(given, name)
+        if value is not None:
+            setattr(variant, name, None if value in ("none", "default") or value == 0 else value)
+    return variant
 
 
 REF_TEXT = "This is the reference recording of the voice that the benchmark clones."
@@ -516,19 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
         prompts = load_prompts(ROOT / "bench" / "data" / "arctic_en.jsonl")
-        voice = args.voice
-        if args.clone:
-            report["voice_add"] = register_clones(base, args.clone, args.clone_seconds)
-            voice = f"bench-{args.clone}-{args.clone_voice_s:g}s"
-        extra_config = {}
-        if args.timestamps:
-            extra_config = {"timestamp_type": "word", "timestamp_transport_strategy": args.timestamps}
-        client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=voice, timeout_s=60,
-                               extra_config=extra_config, split_granularity=args.granularity,
-                               words_per_s=args.words_per_s if args.agent_sentences else None)
-        report["load"] = {"sentences": list(sentences_per_request(args)), "agent_sentences": args.agent_sentences,
-                          "words_per_s": client.words_per_s, "session_config": client.session_config()}
         seeds = args.seed or [0]
+        cloned: set[str] = set()  # clone modes whose voices are registered on this server
 
         def scrape_workers() -> list[dict | None]:
             out = []
@@ -539,71 +565,96 @@ def main(argv: list[str] | None = None) -> int:
                     out.append(None)  # a worker that died or whose /metrics does not answer
             return out
 
-        for rate in [float(r) for r in args.rates.split(",")]:
-            memory: list[float] = []
+        def run_configuration(cfg: argparse.Namespace, results: list[dict]) -> dict:
+            """Every rate of one client configuration (the main run's or a --variant's) against the running
+            server; each rate's entry is appended to `results` as it completes."""
+            voice = cfg.voice
+            if cfg.clone:
+                if cfg.clone not in cloned:
+                    report.setdefault("voice_add", []).extend(register_clones(base, cfg.clone, cfg.clone_seconds))
+                    cloned.add(cfg.clone)
+                voice = f"bench-{cfg.clone}-{cfg.clone_voice_s:g}s"
+            extra_config = {}
+            if cfg.timestamps:
+                extra_config = {"timestamp_type": "word", "timestamp_transport_strategy": cfg.timestamps}
+            client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=voice, timeout_s=60,
+                                   extra_config=extra_config, split_granularity=cfg.granularity,
+                                   words_per_s=cfg.words_per_s if cfg.agent_sentences else None)
+            load = {"label": cfg.label, "sentences": list(sentences_per_request(cfg)),
+                    "agent_sentences": cfg.agent_sentences, "words_per_s": client.words_per_s,
+                    "session_config": client.session_config()}
+            for rate in [float(r) for r in cfg.rates.split(",")]:
+                memory: list[float] = []
 
-            async def run_with_memory(seed: int):
-                async def sample():
-                    while True:
-                        value = await asyncio.to_thread(gpu_memory_mib)
-                        if value is not None:
-                            memory.append(value)
-                        await asyncio.sleep(2.0)
+                async def run_with_memory(seed: int):
+                    async def sample():
+                        while True:
+                            value = await asyncio.to_thread(gpu_memory_mib)
+                            if value is not None:
+                                memory.append(value)
+                            await asyncio.sleep(2.0)
 
-                sampler = asyncio.create_task(sample())
-                plan = RunPlan(seed=seed, warmup_s=args.warmup, duration_s=args.duration, rps=rate,
-                               drain_timeout_s=60)
-                try:
-                    return await run_load(plan, Workload(prompts, seed, sentences_per_request(args)), client)
-                finally:
-                    sampler.cancel()
+                    sampler = asyncio.create_task(sample())
+                    plan = RunPlan(seed=seed, warmup_s=args.warmup, duration_s=args.duration, rps=rate,
+                                   drain_timeout_s=60)
+                    try:
+                        return await run_load(plan, Workload(prompts, seed, sentences_per_request(cfg)), client)
+                    finally:
+                        sampler.cancel()
 
-            per_seed = []
-            counters_before = scrape_counters(base)
-            workers_before = scrape_workers()
-            kill = None
-            if args.kill_worker_at is not None and not report["rates"]:
-                kill = threading.Timer(args.kill_worker_at, workers[0].kill)
-                kill.start()
-            for seed in seeds:
-                per_seed.append(asyncio.run(run_with_memory(seed))["summary"])
+                per_seed = []
+                counters_before = scrape_counters(base)
+                workers_before = scrape_workers()
+                kill = None
+                if args.kill_worker_at is not None and cfg is args and not results:
+                    kill = threading.Timer(args.kill_worker_at, workers[0].kill)
+                    kill.start()
+                for seed in seeds:
+                    per_seed.append(asyncio.run(run_with_memory(seed))["summary"])
+                    if len(seeds) > 1:
+                        print(markdown_table(per_seed[-1], f"{rate:g} RPS, seed {seed}"), flush=True)
+                summary = combine_seeds(per_seed)
+                p95 = summary["audible_ttfa_s"]["p95"]
+                passed = bool(summary["passed"]) and p95 is not None and p95 * 1000 <= args.fail_ttfa_ms
+                # Over the whole of this rate's runs (every seed's warm-up, measured window and drain).
+                counters_after = scrape_counters(base)
+                engine = engine_breakdown(counters_before, counters_after)
+                entry = {"rps": rate, "passed": passed, "gpu_memory_max_MiB": max(memory) if memory else None,
+                         "seeds": seeds, "summary": summary, "engine": engine,
+                         "aligner": aligner_breakdown(counters_before, counters_after, engine)}
+                if health:
+                    entry["workers"] = [
+                        {"worker": i, "address": spec["address"],
+                         "engine": engine_breakdown(b, a) if b is not None and a is not None else None,
+                         "requests": requests_by_outcome(b, a) if b is not None and a is not None else None,
+                         "exit_code": process.poll()}
+                        for i, (spec, process, b, a) in enumerate(zip(layout["workers"], workers, workers_before,
+                                                                       scrape_workers()), 1)]
+                if kill is not None:
+                    kill.cancel()
+                    entry["killed_worker"] = {"worker": 1, "at_s": args.kill_worker_at,
+                                              "failover_pause_ms": failover_pauses(args.log) if args.log else None}
+                    print(f"worker 1 killed at {args.kill_worker_at:g} s; failover pauses (ms, the pool's log): "
+                          f"{entry['killed_worker']['failover_pause_ms']}", flush=True)
                 if len(seeds) > 1:
-                    print(markdown_table(per_seed[-1], f"{rate:g} RPS, seed {seed}"), flush=True)
-            summary = combine_seeds(per_seed)
-            p95 = summary["audible_ttfa_s"]["p95"]
-            passed = bool(summary["passed"]) and p95 is not None and p95 * 1000 <= args.fail_ttfa_ms
-            # Over the whole of this rate's runs (every seed's warm-up, measured window and drain).
-            counters_after = scrape_counters(base)
-            engine = engine_breakdown(counters_before, counters_after)
-            entry = {"rps": rate, "passed": passed, "gpu_memory_max_MiB": max(memory) if memory else None,
-                     "seeds": seeds, "summary": summary, "engine": engine,
-                     "aligner": aligner_breakdown(counters_before, counters_after, engine)}
-            if health:
-                entry["workers"] = [
-                    {"worker": i, "address": spec["address"],
-                     "engine": engine_breakdown(b, a) if b is not None and a is not None else None,
-                     "requests": requests_by_outcome(b, a) if b is not None and a is not None else None,
-                     "exit_code": process.poll()}
-                    for i, (spec, process, b, a) in enumerate(zip(layout["workers"], workers, workers_before,
-                                                                   scrape_workers()), 1)]
-            if kill is not None:
-                kill.cancel()
-                entry["killed_worker"] = {"worker": 1, "at_s": args.kill_worker_at,
-                                          "failover_pause_ms": failover_pauses(args.log) if args.log else None}
-                print(f"worker 1 killed at {args.kill_worker_at:g} s; failover pauses (ms, the pool's log): "
-                      f"{entry['killed_worker']['failover_pause_ms']}", flush=True)
-            if len(seeds) > 1:
-                entry["per_seed"] = per_seed
-            report["rates"].append(entry)
-            if len(seeds) == 1:
-                print(markdown_table(summary, f"{rate:g} RPS"), flush=True)
-            print(f"GPU memory max {entry['gpu_memory_max_MiB']} MiB; verdict {'PASS' if passed else 'FAIL'}", flush=True)
-            if engine is not None:
-                print(engine_table([entry]), flush=True)
-            for w in entry.get("workers", []):
-                print(f"worker {w['worker']} ({w['address']}): requests {w['requests']}", flush=True)
-            if not passed and not args.keep_going:
-                break
+                    entry["per_seed"] = per_seed
+                results.append(entry)
+                if len(seeds) == 1:
+                    print(markdown_table(summary, f"{rate:g} RPS"), flush=True)
+                print(f"GPU memory max {entry['gpu_memory_max_MiB']} MiB; verdict {'PASS' if passed else 'FAIL'}", flush=True)
+                if engine is not None:
+                    print(engine_table([entry]), flush=True)
+                for w in entry.get("workers", []):
+                    print(f"worker {w['worker']} ({w['address']}): requests {w['requests']}", flush=True)
+                if not passed and not args.keep_going:
+                    break
+            return load
+
+        report["load"] = run_configuration(args, report["rates"])
+        for variant in args.variants:
+            entry = {"label": variant.label, "rates": []}
+            report.setdefault("variants", []).append(entry)
+            entry["load"] = run_configuration(variant, entry["rates"])
     finally:
         for process in ([proc] if proc is not None else []) + workers:
             stop(process)
@@ -619,6 +670,12 @@ def main(argv: list[str] | None = None) -> int:
         table += engine_table(report["rates"])
     if any(entry.get("workers") for entry in report["rates"]):
         table += "\n\n" + workers_table(report["rates"])
+    for variant in report.get("variants", []):
+        table += f"\n\nVariant {variant['label']} ({json.dumps(variant['load']['session_config'])}):\n\n"
+        table += summary_table(variant)
+        if any(entry.get("engine") for entry in variant["rates"]):
+            table += "\n\n" + engine_table(variant["rates"])
+    table += aligner_table(report)
     print(table)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -681,6 +738,26 @@ def agent_table(report: dict, ms) -> str:
             f"{s['underrun_events']} ({s['underrun_requests']}) | {s['failed']} | {s['requests']} | "
             f"{s['max_in_flight']} | {', '.join(s.get('warnings') or []) or '-'} | "
             f"{'PASS' if entry['passed'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def aligner_table(report: dict) -> str:
+    """The forced aligner's cost per rate, for every configuration that asked for word timestamps."""
+    rows = [(cfg.get("label") or "main", entry) for cfg in [{"label": (report.get("load") or {}).get("label"),
+                                                             "rates": report["rates"]}, *report.get("variants", [])]
+            for entry in cfg["rates"] if entry.get("aligner")]
+    if not rows:
+        return ""
+    lines = ["", "", "Forced aligner (voxgate_aligner_*):", "",
+             "| run | RPS | sentences | mean batch | ms per sentence | share of the engine thread's wall |",
+             "|---|---|---|---|---|---|"]
+    def num(value, scale=1.0):
+        return "-" if value is None else f"{value * scale:.1f}"
+
+    for label, entry in rows:
+        a = entry["aligner"]
+        lines.append(f"| {label} | {entry['rps']:g} | {a['sentences']} | {num(a['mean_batch'])} | "
+                     f"{num(a['ms_per_sentence'])} | {num(a['share_of_engine_wall'], 100)}% |")
     return "\n".join(lines)
 
 

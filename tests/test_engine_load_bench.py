@@ -48,7 +48,8 @@ def test_several_seeds_are_reported_as_the_median_of_each_seeds_percentiles(tiny
 def test_cloned_voice_and_word_timestamp_runs_report_voice_add_and_the_aligner(tmp_path):
     """--clone registers one voice per clip length through POST /v1/audio/voices (timed, twice each) and the
     load speaks in one of them; --timestamps with -o aligner= has every session ask for words, and the rate's
-    entry carries the aligner's sentences and share, read from the worker's counters through the gateway."""
+    entry carries the aligner's sentences and share, read from the worker's counters through the gateway. A
+    --variant runs again on the same server: here x-vector clones without timestamps."""
     from tts_backend.aligner.testing.checkpoint import write_aligner_checkpoint
     from tts_backend.qwen3.testing.checkpoint import write_checkpoint
 
@@ -59,13 +60,14 @@ def test_cloned_voice_and_word_timestamp_runs_report_voice_add_and_the_aligner(t
         [sys.executable, "bench/engine_load.py", "--model", str(base), "--device", "cpu", "--rates", "1",
          "--warmup", "0.5", "--duration", "2", "--fail-ttfa-ms", "100000", "--clone", "icl",
          "--clone-seconds", "3,4", "--clone-voice-s", "4", "--timestamps", "async", "-o", f"aligner={aligner}",
-         "--output", str(output), "--log", str(tmp_path / "gateway.log"), "--worker"],
+         "--variant", "xvec --clone x_vector --timestamps none --rates 1", "--output", str(output), "--log", str(tmp_path / "gateway.log"), "--worker"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(output.read_text())
     adds = report["voice_add"]
-    assert [(a["clip_s"], a["attempt"]) for a in adds] == [(3, "first"), (4, "first"), (3, "again"), (4, "again")]
+    assert [(a["clip_s"], a["attempt"]) for a in adds[:4]] == [(3, "first"), (4, "first"), (3, "again"), (4, "again")]
+    assert [a["name"] for a in adds[4:6]] == ["bench-x_vector-3s", "bench-x_vector-4s"]
     assert all(a["ms"] > 0 and a["voice"]["name"] == a["name"] for a in adds)
     assert report["load"]["session_config"]["voice"] == "bench-icl-4s"
     assert report["load"]["session_config"]["timestamp_transport_strategy"] == "async"
@@ -74,3 +76,12 @@ def test_cloned_voice_and_word_timestamp_runs_report_voice_add_and_the_aligner(t
     aligned = entry["aligner"]
     assert aligned["sentences"] >= entry["summary"]["completed"]
     assert aligned["ms_per_sentence"] > 0 and 0 < aligned["share_of_engine_wall"] < 1
+    (variant,) = report["variants"]
+    assert variant["label"] == "xvec" and variant["load"]["session_config"]["voice"] == "bench-x_vector-4s"
+    assert "timestamp_type" not in variant["load"]["session_config"]
+    (ventry,) = variant["rates"]
+    assert ventry["summary"]["failed"] == 0 and ventry["summary"]["completed"] > 0
+    assert ventry["aligner"]["sentences"] == 0  # no session asked for words
+    assert len(report["voice_add"]) == 8  # 2 lengths x 2 attempts, for each clone mode
+    markdown = output.with_suffix(".md").read_text()
+    assert "Variant xvec" in markdown and "Forced aligner" in markdown
