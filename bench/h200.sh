@@ -12,7 +12,8 @@
 #   step[:ARGS]      bench/engine_step.py ARGS           -> $OUT/engine_step.json (then engine_step_2.json...)
 #   reference        qwen-tts 0.1.1 from .carry/refwhl   -> $OUT/reference.json
 #   load:RATES       bench/engine_load.py --rates RATES  -> $OUT/engine_load.json (WARMUP, DURATION, SEED or SEEDS,
-#                    LOAD_ARGS for extra flags such as "-o key=value"); where the engine runs, e.g.
+#                    LOAD_ARGS for extra flags such as "-o key=value", VARIANTS for engine_load's --variant
+#                    runs on the same server, separated by ';'); where the engine runs, e.g.
 #                      WARMUP=5 DURATION=30 LOAD_ARGS=--worker bash bench/h200.sh setup load:10,20
 #                      LOAD_ARGS="--tcp-workers 2" bash bench/h200.sh setup load:10,20
 #                    (the second: two `voxgate worker` engines on the GPU, 64 KV slots each, on loopback TCP with
@@ -141,6 +142,12 @@ step_load() {  # step_load RATES
     # LOAD_ARGS is split on whitespace on purpose: it holds extra flags such as "-o max_batch=64".
     # shellcheck disable=SC2206
     [[ -n ${LOAD_ARGS:-} ]] && extra+=($LOAD_ARGS)
+    # VARIANTS="LABEL FLAGS;LABEL FLAGS": engine_load.py --variant runs on the same server, split on ';' only.
+    local variant
+    if [[ -n ${VARIANTS:-} ]]; then
+        IFS=';' read -ra variants <<<"$VARIANTS"
+        for variant in "${variants[@]}"; do extra+=(--variant "$variant"); done
+    fi
     run "$PY" bench/engine_load.py --model "$CKPT" --rates "$rates" --warmup "${WARMUP:-10}" \
         --duration "${DURATION:-30}" "${extra[@]}" \
         --output "$OUT/engine_load$suffix.json" --log "$OUT/gateway$suffix.log"
