@@ -13,7 +13,7 @@ import ctypes
 import os
 import time
 
-from gateway.audio.reference import decode_clip
+from gateway.audio.reference import InvalidReferenceAudio, decode_clip
 from gateway.audio.decoder import serve
 
 # The markers (tests/test_hostile_cloning.py has the same).
@@ -23,6 +23,7 @@ HANG = b"PLANTED-HANG"  # sleeps, never answers
 SPIN = b"PLANTED-SPIN"  # burns CPU without end
 ALLOCATE = b"PLANTED-ALLOCATE"  # asks for 8 GiB, then decodes what it was given
 GARBAGE = b"PLANTED-GARBAGE"  # answers a length of 4 GiB
+ENVIRONMENT = b"PLANTED-ENVIRONMENT"  # refuses the clip naming its environment's variables (LEAK: a secret's value)
 
 
 def planted(data: bytes, min_s: float, max_s: float, rate: int):
@@ -44,6 +45,9 @@ def planted(data: bytes, min_s: float, max_s: float, rate: int):
         sys.__stdout__.buffer.write(struct.pack("<BI", 0, 0xFFFFFFFC))
         sys.__stdout__.buffer.flush()
         time.sleep(3600)
+    if ENVIRONMENT in data:
+        leak = any("secret" in value for value in os.environ.values())
+        raise InvalidReferenceAudio(" ".join(sorted(os.environ)) + (" LEAK" if leak else ""))
     return decode_clip(data, min_s, max_s, rate)
 
 

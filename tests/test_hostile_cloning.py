@@ -34,7 +34,7 @@ from tests.gateway_server import audio_by_sentence, open_session, receive_until,
 from tests.hostile_fixtures import MemoryWatch
 # The planted faults' markers (tests/planted_decoder.py is the decoder process that acts on them).
 SEGFAULT, ABORT, HANG, SPIN = b"PLANTED-SEGFAULT", b"PLANTED-ABORT", b"PLANTED-HANG", b"PLANTED-SPIN"
-ALLOCATE, GARBAGE = b"PLANTED-ALLOCATE", b"PLANTED-GARBAGE"
+ALLOCATE, GARBAGE, ENVIRONMENT = b"PLANTED-ALLOCATE", b"PLANTED-GARBAGE", b"PLANTED-ENVIRONMENT"
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 - fixture
 
 KEY_A, KEY_B = "key-a-" + "a" * 20, "key-b-" + "b" * 20
@@ -237,7 +237,7 @@ def test_a_spinning_clip_ends_by_its_cpu_limit_before_the_wall_deadline():
         finally:
             await decoder.stop()
 
-    assert asyncio.run(scenario()) < 10.0  # SIGXCPU after ~1-2 CPU-s, not the 30 s deadline
+    assert asyncio.run(scenario()) < 20.0  # SIGXCPU after 1-2 CPU-s (slower on a loaded machine), not the 30 s deadline
 
 
 # ------------------------------------------------------------------------------ item 6: admission
@@ -261,13 +261,15 @@ def test_every_clone_counts_against_the_keys_rate_whatever_its_path():
             return answers
 
         answers = asyncio.run(scenario())
-        # The session took one of the 5 (its first clip came with it); 4 re-configurations more.
-        assert answers.count("session.started") == 4 and answers.count("rate_limited") == 25, answers
-        assert backend.clones == 5
+        # The session took one of the 5 (its first clip came with it); 4 re-configurations more (5 if the
+        # bucket refilled one, 12 s, while they ran).
+        started = answers.count("session.started")
+        assert started in (4, 5) and answers.count("rate_limited") == 29 - started, answers
+        assert backend.clones == 1 + started
         # The same allowance: an upload and an HTTP clone are refused now, before any decode.
         assert error_of(upload(server.url, KEY_A, "later", clip(200.0)))["code"] == "rate_limited"
         assert error_of(speak_cloned(server.url, KEY_A, b64(clip(200.0))))["code"] == "rate_limited"
-        assert backend.clones == 5
+        assert backend.clones == 1 + started
 
 
 # ------------------------------------------------------------------------------ item 7: reference URLs
@@ -613,3 +615,23 @@ def test_the_decoder_process_imports_nothing_of_the_gateway_but_its_audio_folder
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
     assert json.loads(loaded.stdout.replace("'", '"')) == [
         "gateway", "gateway.audio", "gateway.audio.decoder", "gateway.audio.fetch", "gateway.audio.reference"]
+
+
+def test_a_decoder_process_gets_none_of_the_gateways_secrets(monkeypatch):
+    """What a subverted decoder could read of the gateway's environment: no API key, no Redis URL."""
+    monkeypatch.setenv("VOXGATE_API_KEYS", '["secret-key-in-env"]')
+    monkeypatch.setenv("VOXGATE_REDIS_URL", "redis://:secret-password@127.0.0.1:6379/0")
+
+    async def scenario() -> bytes:
+        decoder = _planted_decoder(processes=1)
+        try:
+            await decoder.decode(clip(240.0), 3.0, 30.0, 24000)  # started
+            with pytest.raises(Exception) as refused:
+                await decoder.decode(clip(240.0) + ENVIRONMENT, 3.0, 30.0, 24000)
+            return refused.value.refusal.encode()
+        finally:
+            await decoder.stop()
+
+    environment = asyncio.run(scenario())
+    names = environment.decode().split()
+    assert "PATH" in names and "LEAK" not in names and not [n for n in names if n.startswith("VOXGATE")], names

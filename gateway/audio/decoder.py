@@ -9,8 +9,8 @@ one of them over its stdin/stdout pipes. Each process is bounded:
 - CPU: RLIMIT_CPU, raised before each clip to what it has used plus `cpu_s` (SIGXCPU ends a clip that
   spins);
 - time: the gateway kills a process whose answer takes longer than `wall_s`;
-- no core files, no files written; it ends with the gateway (its stdin closes; on Linux also
-  PR_SET_PDEATHSIG).
+- no core files, no files written, none of the gateway's environment (its secrets) but what starting
+  Python needs; it ends with the gateway (its stdin closes; on Linux also PR_SET_PDEATHSIG).
 A process that crashed, overran or was cancelled mid-clip is killed and replaced by a fresh one at the next
 clip; the others keep serving. The gateway waits on the pipes from its event loop: nothing blocks it.
 A process's answer is not trusted beyond its size: at most the samples `max_s` can hold.
@@ -143,7 +143,7 @@ class ReferenceDecoder:
     async def _start(self) -> _Process:
         process = await asyncio.create_subprocess_exec(
             *self.command, str(self.memory_bytes), str(self.cpu_s), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env={**os.environ, **_CHILD_ENV},
+            env=_child_env(),
         )
         worker = _Process(process)
         self.started += 1
@@ -175,6 +175,13 @@ class ReferenceDecoder:
 # One BLAS and one FFmpeg thread, few malloc arenas: the address-space limit then measures the clip's
 # memory, not thread stacks and arenas reserved at start-up.
 _CHILD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
+# What of the gateway's environment a decoder process gets: enough to start Python and find the code, and
+# nothing else (API keys, Redis URLs and tokens stay out of the reach of a decoder an attacker subverts).
+_INHERITED = ("PATH", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR")
+
+
+def _child_env() -> dict[str, str]:
+    return {**{k: os.environ[k] for k in _INHERITED if k in os.environ}, **_CHILD_ENV}
 
 
 # ------------------------------------------------------------------------------------ the decoder process
