@@ -99,8 +99,12 @@ async def pushed_in_pieces(backend, text, seed, rng, max_new_tokens) -> tuple[np
         for i, piece in enumerate(pieces[1:]):
             if i == len(pieces) - 2:
                 # Before the last piece, at the least, the engine runs out of text: wait until it says so.
-                while backend.engine.stats_snapshot()["text"]["waiting"] == 0:
+                for _ in range(12000):
+                    if backend.engine.stats_snapshot()["text"]["waiting"]:
+                        break
                     await asyncio.sleep(0.005)
+                else:
+                    raise AssertionError("the engine never waited for text")
             else:
                 await asyncio.sleep(rng.choice([0, 0, 0.002, 0.01, 0.05]))
             stream.push(piece)
@@ -154,3 +158,70 @@ async def test_text_in_random_pieces_says_exactly_what_the_whole_text_says(tiny_
         assert backend.engine.stats.text_waits > 0  # it did wait for text on the way
     finally:
         await backend.stop()
+
+
+async def test_a_qwen3_worker_takes_text_over_its_socket(tiny_custom_voice, tmp_path):
+    """Pieces pushed through a real worker process (text frames on the stream's connection) say what the
+    whole text says in streaming-text mode in this process."""
+    import subprocess
+    import sys
+
+    from tts_backend.remote import RemoteSynthesizer
+
+    socket_path = str(tmp_path / "qwen3.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tts_backend.remote.worker", "--socket", socket_path, "--backend", "qwen3",
+         "--model", str(tiny_custom_voice), "--device", "cpu", "--option", "max_active=2",
+         "--option", "max_len=256", "--option", "dtype=float32", "--option", "trim_leading_silence=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        remote = RemoteSynthesizer(socket=socket_path, connect_timeout_s=120)
+        await remote.start()
+        try:
+            assert {"text_streaming", "text_mode"} <= remote.honours
+            rng = random.Random(9)
+            got, before_finish = await pushed_in_pieces_to(remote, SENTENCES[1], 21, rng, 26)
+        finally:
+            await remote.stop()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    local = await started(tiny_custom_voice, trim_leading_silence=False, dtype="float32")
+    try:
+        want = await audio_of(local, SynthesisRequest(text=SENTENCES[1], voice="ryan", seed=21, max_new_tokens=26,
+                                                      streaming_text=True))
+    finally:
+        await local.stop()
+    assert len(got) == len(want) > 0
+    assert int(np.abs(got.astype(np.int32) - want).max()) <= 1
+    assert before_finish > 0
+
+
+async def pushed_in_pieces_to(backend, text, seed, rng, max_new_tokens) -> tuple[np.ndarray, int]:
+    """As pushed_in_pieces, for any backend: the middle piece waits for the first audio."""
+    pieces = random_pieces(text, rng)
+    stream = TextStream(pieces[0])
+    request = SynthesisRequest(text=pieces[0], voice="ryan", seed=seed, max_new_tokens=max_new_tokens,
+                               text_stream=stream)
+    audio = bytearray()
+    heard = asyncio.Event()
+    before_finish = []
+
+    async def write():
+        for i, piece in enumerate(pieces[1:]):
+            if i == len(pieces) // 2:
+                await asyncio.wait_for(heard.wait(), 60)  # audio before the text is complete
+            await asyncio.sleep(rng.choice([0, 0.005, 0.03]))
+            stream.push(piece)
+        before_finish.append(len(audio))
+        stream.finish()
+
+    async def read():
+        async for chunk in backend.synthesize(request):
+            audio.extend(chunk.pcm)
+            if audio:
+                heard.set()
+
+    await asyncio.gather(write(), read())
+    return np.frombuffer(bytes(audio), "<i2"), before_finish[0]

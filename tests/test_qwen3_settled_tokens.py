@@ -47,4 +47,5 @@ def test_everything_but_the_last_word_is_settled(tokenizer):
 def test_a_special_token_written_in_two_pieces_is_held_back(tokenizer):
     assert tokenizer.settled_text_ids("Say <|im_") == tokenizer.text_ids("Say")
     whole = tokenizer.text_ids("Say <|im_end|> now")
-    assert tokenizer.settled_text_ids("Say <|im_end|> now") == whole[: len(tokenizer.settled_text_ids("Say <|im_end|> now"))]
+    settled = tokenizer.settled_text_ids("Say <|im_end|> now")
+    assert len(settled) > 1 and settled == whole[: len(settled)]

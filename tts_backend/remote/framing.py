@@ -33,6 +33,14 @@ by a worker whose capacity is in use, and the pool asks the next best.
 request's "voice_prompt" travels in base64 too, and is left out when there is none.)
 With "word_timestamps" in the request, {"op": "words", "words": [[word, start, end], ...]} frames (a
 chunk's WordTimings, in the backend's samples) come before that chunk's A frame.
+
+Text streaming (base.TextStream): a synthesize with "text_stream": true opens a request whose text goes on
+after the request's "text"; the client sends the rest on the same connection while the audio comes back:
+  client -> worker   {"op": "text", "text": str}            more text (appended as it is)
+  client -> worker   {"op": "text_done"}                    the text is complete
+Any other frame, or end-of-file, still means "stop". A text frame is a control frame (at most MAX_CONTROL_FRAME bytes), and the
+whole text, pushed or not, is bounded as any request's (the worker's --max-text-chars); past either:
+{"op": "error", "code": "bad_request"}.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ import contextlib
 import logging
 import math
 import random
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ from ..base import (
     SynthesisError,
     SynthesisRequest,
     Synthesizer,
+    TextStream,
     UnknownVoiceError,
     Voice,
     WordTiming,
@@ -71,6 +73,9 @@ from .discovery import WorkerRegistry, registry_key
 
 _ERRORS = {code: kind for kind, code in framing.ERROR_CODES.items()}
 _MAX_SESSIONS = 100_000  # session bindings remembered (least recently used forgotten first)
+# Text frames carry at most this many characters: JSON escapes one as up to 12 bytes (a non-BMP character
+# as two \u escapes), which keeps a frame under framing.MAX_CONTROL_FRAME.
+_TEXT_PIECE_CHARS = 4096
 # A worker whose running streams spend this many wall seconds per second of audio has no headroom: one more
 # stream and its listeners would outrun it.
 RTF_LIMIT = 0.9
@@ -287,41 +292,48 @@ class WorkerClient:
             self.streams -= 1
             raise
         rate = self.info["sample_rate"] if self.info else SAMPLE_RATES[1]
-        audio_left = max_audio_bytes(request.text, rate)
-        words_left = len(request.text) + 16
-        # Seconds the worker may keep this request waiting, all waits together: the first frame's, then the
-        # time the most audio it may send would last.
-        wait_left = self.first_audio_timeout_s + audio_left / (2 * rate)
+        # A text stream's bounds grow with its text (request.full_text): what it may send, and how long it
+        # may keep the request waiting, count the text pushed so far.
+        audio_sent = words_sent = 0
+        # Seconds the worker kept this request waiting, all waits together; at most the first frame's wait,
+        # then the time the most audio it may send would last.
+        waited_s = 0.0
         first = True
+        forward = None
         try:
             message = {"op": "synthesize", "request": framing.request_to_json(request)}
             if place:
                 message["place"] = True
+            if request.text_stream is not None:
+                message["text_stream"] = True
             writer.write(framing.encode_json(message))
             try:
                 await writer.drain()
             except OSError as exc:
                 raise WorkerLost(f"worker {self.id} broke off: {exc or type(exc).__name__}") from exc
+            if request.text_stream is not None:
+                forward = asyncio.ensure_future(_forward_text(request, writer))
             while True:
+                audio_cap = max_audio_bytes(request.full_text, rate)
+                wait_left = self.first_audio_timeout_s + audio_cap / (2 * rate) - waited_s
                 deadline = min(self.first_audio_timeout_s if first else self.chunk_timeout_s, wait_left)
-                waited = time.monotonic()
                 try:
-                    frame = await asyncio.wait_for(framing.read_frame(reader, framing.MAX_STREAM_FRAME), deadline)
+                    frame, waited = await _next_frame(reader, deadline, request.text_stream)
+                    waited_s += waited
                 except asyncio.TimeoutError:
                     raise WorkerMisbehaved(f"worker {self.id} sent nothing for {deadline:.1f} s") from None
                 except (OSError, asyncio.IncompleteReadError) as exc:
                     raise WorkerLost(f"worker {self.id} broke off: {exc or type(exc).__name__}") from exc
                 except framing.ProtocolError as exc:
                     raise WorkerMisbehaved(f"worker {self.id} sent a bad frame: {exc}") from exc
-                wait_left -= time.monotonic() - waited
                 first = False
                 if frame is None:
                     raise WorkerLost(f"worker {self.id} closed the stream before it was done")
                 kind, payload = frame
                 if kind == framing.AUDIO:
-                    audio_left -= len(payload)
-                    if audio_left < 0 or len(payload) % 2:
-                        raise WorkerMisbehaved(f"worker {self.id} sent more audio than {len(request.text)} "
+                    audio_sent += len(payload)
+                    if audio_sent > audio_cap or len(payload) % 2:
+                        raise WorkerMisbehaved(f"worker {self.id} sent more audio than {len(request.full_text)} "
                                                "characters can hold, or a partial sample")
                     yield AudioChunk(payload)
                 else:
@@ -332,8 +344,8 @@ class WorkerClient:
                     op = message["op"]
                     if op == "words":
                         words = _words(message.get("words"), self.id)
-                        words_left -= len(words)
-                        if words_left < 0:
+                        words_sent += len(words)
+                        if words_sent > len(request.full_text) + 16:
                             raise WorkerMisbehaved(f"worker {self.id} sent more word timings than the text has "
                                                    "characters")
                         yield AudioChunk(b"", words)
@@ -348,6 +360,8 @@ class WorkerClient:
                 await asyncio.sleep(0)
         finally:
             self.streams -= 1
+            if forward is not None:
+                forward.cancel()
             # Closing the connection is the cancel signal when we stop early; harmless after "done".
             writer.close()
             with contextlib.suppress(Exception):
@@ -373,6 +387,44 @@ def _worker_error(message: dict, worker_id: str) -> Exception:
     if code == "unauthorized":
         return SynthesisError(f"worker {worker_id} refused this gateway's token")
     return _ERRORS.get(code, SynthesisError)(text)
+
+
+async def _next_frame(reader: asyncio.StreamReader, timeout_s: float,
+                      text_stream: TextStream | None) -> tuple[tuple[bytes, bytes] | None, float]:
+    """The worker's next frame and the seconds of waiting for it that count against the worker. While a
+    text stream's text is still coming, a worker that sends nothing may be waiting for text (the caller's
+    time, however long the caller takes): no timeout then; from the text's end on, the wait counts."""
+    read = asyncio.ensure_future(framing.read_frame(reader, framing.MAX_STREAM_FRAME))
+    try:
+        while text_stream is not None and not text_stream.finished:
+            finished = asyncio.ensure_future(text_stream.wait_beyond(sys.maxsize))  # wakes at finish() only
+            try:
+                await asyncio.wait({read, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
+            if read.done():
+                return read.result(), 0.0
+        started = time.monotonic()
+        done, _ = await asyncio.wait({read}, timeout=max(0.0, timeout_s))
+        if not done:
+            raise asyncio.TimeoutError
+        return read.result(), time.monotonic() - started
+    finally:
+        if not read.done():
+            read.cancel()
+
+
+async def _forward_text(request: SynthesisRequest, writer: asyncio.StreamWriter) -> None:
+    """A text stream's text after the request's own, as it comes, then its end, as frames on the request's
+    connection (framing.py). From the start each time: a stream sent again to another worker after its
+    worker failed gets all the text pushed so far at once, then the rest as it comes."""
+    with contextlib.suppress(ConnectionError, RuntimeError):  # a broken connection: the reader sees it
+        async for piece in request.text_stream.pieces(len(request.text)):
+            for start in range(0, len(piece), _TEXT_PIECE_CHARS):  # under the worker's text frame bound
+                writer.write(framing.encode_json({"op": "text", "text": piece[start: start + _TEXT_PIECE_CHARS]}))
+            await writer.drain()
+        writer.write(framing.encode_json({"op": "text_done"}))
+        await writer.drain()
 
 
 @dataclass
@@ -479,9 +531,7 @@ class RemoteSynthesizer(Synthesizer):
             return
         self.sample_rate = self._rate
         self._voices = [Voice(**v) for v in info.get("voices", [])]
-        # A worker too old to say honours nothing. Text streaming needs the pool to forward what is pushed,
-        # which it does not do yet: not offered, whatever the workers' backends can do.
-        self.honours = frozenset(info.get("honours", ())) - {"text_streaming"}
+        self.honours = frozenset(info.get("honours", ()))  # a worker too old to say honours nothing
         self.speaks_only_clones = bool(info.get("speaks_only_clones", False))
         self.name = f"remote:{info.get('name', '?')}"
 

@@ -34,7 +34,7 @@ import socket
 import time
 from typing import Any
 
-from ..base import BackendMetric, ReferenceAudio, SynthesisError, Synthesizer
+from ..base import BackendMetric, ReferenceAudio, SynthesisError, Synthesizer, TextStream
 from ..log_format import TextFormatter, redact
 from ..registry import create_backend
 from . import framing
@@ -385,7 +385,7 @@ class WorkerServer:
                 if message.get("place") and self.full():
                     await _refuse(writer, "full", "this worker's capacity is in use")
                     return
-                await self._synthesize(data, reader, writer)
+                await self._synthesize(data, reader, writer, bool(message.get("text_stream")))
             else:
                 raise framing.ProtocolError(f"unknown op {str(message['op'])[:64]!r}")
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
@@ -406,33 +406,58 @@ class WorkerServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _synthesize(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        produce = asyncio.create_task(self._stream(data, writer))
-        # Any frame or end-of-file from the client while we stream means "stop".
-        hangup = asyncio.create_task(reader.read(1))
+    async def _synthesize(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          text_stream: bool = False) -> None:
+        text = TextStream(data.get("text") if isinstance(data.get("text"), str) else "") if text_stream else None
+        produce = asyncio.create_task(self._stream(data, writer, text))
+        # Any frame or end-of-file from the client while we stream means "stop" (but the text of a text stream).
+        hangup = asyncio.create_task(self._read_text(reader, text) if text is not None else reader.read(1))
         try:
             done, _ = await asyncio.wait({produce, hangup}, return_when=asyncio.FIRST_COMPLETED)
             if produce not in done:
                 produce.cancel()
                 with contextlib.suppress(asyncio.CancelledError, ConnectionError):
                     await produce
+                hangup.result()  # a bad text frame: the ProtocolError is answered bad_request by _handle
                 return
             await produce
         finally:
             hangup.cancel()
 
-    async def _stream(self, data: dict, writer: asyncio.StreamWriter) -> None:
+    async def _read_text(self, reader: asyncio.StreamReader, text: TextStream) -> None:
+        """A text stream's frames: "text" pushes, "text_done" finishes; returns at end-of-file or any other
+        frame once the text is done (stop, as for any request). Raises ProtocolError on a bad text frame or a
+        text past max_text_chars (the bound of any request's text), which stops the request too."""
+        while not text.finished:
+            frame = await framing.read_frame(reader, framing.MAX_CONTROL_FRAME)
+            if frame is None:
+                return
+            kind, payload = frame
+            message = framing.decode_json(payload) if kind == framing.JSON else {}
+            if message.get("op") == "text_done":
+                text.finish()
+            elif message.get("op") == "text" and isinstance(message.get("text"), str):
+                if len(text.text) + len(message["text"]) > self.max_text_chars:
+                    raise framing.ProtocolError(f"text must be a string of at most {self.max_text_chars} characters")
+                text.push(message["text"])
+            else:
+                return  # not text: "stop"
+        await reader.read(1)
+
+    async def _stream(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None = None) -> None:
         self.streams_in_flight += 1
         try:
-            await self._stream_inner(data, writer)
+            await self._stream_inner(data, writer, text)
         finally:
             self.streams_in_flight -= 1
             self._last_stream_at = time.monotonic()
 
-    async def _stream_inner(self, data: dict, writer: asyncio.StreamWriter) -> None:
+    async def _stream_inner(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None) -> None:
         seconds_per_byte = 1.0 / (2 * self.backend.sample_rate)
         try:
             request = framing.request_from_json(data)
+            if text is not None:  # its initial text was bounded with any request's (_handle)
+                request = dataclasses.replace(request, text_stream=text)
             stream = self.backend.synthesize(request)
             try:
                 first_audio = True
@@ -443,7 +468,8 @@ class WorkerServer:
                     except StopAsyncIteration:
                         break
                     if chunk.pcm:
-                        if not first_audio:
+                        # A text stream's waits are its text's, not this worker's speed: not metered.
+                        if not first_audio and text is None:
                             self.meter.add(time.monotonic() - asked, len(chunk.pcm) * seconds_per_byte)
                         first_audio = False
                     # The words before the chunk's audio, as the backend gave them; both in frames no larger
