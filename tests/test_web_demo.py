@@ -253,6 +253,34 @@ def test_received_and_played_counters_use_one_unit(backend, run):
     # After the barge-in only what played counts as played; what was dropped was still received.
     later = run["later"]["counters"]
     assert float(later["received"][:-2]) > float(later["played"][:-2])
+    # The next utterance counts its own audio: the two agree again once it has played (they used to stay
+    # apart for the rest of the page's life, by the audio the interrupt dropped).
+    back = run["afterBargeIn"]
+    counters = back["counters"]
+    assert counters["received"] == counters["played"]
+    assert abs(float(counters["played"][:-2]) - back["utterance"]["samples"] / back["streamRate"]) <= 0.01
+
+
+def test_the_interrupt_tells_the_gateway_what_was_heard(run):
+    """The synthetic backend sends three times faster than real time, so at the cut the page has received
+    far more than it played. The cancel carries the played position (played_ms), and context.cancelled's
+    spoken_text is the words whose end that position reached: computed here from the words' times and the
+    sentences' lengths, and fewer than the words the gateway had sent."""
+    utterance = run["later"]["utterance"]
+    played_ms = utterance["playedMs"]
+    assert played_ms is not None and played_ms > 0
+    rate = run["later"]["streamRate"]
+    offsets, offset = {}, 0.0
+    for sentence in utterance["sentences"]:
+        offsets[sentence["number"]] = offset
+        offset += sentence["samples"] / rate
+    heard = [w["word"] for w in utterance["words"] if offsets[w["number"]] + w["end"] <= played_ms / 1000 + 0.001]
+    assert heard, "nothing had been heard at the cut"
+    assert utterance["heardText"] == " ".join(heard)
+    assert len(heard) < len(utterance["words"]), "the gateway had sent no more than was heard"
+    # What played by the worklet's count, in the interrupted utterance: the same position.
+    later, base = run["later"]["player"], utterance["counterBase"]
+    assert abs((later["framesPlayed"] - base["played"]) / run["later"]["contextRate"] * 1000 - played_ms) <= 5
 
 
 def test_sentence_numbers_restart_with_each_utterance(run):
@@ -372,3 +400,80 @@ def test_a_voice_is_cloned_from_a_clip_and_spoken_on_the_page(browser_tools, tmp
 
 def test_the_page_offers_no_cloning_where_the_backend_cannot_clone(run):
     assert run["cloneOffered"] is False
+
+
+# ------------------------------------------------------------------------------------------ Piper
+
+PIPER_SHORT = "Hi."
+SHORT_RUNS = 6
+# Piper times "an" here with zero length (start == end).
+ZERO_LENGTH_WORD_TEXT = "For an instant he saw Pierre drawn like a silhouette against the sky."
+README_SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "web_demo.png"
+
+
+@pytest.fixture(scope="module")
+def piper_run(browser_tools, screenshots) -> dict:
+    """The page on the default gateway (Piper). It also refreshes README's screenshot, docs/web_demo.png."""
+    with running_gateway("piper") as server:
+        result = run_node_json(JS_CLIENT_DIR / "test" / "web_demo_piper.mjs", server.url, str(screenshots),
+                               str(README_SCREENSHOT), PIPER_SHORT, str(SHORT_RUNS), ZERO_LENGTH_WORD_TEXT,
+                               timeout=150)
+    assert result.get("failure") is None, result.get("failure")
+    assert result["pageErrors"] == []
+    return result
+
+
+def test_a_short_reply_finishes_only_once_it_has_played(piper_run):
+    """'playback finished' (and Interrupt disabled) came while a short reply was still playing, in 6 of 8
+    runs: the page read a worklet report that predated the reply's audio. Now the worklet itself says when
+    everything written has played: at that moment its counters hold every frame of the reply, played."""
+    runs = piper_run["short"]
+    assert len(runs) == SHORT_RUNS
+    for run in runs:
+        assert run["outcome"] == "played" and run["interruptDisabled"]
+        (sentence,) = run["sentences"]
+        assert sentence["playAt"] is not None, f"finished before its audio began to play: {run}"
+        end, base = run["endStats"], run["counterBase"]
+        frames = sentence["samples"] * end["contextRate"] / 24000
+        assert abs(end["framesQueued"] - base["queued"] - frames) <= 2, "finished before the reply reached the player"
+        assert end["framesPlayed"] == end["framesQueued"] and end["bufferedFrames"] == 0, "finished while playing"
+
+
+def test_a_zero_length_word_is_highlighted_too(piper_run):
+    utterance = piper_run["words"]
+    words = utterance["words"]
+    assert [w["word"] for w in words] == ZERO_LENGTH_WORD_TEXT.split()
+    assert any(w["start"] == w["end"] for w in words), "Piper no longer times a word with zero length here"
+    assert [h["word"] for h in utterance["highlights"]] == [w["word"] for w in words]
+
+
+def test_the_default_voice_and_whole_sentences_fit_a_phone(piper_run):
+    assert piper_run["voice"] == "en_US-joe-medium"
+    assert_layout_sound(piper_run["layout"])
+    assert_layout_sound(piper_run["desktopLayout"])
+
+
+def test_a_barge_in_on_piper_reports_the_words_heard_not_the_words_sent(piper_run):
+    """Piper sends a sentence faster than real time: cut 1.5 s into the page's second sentence, the
+    gateway had sent more words than had played. spoken_text is a prefix of the text, and ends within the
+    second sentence."""
+    utterance = piper_run["interrupted"]
+    heard = utterance["heardText"].split()
+    text = " ".join(utterance["sentences"][i]["text"].strip() for i in range(len(utterance["sentences"])))
+    assert heard and text.split()[: len(heard)] == heard
+    first = utterance["sentences"][0]["text"].split()
+    assert len(first) < len(heard) < len(first) + len(utterance["sentences"][1]["text"].split())
+    assert len(heard) < len(utterance["words"]), "no more words had been sent than heard"
+
+
+def test_the_clone_panel_says_what_cloning_needs_where_the_backend_cannot_clone(piper_run):
+    clone = piper_run["clone"]
+    assert clone["shown"] and not clone["offered"]
+    assert "Qwen3-TTS Base checkpoint" in clone["unavailable"]
+
+
+def test_the_readme_screenshot_is_the_page_as_this_run_drew_it(piper_run):
+    """README shows docs/web_demo.png; this run wrote it (commit it when the page changes)."""
+    assert png_size(README_SCREENSHOT) == (1280, 900)
+    assert 20_000 < README_SCREENSHOT.stat().st_size < 400_000
+    assert "(docs/web_demo.png)" in (README_SCREENSHOT.parent.parent / "README.md").read_text()

@@ -20,6 +20,8 @@ const ui = {
   llmRow: $("llm-speed-row"),
   voice: $("voice"),
   clonePanel: $("clone-panel"),
+  cloneFields: $("clone-fields"),
+  cloneUnavailable: $("clone-unavailable"),
   cloneFile: $("clone-file"),
   cloneName: $("clone-name"),
   cloneText: $("clone-text"),
@@ -65,6 +67,7 @@ const state = {
   noticeAction: null,
   retrySpeak: false, // Speak failed for want of a key or a gateway: retried once that is fixed
   keyTried: null, // the API key the last gateway check used
+  interrupting: null, // the last interrupt's report, then its cancel (Speak waits for it)
 };
 
 const chart = new TimelineChart($("chart"));
@@ -191,7 +194,10 @@ async function loadGateway(select = null) {
         return option;
       }),
     );
-    ui.clonePanel.hidden = !voices.voice_cloning; // only a backend that clones offers the panel
+    // Shown either way: a backend that cannot clone gets the panel disabled, with what cloning needs.
+    ui.clonePanel.classList.toggle("unavailable", !voices.voice_cloning);
+    ui.cloneFields.disabled = !voices.voice_cloning;
+    ui.cloneUnavailable.hidden = Boolean(voices.voice_cloning);
     setStatus("idle", "ready");
     clearNotice("auth", "unreachable");
     loadBackendInfo(apiKey);
@@ -238,9 +244,6 @@ async function ensurePlayer() {
     state.player.on("underrun", ({ tag }) => {
       const sentence = state.utterance?.byTag.get(tag);
       logEvent(sentence ? `underrun in sentence ${sentence.number}` : "underrun", "warn");
-    });
-    state.player.on("drained", () => {
-      if (state.utterance?.finished) finishUtterance("played");
     });
   }
   state.player.setPrerollMs(Number(ui.preroll.value));
@@ -336,11 +339,20 @@ function wireClient(client) {
     utterance.finished = true;
     utterance.serverSentences = message.total_sentences;
     logEvent(`utterance.done: ${message.total_sentences} sentences, ${count(utterance.bytes)} bytes`);
-    if (player.stats.state === "idle" && player.stats.bufferedFrames === 0) finishUtterance("played");
+    // Every sample of it has reached the player: finished once the worklet says all of that has played
+    // (its stats, posted every few quanta, may not have seen the last sentence yet).
+    player.whenDrained().then(({ interrupted }) => {
+      if (!interrupted && state.utterance === utterance) finishUtterance("played");
+    });
   });
   client.on("context.cancelled", (message) => {
-    logEvent(`context.cancelled (${message.context_id})`, "warn");
-    if (state.utterance && message.context_id === state.utterance.contextId) state.utterance.cancelAcknowledged = true;
+    const heard = message.spoken_text === undefined || message.spoken_text === null ? "" : `: heard "${message.spoken_text}"`;
+    logEvent(`context.cancelled (${message.context_id})${heard}`, "warn");
+    const utterance = state.utterance;
+    if (utterance && message.context_id === utterance.contextId) {
+      utterance.cancelAcknowledged = true;
+      utterance.heardText = message.spoken_text ?? null;
+    }
   });
   client.on("error", (message) => {
     logEvent(`error ${message.code}: ${message.message}`, "error");
@@ -381,7 +393,11 @@ function newUtterance(contextId, text) {
     firstByteAt: null,
     wordCount: 0,
     current: null, // the word being played: {sentence, word}
+    cursor: { sentence: 0, word: 0 }, // the first word not highlighted yet
     highlights: [], // every word highlighted, in order: {number, index, word, at (ms)}
+    counterBase: null, // the player's counters when it began: the cards show this utterance's audio
+    playedMs: null, // sent with input.cancel: how much of its audio was heard
+    heardText: null, // context.cancelled's spoken_text
     finished: false,
     cancelAcknowledged: false,
     outcome: null,
@@ -412,12 +428,15 @@ async function speak() {
   ui.text.removeAttribute("aria-invalid");
   clearNotice("empty");
   if (state.utterance && !state.utterance.outcome) await interrupt();
+  await state.interrupting; // its report has landed: the counters below are current
   ui.speak.disabled = true;
   try {
     const player = await ensurePlayer();
     const client = await ensureClient();
     const contextId = `utt-${++state.utteranceCount}`;
     const utterance = newUtterance(contextId, text);
+    if (state.utterance) player.forget(state.utterance.sentences.map((sentence) => sentence.tag));
+    utterance.counterBase = { queued: player.stats.framesQueued, played: player.stats.framesPlayed };
     state.utterance = utterance;
     chart.reset(utterance);
     ui.rows.replaceChildren();
@@ -449,14 +468,19 @@ async function interrupt() {
   if (!utterance || utterance.outcome) return;
   utterance.abort.abort();
   utterance.interruptedAt = performance.now() - utterance.t0;
-  // Both happen now, before anything else can run: the client stops delivering this context's audio
-  // (frames already in flight are dropped) and tells the server; the worklet empties its queue.
-  if (state.client && !state.client.closed) state.client.cancel({ contextId: utterance.contextId });
+  // The worklet empties its queue now, and from here on the page writes none of this utterance's audio;
+  // its report (within one render quantum) says how much of each sentence was dropped unplayed, so the
+  // cancel can tell the gateway how much was heard: context.cancelled's spoken_text is then what the
+  // listener heard, not what the gateway had sent (it sends faster than real time).
   const report = state.player ? state.player.interrupt() : Promise.resolve({ droppedFrames: 0 });
   for (const sentence of utterance.sentences) if (sentence.playAt !== null) sentence.cut = true;
   finishUtterance("interrupted");
-  const { droppedFrames } = await report;
-  logEvent(`interrupted: ${Math.round((droppedFrames / (state.player?.sampleRate || 48000)) * 1000)} ms of queued audio dropped`, "warn");
+  state.interrupting = report.then(({ droppedFrames }) => {
+    utterance.playedMs = state.player ? state.player.heardMs(utterance.sentences.map((sentence) => sentence.tag)) : 0;
+    if (state.client && !state.client.closed) state.client.cancel({ contextId: utterance.contextId, playedMs: utterance.playedMs });
+    logEvent(`interrupted after ${Math.round(utterance.playedMs)} ms heard: ${Math.round((droppedFrames / (state.player?.sampleRate || 48000)) * 1000)} ms of queued audio dropped`, "warn");
+  });
+  await state.interrupting;
 }
 
 function finishUtterance(outcome) {
@@ -464,6 +488,7 @@ function finishUtterance(outcome) {
   if (!utterance || utterance.outcome) return;
   utterance.outcome = outcome;
   utterance.endedAt = performance.now() - utterance.t0;
+  utterance.endStats = state.player ? { ...state.player.stats } : null; // what the player had done by then
   ui.interrupt.disabled = true;
   if (state.client) setStatus("live", outcome === "played" ? "done" : "interrupted");
   if (outcome === "played") logEvent("playback finished");
@@ -480,10 +505,12 @@ function renderStats(stats) {
   ui.buffered.textContent = `${Math.round(stats.bufferedMs)} ms`;
   ui.underruns.textContent = count(stats.underruns);
   ui.underruns.parentElement.classList.toggle("alert", stats.underruns > 0);
-  // Both in seconds of audio at the audio context's rate: what reached the worklet (after resampling)
-  // and what it played, so the two agree once everything has played.
-  ui.received.textContent = seconds(stats.framesQueued, stats.contextRate);
-  ui.played.textContent = seconds(stats.framesPlayed, stats.contextRate);
+  // Both in seconds of the utterance's audio at the audio context's rate: what reached the worklet
+  // (after resampling) and what it played, so the two agree once everything has played; after an
+  // interrupt, received counts what was dropped unplayed too, and the next utterance starts both at 0.
+  const base = state.utterance?.counterBase ?? { queued: stats.framesQueued, played: stats.framesPlayed };
+  ui.received.textContent = seconds(stats.framesQueued - base.queued, stats.contextRate);
+  ui.played.textContent = seconds(stats.framesPlayed - base.played, stats.contextRate);
   ui.received.title = `${count(stats.framesQueued)} frames at ${stats.contextRate} Hz (${count(stats.samplesReceived)} samples at the stream's rate)`;
   ui.played.title = `${count(stats.framesPlayed)} frames at ${stats.contextRate} Hz`;
   const utterance = state.utterance;
@@ -515,7 +542,10 @@ function renderSentenceRow(sentence) {
 }
 
 // Highlight the word being played, by the audio clock: the sentence playing is the last one whose first
-// sample has played, and its word is the one whose span holds the time played since then.
+// sample has played, and every word whose start the time played since then has reached is highlighted in
+// turn, the latest one as the current word. Words are visited in order from a cursor, so a word the clock
+// passed between two frames (a zero-length word of Piper's, or any word on a slow machine) is still
+// highlighted, once.
 function highlightWord(utterance) {
   const context = state.player?.context;
   if (!context || utterance.outcome === "interrupted") return;
@@ -526,24 +556,32 @@ function highlightWord(utterance) {
   }
   if (!playing) return;
   const elapsed = time - playing.playContextTime;
-  const index = playing.words.findIndex((word) => word.start <= elapsed && elapsed < word.end);
-  const word = index < 0 ? null : playing.words[index];
-  if (!word || word === utterance.current?.word) return;
-  if (utterance.current) {
-    utterance.current.word.element.classList.remove("current");
-  }
-  for (const sentence of utterance.sentences) {
-    for (const earlier of sentence.words) {
-      if (sentence.number < playing.number || earlier.end <= word.start) earlier.element.classList.add("played");
+  const cursor = utterance.cursor;
+  let latest = null;
+  while (cursor.sentence < utterance.sentences.length) {
+    const sentence = utterance.sentences[cursor.sentence];
+    if (sentence.number > playing.number) break;
+    const word = sentence.words[cursor.word];
+    if (word === undefined) {
+      if (sentence === playing) break; // its next words have not arrived yet
+      cursor.sentence += 1;
+      cursor.word = 0;
+      continue;
     }
+    if (sentence === playing && word.start > elapsed) break;
+    word.element.classList.add("played");
+    utterance.highlights.push({ number: sentence.number, index: cursor.word, word: word.word, at: Math.round(performance.now() - utterance.t0) });
+    latest = { sentence, word };
+    cursor.word += 1;
   }
-  word.element.classList.add("current", "played");
+  if (!latest) return;
+  utterance.current?.word.element.classList.remove("current");
+  latest.word.element.classList.add("current");
   // Keep the word in view inside its box (never scrolling the page under the user).
   const box = ui.spokenWords;
-  const top = word.element.offsetTop;
-  if (top < box.scrollTop || top + word.element.offsetHeight > box.scrollTop + box.clientHeight) box.scrollTop = top;
-  utterance.current = { sentence: playing, word };
-  utterance.highlights.push({ number: playing.number, index, word: word.word, at: Math.round(performance.now() - utterance.t0) });
+  const top = latest.word.element.offsetTop;
+  if (top < box.scrollTop || top + latest.word.element.offsetHeight > box.scrollTop + box.clientHeight) box.scrollTop = top;
+  utterance.current = latest;
   ui.wordsInfo.textContent = `${utterance.highlights.length}/${utterance.wordCount} words`;
 }
 
@@ -662,7 +700,12 @@ window.voxgateDemo = {
     const utterance = state.utterance;
     return {
       status: ui.status.dataset.state,
-      clone: { offered: !ui.clonePanel.hidden, status: ui.cloneStatus.value },
+      clone: {
+        shown: !ui.clonePanel.hidden,
+        offered: !ui.clonePanel.hidden && !ui.cloneFields.disabled,
+        unavailable: ui.cloneUnavailable.hidden ? null : ui.cloneUnavailable.textContent,
+        status: ui.cloneStatus.value,
+      },
       notice: ui.notice.hidden ? null : { kind: state.notice, text: ui.noticeText.textContent },
       sessionId: state.client?.sessionId ?? null,
       streamRate: state.client?.sampleRate ?? null,
@@ -679,6 +722,11 @@ window.voxgateDemo = {
         samples: utterance.samples,
         finished: utterance.finished,
         outcome: utterance.outcome,
+        endedAt: utterance.endedAt ?? null,
+        counterBase: utterance.counterBase,
+        endStats: utterance.endStats ?? null,
+        playedMs: utterance.playedMs,
+        heardText: utterance.heardText,
         cancelAcknowledged: utterance.cancelAcknowledged,
         serverSentences: utterance.serverSentences ?? null,
         words: utterance.sentences.flatMap((s) => s.words.map(({ word, start, end }) => ({ number: s.number, word, start, end }))),

@@ -13,9 +13,12 @@
 //   {type: "write", samples: Int16Array, sampleRate, tag}   audio of sentence `tag`
 //   {type: "segment-end", tag}                              sentence `tag` has no more audio
 //   {type: "interrupt"}                                      drop everything queued, now
+//   {type: "drain-check", id}                                answer `drain` once all written so far played
 //   {type: "config", prerollMs}
 // Messages out: {event: "stats", ...counters}, {event: "segment-start", tag, contextTime, frame},
-//   {event: "underrun", tag}, {event: "drained"}, {event: "interrupted", droppedFrames}.
+//   {event: "underrun", tag}, {event: "drained"}, {event: "interrupted", droppedFrames, droppedByTag},
+//   {event: "drain", id, interrupted}. Stats are posted just before `interrupted` and `drain`, so that
+//   the counters a listener reads then are current.
 
 const STATS_EVERY_QUANTA = 16; // ~43 ms at 48 kHz
 
@@ -41,6 +44,7 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
     };
     this.lastTag = undefined; // sentence of the last frame played
     this.quanta = 0;
+    this.drainChecks = []; // ids of drain-checks waiting for the queue to empty
     this.port.onmessage = (event) => this.onMessage(event.data);
   }
 
@@ -54,16 +58,26 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
         break;
       case "interrupt": {
         const dropped = this.bufferedFrames;
+        const droppedByTag = new Map();
+        for (const segment of this.queue) {
+          droppedByTag.set(segment.tag, (droppedByTag.get(segment.tag) ?? 0) + segment.data.length - segment.read);
+        }
         this.queue = [];
         this.bufferedFrames = 0;
         this.forgetSentences();
         this.resampler = { inputRate: 0, position: 0, previous: 0 };
         this.counters.interrupts += 1;
         this.counters.droppedFrames += dropped;
-        this.port.postMessage({ event: "interrupted", droppedFrames: dropped });
         this.postStats();
+        this.port.postMessage({ event: "interrupted", droppedFrames: dropped, droppedByTag });
+        this.answerDrainChecks(true);
         break;
       }
+      case "drain-check":
+        // Messages arrive in order, so every write posted before this one is in the queue already.
+        this.drainChecks.push(message.id);
+        if (this.queue.length === 0) this.answerDrainChecks(false);
+        break;
       case "config":
         if (message.prerollMs !== undefined) this.prerollFrames = Math.round((message.prerollMs * sampleRate) / 1000);
         break;
@@ -162,8 +176,17 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
     for (let c = 1; c < output.length; c++) output[c].set(channel);
 
     this.quanta += 1;
-    if (this.quanta % STATS_EVERY_QUANTA === 0) this.postStats();
+    if (this.drainChecks.length && this.queue.length === 0) this.answerDrainChecks(false);
+    else if (this.quanta % STATS_EVERY_QUANTA === 0) this.postStats();
     return true;
+  }
+
+  // Everything written before the waiting drain-checks has played (or, interrupted, was dropped).
+  answerDrainChecks(interrupted) {
+    if (this.drainChecks.length === 0) return;
+    this.postStats();
+    for (const id of this.drainChecks) this.port.postMessage({ event: "drain", id, interrupted });
+    this.drainChecks = [];
   }
 
   // The queue ran dry while playing. Inside a sentence that is an underrun; after a sentence's last

@@ -5,11 +5,14 @@
 //   player.attach(client);             // play every `audio` event of a VoxgateClient
 //   player.on("stats", (s) => ...);    // live counters, ~20 times a second
 //   player.interrupt();                // barge-in: the queued audio is gone within one render quantum
+//   await player.bargeIn(client, id);  // or: interrupt, then cancel context `id` saying how much was heard
+//   await player.whenDrained();        // everything written so far has played
 //
 // Counters (player.stats): samplesReceived (stream rate), framesQueued / framesPlayed (context rate),
 // underruns, underrunFrames, bufferedMs, interrupts, droppedFrames, state, plus ttfaMs (time from
 // `markRequest()` to the first sample leaving the worklet) and firstChunkMs (to the first audio written).
-// Importing this module in Node is harmless; only start() needs Web Audio.
+// Importing this module in Node is harmless (nothing touches Web Audio before start(), which in Node
+// throws an error saying so): a Node program uses VoxgateClient alone and does its own playback.
 
 import { Emitter } from "./emitter.js";
 
@@ -31,10 +34,18 @@ export class StreamPlayer extends Emitter {
     this.stats = emptyStats();
     this.requestedAt = null;
     this.sentences = new Map(); // tag -> {firstChunkAt, startedAt}
+    // tag -> ms of audio written, less what an interrupt dropped: once played or interrupted, what was heard
+    this.written = new Map();
+    this.drainChecks = new Map(); // id -> resolve of whenDrained()
+    this.contextTags = new Map(); // attach(): context id -> tags of its sentences since its last end
+    this.nextDrainCheck = 0;
   }
 
   async start() {
     if (this.node) return this;
+    if (!this.context && typeof AudioContext === "undefined") {
+      throw new Error("StreamPlayer needs Web Audio (a browser); in Node, play the client's `audio` events yourself");
+    }
     if (!this.context) this.context = new AudioContext(this.contextOptions);
     await this.context.audioWorklet.addModule(this.workletUrl);
     this.node = new AudioWorkletNode(this.context, "voxgate-player", {
@@ -66,6 +77,7 @@ export class StreamPlayer extends Emitter {
     const at = now();
     if (!this.sentences.has(tag)) this.sentences.set(tag, { firstChunkAt: at, startedAt: null });
     if (this.stats.firstChunkMs === null && this.requestedAt !== null) this.stats.firstChunkMs = at - this.requestedAt;
+    this.written.set(tag, (this.written.get(tag) ?? 0) + (samples.length * 1000) / sampleRate);
     // The samples are copied into the message: the caller may reuse its buffer.
     this.node.port.postMessage({ type: "write", samples, sampleRate, tag });
   }
@@ -75,12 +87,55 @@ export class StreamPlayer extends Emitter {
     this.node?.port.postMessage({ type: "segment-end", tag });
   }
 
-  /** Drop everything queued now (barge-in). Resolves with the worklet's report. */
+  /** Drop everything queued now (barge-in). Resolves with the worklet's report: `droppedFrames`, and
+   * `droppedMs`, a Map of tag -> ms of that sentence's audio that was dropped unplayed. */
   interrupt() {
-    if (!this.node) return Promise.resolve({ droppedFrames: 0 });
+    if (!this.node) return Promise.resolve({ droppedFrames: 0, droppedMs: new Map() });
     const done = new Promise((resolve) => this.once("interrupted", resolve));
     this.node.port.postMessage({ type: "interrupt" });
     return done;
+  }
+
+  /** Resolves with {interrupted} once all the audio written before the call has played (interrupted:
+   * false) or was dropped by an interrupt (true). The worklet answers it, so it never reads a stale
+   * counter: the moment to say an utterance has finished playing. */
+  whenDrained() {
+    if (!this.node) return Promise.resolve({ interrupted: false });
+    const id = this.nextDrainCheck++;
+    const done = new Promise((resolve) => this.drainChecks.set(id, resolve));
+    this.node.port.postMessage({ type: "drain-check", id });
+    return done;
+  }
+
+  /** Milliseconds of the sentences `tags` that were heard: what was written, less what an interrupt
+   * dropped. Exact once they have played or `interrupt()` has resolved; `input.cancel`'s played_ms. */
+  heardMs(tags) {
+    let total = 0;
+    for (const tag of tags) total += this.written.get(tag) ?? 0;
+    return total;
+  }
+
+  /** Stop tracking sentences `tags` (their heard time is no longer needed). */
+  forget(tags) {
+    for (const tag of tags) {
+      this.written.delete(tag);
+      this.sentences.delete(tag);
+    }
+  }
+
+  /**
+   * Barge-in on context `contextId` of an attached client: drop the queued audio, then cancel the
+   * context with how much of its audio was heard, so that context.cancelled's spoken_text is what the
+   * listener heard (not what the gateway had sent). Resolves with the worklet's report and `playedMs`.
+   */
+  async bargeIn(client, contextId = null) {
+    const report = await this.interrupt();
+    const tags = this.contextTags.get(contextId) ?? [];
+    const playedMs = this.heardMs(tags);
+    client.cancel({ contextId, playedMs });
+    this.forget(tags);
+    this.contextTags.delete(contextId);
+    return { ...report, playedMs };
   }
 
   setPrerollMs(prerollMs) {
@@ -94,11 +149,24 @@ export class StreamPlayer extends Emitter {
    */
   attach(client) {
     const key = (index) => `${client.sessionId}:${index}`;
+    // The sentences of each context since its last utterance.done: what bargeIn() measures.
     const removers = [
+      client.on("audio.start", (message) => {
+        const contextId = message.context_id ?? null;
+        if (!this.contextTags.has(contextId)) this.contextTags.set(contextId, []);
+        this.contextTags.get(contextId).push(key(message.sentence_index));
+      }),
       client.on("audio", (chunk) => this.write(chunk.samples, chunk.sampleRate, key(chunk.sentenceIndex))),
       client.on("audio.done", (message) => this.endSegment(key(message.sentence_index))),
+      client.on("utterance.done", (message) => this.#endContext(message.context_id ?? null)),
+      client.on("session.done", () => this.#endContext(null)),
     ];
     return () => removers.forEach((remove) => remove());
+  }
+
+  #endContext(contextId) {
+    this.forget(this.contextTags.get(contextId) ?? []);
+    this.contextTags.delete(contextId);
   }
 
   async close() {
@@ -129,9 +197,22 @@ export class StreamPlayer extends Emitter {
       case "drained":
         this.emit("drained", { at });
         break;
-      case "interrupted":
-        this.emit("interrupted", { droppedFrames: message.droppedFrames, at });
+      case "interrupted": {
+        const droppedMs = new Map();
+        for (const [tag, frames] of message.droppedByTag ?? []) {
+          const ms = (frames * 1000) / this.context.sampleRate;
+          droppedMs.set(tag, ms);
+          if (this.written.has(tag)) this.written.set(tag, Math.max(0, this.written.get(tag) - ms));
+        }
+        this.emit("interrupted", { droppedFrames: message.droppedFrames, droppedMs, at });
         break;
+      }
+      case "drain": {
+        const resolve = this.drainChecks.get(message.id);
+        this.drainChecks.delete(message.id);
+        resolve?.({ interrupted: message.interrupted });
+        break;
+      }
       default:
         break;
     }

@@ -557,10 +557,16 @@ export class VoxgateClient extends Emitter {
     this.#sendJson(this.#withContext({ type: "input.done" }, contextId));
   }
 
-  /** Barge-in: stop this context now. Audio of it still in flight is dropped by this client. */
-  cancel({ contextId = null } = {}) {
+  /**
+   * Barge-in: stop this context now. Audio of it still in flight is dropped by this client. `playedMs`:
+   * how much of the context's audio the listener heard (StreamPlayer.bargeIn() measures it), so that
+   * context.cancelled's spoken_text is what was heard rather than what the gateway had sent.
+   */
+  cancel({ contextId = null, playedMs = null } = {}) {
     this.cancelledContexts.add(contextId);
-    this.#sendJson(this.#withContext({ type: "input.cancel" }, contextId));
+    const message = this.#withContext({ type: "input.cancel" }, contextId);
+    if (playedMs !== null && playedMs !== undefined) message.played_ms = Math.max(0, Math.round(playedMs * 10) / 10);
+    this.#sendJson(message);
   }
 
   /** Change the session's configuration between utterances (answered by session.started). */
@@ -624,7 +630,7 @@ export class VoxgateClient extends Emitter {
       text: (text) => this.sendText(text, { contextId }),
       flush: () => this.flush({ contextId }),
       done: () => this.done({ contextId }),
-      cancel: () => this.cancel({ contextId }),
+      cancel: ({ playedMs = null } = {}) => this.cancel({ contextId, playedMs }),
       stream: (tokens, options = {}) => this.streamText(tokens, { ...options, contextId }),
       speak: (text) => this.speak(text, { contextId }),
     };

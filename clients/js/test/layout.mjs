@@ -7,6 +7,8 @@
 function measureLayout() {
   const viewport = { width: document.documentElement.clientWidth, height: window.innerHeight };
   const shown = (element) => {
+    // The contents of a closed <details> are laid out but not displayed (Chromium's content-visibility).
+    if (element.closest("details:not([open])") && !element.closest("summary")) return false;
     const box = element.getBoundingClientRect();
     const style = getComputedStyle(element);
     return box.width > 0 && box.height > 0 && style.visibility !== "hidden" && Number(style.opacity) > 0;
@@ -29,12 +31,11 @@ function measureLayout() {
     })
     .map(name);
 
-  // Text cut off by its box (ellipsis or overflow). The sentence column ellipsizes long sentences on
-  // purpose (the full text is its tooltip), so it is not counted.
+  // Text cut off by its box (ellipsis or overflow), the sentences of the timing table included.
   const textSelectors = [
     ".topbar .name", ".pill", "h2", ".tag", ".segmented span", ".llm-speed label", ".llm-speed output",
     ".settings label > span", "button", ".card .label", ".card .value", ".sparkline-head span", ".legend span",
-    "table.sentences th", "#sentence-rows td:not(:nth-child(2))", ".notice p",
+    "table.sentences th", "#sentence-rows td", ".notice p", ".clone summary",
   ];
   const clipped = [...document.querySelectorAll(textSelectors.join(","))]
     .filter(shown)
