@@ -635,3 +635,42 @@ def test_a_decoder_process_gets_none_of_the_gateways_secrets(monkeypatch):
     environment = asyncio.run(scenario())
     names = environment.decode().split()
     assert "PATH" in names and "LEAK" not in names and not [n for n in names if n.startswith("VOXGATE")], names
+
+
+def _children_of(pid: int) -> list[int]:
+    import os
+
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def test_decoder_processes_end_with_a_gateway_that_is_killed():
+    import os
+    import signal
+
+    with cloning_gateway_process(api_keys=[KEY_A]) as gateway:
+        assert abs(pitch_of(speak_cloned(gateway.url, KEY_A, b64(clip(240.0)))) - 240.0) < 5
+        decoders = _children_of(gateway.process.pid)
+        assert len(decoders) == 1, decoders  # one clip, one process started
+        os.kill(gateway.process.pid, signal.SIGKILL)
+        gateway.process.wait(10)
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in decoders):
+        assert time.monotonic() < deadline, "a decoder process outlived its gateway"
+        time.sleep(0.05)
