@@ -22,7 +22,7 @@ from tts_backend.base import SynthesisError
 from .auth import is_loopback
 from .logs import redact
 from .settings import LOG_LEVELS, GatewaySettings, settings_error_line
-from .transport import abortable_ws_protocol, header_timeout_protocol
+from .transport import abortable_ws_protocol, http_protocol
 
 WS_FRAME_MARGIN = 64 * 1024  # the transport accepts a little more than the largest message we answer
 
@@ -158,7 +158,8 @@ def uvicorn_options(settings: GatewaySettings) -> dict[str, Any]:
         "log_level": settings.log_level,
         "ws_max_size": settings.max_config_bytes + WS_FRAME_MARGIN,
         "ws_per_message_deflate": False,  # audio barely compresses; deflate would only cost CPU and latency
-        "http": header_timeout_protocol(settings.header_timeout_s, settings.send_buffer_bytes),
+        "http": http_protocol(settings.header_timeout_s, settings.max_request_line_bytes, settings.max_header_bytes,
+                              settings.send_buffer_bytes),
         # The session's own slow-consumer deadline goes first; this one ends every other wait to write.
         "ws": abortable_ws_protocol(settings.max_unsent_bytes, settings.close_timeout_s,
                                     settings.slow_consumer_timeout_s + settings.close_timeout_s),

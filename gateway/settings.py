@@ -155,6 +155,14 @@ class GatewaySettings(BaseSettings):
         " input.done is refused (rate_limited, retryable) until some have gone out"
     )
     header_timeout_s: float = Field(10.0, gt=0, description="time a client gets to send its request headers (slowloris)")
+    max_request_line_bytes: int = Field(
+        16 * KIB, ge=256, description="longest HTTP request line (method, URL, version), WebSocket upgrades included;"
+        " refused (414) as soon as more arrives"
+    )
+    max_header_bytes: int = Field(
+        64 * KIB, ge=1 * KIB, description="largest HTTP request head (request line and headers), WebSocket upgrades"
+        " included; refused (431) as soon as more arrives"
+    )
     max_http_body_bytes: int = Field(
         1 * MIB, gt=0, description="largest HTTP request body; refused (413) as soon as more arrives"
     )

@@ -1,7 +1,7 @@
 """The gateway's TCP connections under uvicorn, bounded against clients that misbehave on the wire.
 
-`header_timeout_protocol` (HTTP) gives a request's headers a deadline and lets a refusal reach a client
-whose body is still coming (`_LingeringCloseTransport`); `abortable_ws_protocol` (WebSocket) lets a
+`http_protocol` (HTTP) gives a request's head a deadline and a size limit, and lets a refusal reach a
+client whose request is still coming (`_LingeringCloseTransport`); `abortable_ws_protocol` (WebSocket) lets a
 session drop its connection, bounds the close handshake (`_BoundedCloseTransport`), and drops a
 connection that reads nothing. cli.py hands both to uvicorn.
 """
@@ -10,29 +10,55 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
+
+from .protocol import ErrorCode
 
 log = logging.getLogger("voxgate.transport")
 
 REFUSAL_LINGER_S = 2.0  # a refused HTTP request's client may read the refusal while its body is discarded
 
 
-def header_timeout_protocol(timeout_s: float, send_buffer_bytes: int = 0) -> type:
-    """uvicorn's HTTP protocol, plus a deadline for a request's headers (the WebSocket upgrade request
-    included): a client that trickles its headers (slowloris) is disconnected after `timeout_s` instead
-    of holding a connection forever (uvicorn itself only times out idle keep-alive connections).
+def http_protocol(header_timeout_s: float, max_request_line_bytes: int, max_head_bytes: int,
+                  send_buffer_bytes: int = 0) -> type:
+    """uvicorn's HTTP protocol (httptools; the WebSocket upgrade request goes through it too), bounded
+    before authentication, for clients that send a request's head too slowly or too much of it:
+
+    - the head (request line and headers) gets `header_timeout_s`: a client that trickles it (slowloris)
+      is disconnected instead of holding a connection forever (uvicorn only times out idle keep-alive
+      connections);
+    - a request line longer than `max_request_line_bytes` is answered 414 and a head longer than
+      `max_head_bytes` 431, each counted as the bytes arrive and before the parser sees the excess. Both
+      parsers below keep what they have of an unfinished URL or header by appending to bytes (uvicorn's
+      on_url, httptools' header fields), which costs time growing with the square of its size: before
+      this bound a 40 MB URL cost 2.1 CPU-s and a 40 MB header was read whole and answered 200.
+
+    A request pipelined behind another's body in one read has its head counted from the next read on,
+    and its request line is then bounded by the head's limit (431, not 414): still at most one read
+    (256 KiB) over the bound.
+
+    uvicorn is handed this class as its `http` protocol, so its h11 implementation is never used.
 
     `send_buffer_bytes` fixes the kernel's send buffer of each connection: left to autotuning it grows to
     megabytes (tcp_wmem), all of it audio a client that stopped reading makes the server hold."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-    class HeaderTimeoutProtocol(HttpToolsProtocol):
+    class BoundedHttpProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _in_head = True  # reading a request's head, or waiting for the next request on this connection
+        # The next request's head begins with the next byte received (nothing of it parsed yet), so its
+        # request line can be measured from there.
+        _next_head_unseen = True
+        _head_bytes = 0  # bytes of the current head received so far
+        _line_bytes: int | None = 0  # ... of its request line, while that goes on; None once it has ended
+        _heads_done = 0  # heads parsed whole on this connection
+        _upgraded = False
 
         def _arm(self) -> None:
             self._disarm()
-            self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -42,7 +68,7 @@ def header_timeout_protocol(timeout_s: float, send_buffer_bytes: int = 0) -> typ
         def _headers_too_slow(self) -> None:
             self._header_timer = None
             if not self.transport.is_closing():
-                log.info("closing a connection whose request headers took over %g s", timeout_s)
+                log.info("closing a connection whose request headers took over %g s", header_timeout_s)
                 self.transport.close()
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -55,29 +81,80 @@ def header_timeout_protocol(timeout_s: float, send_buffer_bytes: int = 0) -> typ
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            # Begun inside a read that was not measured from the head's first byte (a request pipelined
+            # behind a body, or behind a whole request in one read): its line's start is unknown.
+            self._next_head_unseen = False
             self._arm()
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            self._in_head = False
+            self._heads_done += 1
             super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head, self._next_head_unseen, self._head_bytes, self._line_bytes = True, True, 0, None
+
+        def handle_websocket_upgrade(self) -> None:
+            self._upgraded = True
+            super().handle_websocket_upgrade()
 
         def data_received(self, data: bytes) -> None:
             if self.transport.lingering:
-                return  # the rest of a refused request's body
-            super().data_received(data)
+                return  # the rest of a refused request
+            while data and self._in_head:
+                if self._next_head_unseen:  # these bytes start the next request
+                    self._next_head_unseen, self._head_bytes, self._line_bytes = False, 0, 0
+                room = max_head_bytes - self._head_bytes
+                if room <= 0:
+                    self._refuse(431, f"the request's head exceeds the {max_head_bytes}-byte limit")
+                    return
+                piece, data = data[:room], data[room:]
+                if self._line_bytes is not None:
+                    end = piece.find(b"\n")
+                    line = self._line_bytes + (len(piece) if end < 0 else end)
+                    if line > max_request_line_bytes:
+                        self._refuse(414, f"the request line exceeds the {max_request_line_bytes}-byte limit")
+                        return
+                    self._line_bytes = line if end < 0 else None
+                self._head_bytes += len(piece)
+                heads_done = self._heads_done
+                super().data_received(piece)
+                if self._upgraded or self.transport.is_closing():
+                    return  # uvicorn too drops what follows an upgrade request in the bytes it was handed
+                if data and self._heads_done == heads_done:  # no head ended in `piece`: this one is too long
+                    self._refuse(431, f"the request's head exceeds the {max_head_bytes}-byte limit")
+                    return
+            if data:  # a body, and whatever follows it in this read
+                super().data_received(data)
+
+        def _refuse(self, status: int, message: str) -> None:
+            """Answer `status` before the head was read, then linger: the client may still be sending it."""
+            self._disarm()
+            log.info("refused a request with %d: %s", status, message)
+            body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                         "code": ErrorCode.message_too_large.value, "param": None}}).encode()
+            head = [STATUS_LINE[status]]
+            head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+            head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                     b"connection: close\r\n\r\n"]
+            self.transport.write(b"".join(head) + body)
+            self.transport.linger()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-    return HeaderTimeoutProtocol
+    return BoundedHttpProtocol
 
 
 class _LingeringCloseTransport:
     """An HTTP connection's transport whose `close()`, once a response went out before the request's body
     was read (a refusal: 401, 413, 408), lingers: the response leaves with a FIN, and what comes of the
     body is read and thrown away for REFUSAL_LINGER_S before the connection closes. Closing a socket with
-    unread data resets the connection, and the client would meet the reset instead of the refusal."""
+    unread data resets the connection, and the client would meet the reset instead of the refusal.
+    `linger()` does the same for a refusal sent before the request's head was read (414, 431)."""
 
     def __init__(self, transport: asyncio.Transport, protocol) -> None:
         self._transport = transport
@@ -88,8 +165,15 @@ class _LingeringCloseTransport:
         cycle = self._protocol.cycle
         if self.lingering:
             return
-        refused_unread = cycle is not None and cycle.response_complete and cycle.more_body
-        if not refused_unread or self._transport.is_closing() or not self._transport.can_write_eof():
+        if cycle is not None and cycle.response_complete and cycle.more_body:  # refused, its body unread
+            self.linger()
+        else:
+            self._transport.close()
+
+    def linger(self) -> None:
+        if self.lingering:
+            return
+        if self._transport.is_closing() or not self._transport.can_write_eof():
             self._transport.close()
             return
         self.lingering = True

@@ -1,0 +1,168 @@
+"""Issue 24, item 5: a request's head (request line and headers) is bounded before authentication, as its
+bytes arrive. Each attack runs against `voxgate serve` in its own process, over raw sockets, measuring the
+CPU seconds the gateway process spent, /health's slowest answer while it ran and the RSS it left.
+
+Before: a 10/20/40 MB URL cost 0.10/0.59/2.12 CPU-s (uvicorn appends URL fragments to bytes), a 40 MB
+header was read whole and answered 200, and 8 such connections at once cost 7.1 CPU-s, stalled /health to
+3.8 s and left RSS +268 MB."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+
+import pytest
+import websockets
+
+from tests.hostile_fixtures import HealthProbe, MemoryWatch, served_gateway
+
+KEY = "sk-head-limits-" + "h" * 16
+ATTACK_BYTES = 40 * 1024 * 1024
+PIECE = 64 * 1024
+MAX_CPU_S = 0.5  # one 40 MB attack (before: 2.12 CPU-s)
+MAX_GROWTH = 20 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    with served_gateway("--api-key", KEY) as running:
+        yield running
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+async def pour_head(port: int, start: bytes, filler: int, end: bytes = b"") -> tuple[int, dict, int]:
+    """Send `start`, then `filler` bytes of 'a' in pieces, then `end`, while reading the answer: (status,
+    JSON body, bytes sent when the answer came)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sent = 0
+    answered_at: list[int] = []
+
+    async def pour() -> None:
+        nonlocal sent
+        piece = b"a" * PIECE
+        try:
+            writer.write(start)
+            while sent < filler:
+                writer.write(piece[: filler - sent])
+                await writer.drain()
+                sent += min(PIECE, filler - sent)
+                await asyncio.sleep(0)
+            writer.write(end)
+            await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+
+    pouring = asyncio.create_task(pour())
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+        answered_at.append(sent)
+        headers = dict(line.split(": ", 1) for line in head.decode("latin-1").split("\r\n")[1:] if ": " in line)
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
+        status = int(head.split()[1])
+        await asyncio.wait_for(pouring, 30)
+        assert await asyncio.wait_for(reader.read(), 30) == b""  # the server ends the connection
+    finally:
+        pouring.cancel()
+        writer.transport.abort()
+    return status, json.loads(body) if body.startswith(b"{") else {}, answered_at[0]
+
+
+def long_url(size: int) -> tuple[bytes, int, bytes]:
+    return b"GET /v1/models?x=", size, b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+def long_header(size: int) -> tuple[bytes, int, bytes]:
+    return b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: ", size, b"\r\n\r\n"
+
+
+async def measured(gateway, *attacks: tuple[bytes, int, bytes]) -> tuple[list[tuple[int, dict, int]], float, float, int]:
+    """Run `attacks` at once: (their answers, gateway CPU-s, /health's slowest answer, peak RSS growth)."""
+    pid = gateway.process.pid
+    memory = MemoryWatch(pid)
+    memory.start()
+    async with HealthProbe(gateway.url) as health:
+        cpu_before = cpu_seconds(pid)
+        answers = await asyncio.gather(*(pour_head(gateway.port, *attack) for attack in attacks))
+        cpu = cpu_seconds(pid) - cpu_before
+    return answers, cpu, health.worst, memory.growth
+
+
+async def test_a_40_mb_url_is_refused_with_414_at_16_kib(gateway):
+    (answer,), cpu, worst, growth = await measured(gateway, long_url(ATTACK_BYTES))
+    status, body, sent_when_answered = answer
+    assert status == 414 and body["error"]["code"] == "message_too_large", answer
+    assert "16384-byte" in body["error"]["message"]
+    assert sent_when_answered < ATTACK_BYTES / 2  # answered long before the URL ended
+    print(f"40 MB URL: {cpu:.3f} CPU-s, /health worst {worst * 1000:.0f} ms, peak RSS +{growth / 1e6:.1f} MB")
+    assert cpu < MAX_CPU_S and growth < MAX_GROWTH, (cpu, growth)
+
+
+async def test_a_40_mb_header_is_refused_with_431_at_64_kib(gateway):
+    (answer,), cpu, worst, growth = await measured(gateway, long_header(ATTACK_BYTES))
+    status, body, sent_when_answered = answer
+    assert status == 431 and body["error"]["code"] == "message_too_large", answer
+    assert "65536-byte" in body["error"]["message"]
+    assert sent_when_answered < ATTACK_BYTES / 2
+    print(f"40 MB header: {cpu:.3f} CPU-s, /health worst {worst * 1000:.0f} ms, peak RSS +{growth / 1e6:.1f} MB")
+    assert cpu < MAX_CPU_S and growth < MAX_GROWTH, (cpu, growth)
+
+
+async def test_eight_at_once_cost_little_and_leave_no_memory_behind(gateway):
+    """Before: 7.1 CPU-s, /health stalled to 3.8 s, RSS +268 MB after."""
+    rss_before = rss(gateway.process.pid)
+    answers, cpu, worst, growth = await measured(gateway, *[long_url(ATTACK_BYTES), long_header(ATTACK_BYTES)] * 4)
+    assert sorted(status for status, _, _ in answers) == [414] * 4 + [431] * 4
+    left = rss(gateway.process.pid) - rss_before
+    print(f"8 x 40 MB: {cpu:.3f} CPU-s, /health worst {worst * 1000:.0f} ms, peak RSS +{growth / 1e6:.1f} MB,"
+          f" RSS after {left / 1e6:+.1f} MB")
+    assert cpu < 4 * MAX_CPU_S, cpu
+    assert worst < 1.0, worst  # the attackers share the 2 cores with the gateway
+    assert growth < MAX_GROWTH and left < 10 * 1024 * 1024, (growth, left)
+
+
+async def test_heads_within_the_limits_are_served(gateway):
+    """A 15 KB URL and 60 KB of headers (in lines of 6 KB) are an ordinary request: answered by the app."""
+    status, body, _ = await pour_head(gateway.port, b"GET /v1/models?x=", 15_000,
+                                      b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+    assert status == 401 and body["error"]["code"] == "unauthorized"  # past the transport: the key is checked
+    headers = "".join(f"X-Padding-{n}: {'b' * 6000}\r\n" for n in range(10))
+    request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Connection: close\r\n\r\n".encode()
+    assert 60_000 < len(request) < 64 * 1024
+    status, _, _ = await pour_head(gateway.port, request, 0)
+    assert status == 200
+
+
+def upgrade_headers(total: int) -> dict[str, str]:
+    """Extra headers of about `total` bytes, in lines of 7 KB (websockets reads lines of 8 KiB at most)."""
+    return {f"X-Padding-{n}": "c" * 7000 for n in range(total // 7000)}
+
+
+async def test_a_websocket_upgrade_with_large_headers_still_works_and_one_too_large_is_431(gateway):
+    padding = upgrade_headers(56_000)
+    async with websockets.connect(gateway.ws_url, additional_headers={**padding, "Authorization": f"Bearer {KEY}"},
+                                  max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.config", "voice": "tone-mid", "response_format": "pcm"}))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 20))["type"] == "session.started"
+        await ws.send(json.dumps({"type": "input.text", "text": "Still talking."}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        while not isinstance(message := await asyncio.wait_for(ws.recv(), 20), bytes):
+            assert json.loads(message)["type"] != "error", message
+    key = base64.b64encode(os.urandom(16)).decode()
+    too_large = "".join(f"{name}: {value}\r\n" for name, value in upgrade_headers(70_000).items())
+    request = (f"GET /v1/audio/speech/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{too_large}\r\n")
+    status, body, _ = await pour_head(gateway.port, request.encode(), 0)
+    assert status == 431 and body["error"]["code"] == "message_too_large"
