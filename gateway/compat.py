@@ -106,11 +106,20 @@ def option_warnings(backend: Synthesizer, options: dict[str, Any]) -> list[Confi
                          ("initial_codec_chunk_frames", "chunk_schedule"), ("chunk_schedule", "chunk_schedule")):
         if options.get(name) is not None and option not in honours:
             ignored(name, f"the {backend.name} backend does not use it")
+    non_streaming = options.get("non_streaming_mode")
+    text_streaming = options.get("split_granularity") == "token" and "text_streaming" in honours
     if options.get("split_granularity") == "token":
-        # Accepted so that clients may ask for it by default; synthesis from a sentence's first words is
-        # not wired to the backends yet (issue 21).
-        ignored("split_granularity", "synthesis does not start before a sentence has ended yet; each sentence"
-                " is synthesized once it has ended (sentence granularity)")
+        if "text_streaming" not in honours:
+            ignored("split_granularity", f"the {backend.name} backend cannot take a sentence's text while it"
+                    " speaks; each sentence is synthesized once it has ended (sentence granularity), an"
+                    " utterance's first one cut short after its first words or clause")
+        elif non_streaming:
+            ignored("split_granularity", "non_streaming_mode true puts a sentence's whole text in the prompt, so"
+                    " each sentence is synthesized once it has ended (sentence granularity)")
+    # A text stream is always in streaming-text mode: non_streaming_mode false asks for what it does anyway.
+    if non_streaming is not None and "text_mode" not in honours and not (text_streaming and not non_streaming):
+        ignored("non_streaming_mode", f"the {backend.name} backend reads text one way only; non_streaming_mode"
+                " has no effect")
     if options.get("speed", 1.0) not in (None, 1.0) and "speed" not in honours:
         ignored("speed", f"the {backend.name} backend speaks at its own pace")
     timestamp_type = options.get("timestamp_type")

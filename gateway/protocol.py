@@ -163,6 +163,10 @@ class SessionConfig(_ClientMessage):
     word_timestamps: bool | None = None
     timestamp_type: str | None = None
     timestamp_transport_strategy: Literal["sync", "async"] | None = None
+    # vLLM-Omni's text mode: true puts each sentence's whole text in the model's prompt, false feeds it one
+    # token per frame; left out, the server's default (-o streaming_text). Honoured by backends with
+    # "text_mode"; true also means a sentence is synthesized only once it has ended (no "token" splitting).
+    non_streaming_mode: bool | None = None
 
     @model_validator(mode="after")
     def _defaults_and_streaming_rules(self) -> "SessionConfig":
@@ -472,6 +476,8 @@ class AudioDone(_ServerMessage):
     duration_ms: float | None = None  # None (left out): unknown, for compressed audio replayed after a resume
     cancelled: bool | None = None
     timestamp_info: TimestampInfo | None = None  # timestamp_transport_strategy "sync": the sentence's words
+    # ext, split_granularity "token": the sentence's whole text (its audio.start had the words known then)
+    sentence_text: str | None = None
 
 
 class AudioWords(_ServerMessage):

@@ -206,6 +206,7 @@ class StreamRecord:
     finished: float | None = None  # last chunk produced
     closed: float | None = None  # the consumer stopped early (cancel)
     chunk_times: list[float] | None = None
+    request: Any = None  # the SynthesisRequest (its text stream, if any, holds the text as it grew)
 
 
 class RecordingBackend(Synthesizer):
@@ -240,7 +241,7 @@ class RecordingBackend(Synthesizer):
     async def synthesize(self, request):
         from tts_backend.base import SynthesisError
 
-        record = StreamRecord(request.text, time.monotonic(), chunk_times=[])
+        record = StreamRecord(request.text, time.monotonic(), chunk_times=[], request=request)
         self.records.append(record)
         if self.fail_on and self.fail_on in request.text:
             raise SynthesisError(f"refusing {request.text!r} on purpose")

@@ -137,12 +137,13 @@ async def test_flush_releases_an_unterminated_tail(gateway):
             events.append(event)
             if isinstance(event, vg.AudioDone):
                 break
-        assert [e.sentence_text for e in events if isinstance(e, vg.AudioStart)] == ["No final punctuation here"]
+        # (AudioStart has the words known when synthesis started: with token splitting, not "here" yet)
+        assert [e.sentence_text for e in events if isinstance(e, vg.AudioDone)] == ["No final punctuation here"]
         await turn.send_text("And more.")
         await turn.done()
         rest = [e async for e in turn.events()]
         assert isinstance(rest[-1], vg.UtteranceDone)
-        assert [e.sentence_text for e in rest if isinstance(e, vg.AudioStart)] == ["And more."]
+        assert [e.sentence_text for e in rest if isinstance(e, vg.AudioDone)] == ["And more."]
 
 
 async def test_contexts_share_one_socket(gateway):

@@ -330,6 +330,11 @@ function wireClient(client) {
     if (sentence) {
       sentence.done = true;
       sentence.totalBytes = message.total_bytes;
+      // Token splitting: audio.start had the first words only; the whole sentence comes with audio.done.
+      if (message.sentence_text !== undefined) {
+        sentence.text = message.sentence_text;
+        sentence.textReadyAt = state.utterance.textReadyAt(message.sentence_text);
+      }
       renderSentenceRow(sentence);
     }
   });

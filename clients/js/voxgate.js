@@ -448,6 +448,8 @@ export class VoxgateClient extends Emitter {
         if (record) {
           record.done = true;
           record.error = Boolean(message.error);
+          // split_granularity "token": audio.start had the words known when synthesis began; this is all.
+          if (message.sentence_text !== undefined) record.text = message.sentence_text;
           record.totalBytes = message.total_bytes;
           record.durationMs = message.duration_ms;
           const alignment = message.timestamp_info?.word_alignment;

@@ -190,6 +190,9 @@ class SpeechRequest(BaseModel):
     x_vector_only_mode: bool | None = None
     timestamp_type: str | None = None  # "word" ("char": words, with a warning)
     word_timestamps: bool | None = None  # vLLM-Omni's name for timestamp_type "word"
+    # vLLM-Omni's text mode: true puts the whole text in the model's prompt, false feeds it one token per
+    # frame; left out, the server's default (-o streaming_text). Honoured by backends with "text_mode".
+    non_streaming_mode: bool | None = None
 
     @property
     def voice_id(self) -> str | None:
@@ -396,6 +399,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     if body.speed != 1.0:
         extra["speed"] = body.speed
     request_id = f"http-{id(request):x}-{int(arrived * 1000)}"
+    streaming_text = (None if body.non_streaming_mode is None or "text_mode" not in backend.honours
+                      else not body.non_streaming_mode)
     requests = [
         SynthesisRequest(
             text=text,
@@ -410,6 +415,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             extra=extra,
             word_timestamps=timestamps,
             voice_prompt=cloned.prompt if cloned else None,
+            streaming_text=streaming_text,
         )
         for i, text in enumerate(await _sentences(body.input, body.language, settings.max_synthesis_chars))
     ]

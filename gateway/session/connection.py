@@ -37,7 +37,7 @@ from collections import deque
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from tts_backend.base import Synthesizer
+from tts_backend.base import Synthesizer, TextStream
 
 from ..audio import encoders
 from ..audio import pcm as audio
@@ -80,6 +80,7 @@ from .data import (
     SentenceJob,
     SessionEnd,
     SlowConsumer,
+    TextPush,
     Utterance,
     UtteranceEnd,
     sent_marker,
@@ -89,6 +90,11 @@ from .resume import SessionResumer
 from .segmenter import SentenceSegmenter, push_in_slices
 
 log = logging.getLogger("voxgate.session")
+
+# split_granularity "token" on a backend that synthesizes whole units only (Piper): an utterance's first unit
+# ends after this many words (or at a clause mark after two), so its first audio waits for a few words, not a
+# whole sentence (Piper on a CPU: 74 ms for 9 characters, 436 ms for 57; README, "Text streaming").
+FIRST_UNIT_WORDS = 4
 
 
 # ------------------------------------------------------------------------------------------ session
@@ -443,6 +449,8 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         except audio.UnsupportedFormatError as unsupported:
             raise ProtocolError(ErrorCode.unsupported_format, str(unsupported)) from None
         options = message.model_dump()
+        honours = self.backend.honours
+        non_streaming = message.non_streaming_mode
         return ResolvedConfig(
             message=message,
             voice=choice.voice,
@@ -452,6 +460,8 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             output_rate=rate,
             warnings=(*choice.warnings, *option_warnings(self.backend, options)),
             timestamps=timestamp_transport(self.backend, options),
+            text_streaming=message.split_granularity == "token" and "text_streaming" in honours and not non_streaming,
+            streaming_text=None if non_streaming is None or "text_mode" not in honours else not non_streaming,
         )
 
     async def _apply_config(self, message: SessionConfig) -> None:
@@ -532,7 +542,10 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         if counted:
             self._inputs += 1
         for item in items:
-            self._enqueue(item)
+            if isinstance(item, TextPush):
+                item.apply()
+            else:
+                self._enqueue(item)
 
     async def _dispatch(self, message) -> None:
         context_id = getattr(message, "context_id", None)
@@ -573,12 +586,12 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         """The segmenter of a new utterance: the session's granularity and language, and units no longer
         than one synthesis call may be."""
         assert self.config is not None
-        granularity = self.config.message.split_granularity
-        if granularity == "token":
-            # Synthesis from a sentence's first words is not wired to the backends yet (issue 21): sentences.
-            granularity = "sentence"
+        granularity, first_unit_words = self.config.message.split_granularity, 0
+        if granularity == "token" and not self.config.text_streaming:
+            # The backend needs whole units: sentences, the first one cut short to start speaking sooner.
+            granularity, first_unit_words = "sentence", FIRST_UNIT_WORDS
         return SentenceSegmenter(granularity, language=self.config.message.language,
-                                 max_unit_chars=self.settings.max_synthesis_chars)
+                                 max_unit_chars=self.settings.max_synthesis_chars, first_unit_words=first_unit_words)
 
     def _buffered_chars(self) -> int:
         return self._pending_chars + sum(u.segmenter.buffered_chars for u in self._open.values())
@@ -607,19 +620,22 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         # In slices: splitting a large input can take seconds, and other sessions share this loop. This
         # session's next message waits (the reader handles one at a time), so its texts stay in order.
         self._release(utterance, await push_in_slices(utterance.segmenter, message.text))
+        self._grow_open_sentence(utterance)
         self._record_open_text(utterance)
 
     def _record_open_text(self, utterance: Utterance) -> None:
         """Accepted text not yet released as a sentence, so that a resume elsewhere still speaks it."""
+        open_job = utterance.open_job
         self._staged.open_text[utterance.context_id] = OpenUtterance(
-            utterance.context_id, utterance.number, utterance.segmenter.buffered_text, utterance.sentences
+            utterance.context_id, utterance.number, utterance.segmenter.buffered_text, utterance.sentences,
+            open_sentence=open_job.index if open_job is not None else None,
         )
 
     async def _on_flush(self, context_id: str | None) -> None:
         utterance = self._open.get(context_id)
         if utterance is not None:
             self._release(utterance, utterance.segmenter.flush())
-            self._record_open_text(utterance)
+            self._record_open_text(utterance)  # flushed whole: no open sentence is left
 
     async def _on_done(self, context_id: str | None, by_close: bool = False) -> None:
         limit = self.settings.max_pending_ends
@@ -670,28 +686,68 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         )
 
     def _release(self, utterance: Utterance, sentences: list[str]) -> None:
-        """Make sentences of released text; they are recorded and queued by `_commit`."""
-        assert self.config is not None and self.session_id is not None
-        now = time.monotonic()
+        """Make sentences of released text; they are recorded and queued by `_commit`. With text streaming,
+        the first unit released is the end of the utterance's open sentence, whose synthesis is running."""
         for text in sentences:
             if not text.strip():
                 continue
-            job = SentenceJob(
-                index=self.next_sentence_index,
-                text=text,
-                utterance=utterance,
-                config=self.config,
-                released_at=now,
-                first_of_utterance=utterance.sentences == 0,
-            )
-            self.next_sentence_index += 1
-            utterance.sentences += 1
-            self._pending_chars += len(text)
-            # Recorded before the sentence can produce audio, so the store always knows what a byte belongs to.
-            self._staged.sentences.append(
-                SentenceRecord(job.index, text, utterance.context_id, utterance=utterance.number)
-            )
-            self._staged_items.append(job)
+            job = utterance.open_job
+            if job is not None:
+                utterance.open_job = None
+                self._grow(job, text, finish=True)
+            else:
+                job = self._new_sentence(utterance, text)
+            if not job.finished:  # (a sentence that failed while open owes nothing more)
+                job.chars_pending = len(text)
+                self._pending_chars += len(text)
+
+    def _new_sentence(self, utterance: Utterance, text: str, *, open_text: bool = False) -> SentenceJob:
+        """A sentence of `utterance`, recorded and queued by `_commit`. `open_text`: still being written (text
+        streaming): its synthesis starts with `text` and takes the rest as it comes (`_grow`)."""
+        assert self.config is not None and self.session_id is not None
+        job = SentenceJob(
+            index=self.next_sentence_index,
+            text=text,
+            utterance=utterance,
+            config=self.config,
+            released_at=time.monotonic(),
+            first_of_utterance=utterance.sentences == 0,
+            text_stream=TextStream(text) if open_text else None,
+        )
+        self.next_sentence_index += 1
+        utterance.sentences += 1
+        # Recorded before the sentence can produce audio, so the store always knows what a byte belongs to.
+        self._staged.sentences.append(SentenceRecord(job.index, text, utterance.context_id, utterance=utterance.number))
+        self._staged_items.append(job)
+        return job
+
+    def _grow_open_sentence(self, utterance: Utterance) -> None:
+        """Text streaming: give the utterance's unreleased text, up to its last whole word, to synthesis:
+        it opens a sentence from the first words, or continues the open one. The segmenter's release of the
+        unit finishes it (`_release`); what lies beyond the last whole word waits, so the backend is given
+        the whole text's words."""
+        if self.config is None or not self.config.text_streaming:
+            return
+        segmenter = utterance.segmenter
+        text = segmenter.buffered_text[: segmenter.stable_chars]
+        if not text:
+            return
+        if utterance.open_job is None:
+            utterance.open_job = self._new_sentence(utterance, text, open_text=True)
+        elif len(text) > len(utterance.open_job.text):
+            self._grow(utterance.open_job, text)
+
+    def _grow(self, job: SentenceJob, text: str, *, finish: bool = False) -> None:
+        """The open sentence's text is now `text` (which starts with what it had): recorded, then given to its
+        synthesis by `_commit` (and finished, with `finish`)."""
+        if not text.startswith(job.text):  # the segmenter keeps a unit's start (gateway/segmenter.py)
+            raise RuntimeError(f"sentence {job.index}: {text!r} does not continue {job.text!r}")
+        added, job.text = text[len(job.text):], text
+        if added:
+            self._staged.sentence_texts.append(
+                SentenceRecord(job.index, text, job.utterance.context_id, utterance=job.utterance.number))
+        if added or finish:
+            self._staged_items.append(TextPush(job, added, finish=finish))
 
     def _enqueue(self, item: SentenceJob | UtteranceEnd | SessionEnd) -> None:
         self._queue_item(item)

@@ -8,7 +8,7 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
-from tts_backend.base import WordTiming
+from tts_backend.base import TextStream, WordTiming
 
 from ..audio import pcm as audio
 from ..protocol import ConfigWarning, SessionConfig, SpokenWord
@@ -46,6 +46,12 @@ class ResolvedConfig:
     # resume, a session's own clip's (ref_audio) is recorded in the snapshot.
     voice_prompt: bytes | None = None
     own_clip: bool = False  # voice_prompt was cloned from the session's ref_audio (recorded in the snapshot)
+    # split_granularity "token" on a backend that takes text while it speaks: each sentence's synthesis
+    # starts at its first words (a TextStream), and every sentence runs in the model's streaming-text mode.
+    text_streaming: bool = False
+    # The model's text mode for whole-sentence requests (vLLM-Omni's non_streaming_mode negated), for a
+    # backend with "text_mode"; None: the server's default.
+    streaming_text: bool | None = None
 
     def snapshot(self) -> dict[str, Any]:
         """The config as the store records it. The reference clip is not kept (a voice recording is
@@ -94,6 +100,9 @@ class Utterance:
         return [w for w in words
                 if (self.audio_s if cut is not None and w.sentence_index == cut.index
                     else self.sentence_starts.get(w.sentence_index, 0.0)) + w.end <= reach]
+    # Text streaming: the sentence still being written, synthesizing from the words it has so far; the
+    # segmenter's release of its unit finishes it.
+    open_job: "SentenceJob | None" = None
 
 
 @dataclass(eq=False)
@@ -109,6 +118,10 @@ class SentenceJob:
     replay: list[bytes] = field(default_factory=list)
     skip_bytes: int = 0
     needs_synthesis: bool = True
+    # Text streaming: the text given to synthesis so far (`text` is the same), finished once the sentence
+    # has ended; None for a sentence whose text was whole from the start.
+    text_stream: TextStream | None = None
+    chars_pending: int = 0  # what this sentence adds to the session's count of text not yet spoken
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
     started_sending: bool = False
@@ -149,6 +162,24 @@ class SentenceJob:
     @property
     def cancelled(self) -> bool:
         return self.utterance.cancelled
+
+
+@dataclass(eq=False)
+class TextPush:
+    """Text for an open sentence's synthesis (and, with `finish`, the end of it), given to its text stream
+    only once the store has recorded it, as a sentence is queued only once recorded."""
+
+    job: SentenceJob
+    text: str
+    finish: bool = False
+
+    def apply(self) -> None:
+        stream = self.job.text_stream
+        if stream is None or stream.finished:
+            return
+        stream.push(self.text)
+        if self.finish:
+            stream.finish()
 
 
 @dataclass(eq=False)

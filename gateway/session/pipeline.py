@@ -28,7 +28,7 @@ import time
 
 from starlette.websockets import WebSocket
 
-from tts_backend.base import SynthesisRequest
+from tts_backend.base import SynthesisRequest, TextStream
 
 from ..audio import encoders
 from ..audio import pcm as audio
@@ -59,7 +59,8 @@ class SpeechPipeline:
 
     def _stop_job(self, job: SentenceJob) -> None:
         job.finished = True
-        self._pending_chars -= len(job.text)
+        self._pending_chars -= job.chars_pending
+        job.chars_pending = 0
         self._drop_queued(job)
         if job.task is not None and not job.task.done():
             job.task.cancel()
@@ -91,8 +92,15 @@ class SpeechPipeline:
 
     async def _synthesize(self, job: SentenceJob) -> None:
         config = job.config
+        stream = job.text_stream
+        if stream is None and config.text_streaming:
+            # A sentence whole from the start, in a session whose sentences start from their first words:
+            # the same streaming-text mode, so its audio is what it would be had its words come one by one
+            # (a resume makes a sentence again whole and drops the bytes the client has).
+            stream = TextStream(job.text)
+            stream.finish()
         request = SynthesisRequest(
-            text=job.text,
+            text=stream.text if stream is not None else job.text,
             voice=config.voice,
             language=config.message.language,
             instructions=config.message.instructions,
@@ -105,6 +113,8 @@ class SpeechPipeline:
             extra=config.message.backend_extra(),
             word_timestamps=config.timestamps is not None,
             voice_prompt=config.voice_prompt,
+            text_stream=stream,
+            streaming_text=config.streaming_text,
         )
         monitor = self.admission.monitor if self.admission is not None else None
         bytes_per_second = 2 * self.backend.sample_rate
@@ -238,6 +248,7 @@ class SpeechPipeline:
             duration_ms=None if job.source_samples is None else round(job.source_samples * 1000 / job.config.source_rate, 1),
             cancelled=True if cancelled else None,
             timestamp_info=timestamp_info,
+            sentence_text=job.text if job.text_stream is not None else None,
         )
 
     async def _tell_words_locked(self, job: SentenceJob, *, everything: bool = False) -> None:
@@ -356,7 +367,8 @@ class SpeechPipeline:
             if job.cancelled:
                 return
             job.finished = True
-            self._pending_chars -= len(job.text)
+            self._pending_chars -= job.chars_pending
+            job.chars_pending = 0
             if config.timestamps is not None:
                 job.utterance.keep_sentence(job.index, job.spoken_words(everything=failure is None),
                                             job.heard_duration_s())

@@ -16,6 +16,8 @@ import binascii
 import dataclasses
 import time
 
+from tts_backend.base import TextStream
+
 from ..compat import VoiceChoice
 from ..protocol import ErrorCode, ProtocolError, SessionConfig, SessionResume, SessionStarted
 from ..store.base import MarkerRecord, ReplayOutOfRange, SessionRecord, replay_owed
@@ -149,6 +151,10 @@ class SessionResumer:
         for open_utterance in record.open_utterances.values():
             counted = utterance(open_utterance.utterance, open_utterance.context_id)
             counted.sentences = max(counted.sentences, open_utterance.sentences)
+        # Text streaming: sentences still being written when the session was recorded. Each continues where it
+        # was (its text so far given to synthesis again, the rest as the client sends it); its utterance's open
+        # text begins with it.
+        still_open = {u.open_sentence: u for u in record.open_utterances.values() if u.open_sentence is not None}
         replay: dict[int, list[bytes]] = {}
         for piece in pieces:
             replay.setdefault(piece.sentence_index, []).append(piece.data)
@@ -174,7 +180,12 @@ class SessionResumer:
                 needs_synthesis=sentence.state != "done" or self.config.timestamps is not None,
             )
             job.bytes_sent = delivered
-            self._pending_chars += len(job.text)
+            if sentence.index in still_open and self.config.text_streaming:
+                job.text_stream = TextStream(job.text)
+                job.utterance.open_job = job
+            else:  # (an open sentence's text is counted in its utterance's unreleased text)
+                job.chars_pending = len(job.text)
+                self._pending_chars += len(job.text)
             owed.append(((sentence.index, 1), job))
         if position.ends_received is not None:
             # The client counted the utterance ends it got; they go out in marker order, so it has the
@@ -208,6 +219,8 @@ class SessionResumer:
             reopened = utterance(open_utterance.utterance, open_utterance.context_id)
             self._open[open_utterance.context_id] = reopened
             self._release(reopened, await push_in_slices(reopened.segmenter, open_utterance.text))
+            self._grow_open_sentence(reopened)
+            self._record_open_text(reopened)
         await self._commit(counted=False)
         self._fill_pipeline()
         self._queue_changed.set()

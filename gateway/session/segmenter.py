@@ -21,6 +21,10 @@ moment each is certainly complete, never later:
   words on (the session pushes the words of the unit still open, ``stable_chars``, as they arrive). What has
   been pushed must stay the start of the unit, so a unit that grows too long is cut at its last whitespace,
   never back at an earlier clause mark.
+- ``first_unit_words`` (N > 0): the first unit is released early, at its first clause mark after two words
+  or after N whole words, whichever comes first; later units are whole sentences. For a backend that
+  synthesizes only whole units and takes longer the longer the unit (Piper on a CPU), the first audio then
+  waits for a few words instead of a whole sentence; the words after the cut are spoken as their own unit.
 - No unit is longer than ``max_unit_chars`` (``MAX_UNIT_CHARS`` by default; the gateway passes its
   ``max_synthesis_chars``): each unit is one synthesis call, and a backend's cost and memory grow with it.
   A unit that grows that long without a boundary is cut at its last clause mark, else at its last
@@ -59,6 +63,8 @@ CJK_CLAUSE_MARKS = frozenset("，、；：")
 DASHES = frozenset("—–")  # em dash, en dash
 CLOSING_QUOTES = "\"')]}”’»"
 CLAUSE_MIN_CHARS = 24
+# first_unit_words: a clause mark ends the first unit early once it has this many words.
+FIRST_CLAUSE_MIN_WORDS = 2
 CJK_CLAUSE_MIN_CHARS = 12
 # pysbd's decisions are local (a few words either side, plus quote/bracket pairing within the sentence);
 # a sentence longer than this is judged on its last PYSBD_WINDOW characters only.
@@ -101,13 +107,17 @@ class SentenceSegmenter:
     """Turns a stream of text pieces into speakable units. One instance per utterance (or context)."""
 
     def __init__(self, granularity: Granularity = "sentence", language: str = "en",
-                 max_unit_chars: int = MAX_UNIT_CHARS) -> None:
+                 max_unit_chars: int = MAX_UNIT_CHARS, first_unit_words: int = 0) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, not {granularity!r}")
         if max_unit_chars < 1:
             raise ValueError(f"max_unit_chars must be positive, not {max_unit_chars}")
+        if first_unit_words < 0:
+            raise ValueError(f"first_unit_words must be 0 (off) or positive, not {first_unit_words}")
         self.granularity = granularity
         self.max_unit_chars = max_unit_chars
+        self.first_unit_words = first_unit_words
+        self._released_any = False  # a unit was released (first_unit_words applies to the first only)
         self.language = pysbd_language(language)
         self._pysbd = pysbd.Segmenter(language=self.language, clean=False)
         self._tail = ""  # text not yet released; never starts with whitespace
@@ -117,6 +127,7 @@ class SentenceSegmenter:
         self._scan = 0  # characters of _tail already examined
         self._token_start = 0  # start of the current (or last) non-whitespace token
         self._has_word_char = False  # a letter or digit among the examined characters
+        self._words = 0  # whole words (tokens followed by whitespace) among the examined characters
         # A sentence-boundary candidate waiting for the next non-whitespace character:
         # (start of the whitespace run, start of the token before it), or None.
         self._pending: tuple[int, int] | None = None
@@ -130,6 +141,19 @@ class SentenceSegmenter:
         """Text pushed but not released yet (recorded for session.resume; pushing it into a fresh
         segmenter restores this one)."""
         return self._tail
+
+    @property
+    def stable_chars(self) -> int:
+        """How many characters of `buffered_text` are certainly the start of the next unit, ending with a
+        whole word: up to the end of the last word that whitespace follows, among the examined text. A unit
+        always ends at or after it (granularity ``token``: see the module doc), so text up to here may be
+        given to synthesis before the unit is complete. Costs the length of the last word."""
+        tail, i = self._tail, min(self._scan, len(self._tail))
+        while i > 0 and not tail[i - 1].isspace():  # back over the word still being written
+            i -= 1
+        while i > 0 and tail[i - 1].isspace():
+            i -= 1
+        return i
 
     @property
     def examined_all(self) -> bool:
@@ -174,6 +198,7 @@ class SentenceSegmenter:
             unit = tail[:end].strip()
             if unit:
                 released.append(unit)
+                self._released_any = True
             tail = tail[resume:].lstrip()
             self._tail = tail
             self._reset_scan()
@@ -188,6 +213,8 @@ class SentenceSegmenter:
         unit = self._tail.strip()
         self._tail = ""
         self._reset_scan()
+        if unit:
+            self._released_any = True
         return split_to_fit(unit, self.max_unit_chars) if unit else []
 
     # -- decisions -------------------------------------------------------------------------------------
@@ -200,7 +227,10 @@ class SentenceSegmenter:
         if char.isspace():
             if prev and not prev.isspace():
                 token = tail[self._token_start : i]
+                self._words += 1
                 if self.granularity == "clause" and self._clause_ends_with(token, i):
+                    return i, i
+                if self.first_unit_words and not self._released_any and self._first_unit_ends_with(token):
                     return i, i
                 if self._pending is None and (char == "\n" or any(c in SENTENCE_TERMINATORS for c in token)):
                     self._pending = (i, self._token_start)
@@ -226,6 +256,13 @@ class SentenceSegmenter:
             if prev in DASHES and char not in DASHES and i >= CLAUSE_MIN_CHARS and tail[self._token_start] not in DASHES:
                 return i, i
         return None
+
+    def _first_unit_ends_with(self, token: str) -> bool:
+        """first_unit_words: whether the first unit ends early after `token`, its latest whole word."""
+        if self._words >= self.first_unit_words:
+            return True
+        token = token.rstrip(CLOSING_QUOTES)
+        return self._words >= FIRST_CLAUSE_MIN_WORDS and bool(token) and token[-1] in CLAUSE_MARKS
 
     def _clause_ends_with(self, token: str, end: int) -> bool:
         """Whether `token`, followed by whitespace at `end`, closes a clause long enough to speak alone."""

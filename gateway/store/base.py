@@ -103,6 +103,9 @@ class OpenUtterance:
     utterance: int
     text: str
     sentences: int = 0  # sentences it released so far (their records may be pruned before it ends)
+    # Text streaming: the sentence still being written (synthesizing from its first words), whose recorded
+    # text is the start of `text`; None when there is none.
+    open_sentence: int | None = None
 
 
 @dataclass
@@ -140,6 +143,9 @@ class SessionChanges:
 
     config: dict[str, Any] | None = None
     sentences: list[SentenceRecord] = field(default_factory=list)  # newly released (pending, no audio)
+    # Recorded sentences whose text grew (text streaming: a sentence is recorded from its first words on);
+    # only their text changes, a sentence no longer recorded stays so.
+    sentence_texts: list[SentenceRecord] = field(default_factory=list)
     states: dict[int, SentenceState] = field(default_factory=dict)
     markers: list[MarkerRecord] = field(default_factory=list)
     open_text: dict[str | None, OpenUtterance | None] = field(default_factory=dict)  # None: closed
@@ -148,7 +154,8 @@ class SessionChanges:
 
     def __bool__(self) -> bool:
         return bool(
-            self.config is not None or self.sentences or self.states or self.markers or self.open_text
+            self.config is not None or self.sentences or self.sentence_texts or self.states or self.markers
+            or self.open_text
             or self.inputs_received is not None or self.uses_contexts is not None
         )
 
@@ -475,6 +482,9 @@ class MemorySessionStore(SessionStore):
         for sentence in changes.sentences:
             record.sentences[sentence.index] = SentenceRecord(**vars(sentence))
             record.released = max(record.released, sentence.index + 1)
+        for sentence in changes.sentence_texts:
+            if sentence.index in record.sentences:
+                record.sentences[sentence.index].text = sentence.text
         for index, state in changes.states.items():
             sentence = record.sentences.get(index)
             if sentence is not None and state == "cancelled" and sentence.bytes_sent == 0:

@@ -16,7 +16,8 @@ one slot and Lua scripts may touch them all):
     state     hash    sentence index -> pending | speaking | done | cancelled | failed
     bytes     hash    sentence index -> audio bytes recorded
     markers   hash    marker number -> MarkerRecord (JSON)
-    open      hash    JSON context id -> {"u": utterance number, "t": unreleased text, "n": sentences}
+    open      hash    JSON context id -> {"u": utterance number, "t": unreleased text, "n": sentences,
+                      "o": the open sentence's index (text streaming; left out when none)}
     log       stream  the replay log: entries (i: sentence, o: byte offset in it, t: unix ms, d: audio), with
                       ids `<position>-1`, position = bytes appended to the log before the entry
     logend    string  bytes ever appended to the log (the next entry's position)
@@ -496,7 +497,8 @@ class RedisSessionStore(SessionStore):
         for field, value in opened.items():
             context_id = json.loads(field)
             data = json.loads(value)
-            record.open_utterances[context_id] = OpenUtterance(context_id, data["u"], data["t"], data.get("n", 0))
+            record.open_utterances[context_id] = OpenUtterance(context_id, data["u"], data["t"], data.get("n", 0),
+                                                               data.get("o"))
         return record
 
     async def claim(
@@ -526,6 +528,9 @@ class RedisSessionStore(SessionStore):
             value = json.dumps({"t": sentence.text, "c": sentence.context_id, "u": sentence.utterance})
             ops += ["H", KEY["text"], sentence.index, value, "H", KEY["state"], sentence.index, sentence.state]
             ops += ["N", KEY["bytes"], sentence.index, 0]  # not over audio a retried batch recorded already
+        for sentence in changes.sentence_texts:  # S: only where the sentence is recorded
+            value = json.dumps({"t": sentence.text, "c": sentence.context_id, "u": sentence.utterance})
+            ops += ["S", KEY["text"], sentence.index, value]
         if changes.sentences:
             ops += ["H", KEY["meta"], "released", max(s.index for s in changes.sentences) + 1]
         for index, state in changes.states.items():
@@ -537,6 +542,8 @@ class RedisSessionStore(SessionStore):
                 ops += ["D", KEY["open"], json.dumps(context_id), ""]
             else:
                 value = {"u": opened.utterance, "t": opened.text, "n": opened.sentences}
+                if opened.open_sentence is not None:
+                    value["o"] = opened.open_sentence
                 ops += ["H", KEY["open"], json.dumps(context_id), json.dumps(value)]
         if changes.inputs_received is not None:
             ops += ["H", KEY["meta"], "inputs", changes.inputs_received]

@@ -87,6 +87,10 @@ class AudioDone(Event):
     duration_ms: float | None = None
     cancelled: bool | None = None
     words: list[Word] | None = None  # timestamp_info.word_alignment, when the session asked for timestamps
+    # The sentence's whole text. With split_granularity "token" its audio.start had only the words known
+    # when its synthesis started; the gateway sends the rest here (the client fills in audio.start's
+    # otherwise).
+    sentence_text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,8 @@ def parse_server_message(data: dict[str, Any]) -> Event:
     if kind == "audio.done":
         timestamp_info = data.get("timestamp_info") or {}
         return AudioDone(
-            **_pick(data, "sentence_index", "total_bytes", "error", "context_id", "duration_ms", "cancelled"),
+            **_pick(data, "sentence_index", "total_bytes", "error", "context_id", "duration_ms", "cancelled",
+                    "sentence_text"),
             words=_words_of_alignment(timestamp_info.get("word_alignment"), data.get("sentence_index")),
         )
     if kind == "audio.words":

@@ -541,6 +541,8 @@ class Session:
             if not event.words:
                 return
         elif isinstance(event, AudioDone):
+            if event.sentence_text is None and event.sentence_index in self._sentence_formats:
+                event = replace(event, sentence_text=self._sentence_formats[event.sentence_index].sentence_text)
             self._open_sentence = None
             self._last_done_sentence = max(self._last_done_sentence, event.sentence_index)
             if event.words:

@@ -291,6 +291,8 @@ class Call:
                     self._enqueue(_Frame(context_id, data[start : start + FRAME_BYTES]))
                 self._remainder = data[whole:]
             elif isinstance(event, vg.AudioDone):
+                if event.sentence_text and speech.sentences:  # the whole sentence (token splitting)
+                    speech.sentences[-1] = event.sentence_text
                 if stopped:
                     continue
                 if self._remainder:  # the sentence's last partial frame, padded with silence
