@@ -22,6 +22,8 @@
 #                      LOAD_ARGS="--worker --agent-sentences 3 --words-per-s 40 --granularity token --keep-going" \
 #                        bash bench/h200.sh setup load:1,5,10,12
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
+#   textstream[:ARGS] bench/text_stream_check.py ARGS    -> $OUT/text_stream.json: text pushed word by word
+#                    says exactly what the whole text says (CUDA graphs, Triton), and its first-audio times
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
 #   use:TYPE         build (once) the random 1.7B checkpoint of TYPE (custom_voice, base, voice_design) in
 #                    /tmp/ckpt-TYPE and point the later steps at it (setup's /tmp/ckpt is custom_voice), e.g.
@@ -159,6 +161,12 @@ step_profile() {  # step_profile "ARGS"
     run "$PY" bench/engine_profile.py "${args[@]}" --model "$CKPT" --output "$OUT/engine_profile.json"
 }
 
+step_textstream() {  # step_textstream "ARGS" (e.g. "--others 8 --words-per-s 100")
+    local args=()
+    read -ra args <<<"$1"
+    run "$PY" bench/text_stream_check.py "${args[@]}" --model "$CKPT" --output "$OUT/text_stream.json"
+}
+
 step_savecache() {
     local archive=$OUT/compile_cache.tgz limit=$((15 * 1024 * 1024)) size
     run tar -C "$COMPILE_CACHE" -czf "$archive" inductor triton || return 1
@@ -204,11 +212,12 @@ for arg in "$@"; do
         reference) step_reference ;;
         load) step_load "$value" ;;
         profile) step_profile "$value" ;;
+        textstream) step_textstream "$value" ;;
         use) step_use "$value" ;;
         aligner) step_aligner ;;
         tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
         savecache) step_savecache ;;
-        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, use:TYPE, aligner, savecache)"; false ;;
+        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, textstream:ARGS, use:TYPE, aligner, savecache)"; false ;;
     esac
     rc=$?
     if ((rc != 0)); then
