@@ -37,7 +37,7 @@ from .auth import Principal
 from .compat import backend_voice
 from .limits import Admission, LimitExceeded
 from .protocol import ErrorCode, ProtocolError, backend_error_code
-from .audio.decoder import DecoderFailed, ReferenceDecoder
+from .audio.decoder import DecoderBusy, DecoderFailed, ReferenceDecoder
 from .audio.fetch import ReferenceFetcher
 from .audio.reference import InvalidReferenceAudio, decode_base64_audio, url_scheme
 from .settings import GatewaySettings
@@ -183,6 +183,9 @@ class VoiceRegistry:
             samples = await self.decoder.decode(data, min_s, max_s, REFERENCE_SAMPLE_RATE)
         except DecoderFailed as failed:
             raise InvalidReferenceAudio(failed.refusal or "the reference audio cannot be decoded") from None
+        except DecoderBusy:
+            raise LimitExceeded(ErrorCode.overloaded, "every reference audio decoder is busy; retry shortly",
+                                retry_after_s=5.0) from None
         # The decoder's answer is bounded in size; its values are checked here as the decoder checks them.
         if len(samples) < min_s * REFERENCE_SAMPLE_RATE or not np.all(np.isfinite(samples)):
             raise InvalidReferenceAudio("the reference audio cannot be decoded")

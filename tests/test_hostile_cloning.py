@@ -674,3 +674,26 @@ def test_decoder_processes_end_with_a_gateway_that_is_killed():
     while any(alive(pid) for pid in decoders):
         assert time.monotonic() < deadline, "a decoder process outlived its gateway"
         time.sleep(0.05)
+
+
+def test_a_clip_that_finds_every_decoder_busy_is_refused_as_overload_after_a_bounded_wait():
+    from gateway.audio.decoder import DecoderBusy
+
+    good = clip(240.0)
+
+    async def scenario() -> None:
+        decoder = _planted_decoder(processes=1, wall_s=3.0, queue_s=0.5)
+        try:
+            hung = asyncio.create_task(decoder.decode(good + HANG, 3.0, 30.0, 24000))
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            with pytest.raises(DecoderBusy):
+                await decoder.decode(good, 3.0, 30.0, 24000)
+            assert time.monotonic() - started < 2.0
+            with pytest.raises(Exception):
+                await hung  # killed at its deadline
+            assert len(await decoder.decode(good, 3.0, 30.0, 24000)) == 4 * 24000  # the slot came back
+        finally:
+            await decoder.stop()
+
+    asyncio.run(scenario())

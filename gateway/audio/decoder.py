@@ -12,7 +12,8 @@ one of them over its stdin/stdout pipes. Each process is bounded:
 - no core files, no files written, none of the gateway's environment (its secrets) but what starting
   Python needs; it ends with the gateway (its stdin closes; on Linux also PR_SET_PDEATHSIG).
 A process that crashed, overran or was cancelled mid-clip is killed and replaced by a fresh one at the next
-clip; the others keep serving. The gateway waits on the pipes from its event loop: nothing blocks it.
+clip; the others keep serving. A clip waits at most `queue_s` for a free process (DecoderBusy: the
+gateway answers `overloaded`), so a flood of clips is refused rather than queued without end. The gateway waits on the pipes from its event loop: nothing blocks it.
 A process's answer is not trusted beyond its size: at most the samples `max_s` can hold.
 
 Wire (both ways little-endian): request `<ddII` min_s, max_s, output rate, clip length, then the clip;
@@ -38,6 +39,7 @@ log = logging.getLogger("voxgate.reference_decoder")
 
 PROCESSES = 2  # clips decoded at once per replica (CPU cores)
 WALL_S = 10.0  # one clip's decode, from the request sent to the answer read
+QUEUE_S = 20.0  # a clip waits this long for a free process, then is refused as overload
 CPU_S = 5.0  # CPU seconds one clip may take in its process
 MEMORY_BYTES = 1 << 30  # address space a process may add to what it had once started
 START_TIMEOUT_S = 30.0  # a fresh process's start-up (Python, PyAV, numpy) on a loaded machine
@@ -56,6 +58,10 @@ class DecoderFailed(Exception):
     def __init__(self, reason: str, refusal: str | None = None) -> None:
         super().__init__(reason)
         self.refusal = refusal
+
+
+class DecoderBusy(Exception):
+    """Every decoder process stayed busy for `queue_s`: the replica is overloaded with clips."""
 
 
 class _Process:
@@ -93,8 +99,9 @@ class ReferenceDecoder:
     `command` runs one (tests plant faults with their own)."""
 
     def __init__(self, processes: int = PROCESSES, *, wall_s: float = WALL_S, cpu_s: float = CPU_S,
-                 memory_bytes: int = MEMORY_BYTES, command: list[str] | None = None) -> None:
+                 memory_bytes: int = MEMORY_BYTES, queue_s: float = QUEUE_S, command: list[str] | None = None) -> None:
         self.wall_s = wall_s
+        self.queue_s = queue_s
         self.cpu_s = cpu_s
         self.memory_bytes = memory_bytes
         self.command = command or [sys.executable, "-m", "gateway.audio.decoder"]
@@ -104,28 +111,55 @@ class ReferenceDecoder:
         self._stopped = False
 
     async def decode(self, data: bytes, min_s: float, max_s: float, rate: int) -> np.ndarray:
-        """float32 mono samples at `rate`. Raises DecoderFailed."""
-        async with self._slots:
-            worker = self._idle.pop() if self._idle else await self._start()
-            try:
-                samples = await asyncio.wait_for(worker.decode(data, min_s, max_s, rate), self.wall_s)
-            except DecoderFailed as failed:
-                if failed.refusal is None:
-                    await self._discard(worker, str(failed))
-                else:
-                    self._keep(worker)
-                raise
-            except asyncio.TimeoutError:
-                await self._discard(worker, f"no answer within {self.wall_s:g} s")
-                raise DecoderFailed("deadline") from None
-            except (asyncio.IncompleteReadError, ConnectionError, OSError):
-                await self._discard(worker, "its pipe closed")
-                raise DecoderFailed("died") from None
-            except BaseException:  # cancelled mid-clip: its answer would be read by the next clip
-                worker.kill()
-                raise
-            self._keep(worker)
-            return samples
+        """float32 mono samples at `rate`. Raises DecoderFailed, or DecoderBusy when no process is free
+        within `queue_s`."""
+        await self._acquire()
+        try:
+            return await self._decode(data, min_s, max_s, rate)
+        finally:
+            self._slots.release()
+
+    async def _decode(self, data: bytes, min_s: float, max_s: float, rate: int) -> np.ndarray:
+        worker = self._idle.pop() if self._idle else await self._start()
+        try:
+            samples = await asyncio.wait_for(worker.decode(data, min_s, max_s, rate), self.wall_s)
+        except DecoderFailed as failed:
+            if failed.refusal is None:
+                await self._discard(worker, str(failed))
+            else:
+                self._keep(worker)
+            raise
+        except asyncio.TimeoutError:
+            await self._discard(worker, f"no answer within {self.wall_s:g} s")
+            raise DecoderFailed("deadline") from None
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            await self._discard(worker, "its pipe closed")
+            raise DecoderFailed("died") from None
+        except BaseException:  # cancelled mid-clip: its answer would be read by the next clip
+            worker.kill()
+            raise
+        self._keep(worker)
+        return samples
+
+    async def _acquire(self) -> None:
+        """One of the slots within queue_s, else DecoderBusy. (Not wait_for: on Python 3.10-3.11 it can
+        time out after the acquire succeeded, and the slot would be lost for good.)"""
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        try:
+            done, _ = await asyncio.wait({acquire}, timeout=self.queue_s)
+        except BaseException:  # cancelled while waiting
+            self._abandon(acquire)
+            raise
+        if not done:
+            self._abandon(acquire)
+            raise DecoderBusy(f"no decoder process was free within {self.queue_s:g} s")
+
+    def _abandon(self, acquire: asyncio.Future) -> None:
+        """Give up a pending acquire; a slot it got meanwhile goes back."""
+        if not acquire.done():
+            acquire.cancel()
+        elif not acquire.cancelled():
+            self._slots.release()
 
     def _keep(self, worker: _Process) -> None:
         worker.clips += 1
