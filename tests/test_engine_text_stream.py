@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from tests.qwen3_fixtures import tiny_custom_voice  # noqa: F401 - session fixture
+from tests.qwen3_fixtures import tiny_base, tiny_custom_voice  # noqa: F401 - session fixtures
 from tts_backend.base import SynthesisRequest, TextStream
 from tts_backend.registry import create_backend
 
@@ -225,3 +225,58 @@ async def pushed_in_pieces_to(backend, text, seed, rng, max_new_tokens) -> tuple
 
     await asyncio.gather(write(), read())
     return np.frombuffer(bytes(audio), "<i2"), before_finish[0]
+
+
+LONG = ("A cloned voice reads this long sentence so that its text runs past the reference clip's frames, "
+        "which the in-context prompt fills with the transcript first and then with the new words, one per frame, "
+        "while the rest is still being written by a slow language model somewhere far away.")
+
+
+@pytest.mark.parametrize("mode", ["icl", "x_vector", "icl_short"])
+async def test_cloned_voices_take_text_in_pieces_too(tiny_base, mode):  # noqa: F811 - fixture
+    """An in-context clone's prefill holds the reference transcript and as much of the text as its reference
+    frames take: the request waits (holding no slot) until that much has come, or the text ends; what follows
+    is pushed. Either way it says exactly what the whole text says."""
+    from tests.test_qwen3_clone_parity import REF_TEXT, _clip
+    from tts_backend.base import ReferenceAudio
+
+    backend = await started(tiny_base, trim_leading_silence=False, dtype="float32")
+    try:
+        clip = ReferenceAudio(_clip(3.21, 1).astype("<f4").tobytes(), REF_TEXT)
+        prompt = await backend.clone_voice(clip, x_vector_only=mode == "x_vector")
+        text = LONG if mode != "icl_short" else "Short, and done before the prefill is full."
+        frames = record_codes(backend)
+        runner = backend.engine.runner
+        push_text = runner.push_text
+        pushed_after_prefill = []
+
+        def recording(request, tokens):
+            pushed_after_prefill.append(request.slot is not None and request.phase.name not in ("WAITING",
+                                                                                                 "NEED_PREFILL"))
+            push_text(request, tokens)
+
+        runner.push_text = recording
+        rng = random.Random(len(mode))
+        pieces = random_pieces(text, rng)
+        stream = TextStream(pieces[0])
+        request = SynthesisRequest(text=pieces[0], voice="cloned", seed=8, max_new_tokens=24, voice_prompt=prompt,
+                                   text_stream=stream)
+
+        async def write():
+            for piece in pieces[1:]:
+                await asyncio.sleep(rng.choice([0, 0.01, 0.05]))
+                stream.push(piece)
+            stream.finish()
+
+        got, _ = await asyncio.gather(audio_of(backend, request), write())
+        streamed = frames.pop(8)
+        want = await audio_of(backend, SynthesisRequest(text=text, voice="cloned", seed=8, max_new_tokens=24,
+                                                        voice_prompt=prompt, streaming_text=True))
+        assert streamed == frames.pop(8) and len(streamed) > 3
+        assert len(got) == len(want) and int(np.abs(got.astype(np.int32) - want).max()) <= 1
+        if mode == "icl_short":  # all of it fits the prefill: it waited for the end and went in whole
+            assert not pushed_after_prefill
+        else:  # text came after the prefill had run: it was decoding while the text was written
+            assert any(pushed_after_prefill)
+    finally:
+        await backend.stop()
