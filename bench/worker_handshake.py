@@ -2,7 +2,8 @@
 so the time from dialling to the first answer is paid once per sentence.
 
 Starts `voxgate worker --backend synthetic` three ways (a Unix socket without a token: no handshake; a Unix
-socket with a token; loopback TCP with a token) and times N connections each: dial, handshake where there
+socket with a token: a one-way hello, no round trip; loopback TCP with a token: the mutual handshake, one
+round trip) and times N connections each: dial, handshake where there
 is a token, an `info` request and its answer, close, one after another.
 
     python bench/worker_handshake.py --connections 2000 [--json bench/results/worker_handshake_cpu.json]
@@ -72,8 +73,8 @@ async def main() -> None:
     Path(token_file).write_text(os.urandom(16).hex() + "\n")
     token = Path(token_file).read_text().strip()
     cases = [("unix, no token (no handshake)", f"unix:{folder}/a.sock", None),
-             ("unix, token (handshake)", f"unix:{folder}/b.sock", token_file),
-             ("tcp loopback, token (handshake)", "tcp://127.0.0.1:0", token_file)]
+             ("unix, token (one-way hello: the kernel vouches for the peer)", f"unix:{folder}/b.sock", token_file),
+             ("tcp loopback, token (handshake: one round trip)", "tcp://127.0.0.1:0", token_file)]
     results = {}
     load_before = os.getloadavg()[0]
     try:

@@ -294,3 +294,37 @@ async def test_the_pool_goes_on_following_its_workers_after_any_answer():
             assert all(not task.done() for task in remote._tasks)
         finally:
             await remote.stop()
+
+
+async def test_on_a_unix_socket_the_kernel_vouches_and_no_round_trip_is_spent(tmp_path, token_file):
+    """A gateway that finds, by SO_PEERCRED, the worker running as its own user sends its proof and its
+    request at once (a one-way hello, bound to its nonce); a TCP worker refuses that hello, and a wrong
+    proof is refused on the Unix socket too."""
+    socket_path = str(tmp_path / "w.sock")
+    unix = synthetic_worker_args("--token-file", token_file, listen=f"unix:{socket_path}")
+    with workers(unix, synthetic_worker_args("--token-file", token_file)) as (local, tcp):
+        async def ask(address: str, proof_token: str) -> dict:
+            nonce = bytes.fromhex(framing.new_nonce())
+            hello = framing.encode_json({"op": "hello", "nonce": nonce.hex(),
+                                         "proof": framing.local_proof(proof_token, nonce)})
+            if address.startswith("unix:"):
+                reader, writer = await asyncio.open_unix_connection(address[5:])
+            else:
+                host, port = address.removeprefix("tcp://").rsplit(":", 1)
+                reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(hello + framing.encode_json({"op": "info"}))  # one write, no answer awaited between
+            frame = await asyncio.wait_for(framing.read_frame(reader, framing.MAX_ANSWER_FRAME), 10)
+            writer.close()
+            return framing.decode_json(frame[1])
+
+        assert (await ask(local.address, TOKEN))["op"] == "info"
+        assert (await ask(local.address, "not-the-token"))["code"] == "unauthorized"
+        assert (await ask(tcp.address, TOKEN))["code"] == "unauthorized"
+        remote = RemoteSynthesizer(socket=socket_path, token=TOKEN, connect_timeout_s=20)
+        await remote.start()
+        try:
+            request = SynthesisRequest(text="Over the local socket.", voice="tone-mid", seed=4)
+            audio = b"".join([c.pcm async for c in remote.synthesize(request)])
+            assert audio == SyntheticSynthesizer().render(request).tobytes()
+        finally:
+            await remote.stop()

@@ -23,8 +23,12 @@ the token and is sent no text, and a peer posing as a gateway gets nothing serve
                                                              the same write the request frame
   A wrong proof, or anything else first: {"op": "error", "code": "unauthorized"}. The gateway checks the
   worker's proof (and, for a worker found in the registry, its id) before it writes its own proof or any
-  request. This costs one round trip per connection; a worker without a token (a local Unix socket) skips
-  it. Handshake frames are at most MAX_AUTH_FRAME bytes.
+  request. This costs one round trip per connection. Handshake frames are at most MAX_AUTH_FRAME bytes.
+On a Unix socket the kernel names the process at the other end (SO_PEERCRED): a gateway that finds the
+worker runs as its own user (or root), which a forger of another user cannot, skips the round trip,
+  client -> worker   {"op": "hello", "nonce": hex, "proof": local_proof(token, client nonce)}, and the request
+and a worker on a Unix socket takes that (a TCP worker never does: a proof without its nonce could be
+replayed there). A worker without a token (the default local socket) has no handshake at all.
 A worker that is draining answers a synthesize for an utterance it has not served with
 {"op": "error", "code": "draining"}: the gateway's pool sends it to another worker. A synthesize with
 "place": true (a session's first request, placing the session) is answered {"op": "error", "code": "full"}
@@ -140,6 +144,7 @@ NONCE_BYTES = 16
 # Each side's proof is labelled with its role, so that one side's proof is never valid as the other's.
 _WORKER_LABEL = b"voxgate worker proof v1\0"
 _GATEWAY_LABEL = b"voxgate gateway proof v1\0"
+_LOCAL_LABEL = b"voxgate local gateway proof v1\0"
 
 
 def new_nonce() -> str:
@@ -167,6 +172,10 @@ def worker_proof(token: str, client_nonce: bytes, worker_nonce: bytes, worker_id
 
 def gateway_proof(token: str, worker_nonce: bytes, client_nonce: bytes) -> str:
     return _mac(token, _GATEWAY_LABEL, worker_nonce, client_nonce)
+
+
+def local_proof(token: str, client_nonce: bytes) -> str:
+    return _mac(token, _LOCAL_LABEL, client_nonce)
 
 
 def proof_matches(offered: object, expected: str) -> bool:

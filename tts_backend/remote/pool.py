@@ -178,6 +178,9 @@ class WorkerClient:
         self.down = False  # the last contact failed
         self.draining = False
         self.streams = 0  # streams this gateway has open on it now
+        # ...of which the worker has not answered yet: a report it makes meanwhile may not count them (their
+        # request may still be in the handshake or on its way), so they are counted on top of it.
+        self._opening = 0
         self._streams_at_info = 0
         self.quarantined_until = 0.0  # monotonic; it broke a bound (module doc)
         self.wrong_rate = False  # its sample rate is not the pool's
@@ -224,12 +227,12 @@ class WorkerClient:
         """It said it is full: count it so until its next report, for every placement of this gateway."""
         if self.info is not None and self.capacity:
             self.info = {**self.info, "streams": max(self.info["streams"], float(self.capacity))}
-            self._streams_at_info = self.streams
+            self._streams_at_info = self.streams - self._opening
 
     def apply_info(self, info: dict) -> None:
         """A checked_info answer."""
         self.info = info
-        self._streams_at_info = self.streams
+        self._streams_at_info = self.streams - self._opening
         self.down = False
         self.draining = info["draining"]
         if info.get("id") is not None:
@@ -286,10 +289,12 @@ class WorkerClient:
         or the request's own error."""
         # Counted before the first await, so that placements made in the same moment see each other.
         self.streams += 1
+        self._opening += 1
         try:
             reader, writer = await self._open()
         except BaseException:
             self.streams -= 1
+            self._opening -= 1
             raise
         rate = self.info["sample_rate"] if self.info else SAMPLE_RATES[1]
         # A text stream's bounds grow with its text (request.full_text): what it may send, and how long it
@@ -300,6 +305,7 @@ class WorkerClient:
         waited_s = 0.0
         first = True
         forward = None
+        opening = True
         try:
             message = {"op": "synthesize", "request": framing.request_to_json(request)}
             if place:
@@ -327,6 +333,9 @@ class WorkerClient:
                 except framing.ProtocolError as exc:
                     raise WorkerMisbehaved(f"worker {self.id} sent a bad frame: {exc}") from exc
                 first = False
+                if opening:  # the worker answered: it counts this stream in its reports from now on
+                    self._opening -= 1
+                    opening = False
                 if frame is None:
                     raise WorkerLost(f"worker {self.id} closed the stream before it was done")
                 kind, payload = frame
@@ -362,6 +371,8 @@ class WorkerClient:
             self.streams -= 1
             if forward is not None:
                 forward.cancel()
+            if opening:
+                self._opening -= 1
             # Closing the connection is the cancel signal when we stop early; harmless after "done".
             writer.close()
             with contextlib.suppress(Exception):

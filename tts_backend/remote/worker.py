@@ -311,6 +311,13 @@ class WorkerServer:
             await _refuse(writer, "unauthorized", "this worker wants the hello handshake first (a gateway of this version)")
             return False
         client_nonce = framing.parse_nonce(hello.get("nonce"))
+        if "proof" in hello:  # the one-way hello of a gateway of this user, on a Unix socket only (framing.py)
+            if self.listen.scheme == "unix" and framing.proof_matches(hello["proof"],
+                                                                      framing.local_proof(self.token, client_nonce)):
+                return True
+            self.refused_unauthorized += 1
+            await _refuse(writer, "unauthorized", "wrong proof of the worker token")
+            return False
         worker_nonce = secrets.token_bytes(framing.NONCE_BYTES)
         writer.write(framing.encode_json({
             "op": "hello", "nonce": worker_nonce.hex(), "id": self.worker_id,
