@@ -1,9 +1,12 @@
 """The client READMEs' examples work as pasted against the default gateway (`voxgate serve`: Piper).
 
-The Python client's examples are complete programs: each runs, unchanged except for the gateway's port,
-against a real default gateway. The other clients' examples need accounts or frameworks (Twilio, LiveKit,
-Pipecat with Deepgram and OpenAI) and are checked for what can go wrong without them: each one compiles,
-and every voice it names is a voice of the default gateway (not one that only resolves by falling back).
+Each example that needs no account is a complete program and runs, unchanged except for the gateway's
+port (and the bridge's), against a real default gateway: the Python client's, the telephony bridge's (a
+fake Twilio, speaking Twilio's documented messages, places the call), the Pipecat and LiveKit adapters'
+(in the cached venvs of tests/adapter_env.py, which hold just what their install lines install) and the
+JavaScript client's Node example (tests/test_client_js.py). The agents that need accounts (Deepgram,
+OpenAI, LiveKit) are not run: their READMEs must install every extra they import. Every Python example
+of every client README compiles and names a voice of the default gateway.
 """
 
 from __future__ import annotations
@@ -83,3 +86,100 @@ def test_every_python_example_compiles_and_names_a_voice_of_the_default_gateway(
                   if isinstance(node, ast.keyword) and node.arg == "voice" and isinstance(node.value, ast.Constant)]
         for voice in voices:
             assert backend.has_voice(voice), f"{readme}: voice={voice!r} is not a voice of the default gateway"
+
+
+def example_env(*client_dirs: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [*(str(REPO / "clients" / d) for d in client_dirs), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def test_telephony_in_process_example_runs_as_pasted(default_gateway, tmp_path):
+    """The README's program, as pasted but for the two ports, answers a call from a fake Twilio (which
+    speaks Twilio's documented messages and echoes marks as its player would): it greets, streams, barges
+    in, and exits when the call ends."""
+    import asyncio
+
+    from tests.gateway_server import free_port
+    from tests.test_telephony_twilio import FakeTwilio
+
+    (source,) = python_examples(REPO / "clients" / "telephony" / "README.md")
+    assert README_URL in source and "8080" in source
+    port = free_port()
+    script = tmp_path / "bridge_example.py"
+    script.write_text(source.replace(README_URL, default_gateway.url.replace("http://", "ws://"))
+                      .replace("8080", str(port)))
+
+    async def call() -> tuple[FakeTwilio, list[str], int]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), cwd=tmp_path, env=example_env("python", "telephony"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        lines: list[str] = []
+        try:
+            for _ in range(100):  # the bridge listening
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                    writer.close()
+                    break
+                except OSError:
+                    await asyncio.sleep(0.1)
+            async with FakeTwilio(f"ws://127.0.0.1:{port}/twilio") as twilio:
+                while not any(line.startswith("reply interrupted") for line in lines):
+                    line = await asyncio.wait_for(process.stdout.readline(), 60)
+                    assert line, (await process.stderr.read()).decode()
+                    lines.append(line.decode().strip())
+            lines += (await asyncio.wait_for(process.stdout.read(), 30)).decode().splitlines()
+            return twilio, lines, await asyncio.wait_for(process.wait(), 30)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+    twilio, lines, returncode = asyncio.run(call())
+    assert returncode == 0, lines
+    assert lines[:2] == ["greeting played: True", "reply interrupted: True"], lines
+    assert lines[-1].startswith("call ended: CA") and int(lines[-1].split()[-3]) > 50, lines
+    assert twilio.problems == []
+    assert any(r.message["event"] == "clear" for r in twilio.received)
+
+
+@pytest.mark.parametrize("framework", ["pipecat", "livekit"])
+def test_framework_examples_run_as_pasted(framework, default_gateway, tmp_path):
+    """The adapter README's first example, in a venv holding just what its install line installs (the
+    pinned framework, voxgate-client and the adapter: tests/adapter_env.py), writes a spoken reply."""
+    from tests.adapter_env import adapter_python
+    from tests.venv_cache import run_script
+
+    (source,) = [example for example in python_examples(REPO / "clients" / framework / "README.md")
+                 if "reply.wav" in example]
+    assert README_URL in source
+    script = tmp_path / "example.py"
+    script.write_text(source.replace(README_URL, default_gateway.url.replace("http://", "ws://")))
+    result = run_script(adapter_python(framework), script, timeout=180, cwd=tmp_path)
+    assert "reply.wav written" in result.stdout
+    with wave.open(str(tmp_path / "reply.wav")) as wav:
+        assert wav.getframerate() == 24000 and wav.getnframes() > 24000  # over a second of speech
+
+
+def extras_installed(readme: Path) -> set[str]:
+    """The extras of every `pip install 'package[a,b]...'` line in the README's shell blocks."""
+    shell = "\n".join(re.findall(r"^```bash\n(.*?)^```", readme.read_text(), flags=re.MULTILINE | re.DOTALL))
+    return {extra.strip() for group in re.findall(r"pip install '[\w.-]+\[([\w,-]+)\]", shell) for extra in group.split(",")}
+
+
+@pytest.mark.parametrize("framework,pattern", [
+    ("pipecat", r"from pipecat\.services\.(\w+)"),
+    ("livekit", r"from livekit\.plugins import ([\w, ]+)"),
+])
+def test_the_agent_examples_say_what_else_they_need(framework, pattern):
+    """The agents that need accounts (Deepgram, OpenAI, LiveKit Cloud) are not run here; their README installs
+    every framework extra they import (before: `No module named 'deepgram'` / 'livekit.plugins' after the
+    README's own install line)."""
+    readme = REPO / "clients" / framework / "README.md"
+    agent = python_examples(readme)[-1]
+    imported = {name.strip() for group in re.findall(pattern, agent) for name in group.split(",")} - {""}
+    if framework == "pipecat":  # the development runner and its WebRTC transport are extras too
+        imported |= {"runner"} if "pipecat.runner" in agent else set()
+        imported |= {"webrtc"} if '"webrtc"' in agent else set()
+    assert imported, agent
+    assert imported <= extras_installed(readme), f"imported {sorted(imported)}, installed {sorted(extras_installed(readme))}"
+    assert "API_KEY" in readme.read_text()
