@@ -117,9 +117,10 @@ class Context:
         """input.cancel was sent and context.cancelled has not arrived yet."""
         return self.context_id in self.session._cancelling
 
-    async def cancel(self) -> None:
-        """Barge-in: stop this context's audio. Audio already queued here but not yet read is dropped."""
-        await self.session.cancel(context_id=self.context_id)
+    async def cancel(self, played_ms: float | None = None) -> None:
+        """Barge-in: stop this context's audio. Audio already queued here but not yet read is dropped.
+        `played_ms`: how much of it was heard (see Session.cancel)."""
+        await self.session.cancel(context_id=self.context_id, played_ms=played_ms)
 
     def events(self) -> AsyncIterator[Event]:
         """This context's events, ending after utterance.done, context.cancelled or a lost connection."""
@@ -695,10 +696,11 @@ class Session:
             await self.done(context_id)
         return sent
 
-    async def _send_control(self, kind: str, context_id: str | None) -> None:
+    async def _send_control(self, kind: str, context_id: str | None, **fields: Any) -> None:
         message: dict[str, Any] = {"type": kind}
         if context_id is not None:
             message["context_id"] = context_id
+        message.update({name: value for name, value in fields.items() if value is not None})
         await self.send_json(message)
 
     async def flush(self, context_id: str | None = None) -> None:
@@ -707,13 +709,19 @@ class Session:
     async def done(self, context_id: str | None = None) -> None:
         await self._send_control("input.done", context_id)
 
-    async def cancel(self, context_id: str | None = None) -> None:
+    async def cancel(self, context_id: str | None = None, played_ms: float | None = None) -> None:
         """Barge-in: input.cancel for `context_id` (None: the context-less utterance). Its audio that is
-        queued here but not yet read is dropped, and so is any still in flight until context.cancelled."""
+        queued here but not yet read is dropped, and so is any still in flight until context.cancelled.
+        `played_ms`: how much of the context's audio the listener has heard (the player's position, from
+        the start of the utterance's audio); context.cancelled's spoken_text is then what was heard,
+        otherwise what the gateway had sent, which a backend faster than real time sends long before it
+        plays."""
+        if played_ms is not None and not played_ms >= 0:
+            raise ValueError(f"played_ms must be a number >= 0, not {played_ms!r}")
         self._cancelling.add(context_id)
         context = self._contexts.get(context_id) if context_id is not None else None
         _drop_audio(context._queue if context is not None else self._queue, context_id)
-        await self._send_control("input.cancel", context_id)
+        await self._send_control("input.cancel", context_id, played_ms=played_ms)
 
     async def reconfigure(self, config: SessionConfig) -> None:
         """Send a new session.config (allowed between utterances only)."""
