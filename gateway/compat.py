@@ -34,11 +34,9 @@ class VoiceChoice:
 
 
 def backend_voice(backend: Synthesizer, name: str) -> str | None:
-    """The backend's preset voice of that name (case-insensitive), if it has one."""
-    for known in backend.voices():
-        if known.id == name or known.id.lower() == name.lower():
-            return known.id
-    return name if backend.has_voice(name) else None
+    """The id of the backend's preset voice of that name (case-insensitive, or a name the backend accepts
+    for it, as Piper's "joe"), if it has one."""
+    return backend.voice_id(name)
 
 
 def _unknown(backend: Synthesizer, message: str) -> ProtocolError:

@@ -400,7 +400,8 @@ class ConfigWarning(BaseModel):
     """Something of a request the gateway does differently than asked (an unknown voice spoken by the
     default one, an option this backend cannot honour); the request goes ahead."""
 
-    code: str  # stable: voice_fallback, voice_cloning_unsupported, timestamps_unsupported, option_ignored
+    code: str  # stable: voice_fallback, voice_cloning_unsupported, timestamps_unsupported, option_ignored,
+    # language_unsupported
     message: str
     field: str | None = None  # the request field it concerns
 
@@ -441,6 +442,10 @@ class AudioStart(_ServerMessage):
     sample_rate: int
     channels: int = 1
     context_id: str | None = None
+    # ext: the voice speaking this sentence, when it is not session.started's (picked for the text's
+    # language: gateway/language.py), and what the sentence gets differently than asked (language_unsupported)
+    voice: str | None = None
+    warnings: list[ConfigWarning] | None = None
 
 
 TIMESTAMP_TYPES = ("word", "char")

@@ -124,3 +124,23 @@ def test_the_protocol_lists_every_error_code_and_nothing_else():
 @pytest.mark.parametrize("code", [int(c) for c in CloseCode])
 def test_the_protocol_lists_every_close_code(code):
     assert re.search(rf"\b{code} [a-z]", errors_section()), f"close code {code} is not in docs/protocol.md"
+
+
+def warning_codes_in_the_code() -> set[str]:
+    """Every warning code the gateway can send: the `code="..."` of its ConfigWarnings (and the default of
+    compat's `ignored`), found in the source."""
+    codes: set[str] = set()
+    for path in (ROOT / "gateway").rglob("*.py"):
+        text = path.read_text()
+        codes |= set(re.findall(r'\bcode="([a-z_]+)"', text))
+        codes |= set(re.findall(r'\bcode: str = "([a-z_]+)"', text))
+    return codes
+
+
+def test_the_protocol_lists_every_warning_code_and_nothing_else():
+    """session.started's row of docs/protocol.md lists the codes of `warnings`, which audio.start and the
+    HTTP X-Voxgate-Warnings header share."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `session.started` |"))
+    listed = row.split("list of `{code, message, field}`:", 1)[1]
+    assert set(re.findall(r"`([a-z_]+)`", listed)) == warning_codes_in_the_code()

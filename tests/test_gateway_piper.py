@@ -113,7 +113,8 @@ async def test_gateway_streams_piper_audio_byte_identical_to_the_backend(piper):
             await ws.send(json.dumps({"type": "input.done"}))
             messages = await receive_until(ws, "session.done", timeout=60)
     started = messages[0]
-    assert (started["sample_rate"], started["voice"]) == (22050, "joe")  # the short name of en_US-joe-medium
+    # "joe" is the short name of en_US-joe-medium: session.started names the voice it resolved to
+    assert (started["sample_rate"], started["voice"]) == (22050, "en_US-joe-medium")
     starts = [m for m in messages if isinstance(m, dict) and m["type"] == "audio.start"]
     assert [m["sentence_text"] for m in starts] == [
         "The quick brown fox jumps over the lazy dog.", "Piper speaks on the CPU!", "Does it sound right?"

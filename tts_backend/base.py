@@ -353,6 +353,14 @@ class Synthesizer(abc.ABC):
     def has_voice(self, voice: str) -> bool:
         return any(v.id == voice for v in self.voices())
 
+    def voice_id(self, name: str) -> str | None:
+        """The id of the voice `name` names (its id in any case, or another name the backend accepts for
+        it), or None when it names none: what the gateway reports as the voice it resolved."""
+        for known in self.voices():
+            if known.id == name or known.id.lower() == name.lower():
+                return known.id
+        return name if self.has_voice(name) else None
+
     def load(self) -> float:
         """Fraction of real-time capacity in use (0 idle, 1 saturated); used to refuse sessions early."""
         return 0.0

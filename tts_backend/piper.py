@@ -192,11 +192,13 @@ class PiperSynthesizer(Synthesizer):
         raise UnknownVoiceError(f"unknown voice {voice!r}; available: {', '.join(self._voices)}")
 
     def has_voice(self, voice: str) -> bool:
+        return self.voice_id(voice) is not None
+
+    def voice_id(self, name: str) -> str | None:
         try:
-            self._find(voice)
-            return True
-        except UnknownVoiceError:
-            return False
+            return self._find(name).voice.id  # "JOE" and "joe" are en_US-joe-medium
+        except UnknownVoiceError:  # also before start(): the voice files' names
+            return next((v.id for v in self.voices() if v.id.lower() == name.lower()), None)
 
     # ------------------------------------------------------------------ synthesis
 

@@ -50,6 +50,7 @@ from ..audio import pcm as audio
 from ..auth import PRINCIPAL_SCOPE_KEY, AuthError, Principal, TokenSigner
 from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
 from ..gateway import Gateway
+from ..language import voice_for_sentence
 from ..limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
 from ..protocol import ErrorCode, ProtocolError, backend_error_code, loads_client_json
 from ..session.segmenter import SentenceSegmenter, push_in_slices
@@ -374,6 +375,16 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                 ' stream_format "sse" to get them as speech.audio.words events',
                 param="timestamp_type",
             )
+    # Each sentence's voice: one of its language where the client left that to the server (gateway/language.py),
+    # and a warning per language the voice cannot read.
+    sentences = await _sentences(body.input, body.language, settings.max_synthesis_chars)
+    auto_voice = (body.voice_id is None and body.ref_audio is None and cloned is None
+                  and body.language.lower() == "auto")
+    spoken_by = [voice_for_sentence(backend, voice, text, auto=auto_voice) for text in sentences]
+    for choice_of_sentence in spoken_by:
+        told = choice_of_sentence.warning
+        if told is not None and told.model_dump(exclude_none=True) not in warnings:
+            warnings.append(told.model_dump(exclude_none=True))
     warning_headers = {WARNINGS_HEADER: json.dumps(warnings)} if warnings else {}
     fmt = (body.response_format or ("pcm" if sse else "mp3")).lower()
     try:
@@ -404,7 +415,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     requests = [
         SynthesisRequest(
             text=text,
-            voice=voice,
+            voice=sentence_voice.voice,
             language=body.language,
             instructions=body.instructions,
             seed=body.seed,
@@ -417,7 +428,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             voice_prompt=cloned.prompt if cloned else None,
             streaming_text=streaming_text,
         )
-        for i, text in enumerate(await _sentences(body.input, body.language, settings.max_synthesis_chars))
+        for i, (text, sentence_voice) in enumerate(zip(sentences, spoken_by))
     ]
     metrics = gateway.metrics
     encoder = encoders.AudioFileEncoder(fmt, backend.sample_rate, rate)

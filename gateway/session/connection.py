@@ -439,6 +439,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                                    own_clip=message.ref_audio is not None)
 
     def _resolve(self, message: SessionConfig, choice: VoiceChoice | None = None) -> ResolvedConfig:
+        cloned = choice is not None
         choice = choice or resolve_voice(self.backend, self.settings, message.voice)
         fmt = message.response_format or "pcm"
         rate = message.sample_rate
@@ -451,9 +452,12 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         options = message.model_dump()
         honours = self.backend.honours
         non_streaming = message.non_streaming_mode
+        auto_voice = (message.voice is None and message.ref_audio is None and not cloned
+                      and (message.language or "auto").lower() == "auto")
         return ResolvedConfig(
             message=message,
             voice=choice.voice,
+            auto_voice=auto_voice,
             response_format=fmt,
             stream_audio=message.stream_audio,
             source_rate=self.backend.sample_rate,

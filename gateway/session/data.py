@@ -11,6 +11,7 @@ from typing import Any
 from tts_backend.base import TextStream, WordTiming
 
 from ..audio import pcm as audio
+from ..language import SentenceVoice
 from ..protocol import ConfigWarning, SessionConfig, SpokenWord
 from ..store.base import MarkerRecord
 from .segmenter import SentenceSegmenter
@@ -52,13 +53,19 @@ class ResolvedConfig:
     # The model's text mode for whole-sentence requests (vLLM-Omni's non_streaming_mode negated), for a
     # backend with "text_mode"; None: the server's default.
     streaming_text: bool | None = None
+    # The client left the voice and the language to the server (no voice, language Auto, no clone): each
+    # sentence may be spoken by a voice of its own language (gateway/language.py).
+    auto_voice: bool = False
 
     def snapshot(self) -> dict[str, Any]:
         """The config as the store records it. The reference clip is not kept (a voice recording is
         biometric data, and megabytes): the prompt computed from it is, so that a resume speaks with the
-        same voice, byte for byte, without cloning again."""
+        same voice, byte for byte, without cloning again. An auto-voice session records no voice: a resume
+        resolves it again as it was first (no voice named), so each sentence gets the same voice again."""
         data = self.message.model_dump(exclude_none=True, exclude={"ref_audio"})
-        data.update(voice=self.voice, response_format=self.response_format, sample_rate=self.output_rate)
+        data.update(response_format=self.response_format, sample_rate=self.output_rate)
+        if not self.auto_voice:
+            data.update(voice=self.voice)
         if self.own_clip and self.voice_prompt is not None:
             data[INLINE_PROMPT_KEY] = base64.b64encode(self.voice_prompt).decode("ascii")
         return data
@@ -129,6 +136,7 @@ class SentenceJob:
     bytes_sent: int = 0
     source_samples: int | None = 0  # backend samples received, for duration_ms; None: unknown
     queued_bytes: int = 0  # PCM made but not yet taken by the sender (back-pressure)
+    spoken_by: SentenceVoice | None = None  # its voice, chosen once for its text (SpeechPipeline._voice_of)
     # Word timestamps (config.timestamps set): the backend's timings so far, how many were told in
     # audio.words, and for compressed formats the audio (output samples) the bytes sent so far decode to.
     words: list[WordTiming] = field(default_factory=list)

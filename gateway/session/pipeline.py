@@ -32,6 +32,7 @@ from tts_backend.base import SynthesisRequest, TextStream
 
 from ..audio import encoders
 from ..audio import pcm as audio
+from ..language import SentenceVoice, voice_for_sentence
 from ..protocol import (
     AudioDone,
     AudioStart,
@@ -86,6 +87,12 @@ class SpeechPipeline:
                     item.task.add_done_callback(self._synthesis_ended)
                     running += 1
 
+    def _voice_of(self, job: SentenceJob) -> SentenceVoice:
+        """The voice that speaks the sentence, and a warning when it cannot read the sentence's language."""
+        if job.spoken_by is None:
+            job.spoken_by = voice_for_sentence(self.backend, job.config.voice, job.text, auto=job.config.auto_voice)
+        return job.spoken_by
+
     def _synthesis_ended(self, task: asyncio.Task) -> None:
         self._synthesis.discard(task)
         self._fill_pipeline()
@@ -101,7 +108,7 @@ class SpeechPipeline:
             stream.finish()
         request = SynthesisRequest(
             text=stream.text if stream is not None else job.text,
-            voice=config.voice,
+            voice=self._voice_of(job).voice,
             language=config.message.language,
             instructions=config.message.instructions,
             seed=config.message.seed,
@@ -309,6 +316,7 @@ class SpeechPipeline:
         # length is smaller than its PCM, so a compressed piece rarely needs splitting).
         bytes_per_sample = encoder.bytes_per_sample or 2
         frame_bytes = max(1, config.output_rate * self.settings.max_frame_ms // 1000) * bytes_per_sample
+        spoken_by = self._voice_of(job)
         async with self._send_lock:
             if job.cancelled:
                 return
@@ -319,6 +327,8 @@ class SpeechPipeline:
                     format=fmt,
                     sample_rate=config.output_rate,
                     context_id=job.utterance.context_id,
+                    voice=spoken_by.voice if spoken_by.voice != config.voice else None,
+                    warnings=[spoken_by.warning] if spoken_by.warning is not None else None,
                 ).encode()
             )
             job.started_sending = True
