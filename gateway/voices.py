@@ -217,8 +217,8 @@ class VoiceRegistry:
             return None
         found = await self.find(principal, voice)
         if found is None and only_clones:
-            raise ProtocolError(ErrorCode.voice_not_found, f"no voice {voice!r} registered with this key; register it"
-                                " (voice.add, POST /v1/audio/voices) or send ref_audio")
+            raise ProtocolError(ErrorCode.voice_not_found, f"no voice {voice!r} {_registered_for(principal)};"
+                                " register it (voice.add, POST /v1/audio/voices) or send ref_audio")
         return found
 
     @contextlib.asynccontextmanager
@@ -310,19 +310,19 @@ class VoiceRegistry:
         if meta is None and name in self._shared:
             meta = self._shared[name].meta
         if meta is None:
-            raise self._not_found(name)
+            raise self._not_found(name, principal)
         return public(meta)
 
     async def delete(self, principal: Principal, name: str) -> None:
         owner = self.owner(principal)
         meta = await self.store.voice_meta(owner, name) if VOICE_NAME.fullmatch(name) else None
         if meta is None or not await self.store.delete_voice(owner, name):
-            raise self._not_found(name)
+            raise self._not_found(name, principal)
         self.cache.drop(meta["id"])
 
     @staticmethod
-    def _not_found(name: str) -> ProtocolError:
-        return ProtocolError(ErrorCode.voice_not_found, f"no voice {name!r} registered with this key")
+    def _not_found(name: str, principal: Principal) -> ProtocolError:
+        return ProtocolError(ErrorCode.voice_not_found, f"no voice {name!r} {_registered_for(principal)}")
 
     async def load_shared(self, folder: str) -> None:
         """Clone every clip of `folder` (NAME.wav/.flac/.mp3/.ogg, its transcript in NAME.txt, else an
@@ -359,3 +359,8 @@ class Registration:
     async def add(self, name: Any, audio: str | bytes, *, consent: Any, ref_text: str | None = None,
                   x_vector_only: bool = False) -> dict[str, Any]:
         return await self._register(name, audio, consent=consent, ref_text=ref_text, x_vector_only=x_vector_only)
+
+
+def _registered_for(principal: Principal) -> str:
+    """Where a voice name was looked for, as an error says it: a gateway without API keys has no "key"."""
+    return "registered with this key" if principal.key_id is not None else "registered on this gateway"

@@ -6,12 +6,18 @@
 Point a Twilio number's voice webhook (HTTP GET) at https://<public host>/twiml. The demo agent speaks
 the greeting when the call's stream starts and reads back DTMF digits; with --barge-in, caller speech
 interrupts it.
+
+The bridge listens on 127.0.0.1 by default (a tunnel such as ngrok reaches it there). On any other address
+it needs --twilio-auth-token (or TWILIO_AUTH_TOKEN), with which every request must carry Twilio's
+signature: without it anyone who finds the port can hold calls open and speak through the gateway on this
+bridge's API key, so it refuses to start unless told --insecure-no-auth.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 
@@ -25,13 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="voxgate-twilio", description=__doc__.split("\n")[0])
     parser.add_argument("--gateway", default=os.environ.get("VOXGATE_URL", "ws://127.0.0.1:8000"))
     parser.add_argument("--api-key", default=os.environ.get("VOXGATE_API_KEY"))
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to listen on; another than loopback needs --twilio-auth-token")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--public-url", help="wss:// base URL Twilio reaches this bridge on")
     parser.add_argument(
         "--twilio-auth-token", default=os.environ.get("TWILIO_AUTH_TOKEN"),
         help="check X-Twilio-Signature on every request (or TWILIO_AUTH_TOKEN)",
     )
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="listen on a non-loopback --host without --twilio-auth-token (anyone may connect)")
     parser.add_argument("--voice")
     parser.add_argument("--language")
     parser.add_argument("--greeting", default="Hello! You are talking to Voxgate. Press a key on your phone.")
@@ -65,9 +74,26 @@ async def run(args: argparse.Namespace) -> None:
     await server.serve_forever()
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not is_loopback(args.host) and not args.twilio_auth_token and not args.insecure_no_auth:
+        parser.error(f"--host {args.host} is reachable from other machines: pass --twilio-auth-token (or set"
+                     " TWILIO_AUTH_TOKEN) so that only Twilio's signed requests are served, listen on 127.0.0.1"
+                     " behind a tunnel, or accept anyone with --insecure-no-auth")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not is_loopback(args.host) and not args.twilio_auth_token:
+        logging.warning("listening on %s without --twilio-auth-token (--insecure-no-auth): anyone who reaches"
+                        " the port can open calls through the gateway", args.host)
     try:
         asyncio.run(run(args))
     except KeyboardInterrupt:
