@@ -216,9 +216,9 @@ def test_a_streamed_wav_or_flac_says_length_unknown(server, fmt):
 def test_a_non_streamed_file_too_large_to_hold_is_streamed(server, monkeypatch):
     """Holding a file until it is whole is bounded: past WHOLE_FILE_MAX_BYTES it goes out as a stream, its
     header saying "length unknown", and still decodes to all of its audio."""
-    import gateway.http
+    from gateway.http import routes
 
-    monkeypatch.setattr(gateway.http, "WHOLE_FILE_MAX_BYTES", 20_000)
+    monkeypatch.setattr(routes, "WHOLE_FILE_MAX_BYTES", 20_000)
     response = httpx.post(server.url + "/v1/audio/speech", timeout=30,
                           json={"input": TEXT, "voice": VOICE, "response_format": "wav"})
     assert "content-length" not in response.headers and response.content[4:8] == b"\xff\xff\xff\xff"
