@@ -200,13 +200,18 @@ def audio_by_sentence(messages: list[Any]) -> dict[int, bytes]:
 
 @dataclass
 class StreamRecord:
-    text: str
+    opened_with: str  # the request's text when it was opened (with a text stream, the start of it)
     started: float
     chunks: int = 0
     finished: float | None = None  # last chunk produced
     closed: float | None = None  # the consumer stopped early (cancel)
     chunk_times: list[float] | None = None
     request: Any = None  # the SynthesisRequest (its text stream, if any, holds the text as it grew)
+
+    @property
+    def text(self) -> str:
+        """All of the request's text so far (a text stream's grows while the request runs)."""
+        return self.request.full_text if self.request is not None else self.opened_with
 
 
 class RecordingBackend(Synthesizer):

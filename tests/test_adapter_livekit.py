@@ -76,7 +76,7 @@ def test_stream_session_fed_tokens(results):
     assert observed["session_ids"][0] == observed["session_ids"][1], "replies share one WebSocket session"
     # The gateway is asked to start each sentence at its first words; the session says whether it does.
     assert observed["split_granularity"] == "token"
-    assert observed["text_streaming"] is ("split_granularity" not in observed["warnings"])
+    assert observed["text_streaming"] is True and observed["warnings"] == []
     assert len(observed["ttfb_s"]) == 2 and all(0 < t < 5 for t in observed["ttfb_s"])
 
 
@@ -95,7 +95,8 @@ def test_cancelled_stream_stops_generation(results):
     assert interrupted["whole_samples"] and interrupted["samples"] > 0
     assert interrupted["samples"] < sum(samples(s) for s in LONG_REPLY) / 4
     assert observed["contexts_left"] == [], "context.cancelled confirmed, context released"
-    records = [r for r in backend.records if r.text.strip() in LONG_REPLY]
+    # (a sentence cut while its text was still coming has only its start)
+    records = [r for r in backend.records if any(s.startswith(r.text.strip()) for s in LONG_REPLY)]
     assert records and len(records) < len(LONG_REPLY), "later sentences must never be synthesized"
     for record in records:
         late = [t for t in record.chunk_times if t > observed["closed_at"]]

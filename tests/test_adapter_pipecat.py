@@ -78,7 +78,7 @@ def test_two_llm_turns_on_one_connection(results):
     # Tokens as Pipecat's TOKEN aggregation gives them, and the gateway asked to start each sentence at its
     # first words; the session says whether the backend does (else a warning names split_granularity).
     assert observed["split_granularity"] == "token"
-    assert observed["text_streaming"] is ("split_granularity" not in observed["warnings"])
+    assert observed["text_streaming"] is True and observed["warnings"] == []
 
 
 def test_ttfb_metrics_are_reported(results):
@@ -102,7 +102,8 @@ def test_interruption_stops_audio_within_one_chunk(results):
     assert cancelled[0]["late_bytes"] <= CHUNK_BYTES
     # ...and generation stopped: no sentence of the long turn produced more than one chunk after it.
     cancel_at = observed["cancel_sent_at"]
-    records = [r for r in backend.records if r.text.strip() in LONG_TURN]
+    # (a sentence cut while its text was still coming has only its start)
+    records = [r for r in backend.records if any(s.startswith(r.text.strip()) for s in LONG_TURN)]
     assert records and len(records) < len(LONG_TURN), "later sentences must never be synthesized"
     for record in records:
         late = [t for t in record.chunk_times if t > cancel_at]
@@ -182,7 +183,8 @@ def test_cancelled_pipeline_stops_the_gateway(results):
     assert observed["logged_errors"] == []
     assert observed["session_closed"], "session.close must end the session on the gateway"
     assert observed["finished_after_s"] < 3
-    records = [r for r in backend.records if r.text.strip() in CANCELLED_TURN]
+    # (a sentence cut while its text was still coming has only its start)
+    records = [r for r in backend.records if any(s.startswith(r.text.strip()) for s in CANCELLED_TURN)]
     assert records and len(records) < len(CANCELLED_TURN)
     for record in records:
         late = [t for t in record.chunk_times if t > observed["cancelled_at"] + 0.5]

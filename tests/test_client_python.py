@@ -98,6 +98,19 @@ async def test_token_granularity_is_asked_for_by_default_and_the_session_says_if
     assert [e.sentence_text for e in events if isinstance(e, vg.AudioStart)] == SENTENCES
 
 
+async def test_token_granularity_takes_effect_where_the_backend_streams_text(gateway):
+    async with vg.connect(gateway.url, vg.SessionConfig(voice=VOICE)) as session:
+        assert session.started.warnings == [] and session.text_streaming is True
+        words = TEXT.split(" ")
+        await session.stream_text([w + " " for w in words[:-1]] + [words[-1]])
+        events = [event async for event in session]
+    # audio.start names the words known when synthesis began; AudioDone the whole sentence.
+    starts = [e.sentence_text for e in events if isinstance(e, vg.AudioStart)]
+    assert [e.sentence_text for e in events if isinstance(e, vg.AudioDone)] == SENTENCES
+    assert all(whole.startswith(start) for start, whole in zip(starts, SENTENCES))
+    assert b"".join(e.data for e in events if isinstance(e, vg.AudioChunk)) == expected_pcm(SENTENCES)
+
+
 async def test_speak_returns_the_pcm(gateway):
     async with vg.connect(gateway.url, vg.SessionConfig(voice=VOICE)) as session:
         pcm = await session.speak(TEXT)

@@ -255,7 +255,7 @@ class SpeechPipeline:
             duration_ms=None if job.source_samples is None else round(job.source_samples * 1000 / job.config.source_rate, 1),
             cancelled=True if cancelled else None,
             timestamp_info=timestamp_info,
-            sentence_text=job.text if job.text_stream is not None else None,
+            sentence_text=job.text if job.config.text_streaming else None,  # audio.start had its first words
         )
 
     async def _tell_words_locked(self, job: SentenceJob, *, everything: bool = False) -> None:

@@ -55,7 +55,8 @@ class RecordingTTS(VoxgateTTSService):
         self.hold_context_cancelled: asyncio.Event | None = None
 
     async def _handle_event(self, event):
-        if isinstance(event, vg.AudioStart) and event.context_id is not None:
+        # At audio.done: with token splitting audio.start has only the words known when synthesis began.
+        if isinstance(event, vg.AudioDone) and event.context_id is not None:
             self.sentences.setdefault(event.context_id, []).append(event.sentence_text)
         if isinstance(event, vg.ContextCancelled) and self.hold_context_cancelled is not None:
             await self.hold_context_cancelled.wait()
