@@ -113,6 +113,10 @@ class Qwen3RunnerConfig:
     attend_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
     prefill_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     prefill_len_buckets: tuple[int, ...] = (16, 32, 64, 128)
+    # Prompt lengths of the captured prefill for cloned voices (Base checkpoints only), whose prompts carry
+    # vectors (the x-vector, the reference frames) and so enter the graph as embeddings: an in-context voice's
+    # prompt holds its reference frames (126 positions for a 10 s clip, 376 for 30 s) besides the text.
+    clone_prefill_len_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     codec_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     codec_frames: tuple[int, ...] = tuple(range(1, 13))
     # In-context cloned voices whose reference-primed codec state is kept (about 5 MB each at the released
@@ -175,6 +179,9 @@ class Qwen3ModelRunner(ModelRunner):
         self.attend_buckets = (cfg.max_len,) if self.triton else self._length_buckets
         self.codec_buckets = tuple(sorted(b for b in cfg.codec_batch_buckets if b <= cfg.max_slots)) or (1,)
         self.prefill_buckets = tuple(sorted(b for b in cfg.prefill_batch_buckets if b <= cfg.max_slots)) or (1,)
+        # Only a Base checkpoint speaks in cloned voices; other models capture no embedding prefill.
+        self.clones = getattr(model, "speaker_encoder", None) is not None
+        self.clone_len_buckets = tuple(sorted(n for n in cfg.clone_prefill_len_buckets if n <= cfg.max_len))
         self._allocated = False
         self.kernel_check: dict | None = None  # the start-up kernel check's measurements, when it ran
         self.codec_compiled = False
@@ -444,6 +451,15 @@ class Qwen3ModelRunner(ModelRunner):
                            torch.full((b, n), -1, device=dev, dtype=torch.long),
                            torch.ones(b, device=dev, dtype=torch.long)]
                 self.graphs.capture(("prefill", b, n), self._prefill_fn, example)
+        if not self.clones:
+            return
+        talker = self.model.talker.codec_head.weight
+        for b in self.prefill_buckets:
+            for n in self.clone_len_buckets:
+                example = [torch.full((b,), sc, device=dev, dtype=torch.long),
+                           torch.zeros(b, n, talker.shape[1], device=dev, dtype=talker.dtype),
+                           torch.ones(b, device=dev, dtype=torch.long)]
+                self.graphs.capture(("prefill_embeds", b, n), self._prefill_embeds, example)
 
     # ---- sampling -----------------------------------------------------------------------------------
     def _sample_c0(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -656,11 +672,25 @@ class Qwen3ModelRunner(ModelRunner):
                 self._prime_codec(r.slot, r.prompt.ref_codes)
         if cloned:
             # A cloned voice's prompt carries vectors (its x-vector, its reference frames) that the id tracks
-            # of the captured prefill cannot hold: such a batch runs the model's own embedding, uncaptured.
+            # of the captured prefill cannot hold: the batch's embeddings are made here (a few lookups and a
+            # sum per frame) and enter a prefill graph captured on embeddings, padded to its bucket as the id
+            # prefill is (pad rows on the scratch slot; positions past a row's end are overwritten by its own
+            # decode steps before any query sees them). Without a bucket (too long a prompt) it runs uncaptured.
+            embeds = [m.prompt_embeds(r.prompt) for r in requests]
+            longest = max(e.shape[0] for e in embeds)
+            b = self._graph_bucket(len(requests), self.prefill_buckets)
+            n = self._graph_bucket(longest, self.clone_len_buckets)
+            lengths = torch.ones(b or len(requests), dtype=torch.long)
+            lengths[: len(requests)] = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long)
+            if b is not None and n is not None and ("prefill_embeds", b, n) in self.graphs:
+                x = embeds[0].new_zeros(b, n, embeds[0].shape[-1])
+                for i, e in enumerate(embeds):
+                    x[i, : e.shape[0]] = e
+                self.graphs.run(("prefill_embeds", b, n), self._prefill_embeds,
+                                [self._slots(requests, b), x, lengths.to(self.device)])
+                return
             self._host_slots = slot_list
-            x = right_padded([m.prompt_embeds(r.prompt) for r in requests])
-            lengths_t = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long).to(self.device)
-            self._prefill_embeds(slots_t, x, lengths_t)
+            self._prefill_embeds(slots_t, right_padded(embeds), lengths[: len(requests)].to(self.device))
             return
         longest = max(len(r.prompt) for r in requests)
         b = self._graph_bucket(len(requests), self.prefill_buckets)
