@@ -209,3 +209,26 @@ def test_js_client_node_example_runs_as_pasted(default_gateway, tmp_path):
     assert re.fullmatch(r"hello\.wav: 2 sentences, [1-9]\d* bytes\n", result.stdout), result.stdout
     with wave.open(str(tmp_path / "hello.wav")) as wav:
         assert wav.getframerate() == 24000 and wav.getsampwidth() == 2 and wav.getnframes() > 24000
+
+
+def test_js_client_browser_example_runs_as_pasted(default_gateway, tmp_path):
+    """The browser example in Chromium, on a page of the gateway's origin: it plays, barges in with
+    StreamPlayer.bargeIn, whose input.cancel says how much of the reply played, and the gateway answers with
+    the words heard: a prefix of the reply, shorter than the reply Piper had long since sent whole."""
+    from tests.js_fixtures import JS_CLIENT_DIR, require_chromium, require_node, require_npm_packages, run_node_json
+
+    require_node()
+    require_npm_packages()
+    require_chromium()
+    (html,) = re.findall(r"^```html\n(.*?)^```", (JS_CLIENT_DIR / "README.md").read_text(), flags=re.MULTILINE | re.DOTALL)
+    (tmp_path / "example.html").write_text(html)
+    result = run_node_json(JS_CLIENT_DIR / "test" / "readme_browser_example.mjs", default_gateway.url,
+                           str(tmp_path / "example.html"), timeout=90)
+    assert result.get("failure") is None and result["pageErrors"] == [], result
+    (cancel,) = result["cancels"]
+    assert cancel["context_id"] == "turn-2" and cancel["played_ms"] > 0, cancel
+    played = [line for line in result["console"] if line.startswith("played ")]
+    assert played == [f"played {round(cancel['played_ms'])} ms of turn-2"], result["console"]
+    (heard,) = [line.removeprefix("heard: ") for line in result["console"] if line.startswith("heard:")]
+    reply = "Sure, let me check that for you. It takes a moment, so please bear with me.".split()
+    assert heard and reply[: len(heard.split())] == heard.split() and len(heard.split()) < len(reply), heard
