@@ -11,6 +11,11 @@ The page is measured and screenshotted at desktop, small-laptop and phone (390 p
 (clients/js/test/layout.mjs), and its errors (no gateway, a gateway that wants a key, no text) are driven
 at phone width (web_demo_errors.mjs). The screenshots go to pytest's temporary folder (their path is in
 each report).
+
+The page on the default gateway (Piper: its long voice name, its zero-length words, audio sent faster than
+real time) runs web_demo_piper.mjs: short replies must finish only once played, every word be highlighted,
+a barge-in report the words heard, the clone panel say what cloning needs; it also writes README's picture
+of the page, docs/web_demo.png.
 """
 
 from __future__ import annotations
