@@ -280,3 +280,50 @@ async def test_cloned_voices_take_text_in_pieces_too(tiny_base, mode):  # noqa: 
             assert any(pushed_after_prefill)
     finally:
         await backend.stop()
+
+
+def test_text_in_pieces_on_the_triton_kernels(tmp_path):
+    """The GPU fast path's code (fused layers, the Triton decode kernels in Triton's interpreter, the
+    stateless sampler) takes pushed text into the same trailing buffer its decode steps read: pieces, beside
+    another request, give the whole text's codes exactly."""
+    pytest.importorskip("triton")
+    from tests.test_engine_kernels import run_interpreted
+
+    result = run_interpreted(f"""
+        import asyncio, json, random
+        import torch
+        from tests.test_engine_text_stream import pushed_in_pieces, record_codes
+        from tts_backend.base import SynthesisRequest
+        from tts_backend.qwen3.testing.checkpoint import write_checkpoint
+        from tts_backend.registry import create_backend
+        torch.set_num_threads(1)
+        path = write_checkpoint({str(tmp_path)!r} + "/small", "small", seed=3)
+
+        async def main():
+            backend = create_backend("qwen3", model=str(path), device="cpu", dtype="float32", max_active=4,
+                                     max_len=256, sampler="stateless", trim_leading_silence=False,
+                                     runner_options={{"fused": True, "kernels": "triton"}})
+            await backend.start()
+            try:
+                frames = record_codes(backend)
+                # Few frames: Triton's interpreter is slow; the piece boundaries fall in the first words.
+                text = "Hello world, this is it."
+                other = SynthesisRequest(text="One more.", voice="aiden", seed=50, max_new_tokens=8)
+                async def speak(request):
+                    return b"".join([c.pcm async for c in backend.synthesize(request)])
+                await asyncio.gather(pushed_in_pieces(backend, text, 40, random.Random(1), 8),
+                                     speak(other))
+                streamed = frames.pop(40)
+                frames.clear()
+                whole = SynthesisRequest(text=text, voice="ryan", seed=40, max_new_tokens=8,
+                                         streaming_text=True)
+                await asyncio.gather(speak(whole), speak(other))
+                print(json.dumps({{"triton": backend.engine.runner.triton, "equal": streamed == frames[40],
+                                   "frames": len(streamed), "waits": backend.engine.stats.text_waits}}))
+            finally:
+                await backend.stop()
+        asyncio.run(main())
+    """, timeout=900)
+    assert result["triton"] is True
+    assert result["equal"] and result["frames"] >= 5, result
+    assert result["waits"] > 0
