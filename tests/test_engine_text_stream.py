@@ -327,3 +327,47 @@ def test_text_in_pieces_on_the_triton_kernels(tmp_path):
     assert result["triton"] is True
     assert result["equal"] and result["frames"] >= 5, result
     assert result["waits"] > 0
+
+
+async def test_token_sessions_through_the_gateway_on_the_qwen3_engine(tiny_custom_voice):
+    """The whole chain on the real engine: a WebSocket client streams words with split_granularity "token";
+    every sentence starts at its first words and says what the same sentence says sent whole in
+    streaming-text mode (sentence splitting with non_streaming_mode false)."""
+    import json
+
+    import websockets
+
+    from tests.gateway_server import audio_by_sentence, receive_until, running_gateway
+    from tts_backend.qwen3_backend import Qwen3Synthesizer
+
+    backend = Qwen3Synthesizer(model=str(tiny_custom_voice), device="cpu", dtype="float32", max_active=4,
+                               max_len=256, trim_leading_silence=False, frame_cap_chars_per_second=40)
+    text = "Hello world, this is the engine. It speaks while the words come in. Done"
+    words = [w + " " for w in text.split(" ")[:-1]] + [text.split(" ")[-1]]
+
+    async def speak(url, **config):
+        async with websockets.connect(url, max_size=None) as ws:
+            await ws.send(json.dumps({"type": "session.config", "stream_audio": True, "voice": "ryan", "seed": 4,
+                                      "response_format": "pcm", **config}))
+            started = json.loads(await ws.recv())
+            for word in words:
+                await ws.send(json.dumps({"type": "input.text", "text": word}))
+                await asyncio.sleep(0.02)
+            await ws.send(json.dumps({"type": "input.done"}))
+            return started, await receive_until(ws, "session.done")
+
+    with running_gateway(backend) as server:
+        engine_push = backend.engine.push_text
+        pushes = []
+        backend.engine.push_text = lambda *args, **kw: (pushes.append(args[0]), engine_push(*args, **kw))
+        token_started, token = await speak(server.ws_url, split_granularity="token")
+        # The two long sentences were opened before their text was complete ("Done" comes with input.done).
+        assert len(set(pushes)) >= 2
+        sentence_started, sentence = await speak(server.ws_url, split_granularity="sentence", non_streaming_mode=False)
+    assert "warnings" not in token_started and "warnings" not in sentence_started, (token_started, sentence_started)
+    got, want = audio_by_sentence(token), audio_by_sentence(sentence)
+    assert sorted(got) == sorted(want) == [0, 1, 2]
+    for index in want:
+        a, b = np.frombuffer(got[index], "<i2"), np.frombuffer(want[index], "<i2")
+        assert len(a) == len(b) > 0 and int(np.abs(a.astype(np.int32) - b).max()) <= 1, index
+    assert backend.engine.stats.completed >= 7  # the warm-up and both sessions' sentences
