@@ -57,7 +57,7 @@ async def test_a_client_that_stops_reading_pauses_synthesis_and_is_closed_resuma
         assert first < total / 4, (first, total)
         session = next(iter(server.gateway.sessions))
         bound = QUEUED_S * 2 * backend.sample_rate
-        assert session._queued_audio <= 2 * bound
+        assert session.pipeline.queued_audio <= 2 * bound
 
         # Past the deadline the session is closed (the connection dropped: its socket takes no close frame).
         for _ in range(int((DEADLINE_S + 3) / 0.05)):

@@ -1,19 +1,22 @@
 """One streaming session per WebSocket: the protocol's state machine.
 
-`StreamingSession` is assembled from three modules, each readable on its own:
-- this one: the connection's lifecycle, the handshake and `session.config`, reading and handling client
-  messages (text into each context's segmenter, flush, done, cancel, close), socket writes;
-- gateway/session/pipeline.py (`SpeechPipeline`): synthesis of queued sentences with back-pressure, and
-  the sender that puts audio and utterance ends on the socket in order;
-- gateway/session/resume.py (`SessionResumer`): `session.resume`, rebuilding a session from the store.
-The data they share (resolved config, utterances, send-queue items) is in gateway/session/data.py.
+`StreamingSession` (this module) is the connection's lifecycle, the handshake and `session.config`, and
+the reading and handling of client messages (text into each context's segmenter, flush, done, cancel,
+close). It holds its parts, each with its own module and its own tests:
+- `SpeechPipeline` (gateway/session/pipeline.py): the send queue, synthesis of queued sentences with
+  back-pressure, and the sender that puts audio and utterance ends on the socket in order;
+- `Resumer` (gateway/session/resume.py): `session.resume`, taking a session over from the store and
+  rebuilding it;
+- `SocketWriter` (gateway/session/writer.py): every socket write, under one lock.
+The data they share (`SessionInfo`, resolved config, utterances, send-queue items) is in
+gateway/session/data.py.
 
 Ownership of tasks (all created and ended by `StreamingSession.run`): the reader (`_read_loop`) parses
 client messages, feeds each context's segmenter and appends work to the send queue; it never waits on
-synthesis. The sender (`_send_loop`), the synthesis tasks, the lease renewal and the slow-consumer
-watchdog are described in their modules.
+synthesis. The sender (`SpeechPipeline.send_loop`), the lease renewal and the slow-consumer watchdog
+(`SocketWriter.watch`); the synthesis tasks belong to the pipeline.
 
-Every write to the socket takes `_send_lock`, and a sentence's frames are sent only while it is not
+Every write to the socket takes the writer's lock, and a sentence's frames are sent only while it is not
 cancelled, checked under that lock: after `input.cancel` has taken the lock and marked a context
 cancelled, not one more byte of it goes out. Sentence indices count from 0 across the session.
 
@@ -28,12 +31,13 @@ renewal raises LeaseLost, which ends it.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections import deque
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -75,19 +79,22 @@ from ..settings import GatewaySettings
 from ..store.base import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges, SessionStore
 from ..voices import VoiceRegistry
 from .data import (
+    INLINE_PROMPT_KEY,
     ClientGone,
     ResolvedConfig,
     SentenceJob,
     SessionEnd,
+    SessionInfo,
     SlowConsumer,
     TextPush,
     Utterance,
     UtteranceEnd,
     sent_marker,
 )
-from .pipeline import SpeechPipeline, abort_transport
-from .resume import SessionResumer
+from .pipeline import SpeechPipeline, audio_done
+from .resume import Resumer, rebuild
 from .segmenter import SentenceSegmenter, push_in_slices
+from .writer import SocketWriter
 
 log = logging.getLogger("voxgate.session")
 
@@ -100,7 +107,7 @@ FIRST_UNIT_WORDS = 4
 # ------------------------------------------------------------------------------------------ session
 
 
-class StreamingSession(SpeechPipeline, SessionResumer):
+class StreamingSession:
     def __init__(
         self,
         websocket: WebSocket,
@@ -120,31 +127,24 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         self.store = store
         self.metrics = metrics
         self.admission = admission
-        self.admission_claim = admission_claim  # released when this session's first synthesis starts
         self.principal = principal or Principal()
         self.voices = voices or VoiceRegistry(backend, store, settings)
 
-        self.session_id: str | None = None
+        self.info = SessionInfo(owner=uuid.uuid4().hex)  # owner: this connection's lease token in the store
+        self.writer = SocketWriter(websocket)
+        self.pipeline = SpeechPipeline(
+            self.writer, store, self.info, backend=backend, settings=settings, metrics=metrics,
+            monitor=admission.monitor if admission is not None else None, admission_claim=admission_claim,
+        )
+        self.resumer = Resumer(store, owner=self.info.owner, key_id=self.principal.key_id,
+                               resolve=self._recorded_config)
         self.config: ResolvedConfig | None = None
-        self.uses_contexts = False  # set once any message names a context_id
-        self.next_sentence_index = 0
         self._utterance_count = 0
         self._open: dict[str | None, Utterance] = {}  # context id -> utterance still taking text
-        self._queue: deque[SentenceJob | UtteranceEnd | SessionEnd] = deque()
-        self._queue_changed = asyncio.Event()
-        self._current: SentenceJob | UtteranceEnd | SessionEnd | None = None  # being sent now
-        # The UtteranceEnds in `_queue`, kept as items enter and leave it (`_queue_item`, the sender, cancel),
-        # so that max_pending_ends is checked per input.done without a scan.
-        self._ends_queued = 0
-        self._pending_chars = 0  # text of released sentences not yet fully sent
-        self._send_lock = asyncio.Lock()
         self._closing = False  # session.close received
         self._last_activity = time.monotonic()
         self._sender: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
-        self._synthesis: set[asyncio.Task] = set()  # running synthesis tasks, owned here
-        self._stopping = False
-        self.owner = uuid.uuid4().hex  # this connection's lease token in the store
         self._marker_count = 0
         # Client inputs (every message after the handshake but ping) handled and recorded in the store,
         # acknowledged by `inputs_received`; what handling the current one changed, written with its count.
@@ -153,13 +153,11 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         self._staged_items: list[SentenceJob | UtteranceEnd | SessionEnd] = []
         self._input_recorded = False  # the message being handled was already counted (input.cancel)
         self._lease: asyncio.Task | None = None
-        self._handed_over = False  # drain: closed with 1012, nothing more is sent
-        # Back-pressure: PCM made and not yet taken by the sender, in all jobs; synthesis waits beyond
-        # max_queued_audio_s, and a write the socket has not accepted since `_blocked_since` is watched.
-        self._queued_audio = 0
-        self._audio_taken = asyncio.Event()
-        self._blocked_since: float | None = None
         self._watchdog: asyncio.Task | None = None
+
+    @property
+    def session_id(self) -> str | None:
+        return self.info.session_id
 
     # -------------------------------------------------------------- lifecycle
 
@@ -172,10 +170,11 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                 session_id_var.set(self.session_id)  # every log line of this session's tasks carries it
                 log.info("session started", extra={"key_id": self.principal.key_id, "voice": self.config.voice,
                                                    "format": self.config.response_format})
-                self._sender = asyncio.create_task(self._send_loop(), name=f"sender-{self.session_id}")
+                self._sender = asyncio.create_task(self.pipeline.send_loop(), name=f"sender-{self.session_id}")
                 self._reader = asyncio.create_task(self._read_loop(), name=f"reader-{self.session_id}")
                 self._lease = asyncio.create_task(self._keep_lease(), name=f"lease-{self.session_id}")
-                self._watchdog = asyncio.create_task(self._watch_consumer(), name=f"watchdog-{self.session_id}")
+                self._watchdog = asyncio.create_task(self.writer.watch(self.settings.slow_consumer_timeout_s),
+                                                     name=f"watchdog-{self.session_id}")
                 done, _ = await asyncio.wait(
                     {self._reader, self._sender, self._lease, self._watchdog}, return_when=asyncio.FIRST_COMPLETED
                 )
@@ -210,40 +209,60 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             await self._shutdown()
             self.metrics.sessions_active.dec()
             if self.session_id is not None:
-                log.info("session ended", extra={"sentences": self.next_sentence_index})
+                log.info("session ended", extra={"sentences": self.info.sentences_released})
 
     async def _shutdown(self) -> None:
-        self._stopping = True  # no new synthesis from here on
-        tasks = [
-            t for t in [self._reader, self._sender, self._lease, self._watchdog, *self._synthesis]
-            if t is not None and not t.done()
-        ]
+        self.pipeline.stop()  # no new synthesis from here on
+        tasks = [t for t in [self._reader, self._sender, self._lease, self._watchdog] if t is not None and not t.done()]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
+        await self.pipeline.close()
         if self._sender is not None and self._sender.done() and not self._sender.cancelled():
             error = self._sender.exception()
             if error is not None and not isinstance(error, (ClientGone, WebSocketDisconnect)):
                 log.error("sender of session %s failed: %r", self.session_id, error)
         if self.session_id is not None:
             try:
-                await self.store.detach(self.session_id, owner=self.owner)
+                await self.store.detach(self.session_id, owner=self.info.owner)
             except Exception as exc:  # the store is unreachable: the session expires there on its own
                 log.warning("could not detach session %s: %r", self.session_id, exc)
         if self.ws.application_state == WebSocketState.CONNECTED:
             try:  # bounded: a socket that accepts nothing cannot hold us
                 await asyncio.wait_for(self.ws.close(CloseCode.normal), self.settings.close_timeout_s)
             except asyncio.TimeoutError:
-                abort_transport(self.ws)
+                self.writer.abort()
             except Exception:  # noqa: BLE001 - the client is gone already
                 pass
+
+    async def _close_slow_consumer(self) -> None:
+        """Stop the blocked sender (releasing the writer's lock), tell the client why if its socket takes
+        it within a second, else drop the connection. The session stays in the store: resumable."""
+        limit = self.settings.slow_consumer_timeout_s
+        log.warning("session %s: the client read nothing for %g s; closing it (resumable)", self.session_id, limit)
+        self.pipeline.stop()
+        for task in (self._sender, self._reader):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        error = ProtocolError(
+            ErrorCode.slow_consumer,
+            f"the client read no audio for {limit:g} s; session {self.session_id} is closed and can be resumed"
+            " with session.resume",
+            close=CloseCode.try_again_later,
+        )
+        try:
+            await asyncio.wait_for(self._fail(error), 1.0)
+        except asyncio.TimeoutError:  # counted by _fail already
+            self.writer.abort()
 
     @property
     def busy(self) -> bool:
         """Audio is being made or sent: the idle timeout does not run."""
-        return self._current is not None or bool(self._queue)
+        return self.pipeline.busy
 
     @property
     def between_utterances(self) -> bool:
@@ -254,19 +273,14 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         """Renew this connection's lease (and the session's expiry) while it is open; LeaseLost ends it."""
         while True:
             await asyncio.sleep(self.settings.session_lease_s / 3)
-            await self.store.renew(self.session_id, self.owner)
+            await self.store.renew(self.session_id, self.info.owner)
 
     async def hand_over(self) -> None:
         """Drain: send nothing more and close with 1012 and the session id as the reason, so that the
         client resumes on another replica. What it has not received is in the store."""
-        async with self._send_lock:
-            if self._handed_over:
-                return
-            self._handed_over = True
-            self._stopping = True
-            if self.ws.application_state == WebSocketState.CONNECTED:
-                with contextlib.suppress(Exception):
-                    await self.ws.close(CloseCode.service_restart, reason=self.session_id or "")
+        async with self.writer.lock:
+            if await self.writer.hand_over_locked(CloseCode.service_restart, self.session_id or ""):
+                self.pipeline.stop()
 
     # -------------------------------------------------------------- socket I/O
 
@@ -298,30 +312,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         return message
 
     async def _send_json(self, message) -> None:
-        async with self._send_lock:
-            await self._send_text_locked(message.encode())
-
-    async def _send_text_locked(self, text: str) -> None:
-        if self._handed_over:
-            raise ClientGone()
-        self._blocked_since = time.monotonic()
-        try:
-            await self.ws.send_text(text)
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-            raise ClientGone() from exc
-        finally:
-            self._blocked_since = None
-
-    async def _send_bytes_locked(self, data: bytes) -> None:
-        if self._handed_over:
-            raise ClientGone()
-        self._blocked_since = time.monotonic()
-        try:
-            await self.ws.send_bytes(data)
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-            raise ClientGone() from exc
-        finally:
-            self._blocked_since = None
+        await self.writer.send_text(message.encode())
 
     async def _report(self, error: ProtocolError) -> None:
         """A non-fatal error: tell the client, keep going."""
@@ -337,7 +328,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             return
 
         async def tell_and_close() -> None:
-            async with self._send_lock:
+            async with self.writer.lock:
                 await self.ws.send_text(error.to_message().encode())
                 await self.ws.close(int(error.close or CloseCode.policy), reason=error.code.value)
 
@@ -346,7 +337,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         except asyncio.TimeoutError:
             log.info("session %s: the client reads nothing; dropping the connection (%s)", self.session_id,
                      error.code.value)
-            abort_transport(self.ws)
+            self.writer.abort()
         except Exception:  # noqa: BLE001 - the client is gone already
             pass
 
@@ -405,6 +396,40 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                     raise
                 await self._report(error)
 
+    async def _resume(self, message: SessionResume) -> None:
+        """Take the session over from the store (gateway/session/resume.py), tell the client, and start
+        from what it is owed: the items queued in send order, its open utterances taking text again."""
+        resumed = await self.resumer.take_over(message)
+        self.info.session_id = message.session_id
+        self.config = resumed.config
+        await self._send_json(
+            SessionStarted(
+                session_id=self.session_id,
+                sample_rate=resumed.config.output_rate,
+                format=resumed.config.response_format,
+                voices=[v.id for v in self.backend.voices()],
+                voice=resumed.config.voice,
+                inputs_received=resumed.record.inputs_received,
+            )
+        )
+        rebuilt = rebuild(resumed, message, self._new_segmenter)
+        self._inputs = rebuilt.inputs_received
+        self.info.sentences_released = rebuilt.sentences_released
+        self.info.uses_contexts = rebuilt.uses_contexts
+        self._utterance_count = rebuilt.utterance_count
+        self._marker_count = rebuilt.marker_count
+        self._closing = self._closing or rebuilt.closing
+        for job in rebuilt.unspoken:
+            self.pipeline.count_text(job, len(job.text))
+        self.pipeline.enqueue(*rebuilt.owed)
+        for utterance, text in rebuilt.reopened:
+            self._open[utterance.context_id] = utterance
+            self._release(utterance, await push_in_slices(utterance.segmenter, text))
+            self._grow_open_sentence(utterance)
+            self._record_open_text(utterance)
+        await self._commit(counted=False)
+        self.pipeline.refill()
+
     async def _on_voice_message(self, message: VoiceList | VoiceAdd) -> None:
         """Baseten's voice catalogue messages (LiveKit's Baseten plugin sends them): voice.list is answered
         with the backend's voices and the cloned voices this key may use; voice.add clones and registers
@@ -437,6 +462,21 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             return self._resolve(message)
         return dataclasses.replace(self._resolve(message, VoiceChoice(cloned.name)), voice_prompt=cloned.prompt,
                                    own_clip=message.ref_audio is not None)
+
+    async def _recorded_config(self, recorded: dict) -> ResolvedConfig:
+        """The config the session was recorded with (ResolvedConfig.snapshot). A voice cloned from the
+        session's own clip comes back as its recorded prompt: a resume does not clone again."""
+        recorded = dict(recorded)
+        prompt = recorded.pop(INLINE_PROMPT_KEY, None)
+        message = SessionConfig.model_validate(recorded)
+        if prompt is None:  # a preset or registered voice (found again by name)
+            return await self._resolved(message, admitted=True)
+        try:
+            voice_prompt = base64.b64decode(prompt, validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise KeyError("unusable voice prompt in the session's record") from None
+        return dataclasses.replace(self._resolve(message, VoiceChoice(message.voice or "ref_audio")),
+                                   voice_prompt=voice_prompt, own_clip=True)
 
     def _resolve(self, message: SessionConfig, choice: VoiceChoice | None = None) -> ResolvedConfig:
         cloned = choice is not None
@@ -478,8 +518,9 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         resolved = await self._resolved(message, admitted=first)
         self.config = resolved
         if first:
-            self.session_id = uuid.uuid4().hex
-            await self.store.create(self.session_id, resolved.snapshot(), owner=self.owner, key_id=self.principal.key_id)
+            self.info.session_id = uuid.uuid4().hex
+            await self.store.create(self.session_id, resolved.snapshot(), owner=self.info.owner,
+                                    key_id=self.principal.key_id)
         else:
             self._staged.config = resolved.snapshot()
         await self._send_json(
@@ -495,16 +536,20 @@ class StreamingSession(SpeechPipeline, SessionResumer):
 
     # -------------------------------------------------------------- reading
 
+    def _last_active(self) -> float:
+        """When the client last sent a message or the sender last finished an item: the idle timeout's start."""
+        return max(self._last_activity, self.pipeline.last_sent_at)
+
     async def _read_loop(self) -> None:
         while not self._closing:
-            idle_for = time.monotonic() - self._last_activity
+            idle_for = time.monotonic() - self._last_active()
             timeout = max(0.05, self.settings.idle_timeout_s - idle_for)
             try:
                 raw = await self._receive_text(timeout)
             except asyncio.TimeoutError:
                 if self.busy:
                     self._last_activity = time.monotonic()
-                elif time.monotonic() - self._last_activity >= self.settings.idle_timeout_s:
+                elif time.monotonic() - self._last_active() >= self.settings.idle_timeout_s:
                     raise ProtocolError(
                         ErrorCode.idle_timeout,
                         f"no message for {self.settings.idle_timeout_s:g} s; closing the session",
@@ -542,19 +587,19 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         if counted:
             changes.inputs_received = self._inputs + 1
         if changes:
-            await self.store.apply(self.session_id, changes, owner=self.owner)
+            await self.store.apply(self.session_id, changes, owner=self.info.owner)
         if counted:
             self._inputs += 1
         for item in items:
             if isinstance(item, TextPush):
                 item.apply()
             else:
-                self._enqueue(item)
+                self.pipeline.enqueue(item)
 
     async def _dispatch(self, message) -> None:
         context_id = getattr(message, "context_id", None)
-        if context_id is not None and not self.uses_contexts:
-            self.uses_contexts = True
+        if context_id is not None and not self.info.uses_contexts:
+            self.info.uses_contexts = True
             self._staged.uses_contexts = True  # decides utterance.done vs session.done after a resume
         if isinstance(message, InputText):
             await self._on_text(message)
@@ -598,7 +643,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
                                  max_unit_chars=self.settings.max_synthesis_chars, first_unit_words=first_unit_words)
 
     def _buffered_chars(self) -> int:
-        return self._pending_chars + sum(u.segmenter.buffered_chars for u in self._open.values())
+        return self.pipeline.pending_chars + sum(u.segmenter.buffered_chars for u in self._open.values())
 
     async def _on_text(self, message: InputText) -> None:
         if self._closing:
@@ -643,10 +688,10 @@ class StreamingSession(SpeechPipeline, SessionResumer):
 
     async def _on_done(self, context_id: str | None, by_close: bool = False) -> None:
         limit = self.settings.max_pending_ends
-        if not by_close and self._ends_queued >= limit:  # session.close ends at most max_open_contexts
+        if not by_close and self.pipeline.ends_queued >= limit:  # session.close ends at most max_open_contexts
             raise ProtocolError(
                 ErrorCode.rate_limited,
-                f"this input.done was not accepted: {self._ends_queued} utterance ends are waiting for audio not"
+                f"this input.done was not accepted: {self.pipeline.ends_queued} utterance ends are waiting for audio not"
                 f" yet sent, the limit is {limit}; the utterance stays open with its text, send input.done again"
                 " once audio has gone out",
                 context_id=context_id,
@@ -675,7 +720,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         self._staged_items.append(end)
 
     def _record_marker(self, item: UtteranceEnd | SessionEnd) -> None:
-        item.after = self.next_sentence_index
+        item.after = self.info.sentences_released
         utterance = item.utterance if isinstance(item, UtteranceEnd) else None
         self._staged.markers.append(
             MarkerRecord(
@@ -702,15 +747,14 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             else:
                 job = self._new_sentence(utterance, text)
             if not job.finished:  # (a sentence that failed while open owes nothing more)
-                job.chars_pending = len(text)
-                self._pending_chars += len(text)
+                self.pipeline.count_text(job, len(text))
 
     def _new_sentence(self, utterance: Utterance, text: str, *, open_text: bool = False) -> SentenceJob:
         """A sentence of `utterance`, recorded and queued by `_commit`. `open_text`: still being written (text
         streaming): its synthesis starts with `text` and takes the rest as it comes (`_grow`)."""
         assert self.config is not None and self.session_id is not None
         job = SentenceJob(
-            index=self.next_sentence_index,
+            index=self.info.sentences_released,
             text=text,
             utterance=utterance,
             config=self.config,
@@ -718,7 +762,7 @@ class StreamingSession(SpeechPipeline, SessionResumer):
             first_of_utterance=utterance.sentences == 0,
             text_stream=TextStream(text) if open_text else None,
         )
-        self.next_sentence_index += 1
+        self.info.sentences_released += 1
         utterance.sentences += 1
         # Recorded before the sentence can produce audio, so the store always knows what a byte belongs to.
         self._staged.sentences.append(SentenceRecord(job.index, text, utterance.context_id, utterance=utterance.number))
@@ -753,26 +797,15 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         if added or finish:
             self._staged_items.append(TextPush(job, added, finish=finish))
 
-    def _enqueue(self, item: SentenceJob | UtteranceEnd | SessionEnd) -> None:
-        self._queue_item(item)
-        self._fill_pipeline()
-        self._queue_changed.set()
-
-    def _queue_item(self, item: SentenceJob | UtteranceEnd | SessionEnd) -> None:
-        self._queue.append(item)
-        if isinstance(item, UtteranceEnd):
-            self._ends_queued += 1
-
     # -------------------------------------------------------------- cancel
 
     @staticmethod
-    def _spoken_before_cut(utterances: list[Utterance], current, stopped: list[SentenceJob],
+    def _spoken_before_cut(utterances: list[Utterance], cut: SentenceJob | None,
                            played_ms: float | None) -> list[SpokenWord]:
         """The words of the cut utterances whose audio went out in full: those of their sentences sent
         whole, then those of the sentence cut while being sent, from the bytes it had sent; of those, with
         the client's playback position, the ones it played. The position counts from the start of the first
         cut utterance's audio, the utterances' audio end to end."""
-        cut = current if isinstance(current, SentenceJob) and current in stopped and current.started_sending else None
         spoken: list[SpokenWord] = []
         offset_s = 0.0
         for utterance in utterances:
@@ -788,49 +821,30 @@ class StreamingSession(SpeechPipeline, SessionResumer):
         """Barge-in: everything of this context (its open utterance and any finished ones still queued)
         stops now. Answered by context.cancelled even when nothing was left to cancel."""
         open_utterance = self._open.pop(context_id, None)
-        cut = {open_utterance.number: open_utterance} if open_utterance is not None else {}
         if open_utterance is not None:
             open_utterance.cancelled = True
             self._staged.open_text[context_id] = None
-        async with self._send_lock:
-            # Holding the send lock: the sender is between frames, and from here on it sees the flag.
-            items = [self._current, *self._queue]
-            for item in items:
-                if isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.context_id == context_id:
-                    item.utterance.cancelled = True
-                    cut[item.utterance.number] = item.utterance
-            stopped = [item for item in items if isinstance(item, SentenceJob) and item.cancelled and not item.finished]
-            for job in stopped:
-                self._stop_job(job)
-            # Utterance ends not sent yet are owed no more (the one being sent now may be among them).
-            dropped_markers = [
-                item for item in items if isinstance(item, UtteranceEnd) and item.utterance.cancelled and not item.sent
-            ]
-            self._ends_queued -= sum(
-                1 for item in self._queue if isinstance(item, UtteranceEnd) and item.utterance.cancelled
-            )
-            self._queue = deque(
-                item for item in self._queue
-                if not (isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled)
-            )
-            for job in stopped:
+        async with self.writer.lock:
+            # Holding the writer's lock: the sender is between frames, and from here on it sees the flag.
+            cut = self.pipeline.cut(context_id)
+            if open_utterance is not None:
+                cut.utterances[open_utterance.number] = open_utterance
+            for job in cut.stopped:
                 self._staged.states[job.index] = "cancelled"
-            for marker in dropped_markers:  # owed no more: a resume must not send them
+            for marker in cut.dropped_ends:  # owed no more: a resume must not send them
                 self._staged.markers.append(sent_marker(marker, cancelled=True))
             # Recorded (with the input count) before the client hears of it: a resume after its
             # context.cancelled never speaks the cancelled sentences again.
             await self._commit(counted=True)
             self._input_recorded = True
-            current = self._current
-            if isinstance(current, SentenceJob) and current in stopped and current.started_sending:
+            if cut.interrupted is not None:
                 # Its audio.start went out: close it, with the bytes actually sent.
-                await self._send_text_locked(self._audio_done(current, error=False, cancelled=True).encode())
-            first_unsent = stopped[0].index if stopped else None
+                await self.writer.send_text_locked(audio_done(cut.interrupted, error=False, cancelled=True).encode())
+            first_unsent = cut.stopped[0].index if cut.stopped else None
             cancelled = ContextCancelled(context_id=context_id, sentence_index=first_unsent)
             if self.config is not None and self.config.timestamps is not None:
-                cancelled.spoken_words = self._spoken_before_cut([cut[n] for n in sorted(cut)], current, stopped,
-                                                                 played_ms)
+                utterances = [cut.utterances[n] for n in sorted(cut.utterances)]
+                cancelled.spoken_words = self._spoken_before_cut(utterances, cut.interrupted, played_ms)
                 cancelled.spoken_text = " ".join(w.word for w in cancelled.spoken_words)
-            await self._send_text_locked(cancelled.encode())
-        self._fill_pipeline()
-        self._queue_changed.set()
+            await self.writer.send_text_locked(cancelled.encode())
+        self.pipeline.refill()

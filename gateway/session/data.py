@@ -30,6 +30,18 @@ class SlowConsumer(Exception):
     """The socket has accepted no data for slow_consumer_timeout_s: the client stopped reading."""
 
 
+@dataclass
+class SessionInfo:
+    """What a session's parts all read about it: who this connection is in the store, the session's id there
+    (once the handshake made or resumed one), whether its client names contexts, and how many sentences it
+    has released. Written by the connection loop only."""
+
+    owner: str  # this connection's lease token in the store
+    session_id: str | None = None
+    uses_contexts: bool = False  # set once any message names a context_id
+    sentences_released: int = 0  # the next sentence's index
+
+
 @dataclass(frozen=True)
 class ResolvedConfig:
     """A validated session.config with the gateway's choices filled in."""

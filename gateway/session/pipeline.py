@@ -1,14 +1,15 @@
 """The speech pipeline of a streaming session: synthesis of queued sentences with back-pressure, and the
 sender that puts them on the socket in order.
 
-`SpeechPipeline` is a part of `StreamingSession` (gateway/session/connection.py), split out to be read on its own;
-it works on the session's send queue (`_queue`, `_current`), its synthesis tasks (`_synthesis`), the
-send lock, and the store, and writes to the socket only through the session's `_send_*_locked`.
+`SpeechPipeline` is an object `StreamingSession` (gateway/session/connection.py) holds. It owns the send
+queue and the sentence being sent, the synthesis tasks and the back-pressure counts; it is given what it
+needs and nothing more: a `SocketWriter` (every socket write, under one lock), the store (each frame is
+recorded before it goes out), the session's `SessionInfo`, the backend, settings and metrics.
 
 - One synthesis task per sentence (`_synthesize`) fills that sentence's chunk queue. The first
   1 + `lookahead_sentences` sentences of the send queue are synthesizing at any time: sentence N+1 is
   being made while N is sent, so there is no gap, and memory stays bounded (`max_queued_audio_s`).
-- The sender (`_send_loop`) walks the send queue in order: for each sentence `audio.start`, the binary
+- The sender (`send_loop`) walks the send queue in order: for each sentence `audio.start`, the binary
   frames (each recorded in the store before it goes out), `audio.done`; for an utterance end
   `utterance.done`/`session.done`. Only one sentence is ever being sent, so two sentences' frames never
   interleave. Resumed sentences replay logged bytes first and drop re-synthesized bytes already delivered.
@@ -16,7 +17,7 @@ send lock, and the store, and writes to the socket only through the session's `_
   they arrive; a word is told (`audio.words`, "async") once the bytes sent of its sentence decode past its
   end, and all of a sentence's words go in its `audio.done` ("sync"). Each utterance keeps the words sent
   in full, which `context.cancelled` reports as `spoken_text`/`spoken_words`.
-- The watchdog (`_watch_consumer`) ends a session whose client stopped reading.
+- `cut` takes a cancelled context out of the queue (input.cancel), under the writer's lock.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
-from starlette.websockets import WebSocket
-
-from tts_backend.base import SynthesisRequest, TextStream
+from tts_backend.base import SynthesisRequest, Synthesizer, TextStream
 
 from ..audio import encoders
 from ..audio import pcm as audio
 from ..language import SentenceVoice, voice_for_sentence
+from ..limits import AdmissionClaim, SynthesisMonitor
+from ..metrics import GatewayMetrics
 from ..protocol import (
     AudioDone,
     AudioStart,
@@ -46,8 +49,11 @@ from ..protocol import (
     WordAlignment,
     backend_error_code,
 )
-from .data import SentenceJob, SlowConsumer, UtteranceEnd, sent_marker
+from ..settings import GatewaySettings
+from ..store.base import SessionStore
+from .data import SentenceJob, SessionEnd, SessionInfo, Utterance, UtteranceEnd, sent_marker
 from .word_times import append_monotonic
+from .writer import SocketWriter
 
 log = logging.getLogger("voxgate.session")
 
@@ -55,12 +61,126 @@ END = object()  # a sentence's synthesis finished
 CANCELLED = object()  # a sentence was cancelled; wakes a sender waiting on its chunks
 
 
+@dataclass
+class Cut:
+    """What `SpeechPipeline.cut` took out of the queue for one context."""
+
+    utterances: dict[int, Utterance]  # by number: the context's utterances that were queued or being sent
+    stopped: list[SentenceJob]  # its sentences not yet sent in full, in send order
+    dropped_ends: list[UtteranceEnd]  # its utterance ends not sent, owed no more
+    interrupted: SentenceJob | None  # the sentence being sent when it was cut, if its audio.start went out
+
+
 class SpeechPipeline:
-    """Synthesis and sending for `StreamingSession` (see the module docstring)."""
+    """A session's send queue, its synthesis and its sender (see the module docstring).
+
+    The connection loop hands it work (`enqueue`), cuts a context out of it (`cut`, for input.cancel)
+    and stops it (`stop`, `close`); the sender task runs `send_loop`."""
+
+    def __init__(
+        self,
+        writer: SocketWriter,
+        store: SessionStore,
+        info: SessionInfo,
+        *,
+        backend: Synthesizer,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+        monitor: SynthesisMonitor | None = None,
+        admission_claim: AdmissionClaim | None = None,
+    ) -> None:
+        self.writer = writer
+        self.store = store
+        self.info = info
+        self.backend = backend
+        self.settings = settings
+        self.metrics = metrics
+        self.monitor = monitor
+        self.admission_claim = admission_claim  # released when the session's first synthesis starts
+        self._queue: deque[SentenceJob | UtteranceEnd | SessionEnd] = deque()
+        self._queue_changed = asyncio.Event()
+        self._current: SentenceJob | UtteranceEnd | SessionEnd | None = None  # being sent now
+        # The UtteranceEnds in the queue, kept as items enter and leave it (`enqueue`, the sender, `cut`), so
+        # that max_pending_ends is checked per input.done without a scan.
+        self.ends_queued = 0
+        self.pending_chars = 0  # text released and not yet fully sent (count_text)
+        self._synthesis: set[asyncio.Task] = set()  # running synthesis tasks, owned here
+        self._stopping = False
+        # Back-pressure: PCM made and not yet taken by the sender, in all jobs; synthesis waits beyond
+        # max_queued_audio_s.
+        self.queued_audio = 0
+        self._audio_taken = asyncio.Event()
+        self.last_sent_at = time.monotonic()  # when the sender last finished an item (the idle timeout)
+
+    @property
+    def busy(self) -> bool:
+        """Audio is being made or sent."""
+        return self._current is not None or bool(self._queue)
+
+    def enqueue(self, *items: SentenceJob | UtteranceEnd | SessionEnd) -> None:
+        """Queue items to be sent after everything queued already, and start what synthesis they allow."""
+        for item in items:
+            self._queue.append(item)
+            if isinstance(item, UtteranceEnd):
+                self.ends_queued += 1
+        self.refill()
+
+    def count_text(self, job: SentenceJob, chars: int) -> None:
+        """`chars` more of the session's accepted text are `job`'s to speak: counted in `pending_chars` (the
+        session's limit on text not yet spoken) until the sentence is sent in full or stopped."""
+        job.chars_pending += chars
+        self.pending_chars += chars
+
+    def refill(self) -> None:
+        """Start what synthesis the queue allows now, and wake the sender."""
+        self._fill_pipeline()
+        self._queue_changed.set()
+
+    def stop(self) -> None:
+        """No new synthesis from now on (the session ends, or was handed over)."""
+        self._stopping = True
+
+    async def close(self) -> None:
+        """Stop, and end the synthesis tasks still running."""
+        self.stop()
+        tasks = [task for task in self._synthesis if not task.done()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    def cut(self, context_id: str | None) -> Cut:
+        """input.cancel: mark every utterance of `context_id` in the queue (and the one being sent)
+        cancelled, stop its sentences, and drop them and its utterance ends from the queue. The caller
+        holds the writer's lock: the sender is between frames, and from here on it sees the flag."""
+        items = [self._current, *self._queue]
+        utterances: dict[int, Utterance] = {}
+        for item in items:
+            if isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.context_id == context_id:
+                item.utterance.cancelled = True
+                utterances[item.utterance.number] = item.utterance
+        stopped = [item for item in items if isinstance(item, SentenceJob) and item.cancelled and not item.finished]
+        for job in stopped:
+            self._stop_job(job)
+        # Utterance ends not sent yet are owed no more (the one being sent now may be among them).
+        dropped_ends = [
+            item for item in items if isinstance(item, UtteranceEnd) and item.utterance.cancelled and not item.sent
+        ]
+        self.ends_queued -= sum(
+            1 for item in self._queue if isinstance(item, UtteranceEnd) and item.utterance.cancelled
+        )
+        self._queue = deque(
+            item for item in self._queue
+            if not (isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.cancelled)
+        )
+        current = self._current
+        interrupted = current if isinstance(current, SentenceJob) and current in stopped and current.started_sending else None
+        return Cut(utterances, stopped, dropped_ends, interrupted)
 
     def _stop_job(self, job: SentenceJob) -> None:
         job.finished = True
-        self._pending_chars -= job.chars_pending
+        self.pending_chars -= job.chars_pending
         job.chars_pending = 0
         self._drop_queued(job)
         if job.task is not None and not job.task.done():
@@ -82,7 +202,7 @@ class SpeechPipeline:
             if isinstance(item, SentenceJob) and not item.cancelled and not item.finished and item.needs_synthesis:
                 window -= 1
                 if item.task is None:
-                    item.task = asyncio.create_task(self._synthesize(item), name=f"synth-{self.session_id}-{item.index}")
+                    item.task = asyncio.create_task(self._synthesize(item), name=f"synth-{self.info.session_id}-{item.index}")
                     self._synthesis.add(item.task)
                     item.task.add_done_callback(self._synthesis_ended)
                     running += 1
@@ -114,16 +234,16 @@ class SpeechPipeline:
             seed=config.message.seed,
             max_new_tokens=config.message.max_new_tokens,
             chunk_schedule=config.message.effective_chunk_schedule,
-            utterance_key=f"{self.session_id}/{job.utterance.number}",
-            session_key=self.session_id,
-            request_id=f"{self.session_id}/{job.index}",
+            utterance_key=f"{self.info.session_id}/{job.utterance.number}",
+            session_key=self.info.session_id,
+            request_id=f"{self.info.session_id}/{job.index}",
             extra=config.message.backend_extra(),
             word_timestamps=config.timestamps is not None,
             voice_prompt=config.voice_prompt,
             text_stream=stream,
             streaming_text=config.streaming_text,
         )
-        monitor = self.admission.monitor if self.admission is not None else None
+        monitor = self.monitor
         bytes_per_second = 2 * self.backend.sample_rate
         try:
             async with contextlib.aclosing(self.backend.synthesize(request)) as stream:
@@ -148,7 +268,7 @@ class SpeechPipeline:
                             if monitor is not None:
                                 monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
                             job.queued_bytes += len(chunk.pcm)
-                            self._queued_audio += len(chunk.pcm)
+                            self.queued_audio += len(chunk.pcm)
                             job.chunks.put_nowait(chunk.pcm)
                 finally:
                     if monitor is not None:
@@ -169,59 +289,27 @@ class SpeechPipeline:
             head = current
         else:  # between items: the first sentence still to be sent
             head = next((i for i in self._queue if isinstance(i, SentenceJob) and not i.finished), None)
-        return job.queued_bytes < bound if job is head else self._queued_audio < bound
+        return job.queued_bytes < bound if job is head else self.queued_audio < bound
 
     def _take_audio(self, job: SentenceJob, size: int) -> None:
         job.queued_bytes -= size
-        self._queued_audio -= size
+        self.queued_audio -= size
         self._audio_taken.set()
 
     def _drop_queued(self, job: SentenceJob) -> None:
         """The job's unsent chunks will never be taken (cancelled, failed or finished)."""
-        self._queued_audio -= job.queued_bytes
+        self.queued_audio -= job.queued_bytes
         job.queued_bytes = 0
         self._audio_taken.set()
 
-    async def _watch_consumer(self) -> None:
-        """Ends the session (by raising SlowConsumer) once a write has waited slow_consumer_timeout_s
-        for the socket to accept it: the client stopped reading, and only its buffers are held."""
-        limit = self.settings.slow_consumer_timeout_s
-        while True:
-            await asyncio.sleep(min(1.0, limit / 4))
-            since = self._blocked_since
-            if since is not None and time.monotonic() - since >= limit:
-                raise SlowConsumer()
-
-    async def _close_slow_consumer(self) -> None:
-        """Stop the blocked sender (releasing the send lock), tell the client why if its socket takes
-        it within a second, else drop the connection. The session stays in the store: resumable."""
-        limit = self.settings.slow_consumer_timeout_s
-        log.warning("session %s: the client read nothing for %g s; closing it (resumable)", self.session_id, limit)
-        self._stopping = True
-        for task in (self._sender, self._reader):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-        error = ProtocolError(
-            ErrorCode.slow_consumer,
-            f"the client read no audio for {limit:g} s; session {self.session_id} is closed and can be resumed"
-            " with session.resume",
-            close=CloseCode.try_again_later,
-        )
-        try:
-            await asyncio.wait_for(self._fail(error), 1.0)
-        except asyncio.TimeoutError:  # counted by _fail already
-            abort_transport(self.ws)
-
-    async def _send_loop(self) -> None:
+    async def send_loop(self) -> None:
         while True:
             while not self._queue:
                 self._queue_changed.clear()
                 await self._queue_changed.wait()
             item = self._queue.popleft()
             if isinstance(item, UtteranceEnd):
-                self._ends_queued -= 1
+                self.ends_queued -= 1
             self._current = item
             self._audio_taken.set()  # a new head may pull again
             try:
@@ -237,26 +325,8 @@ class SpeechPipeline:
                     return
             finally:
                 self._current = None
-                self._last_activity = time.monotonic()
+                self.last_sent_at = time.monotonic()
             self._fill_pipeline()
-
-    def _audio_done(self, job: SentenceJob, *, error: bool, cancelled: bool = False) -> AudioDone:
-        timestamp_info = None
-        if job.config.timestamps == "sync" and not error:
-            words = job.spoken_words(everything=not cancelled)
-            timestamp_info = TimestampInfo(word_alignment=WordAlignment(
-                words=[w.word for w in words], word_start_times_seconds=[w.start for w in words],
-                word_end_times_seconds=[w.end for w in words]))
-        return AudioDone(
-            sentence_index=job.index,
-            total_bytes=job.bytes_sent,
-            error=error,
-            context_id=job.utterance.context_id,
-            duration_ms=None if job.source_samples is None else round(job.source_samples * 1000 / job.config.source_rate, 1),
-            cancelled=True if cancelled else None,
-            timestamp_info=timestamp_info,
-            sentence_text=job.text if job.config.text_streaming else None,  # audio.start had its first words
-        )
 
     async def _tell_words_locked(self, job: SentenceJob, *, everything: bool = False) -> None:
         """"async" timestamps: tell the words of `job` whose audio has gone out in full since last told."""
@@ -265,7 +335,7 @@ class SpeechPipeline:
         words = job.spoken_words(everything=everything)[job.words_told:]
         if words:
             job.words_told += len(words)
-            await self._send_text_locked(AudioWords(sentence_index=job.index, context_id=job.utterance.context_id,
+            await self.writer.send_text_locked(AudioWords(sentence_index=job.index, context_id=job.utterance.context_id,
                                                     words=words).encode())
 
     async def _send_frames(self, job: SentenceJob, data: bytes, frame_bytes: int, *, record: bool = True,
@@ -277,11 +347,12 @@ class SpeechPipeline:
         for start in range(0, len(data), frame_bytes):
             frame = data[start : start + frame_bytes]
             if record:
-                await self.store.append_audio(self.session_id, job.index, frame, offset=job.bytes_sent, owner=self.owner)
-            async with self._send_lock:
+                await self.store.append_audio(self.info.session_id, job.index, frame, offset=job.bytes_sent,
+                                              owner=self.info.owner)
+            async with self.writer.lock:
                 if job.cancelled:
                     return False
-                await self._send_bytes_locked(frame)
+                await self.writer.send_bytes_locked(frame)
                 if job.bytes_sent == 0 and job.first_of_utterance:
                     self.metrics.ttfa_seconds.labels("websocket").observe(time.monotonic() - job.released_at)
                 job.bytes_sent += len(frame)
@@ -317,10 +388,10 @@ class SpeechPipeline:
         bytes_per_sample = encoder.bytes_per_sample or 2
         frame_bytes = max(1, config.output_rate * self.settings.max_frame_ms // 1000) * bytes_per_sample
         spoken_by = self._voice_of(job)
-        async with self._send_lock:
+        async with self.writer.lock:
             if job.cancelled:
                 return
-            await self._send_text_locked(
+            await self.writer.send_text_locked(
                 AudioStart(
                     sentence_index=job.index,
                     sentence_text=job.text,
@@ -340,7 +411,7 @@ class SpeechPipeline:
                 job.source_samples = (job.bytes_sent // bytes_per_sample * config.source_rate // config.output_rate
                                       if encoder.bytes_per_sample else None)
         if job.needs_synthesis:
-            await self.store.set_sentence_state(self.session_id, job.index, "speaking", owner=self.owner)
+            await self.store.set_sentence_state(self.info.session_id, job.index, "speaking", owner=self.info.owner)
         whole: list[bytes] = []
         failure: BaseException | None = None
         while job.needs_synthesis:
@@ -373,11 +444,11 @@ class SpeechPipeline:
                     data = encoder.with_length(data)
                 if data and not await self._send_new_audio(job, data, max(len(data), 1), encoder):
                     return
-        async with self._send_lock:
+        async with self.writer.lock:
             if job.cancelled:
                 return
             job.finished = True
-            self._pending_chars -= job.chars_pending
+            self.pending_chars -= job.chars_pending
             job.chars_pending = 0
             if config.timestamps is not None:
                 job.utterance.keep_sentence(job.index, job.spoken_words(everything=failure is None),
@@ -387,43 +458,52 @@ class SpeechPipeline:
             if failure is not None:
                 error = _synthesis_error(failure, job)
                 self.metrics.errors_total.labels(error.code.value).inc()
-                await self._send_text_locked(error.to_message().encode())
-            await self._send_text_locked(self._audio_done(job, error=failure is not None).encode())
+                await self.writer.send_text_locked(error.to_message().encode())
+            await self.writer.send_text_locked(audio_done(job, error=failure is not None).encode())
         outcome = "failed" if failure is not None else "done"
         self.metrics.sentences_total.labels(outcome).inc()
-        await self.store.set_sentence_state(self.session_id, job.index, outcome, owner=self.owner)
+        await self.store.set_sentence_state(self.info.session_id, job.index, outcome, owner=self.info.owner)
 
     async def _send_utterance_end(self, marker: UtteranceEnd) -> None:
-        async with self._send_lock:
+        async with self.writer.lock:
             if marker.utterance.cancelled:
                 return
-            if self.uses_contexts or marker.utterance.context_id is not None:
+            if self.info.uses_contexts or marker.utterance.context_id is not None:
                 message = UtteranceDone(context_id=marker.utterance.context_id, total_sentences=marker.utterance.sentences)
             elif marker.by_close:
                 return  # session.close answers with one session.done for everything
             else:
-                message = SessionDone(total_sentences=self.next_sentence_index)
-            await self._send_text_locked(message.encode())
+                message = SessionDone(total_sentences=self.info.sentences_released)
+            await self.writer.send_text_locked(message.encode())
             marker.sent = True
-        await self.store.add_marker(self.session_id, sent_marker(marker), owner=self.owner)
+        await self.store.add_marker(self.info.session_id, sent_marker(marker), owner=self.info.owner)
 
     async def _send_session_end(self) -> None:
-        async with self._send_lock:
-            await self._send_text_locked(SessionDone(total_sentences=self.next_sentence_index).encode())
-            with contextlib.suppress(Exception):
-                await self.ws.close(CloseCode.normal)
-        if self.session_id is not None:
-            await self.store.delete(self.session_id, owner=self.owner)
+        async with self.writer.lock:
+            await self.writer.send_text_locked(SessionDone(total_sentences=self.info.sentences_released).encode())
+            await self.writer.close_locked(CloseCode.normal)
+        if self.info.session_id is not None:
+            await self.store.delete(self.info.session_id, owner=self.info.owner)
 
 
-def abort_transport(websocket: WebSocket) -> None:
-    """Drop the TCP connection under a WebSocket whose peer reads nothing (a close frame could never be
-    written); the server's WebSocket protocol puts the means in the scope (gateway.limits)."""
-    abort = websocket.scope.get("voxgate.abort")
-    if abort is not None:
-        abort()
-    else:
-        log.warning("cannot abort the connection of a slow consumer: the server offers no way")
+def audio_done(job: SentenceJob, *, error: bool, cancelled: bool = False) -> AudioDone:
+    """A sentence's audio.done: the bytes sent of it, its duration, and ("sync" timestamps) its words."""
+    timestamp_info = None
+    if job.config.timestamps == "sync" and not error:
+        words = job.spoken_words(everything=not cancelled)
+        timestamp_info = TimestampInfo(word_alignment=WordAlignment(
+            words=[w.word for w in words], word_start_times_seconds=[w.start for w in words],
+            word_end_times_seconds=[w.end for w in words]))
+    return AudioDone(
+        sentence_index=job.index,
+        total_bytes=job.bytes_sent,
+        error=error,
+        context_id=job.utterance.context_id,
+        duration_ms=None if job.source_samples is None else round(job.source_samples * 1000 / job.config.source_rate, 1),
+        cancelled=True if cancelled else None,
+        timestamp_info=timestamp_info,
+        sentence_text=job.text if job.config.text_streaming else None,  # audio.start had its first words
+    )
 
 
 def _synthesis_error(failure: BaseException, job: SentenceJob) -> ProtocolError:
