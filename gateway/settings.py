@@ -79,7 +79,7 @@ class GatewaySettings(BaseSettings):
     max_buffered_chars: int = Field(100_000, description="text accepted but not yet spoken, per session")
     max_http_input_chars: int = Field(100_000, description="largest `input` of POST /v1/audio/speech")
     max_synthesis_chars: int = Field(
-        300, ge=16, description="longest text of one synthesis call; longer text is split at a sentence end, clause mark"
+        300, ge=16, description="longest text of one synthesis call, as spoken (a digit counts 8); longer text is split at a sentence end, clause mark"
         " or word (WebSocket, every granularity, and HTTP). Piper's memory grows with it: up to ~1.3 MB per character"
     )
 

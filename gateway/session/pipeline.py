@@ -57,6 +57,9 @@ from .writer import SocketWriter
 
 log = logging.getLogger("voxgate.session")
 
+# The largest binary frame of a sentence sent whole (stream_audio false): under websockets' default
+# max_size of 1 MiB, which vLLM-Omni's client keeps; a whole number of samples for every raw format.
+MAX_WHOLE_FRAME_BYTES = 1_000_000
 END = object()  # a sentence's synthesis finished
 CANCELLED = object()  # a sentence was cancelled; wakes a sender waiting on its chunks
 
@@ -442,7 +445,10 @@ class SpeechPipeline:
                     data = audio.wav_bytes(data, config.output_rate)
                 else:  # a flac sent whole states its length, as soundfile needs to read it
                     data = encoder.with_length(data)
-                if data and not await self._send_new_audio(job, data, max(len(data), 1), encoder):
+                # In as few frames as it takes: clients cap a message (websockets, under vLLM-Omni's
+                # client, at 1 MiB), and they join a sentence's frames between audio.start and audio.done.
+                frames = max(1, min(len(data), MAX_WHOLE_FRAME_BYTES))
+                if data and not await self._send_new_audio(job, data, frames, encoder):
                     return
         async with self.writer.lock:
             if job.cancelled:

@@ -27,6 +27,9 @@ moment each is certainly complete, never later:
   waits for a few words instead of a whole sentence; the words after the cut are spoken as their own unit.
 - No unit is longer than ``max_unit_chars`` (``MAX_UNIT_CHARS`` by default; the gateway passes its
   ``max_synthesis_chars``): each unit is one synthesis call, and a backend's cost and memory grow with it.
+  Length is counted as spoken (``spoken_length``): a digit counts DIGIT_SPOKEN_CHARS characters, since a
+  number is read out as words ("1234567" is 68 characters spoken), so a unit of numbers is as long in audio
+  as a unit of words (before, 277 characters of 7-digit numbers made one unit of about 100 s of speech).
   A unit that grows that long without a boundary is cut at its last clause mark, else at its last
   whitespace; flushed text over the limit is cut into pieces after the last sentence end that fits, else
   the last clause mark, else the last whitespace. Only a single word longer than the limit is cut inside.
@@ -103,6 +106,31 @@ def pysbd_language(language: str | None) -> str:
     return key if key in pysbd.languages.LANGUAGE_CODES else "en"
 
 
+# Characters a digit stands for when spoken: "1234567" reads as "one million two hundred thirty-four
+# thousand five hundred sixty-seven" (9.7 a digit), "2024" as "twenty twenty-four" (4.5), a phone number
+# digit by digit (about 5 with the pauses). 8 keeps a unit of large numbers within the limit's audio.
+DIGIT_SPOKEN_CHARS = 8
+
+
+def _spoken_weight(char: str) -> int:
+    return DIGIT_SPOKEN_CHARS if char.isdigit() else 1
+
+
+def spoken_length(text: str) -> int:
+    """How long `text` is when spoken, in characters of prose: digits count DIGIT_SPOKEN_CHARS each."""
+    return len(text) + (DIGIT_SPOKEN_CHARS - 1) * sum(char.isdigit() for char in text)
+
+
+def _chars_within(text: str, limit: int) -> int:
+    """The longest prefix of `text` (in characters) whose spoken length is at most `limit`."""
+    spoken = 0
+    for index, char in enumerate(text):
+        spoken += _spoken_weight(char)
+        if spoken > limit:
+            return index
+    return len(text)
+
+
 class SentenceSegmenter:
     """Turns a stream of text pieces into speakable units. One instance per utterance (or context)."""
 
@@ -125,6 +153,7 @@ class SentenceSegmenter:
 
     def _reset_scan(self) -> None:
         self._scan = 0  # characters of _tail already examined
+        self._spoken = 0  # their spoken length (spoken_length)
         self._token_start = 0  # start of the current (or last) non-whitespace token
         self._has_word_char = False  # a letter or digit among the examined characters
         self._words = 0  # whole words (tokens followed by whitespace) among the examined characters
@@ -188,8 +217,9 @@ class SentenceSegmenter:
             if deadline is not None and examined and time.perf_counter() >= deadline:
                 break
             examined += 1
+            self._spoken += _spoken_weight(tail[i])
             cut = self._examine(tail, i)
-            if cut is None and i + 1 >= self.max_unit_chars:
+            if cut is None and self._spoken >= self.max_unit_chars:
                 cut = _forced_cut(tail[: i + 1], at_clause_marks=self.granularity != "token")
             if cut is None:
                 i += 1
@@ -334,15 +364,15 @@ _WORD_END = re.compile(r"\S(?=\s)")
 
 
 def split_to_fit(text: str, limit: int) -> list[str]:
-    """`text` (stripped) in pieces of at most `limit` characters, in order, whitespace between them dropped:
-    each cut after the last sentence end that fits, else the last clause mark, else the last word; only a
-    word longer than `limit` is cut inside. Linear in the text."""
+    """`text` (stripped) in pieces of at most `limit` characters as spoken (spoken_length), in order,
+    whitespace between them dropped: each cut after the last sentence end that fits, else the last clause
+    mark, else the last word; only a word longer than `limit` is cut inside. Linear in the text."""
     pieces = []
-    while len(text) > limit:
-        window = text[: limit + 1]  # whitespace just past the limit lets a piece end exactly at it
-        end = limit
+    while (fit := _chars_within(text, limit)) < len(text):
+        window = text[: fit + 1]  # whitespace just past the limit lets a piece end exactly at it
+        end = max(1, fit)
         for boundary in (_SENTENCE_END, _CLAUSE_END, _WORD_END):
-            ends = [m.end() for m in boundary.finditer(window) if m.end() <= limit]
+            ends = [m.end() for m in boundary.finditer(window) if m.end() <= fit]
             if ends:
                 end = ends[-1]
                 break
