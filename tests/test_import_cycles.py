@@ -1,4 +1,6 @@
-"""Arrows point one way: no import cycle among the modules of gateway/ and tts_backend/.
+"""Arrows point one way: no import cycle among the modules of gateway/ and tts_backend/, and none from a
+folder to one it must not know (FOLDER_RULES: the store knows no session, audio/ knows nothing else of the
+gateway, the protocol knows none of its users, ...).
 
 Imports are read from the source with ast, wherever they are: at a module's top, inside a function (a
 lazy import still makes a cycle, only a later one), and under `if TYPE_CHECKING:` too. A type-checking
@@ -108,6 +110,73 @@ def cycle_through(graph: dict[str, set[str]], component: set[str]) -> list[str]:
                 paths[succ] = paths[node] + [succ]
                 frontier.append(succ)
     raise AssertionError(f"no cycle through {component}")
+
+
+# (importer, imported, why not): no module in or under `importer` imports a module in or under `imported`.
+# "gateway.audio" stands for gateway/audio/ and everything in it; "gateway" alone for all of the gateway.
+FOLDER_RULES = (
+    ("gateway.store", "gateway.session", "the store keeps sessions; the session uses the store, never the reverse"),
+    ("gateway.store", "gateway.http", "the store knows no route that reads it"),
+    ("gateway.store", "gateway.gateway", "the store is one of the app's parts, not the app"),
+    ("gateway.session", "gateway.http", "the WebSocket session and the HTTP routes are siblings"),
+    ("gateway.session", "gateway.gateway", "a session is handed its parts; it does not look up the app"),
+    ("gateway.http.static", "gateway.http.routes", "static files know no API route"),
+    ("gateway.protocol", "gateway.session", "the protocol's messages know none of their users"),
+    ("gateway.protocol", "gateway.http", "the protocol's messages know none of their users"),
+    ("gateway.protocol", "gateway.store", "the protocol's messages know none of their users"),
+    ("tts_backend", "gateway", "the backends are the layer below the gateway"),
+)
+# (folder, why): modules in `folder` import nothing of the gateway outside it.
+SELF_CONTAINED = (
+    ("gateway.audio", "audio formats and decoding stand alone (untrusted media is decoded in a small process)"),
+)
+
+
+def within(module: str, folder: str) -> bool:
+    return module == folder or module.startswith(folder + ".")
+
+
+def folder_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that breaks FOLDER_RULES or SELF_CONTAINED, as 'importer -> imported: why'."""
+    found = []
+    for module, imports in sorted(graph.items()):
+        for imported in sorted(imports):
+            for importer_folder, imported_folder, why in FOLDER_RULES:
+                if within(module, importer_folder) and within(imported, imported_folder):
+                    found.append(f"{module} -> {imported}: {why}")
+            for folder, why in SELF_CONTAINED:
+                if within(module, folder) and within(imported, "gateway") and not within(imported, folder):
+                    found.append(f"{module} -> {imported}: {why}")
+    return found
+
+
+def test_folders_import_one_way():
+    violations = folder_violations(import_graph())
+    assert not violations, "imports against the layout's arrows:\n" + "\n".join(violations)
+
+
+def test_every_folder_rule_names_modules_that_exist():
+    """A rule about a folder that was renamed away would pass for ever."""
+    modules = set(project_modules())
+    named = {f for rule in FOLDER_RULES for f in rule[:2]} | {folder for folder, _ in SELF_CONTAINED}
+    assert sorted(f for f in named if not any(within(m, f) for m in modules)) == []
+
+
+def test_the_folder_check_reports_each_kind_of_violation():
+    graph = {
+        "gateway.store.base": {"gateway.session.data"},  # store -> session
+        "gateway.audio.pcm": {"gateway.settings", "gateway.audio.encoders"},  # audio -> the rest of the gateway
+        "gateway.protocol": {"gateway.http.routes"},
+        "tts_backend.base": {"gateway.protocol"},
+        "gateway.session.connection": {"gateway.store.base", "gateway.protocol"},  # allowed arrows
+        "gateway.http.routes": {"gateway.session.segmenter", "gateway.protocol"},
+    }
+    assert [v.split(":")[0] for v in folder_violations(graph)] == [
+        "gateway.audio.pcm -> gateway.settings",
+        "gateway.protocol -> gateway.http.routes",
+        "gateway.store.base -> gateway.session.data",
+        "tts_backend.base -> gateway.protocol",
+    ]
 
 
 def test_no_import_cycle_among_gateway_and_backend_modules():
