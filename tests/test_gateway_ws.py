@@ -595,7 +595,7 @@ async def test_cancel_after_input_done_drops_the_utterance_done_too():
 
 
 async def test_an_unexpected_server_fault_is_reported_as_internal_and_closes_1011():
-    from gateway.store.base import MemorySessionStore
+    from gateway.store.memory import MemorySessionStore
 
     class BrokenStore(MemorySessionStore):
         async def apply(self, *args, **kwargs):

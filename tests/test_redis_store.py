@@ -9,7 +9,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.store.redis import RedisSessionStore
-from gateway.store.base import MAX_ENDS_KEPT, AppendMismatch, LeaseLost, MarkerRecord, MemorySessionStore, ReplayOutOfRange
+from gateway.store.base import MAX_ENDS_KEPT, AppendMismatch, LeaseLost, MarkerRecord, ReplayOutOfRange
+from gateway.store.memory import MemorySessionStore
 from gateway.store.factory import create_store
 from tests.redis_fixtures import REDIS_URL, redis_cluster, redis_prefix  # noqa: F401 (fixture)
 

@@ -174,7 +174,7 @@ async def test_a_session_done_lost_at_the_end_comes_again_once_and_a_count_too_h
 @pytest.fixture(params=["memory", "redis"])
 async def store(request, redis_prefix):  # noqa: F811
     from gateway.store.redis import RedisSessionStore
-    from gateway.store.base import MemorySessionStore
+    from gateway.store.memory import MemorySessionStore
 
     store = MemorySessionStore() if request.param == "memory" else RedisSessionStore(REDIS_URL, key_prefix=redis_prefix)
     await store.start()

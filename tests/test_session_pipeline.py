@@ -12,7 +12,8 @@ from gateway.session.data import SessionEnd, SessionInfo, UtteranceEnd
 from gateway.session.pipeline import SpeechPipeline
 from gateway.session.writer import SocketWriter
 from gateway.settings import GatewaySettings
-from gateway.store.base import MemorySessionStore, SentenceRecord, SessionChanges
+from gateway.store.base import SentenceRecord, SessionChanges
+from gateway.store.memory import MemorySessionStore
 from tests.session_parts import RATE, VOICE, RecordingSocket, resolved_config, sentence, utterance
 from tts_backend.synthetic import SyntheticSynthesizer
 

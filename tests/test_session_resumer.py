@@ -13,11 +13,11 @@ from gateway.session.segmenter import SentenceSegmenter
 from gateway.store.base import (
     LeaseLost,
     MarkerRecord,
-    MemorySessionStore,
     OpenUtterance,
     SentenceRecord,
     SessionChanges,
 )
+from gateway.store.memory import MemorySessionStore
 from tests.session_parts import resolved_config
 
 SESSION = "s-resumed"

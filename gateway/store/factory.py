@@ -1,12 +1,13 @@
 """Choosing the session store by name (`--store memory|redis`).
 
-The one module that knows every store: gateway/store/base.py defines the interface and the memory store,
-gateway/store/redis.py builds on it, and both are imported from here, never from each other's side.
+The one module that knows every store: gateway/store/base.py defines the interface, gateway/store/memory.py
+and gateway/store/redis.py build on it, and both are imported from here, never from each other's side.
 """
 
 from __future__ import annotations
 
-from .base import MemorySessionStore, SessionStore
+from .base import SessionStore
+from .memory import MemorySessionStore
 
 
 def create_store(
