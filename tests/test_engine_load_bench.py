@@ -85,3 +85,27 @@ def test_cloned_voice_and_word_timestamp_runs_report_voice_add_and_the_aligner(t
     assert len(report["voice_add"]) == 8  # 2 lengths x 2 attempts, for each clone mode
     markdown = output.with_suffix(".md").read_text()
     assert "Variant xvec" in markdown and "Forced aligner" in markdown
+
+
+def test_the_agent_workload_runs_through_a_worker_with_token_splitting(tiny_custom_voice, tmp_path):
+    """What the H200 agent runs do (bench/README.md): replies of N sentences streamed word by word into
+    `--granularity token` sessions, the engine in a `voxgate worker`; token splitting takes effect there
+    (no session.started warning) and both TTFAs are reported."""
+    output = tmp_path / "agent.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/engine_load.py", "--model", str(tiny_custom_voice), "--device", "cpu",
+         "--rates", "1", "--warmup", "0.5", "--duration", "2", "--agent-sentences", "2", "--words-per-s", "40",
+         "--granularity", "token", "--keep-going", "--fail-ttfa-ms", "100000", "--worker",
+         "--output", str(output), "--log", str(tmp_path / "gateway.log")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert report["load"]["agent_sentences"] == 2 and report["load"]["words_per_s"] == 40
+    assert report["load"]["session_config"]["split_granularity"] == "token"
+    (entry,) = report["rates"]
+    summary = entry["summary"]
+    assert summary["requests"] > 0 and summary["failed"] == 0 and summary["errors"] == []
+    assert summary["warnings"] == []  # the worker's engine takes text while it speaks
+    assert summary["audible_ttfa_after_sentence_s"]["n"] == summary["audible_ttfa_s"]["n"] == summary["requests"]
+    assert "2 sentences per session, 40 words/s, split_granularity token" in output.with_suffix(".md").read_text()

@@ -108,6 +108,25 @@ async def test_synthesis_starts_at_the_first_words_and_speaks_each_sentence_exac
     assert of_type(token, "session.done")[0]["total_sentences"] == 4
 
 
+async def test_the_next_sentence_is_synthesized_while_the_one_before_is_sent():
+    # Paced like a real engine: 150 ms to the first chunk, then 4x faster than real time.
+    backend = RecordingBackend(SyntheticSynthesizer(first_chunk_delay_s=0.15, speed=4.0))
+    text = "The first sentence is long enough to take a while. Second one. Third one here."
+    with running_gateway(backend) as server:
+        messages = await speak(server.ws_url, words_of(text), split_granularity="token")
+    records = backend.records
+    assert [r.text for r in records] == ["The first sentence is long enough to take a while.", "Second one.",
+                                         "Third one here."]
+    assert records[0].opened_with != records[0].text  # it started before its end came
+    audio = audio_by_sentence(messages)
+    for previous, following, index in zip(records, records[1:], (0, 1)):
+        # Each sentence's first audio exists before the one before, played in real time from its first
+        # chunk, runs out: no gap.
+        played_until = previous.chunk_times[0] + len(audio[index]) / 2 / 24000
+        assert following.chunk_times[0] < played_until
+    assert of_type(messages, "session.done")[0]["total_sentences"] == 3
+
+
 async def test_a_backend_without_text_streaming_warns_and_cuts_the_first_unit_after_a_few_words():
     text = "I think that we should go now. And then we will see what happens next."
     with running_gateway(SentencesOnly()) as server:
