@@ -788,7 +788,7 @@ class StreamingSession:
     def _grow(self, job: SentenceJob, text: str, *, finish: bool = False) -> None:
         """The open sentence's text is now `text` (which starts with what it had): recorded, then given to its
         synthesis by `_commit` (and finished, with `finish`)."""
-        if not text.startswith(job.text):  # the segmenter keeps a unit's start (gateway/segmenter.py)
+        if not text.startswith(job.text):  # the segmenter keeps a unit's start (gateway/session/segmenter.py)
             raise RuntimeError(f"sentence {job.index}: {text!r} does not continue {job.text!r}")
         added, job.text = text[len(job.text):], text
         if added:
