@@ -96,6 +96,7 @@ def test_the_agent_workload_runs_through_a_worker_with_token_splitting(tiny_cust
         [sys.executable, "bench/engine_load.py", "--model", str(tiny_custom_voice), "--device", "cpu",
          "--rates", "1", "--warmup", "0.5", "--duration", "2", "--agent-sentences", "2", "--words-per-s", "40",
          "--granularity", "token", "--keep-going", "--fail-ttfa-ms", "100000", "--worker",
+         "--variant", "sentence --granularity sentence --words-per-s 100",
          "--output", str(output), "--log", str(tmp_path / "gateway.log")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -108,4 +109,12 @@ def test_the_agent_workload_runs_through_a_worker_with_token_splitting(tiny_cust
     assert summary["requests"] > 0 and summary["failed"] == 0 and summary["errors"] == []
     assert summary["warnings"] == []  # the worker's engine takes text while it speaks
     assert summary["audible_ttfa_after_sentence_s"]["n"] == summary["audible_ttfa_s"]["n"] == summary["requests"]
-    assert "2 sentences per session, 40 words/s, split_granularity token" in output.with_suffix(".md").read_text()
+    table = output.with_suffix(".md").read_text()
+    assert "2 sentences per session, 40 words/s, split_granularity token" in table
+    # The variant on the same server: sentence splitting at 100 words/s.
+    (variant,) = report["variants"]
+    assert variant["load"]["session_config"]["split_granularity"] == "sentence"
+    assert variant["load"]["words_per_s"] == 100
+    (rate,) = variant["rates"]
+    assert rate["summary"]["failed"] == 0 and rate["summary"]["audible_ttfa_after_sentence_s"]["n"] > 0
+    assert "2 sentences per session, 100 words/s, split_granularity sentence" in table
