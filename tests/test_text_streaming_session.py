@@ -141,6 +141,28 @@ async def test_a_backend_without_text_streaming_warns_and_cuts_the_first_unit_af
     assert all("sentence_text" not in d for d in of_type(messages, "audio.done"))
 
 
+async def test_a_resumed_utterance_keeps_whole_sentences_after_its_shortened_first_unit():
+    with running_gateway(SentencesOnly()) as server:
+        listener = Listener()
+        ws = await websockets.connect(server.ws_url, max_size=None)
+        await ws.send(config_message(split_granularity="token"))
+        await listener.receive(ws, "session.started")
+        await ws.send(json.dumps({"type": "input.text", "text": "One two three four five six seven. Eight nine"}))
+        await listener.receive(ws, "audio.done")
+        await listener.receive(ws, "audio.done")
+        await ws.close()  # the network fails: "Eight nine" is open text in the store
+        ws = await websockets.connect(server.ws_url, max_size=None)
+        await ws.send(listener.resume_message())
+        await listener.receive(ws, "session.started")
+        await ws.send(json.dumps({"type": "input.text", "text": " ten eleven twelve thirteen fourteen."}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        await listener.receive(ws, "session.done")
+        await ws.close()
+    texts = [m["sentence_text"] for m in listener.messages if m["type"] == "audio.start"]
+    # Only the utterance's first unit is cut short, also when the utterance goes on after a resume.
+    assert texts == ["One two three four", "five six seven.", "Eight nine ten eleven twelve thirteen fourteen."]
+
+
 async def test_a_growing_sentence_is_cut_at_max_synthesis_chars():
     text = ("this run on reply has no end in sight and it goes on and on for a long while yet with more words"
             " after more words")

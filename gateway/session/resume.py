@@ -156,6 +156,8 @@ def rebuild(resumed: Resumed, position: SessionResume, new_segmenter: Callable[[
     for open_utterance in record.open_utterances.values():
         counted = utterance(open_utterance.utterance, open_utterance.context_id)
         counted.sentences = max(counted.sentences, open_utterance.sentences)
+        if counted.sentences:  # its first unit went before: the rest is split as ever
+            counted.segmenter.continue_utterance()
     # Text streaming: sentences still being written when the session was recorded. Each continues where it
     # was (its text so far given to synthesis again, the rest as the client sends it); its utterance's open
     # text begins with it.

@@ -171,6 +171,11 @@ class SentenceSegmenter:
         segmenter restores this one)."""
         return self._tail
 
+    def continue_utterance(self) -> None:
+        """The utterance has released units before this segmenter (a resumed one): `first_unit_words`, which
+        shortens an utterance's first unit only, no longer applies."""
+        self._released_any = True
+
     @property
     def stable_chars(self) -> int:
         """How many characters of `buffered_text` are certainly the start of the next unit, ending with a
