@@ -31,7 +31,7 @@ import websockets
 from tests.cloning_fixtures import PitchCloneSynthesizer, dominant_hz, encode_clip, tone_clip
 from tests.cloning_server import cloning_gateway_process
 from tests.gateway_server import audio_by_sentence, open_session, receive_until, running_gateway
-from tests.hostile_fixtures import MemoryWatch
+from tests.hostile_fixtures import MemoryWatch, children_of
 # The planted faults' markers (tests/planted_decoder.py is the decoder process that acts on them).
 SEGFAULT, ABORT, HANG, SPIN = b"PLANTED-SEGFAULT", b"PLANTED-ABORT", b"PLANTED-HANG", b"PLANTED-SPIN"
 ALLOCATE, GARBAGE, ENVIRONMENT = b"PLANTED-ALLOCATE", b"PLANTED-GARBAGE", b"PLANTED-ENVIRONMENT"
@@ -659,29 +659,13 @@ def test_a_decoder_process_gets_none_of_the_gateways_secrets(monkeypatch):
     assert "PATH" in names and "LEAK" not in names and not [n for n in names if n.startswith("VOXGATE")], names
 
 
-def _children_of(pid: int) -> list[int]:
-    import os
-
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry))
-    return children
-
-
 def test_decoder_processes_end_with_a_gateway_that_is_killed():
     import os
     import signal
 
     with cloning_gateway_process(api_keys=[KEY_A]) as gateway:
         assert abs(pitch_of(speak_cloned(gateway.url, KEY_A, b64(clip(240.0)))) - 240.0) < 5
-        decoders = _children_of(gateway.process.pid)
+        decoders = children_of(gateway.process.pid)
         assert len(decoders) == 1, decoders  # one clip, one process started
         os.kill(gateway.process.pid, signal.SIGKILL)
         gateway.process.wait(10)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.gateway_server import free_port
-from tests.hostile_fixtures import MemoryWatch
+from tests.hostile_fixtures import MemoryWatch, children_of
 from tests.worker_fixtures import WorkerProcess, synthetic_worker_args, wait_for, workers
 from tts_backend.base import SynthesisRequest
 from tts_backend.remote import framing
@@ -240,20 +240,6 @@ def test_the_health_port_binds_where_the_worker_listens(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- item 17
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 def alive(pid: int) -> bool:
