@@ -14,6 +14,7 @@ mp3 or ogg (opus) bytes, encoded with PyAV).
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import struct
 from collections.abc import AsyncIterator
@@ -128,3 +129,16 @@ def encode_clip(samples: np.ndarray, sample_rate: int, container: str) -> bytes:
         for packet in stream.encode(None):
             file.mux(packet)
     return out.getvalue()
+
+
+def clip(hz: float, seconds: float = 4.0, rate: int = 24000, channels: int = 1, container: str = "wav") -> bytes:
+    """A tone clip encoded in `container`: what a client uploads as reference audio in the tests."""
+    return encode_clip(tone_clip(hz, seconds, rate, channels), rate, container)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

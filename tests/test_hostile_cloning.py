@@ -28,7 +28,7 @@ import pytest
 import redis
 import websockets
 
-from tests.cloning_fixtures import PitchCloneSynthesizer, dominant_hz, encode_clip, tone_clip
+from tests.cloning_fixtures import PitchCloneSynthesizer, auth, b64, clip, dominant_hz
 from tests.cloning_server import cloning_gateway_process
 from tests.gateway_server import audio_by_sentence, open_session, receive_until, running_gateway
 from tests.hostile_fixtures import MemoryWatch, children_of
@@ -39,18 +39,6 @@ from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 - fixture
 
 KEY_A, KEY_B = "key-a-" + "a" * 20, "key-b-" + "b" * 20
 FETCH_FAILED = "the reference audio could not be fetched from its URL"
-
-
-def clip(hz: float, seconds: float = 4.0, rate: int = 24000, channels: int = 1, container: str = "wav") -> bytes:
-    return encode_clip(tone_clip(hz, seconds, rate, channels), rate, container)
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def upload(url: str, key: str, name: str, audio: bytes, **fields: str) -> httpx.Response:

@@ -21,24 +21,12 @@ import pytest
 import websockets
 
 from gateway.voices import PromptCache
-from tests.cloning_fixtures import PitchCloneSynthesizer, dominant_hz, encode_clip, tone_clip
+from tests.cloning_fixtures import PitchCloneSynthesizer, auth, b64, clip, dominant_hz
 from tests.gateway_server import audio_by_sentence, open_session, receive_until, running_gateway
 from tests.redis_fixtures import redis_cluster, redis_prefix, redis_target  # noqa: F401 - fixture
 
 KEY_A, KEY_B = "key-a-" + "a" * 20, "key-b-" + "b" * 20
 PRESET_HZ = 150.0  # the test backend's one preset voice
-
-
-def clip(hz: float, seconds: float = 4.0, rate: int = 24000, channels: int = 1, container: str = "wav") -> bytes:
-    return encode_clip(tone_clip(hz, seconds, rate, channels), rate, container)
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def upload(url: str, key: str, name: str, audio: bytes, **fields: str) -> httpx.Response:
