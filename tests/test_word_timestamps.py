@@ -518,3 +518,26 @@ async def test_http_refuses_a_header_too_large_and_warns_where_no_timestamps(ser
                 "input": SENTENCES[0], "voice": VOICE, "response_format": "pcm", "word_timestamps": True})
     assert "x-word-timestamps" not in response.headers
     assert [w["code"] for w in json.loads(response.headers["x-voxgate-warnings"])] == ["timestamps_unsupported"]
+
+
+async def test_a_barge_in_after_the_whole_utterance_went_out_reports_what_was_heard(server):
+    """A voice faster than real time sends a whole reply before the listener has heard half of it: the
+    utterance is done on the gateway (utterance.done sent) while it still plays. A cancel with the playback
+    position must still say what was heard, from that finished utterance; without the position nothing was
+    left to cut and nothing is reported, as before."""
+    client = await session(server.ws_url, timestamp_type="word", timestamp_transport_strategy="async")
+    await client.send(type="input.text", text=TEXT, context_id="turn-1")
+    await client.send(type="input.done", context_id="turn-1")
+    await client.until("utterance.done")
+    first_s = len(client.audio[0]) / 2 / RATE
+    await client.send(type="input.cancel", context_id="turn-1", played_ms=(first_s + 0.3) * 1000)
+    heard = await client.until("context.cancelled")
+    await client.send(type="input.cancel", context_id="turn-1")
+    unsaid = await client.until("context.cancelled")
+    await client.ws.close()
+    expected = [(0, w) for w, _, _ in exact_words(SENTENCES[0])]
+    expected += [(1, w) for w, _, end in exact_words(SENTENCES[1]) if end <= 0.3]
+    assert 0 < len(expected) - len(exact_words(SENTENCES[0])) < len(exact_words(SENTENCES[1]))
+    assert [(w["sentence_index"], w["word"]) for w in heard["spoken_words"]] == expected
+    assert heard["spoken_text"] == " ".join(w for _, w in expected)
+    assert not unsaid.get("spoken_words") and not unsaid.get("spoken_text")

@@ -843,6 +843,11 @@ class StreamingSession:
             first_unsent = cut.stopped[0].index if cut.stopped else None
             cancelled = ContextCancelled(context_id=context_id, sentence_index=first_unsent)
             if self.config is not None and self.config.timestamps is not None:
+                if played_ms is not None and not cut.utterances and cut.finished is not None:
+                    # Nothing of the context was left to cut, but the client says how far it has played:
+                    # the utterance it may still be hearing is the one whose words it asks about (a fast voice
+                    # sends a whole reply well ahead of playback).
+                    cut.utterances[cut.finished.number] = cut.finished
                 utterances = [cut.utterances[n] for n in sorted(cut.utterances)]
                 cancelled.spoken_words = self._spoken_before_cut(utterances, cut.interrupted, played_ms)
                 cancelled.spoken_text = " ".join(w.word for w in cancelled.spoken_words)

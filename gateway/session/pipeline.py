@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from tts_backend.base import SynthesisRequest, Synthesizer, TextStream
@@ -62,6 +62,7 @@ log = logging.getLogger("voxgate.session")
 MAX_WHOLE_FRAME_BYTES = 1_000_000
 END = object()  # a sentence's synthesis finished
 CANCELLED = object()  # a sentence was cancelled; wakes a sender waiting on its chunks
+FINISHED_KEPT = 64  # contexts whose latest finished utterance is kept for a late barge-in (Cut.finished)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Cut:
     stopped: list[SentenceJob]  # its sentences not yet sent in full, in send order
     dropped_ends: list[UtteranceEnd]  # its utterance ends not sent, owed no more
     interrupted: SentenceJob | None  # the sentence being sent when it was cut, if its audio.start went out
+    finished: Utterance | None = None  # the context's latest utterance whose end already went out
 
 
 class SpeechPipeline:
@@ -114,6 +116,10 @@ class SpeechPipeline:
         self.queued_audio = 0
         self._audio_taken = asyncio.Event()
         self.last_sent_at = time.monotonic()  # when the sender last finished an item (the idle timeout)
+        # Per context, its latest utterance whose end went out: the client may still be playing it (a CPU
+        # voice sends a sentence far faster than real time), and a barge-in with the playback position must
+        # still be answered with what was heard. One per context, at most FINISHED_KEPT contexts.
+        self._finished: OrderedDict[str | None, Utterance] = OrderedDict()
 
     @property
     def busy(self) -> bool:
@@ -179,7 +185,7 @@ class SpeechPipeline:
         )
         current = self._current
         interrupted = current if isinstance(current, SentenceJob) and current in stopped and current.started_sending else None
-        return Cut(utterances, stopped, dropped_ends, interrupted)
+        return Cut(utterances, stopped, dropped_ends, interrupted, self._finished.get(context_id))
 
     def _stop_job(self, job: SentenceJob) -> None:
         job.finished = True
@@ -482,6 +488,10 @@ class SpeechPipeline:
                 message = SessionDone(total_sentences=self.info.sentences_released)
             await self.writer.send_text_locked(message.encode())
             marker.sent = True
+            self._finished.pop(marker.utterance.context_id, None)
+            self._finished[marker.utterance.context_id] = marker.utterance
+            while len(self._finished) > FINISHED_KEPT:
+                self._finished.popitem(last=False)
         await self.store.add_marker(self.info.session_id, sent_marker(marker), owner=self.info.owner)
 
     async def _send_session_end(self) -> None:
