@@ -202,10 +202,13 @@ async def test_a_fatal_error_for_a_client_that_reads_nothing_still_ends_the_sess
 
 
 async def test_a_client_that_pings_while_a_large_sentence_is_on_its_way_keeps_its_session():
-    """A sentence sent whole (stream_audio false) is one frame: 20 s of 48 kHz wav is 1.9 MB, most of it
-    waiting in the server's buffer while a slow link delivers it. A client that sends a keepalive ping
-    meanwhile is not a ping flood: it gets the whole sentence, its pong and audio.done. Before, the
-    unsent-bytes bound (1 MiB) counted the gateway's own audio and dropped the connection."""
+    """A sentence sent whole (stream_audio false) is 1.9 MB of 48 kHz wav for 20 s, sent in frames of at most
+    1,000,000 bytes (under websockets' default 1 MiB limit), most of it waiting in the server's buffer while
+    a slow link delivers it. A client that sends a keepalive ping meanwhile is not a ping flood: it gets the
+    whole sentence, its pong and audio.done. Before, the unsent-bytes bound (1 MiB) counted the gateway's own
+    audio and dropped the connection."""
+    from gateway.session.pipeline import MAX_WHOLE_FRAME_BYTES
+
     sentence = "This sentence runs on for a long while without a single stop " * 4 + "and then it ends here."
     assert len(sentence) < 300  # one synthesis unit (the default max_synthesis_chars)
     with running_gateway("synthetic") as server:
@@ -217,17 +220,20 @@ async def test_a_client_that_pings_while_a_large_sentence_is_on_its_way_keeps_it
             await client.send_json({"type": "input.text", "text": sentence})
             await client.send_json({"type": "input.done"})
             await client.read_json_until("audio.start")
-            # The sentence's frame has been written: its first bytes are here, most of it is still unsent.
+            # The sentence's first frame has been written: its first bytes are here, most of it is unsent.
             head = await asyncio.wait_for(client.reader.readexactly(2), 20)
             assert head[0] & 0x0F == 0x2 and head[1] & 0x7F == 127, head  # binary, 64-bit length
             (length,) = struct.unpack("!Q", await client.reader.readexactly(8))
-            assert length > 1024 * 1024
+            assert 512 * 1024 < length <= MAX_WHOLE_FRAME_BYTES
             await client.send(frame(OP_PING, b"keepalive"))
             audio = await asyncio.wait_for(client.reader.readexactly(length), 30)
-            await client.read_json_until("session.done")
+            await client.read_json_until("session.done", timeout=30)
         finally:
             client.close()
-    assert audio[:4] == b"RIFF"
+    rest = [f.payload for f in client.received if f.opcode == 0x2]
+    audio += b"".join(rest)
+    assert audio[:4] == b"RIFF" and len(audio) > 1024 * 1024
+    assert all(len(part) <= MAX_WHOLE_FRAME_BYTES for part in rest)
     assert [(f.opcode, f.payload) for f in client.received if f.opcode == OP_PONG] == [(OP_PONG, b"keepalive")]
     done = [f.json for f in client.received if f.opcode == 0x1 and f.json["type"] == "audio.done"]
-    assert [d["total_bytes"] for d in done] == [length]
+    assert [d["total_bytes"] for d in done] == [len(audio)]
