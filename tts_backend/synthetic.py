@@ -54,6 +54,9 @@ class SyntheticSynthesizer(Synthesizer):
     come first served, for a slot before its first chunk, as a request waits for a GPU engine's KV slot.
     A slot is held from the first chunk's preparation (first_chunk_delay_s included) until the stream
     ends, is closed (aclose) or its task is cancelled.
+    words_delay_s: with word_timestamps, send a (whole, not streamed) text's word timings in one chunk of
+    their own this long after its last audio, as a backend whose timings come from a forced aligner does
+    (qwen3 with `aligner`), instead of with the first audio chunk.
     """
 
     name = "synthetic"
@@ -67,6 +70,7 @@ class SyntheticSynthesizer(Synthesizer):
         first_chunk_delay_s: float = 0.0,
         speed: float = 0.0,
         capacity: int | None = None,
+        words_delay_s: float | None = None,
     ) -> None:
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
             raise ValueError(f"capacity must be a whole number of streams >= 1, got {capacity!r}")
@@ -78,6 +82,7 @@ class SyntheticSynthesizer(Synthesizer):
         self.samples_per_char = max(1, round(sample_rate / chars_per_second))
         self.first_chunk_delay_s = first_chunk_delay_s
         self.speed = speed
+        self.words_delay_s = words_delay_s
         self._capacity = capacity
         self._producing = 0  # streams holding a slot
         self._waiting: deque[asyncio.Future] = deque()  # streams waiting for one, oldest first
@@ -191,7 +196,10 @@ class SyntheticSynthesizer(Synthesizer):
                     await asyncio.sleep(len(piece) / self.sample_rate / self.speed)
                 else:
                     await asyncio.sleep(0)  # a cancellation point between chunks, like a real engine
-                yield AudioChunk(piece.tobytes(), words if start == 0 else ())
+                yield AudioChunk(piece.tobytes(), words if start == 0 and self.words_delay_s is None else ())
+            if words and self.words_delay_s is not None:
+                await asyncio.sleep(self.words_delay_s)
+                yield AudioChunk(b"", words)
         finally:
             if self._capacity is not None:
                 self._give_slot()

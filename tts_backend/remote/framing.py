@@ -35,6 +35,12 @@ A worker that is draining answers a synthesize for an utterance it has not serve
 by a worker whose capacity is in use, and the pool asks the next best.
 ("samples": a ReferenceAudio's float32 24 kHz mono samples; "prompt": the backend's voice prompt; a
 request's "voice_prompt" travels in base64 too, and is left out when there is none.)
+A synthesize with "keepalive": true asks for keep-alives: while its backend is still working (queued for an
+engine slot, waiting for the aligner) and has produced nothing for KEEPALIVE_S, the worker sends
+{"op": "wait"} on the stream, again every KEEPALIVE_S: proof that it is alive and at work, which the
+gateway's pool takes in place of a frame for its inter-frame deadline (pool.py). Without the flag (an older
+gateway, which would take the frame for a bad one) none is sent; a worker too old to send them is held to
+the deadlines as before.
 With "word_timestamps" in the request, {"op": "words", "words": [[word, start, end], ...]} frames (a
 chunk's WordTimings, in the backend's samples) come before that chunk's A frame.
 
@@ -74,6 +80,8 @@ AUDIO = b"A"
 # Frame size limits, each checked on the header, before any of the payload is read. Every frame type has
 # the smallest limit that what it carries allows, so that a peer cannot make the other side buffer more.
 # A handshake frame, from a peer that has proved nothing yet:
+# A synthesize stream silent this long while its backend works gets a {"op": "wait"} (see above).
+KEEPALIVE_S = 1.0
 MAX_AUTH_FRAME = 4096
 # A request (the first frame after the handshake): a clone carries its reference clip's samples in base64
 # (30 s of float32 at 24 kHz: 3.8 MB), a synthesize may carry a voice prompt.

@@ -28,11 +28,29 @@ connection, before any text is sent), and a worker found in the registry only th
 that token (discovery.py), whose id it must prove too. Whatever a worker sends is bounded before it is
 believed: frame sizes (framing.py), an info answer's every field (a sample rate of 8-48 kHz, numbers that are
 numbers), and per sentence the audio (MAX_SECONDS_PER_CHAR of the text's characters, at the worker's rate),
-the word timings (one per character at most) and the time it may keep the sentence waiting
-(first_audio_timeout_s for the first frame, chunk_timeout_s for each next one, and in all no more than the
-audio it may send would last). A worker that breaks a bound is set aside for QUARANTINE_S (logged, counted
-in voxgate_pool_workers_quarantined_total) and its sentence goes to another worker as if it had died; with no
-other worker the sentence fails with a retryable error, never silence.
+the word timings (one per character at most). A worker that breaks one of these bounds (or sends a bad
+frame) is set aside for QUARANTINE_S (logged, counted in voxgate_pool_workers_quarantined_total) and its
+sentence goes to another worker as if it had died; with no other worker the sentence fails with a
+retryable error, never silence.
+
+Deadlines. A worker whose backend is still working on a sentence (queued for an engine slot, waiting for
+the forced aligner's word timings) says so: it sends {"op": "wait"} after every
+framing.KEEPALIVE_S (1 s) without output (framing.py; only to a gateway that asks with "keepalive": true,
+as this one does). Any frame, a keep-alive included, proves the worker alive, so the deadline
+for the next frame is first_audio_timeout_s (10 s) until the worker's first frame and chunk_timeout_s (5 s)
+after each: with keep-alives it catches only a worker that is truly silent (hung, dead, hostile), however
+slow its backend; a worker too old to send keep-alives is held to the same deadlines as before. So that no
+worker can stall a sentence forever, its waits are bounded in all too: the silent waits (those ended by
+audio, words or nothing) by first_audio_timeout_s plus as long as the most audio it may send would last,
+as before, and the waits ended by keep-alives by a further KEEPALIVE_WAIT_S (60 s) per sentence, past which
+they count as silence. A sentence kept waiting longer than that is no use to a live caller; the cap is
+separate and larger because a slow backend under load is not a misbehaving one. (A text stream's waits
+for its text are the caller's and count nowhere.)
+A deadline miss proves the worker slow or stuck, not hostile: its sentence goes to another worker, or, with
+none, fails with a retryable error, but the worker stays in the pool (its info queries say whether it is
+alive) and is set aside only while another worker is ready, so that a slow worker under load sheds its
+sessions to the others but overload of the only worker never turns into a QUARANTINE_S outage of new
+sessions.
 
 Drain. A worker that drains takes no new session; a session bound to it stays there for the utterance in
 progress (the worker still serves it) and moves with its next utterance. A worker that answers
@@ -85,6 +103,7 @@ MAX_SECONDS_PER_CHAR = 0.5  # audio per character of text, at most: natural spee
 MIN_SENTENCE_S = 10.0  # ...and at least this much for any text (a short "Hmm." with a pause around it)
 MAX_VOICES = 10_000
 QUARANTINE_S = 30.0  # a worker that broke a bound gets no stream for this long
+KEEPALIVE_WAIT_S = 60.0  # per sentence, waits a worker's keep-alives cover, on top of the silent ones (module doc)
 
 log = logging.getLogger("voxgate.pool")
 
@@ -94,8 +113,13 @@ class WorkerLost(ConnectionError):
 
 
 class WorkerMisbehaved(WorkerLost):
-    """The worker sent what no worker of this version sends (too much, too late, malformed): it is set aside
-    and its work goes elsewhere."""
+    """The worker sent what no worker of this version sends (too much, malformed): it is set aside and its
+    work goes elsewhere."""
+
+
+class WorkerTimedOut(WorkerLost):
+    """The worker kept a sentence waiting past its deadline (module doc): slow or stuck, not proved hostile;
+    its work goes elsewhere."""
 
 
 def _number(info: dict, name: str, default: float = 0.0) -> float:
@@ -300,14 +324,16 @@ class WorkerClient:
         # A text stream's bounds grow with its text (request.full_text): what it may send, and how long it
         # may keep the request waiting, count the text pushed so far.
         audio_sent = words_sent = 0
-        # Seconds the worker kept this request waiting, all waits together; at most the first frame's wait,
-        # then the time the most audio it may send would last.
-        waited_s = 0.0
+        # Seconds the worker kept this request waiting, all waits together, and of those the waits its
+        # keep-alives ended: at most the first frame's wait and the time the most audio it may send would
+        # last, plus KEEPALIVE_WAIT_S of kept-alive waits (module doc).
+        waited_s = alive_s = 0.0
         first = True
         forward = None
         opening = True
         try:
-            message = {"op": "synthesize", "request": framing.request_to_json(request)}
+            # keepalive: this gateway takes {"op": "wait"} frames (module doc); a worker sends them only then.
+            message = {"op": "synthesize", "request": framing.request_to_json(request), "keepalive": True}
             if place:
                 message["place"] = True
             if request.text_stream is not None:
@@ -321,13 +347,15 @@ class WorkerClient:
                 forward = asyncio.ensure_future(_forward_text(request, writer))
             while True:
                 audio_cap = max_audio_bytes(request.full_text, rate)
-                wait_left = self.first_audio_timeout_s + audio_cap / (2 * rate) - waited_s
+                wait_left = self.first_audio_timeout_s + audio_cap / (2 * rate) + min(alive_s, KEEPALIVE_WAIT_S) \
+                    - waited_s
                 deadline = min(self.first_audio_timeout_s if first else self.chunk_timeout_s, wait_left)
                 try:
                     frame, waited = await _next_frame(reader, deadline, request.text_stream)
                     waited_s += waited
                 except asyncio.TimeoutError:
-                    raise WorkerMisbehaved(f"worker {self.id} sent nothing for {deadline:.1f} s") from None
+                    why = "sent nothing" if deadline < wait_left else "kept this sentence waiting too long, last"
+                    raise WorkerTimedOut(f"worker {self.id} {why} for {deadline:.1f} s") from None
                 except (OSError, asyncio.IncompleteReadError) as exc:
                     raise WorkerLost(f"worker {self.id} broke off: {exc or type(exc).__name__}") from exc
                 except framing.ProtocolError as exc:
@@ -351,7 +379,9 @@ class WorkerClient:
                     except framing.ProtocolError as exc:
                         raise WorkerMisbehaved(f"worker {self.id} sent a bad frame: {exc}") from exc
                     op = message["op"]
-                    if op == "words":
+                    if op == "wait":  # a keep-alive: proof of life, nothing to deliver
+                        alive_s += waited
+                    elif op == "words":
                         words = _words(message.get("words"), self.id)
                         words_sent += len(words)
                         if words_sent > len(request.full_text) + 16:
@@ -700,7 +730,13 @@ class RemoteSynthesizer(Synthesizer):
                 full.add(worker)
                 self.placements_refused += 1
             except WorkerLost as exc:
-                worker.down = True
+                if isinstance(exc, WorkerTimedOut):
+                    # Slow, not proved hostile (module doc): set aside only while another worker can take over.
+                    if any(m.ready for m in self.members.values() if m is not worker):
+                        worker.quarantine(str(exc))
+                        self.quarantined += 1
+                else:
+                    worker.down = True
                 if isinstance(exc, WorkerMisbehaved):
                     worker.quarantine(str(exc))
                     self.quarantined += 1
@@ -773,7 +809,8 @@ class RemoteSynthesizer(Synthesizer):
             BackendMetric("pool_placements_refused", "counter", "Session placements a worker refused as full "
                           "(the next best was asked)", samples=(((), float(self.placements_refused)),)),
             BackendMetric("pool_workers_quarantined", "counter", "Times a worker was set aside for breaking a bound "
-                          "(too much audio or too many words for its text, a bad frame, a deadline)",
+                          "(too much audio or too many words for its text, a bad frame, a deadline "
+                          "while another was ready)",
                           samples=(((), float(self.quarantined)),)),
             BackendMetric("pool_registry_records_refused", "counter", "Registry entries ignored: unsigned, badly "
                           "signed or stale", samples=(((), float(self.registry.refused if self.registry else 0)),)),

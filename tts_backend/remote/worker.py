@@ -32,9 +32,10 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-from ..base import BackendMetric, ReferenceAudio, SynthesisError, Synthesizer, TextStream
+from ..base import AudioChunk, BackendMetric, ReferenceAudio, SynthesisError, Synthesizer, TextStream
 from ..log_format import TextFormatter, redact
 from ..registry import create_backend
 from . import framing
@@ -392,7 +393,8 @@ class WorkerServer:
                 if message.get("place") and self.full():
                     await _refuse(writer, "full", "this worker's capacity is in use")
                     return
-                await self._synthesize(data, reader, writer, bool(message.get("text_stream")))
+                await self._synthesize(data, reader, writer, bool(message.get("text_stream")),
+                                       message.get("keepalive") is True)
             else:
                 raise framing.ProtocolError(f"unknown op {str(message['op'])[:64]!r}")
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
@@ -414,9 +416,9 @@ class WorkerServer:
                 await writer.wait_closed()
 
     async def _synthesize(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                          text_stream: bool = False) -> None:
+                          text_stream: bool = False, keepalive: bool = False) -> None:
         text = TextStream(data.get("text") if isinstance(data.get("text"), str) else "") if text_stream else None
-        produce = asyncio.create_task(self._stream(data, writer, text))
+        produce = asyncio.create_task(self._stream(data, writer, text, keepalive))
         # Any frame or end-of-file from the client while we stream means "stop" (but the text of a text stream).
         hangup = asyncio.create_task(self._read_text(reader, text) if text is not None else reader.read(1))
         try:
@@ -451,15 +453,17 @@ class WorkerServer:
                 return  # not text: "stop"
         await reader.read(1)
 
-    async def _stream(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None = None) -> None:
+    async def _stream(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None = None,
+                      keepalive: bool = False) -> None:
         self.streams_in_flight += 1
         try:
-            await self._stream_inner(data, writer, text)
+            await self._stream_inner(data, writer, text, keepalive)
         finally:
             self.streams_in_flight -= 1
             self._last_stream_at = time.monotonic()
 
-    async def _stream_inner(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None) -> None:
+    async def _stream_inner(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None,
+                            keepalive: bool) -> None:
         seconds_per_byte = 1.0 / (2 * self.backend.sample_rate)
         try:
             request = framing.request_from_json(data)
@@ -471,7 +475,7 @@ class WorkerServer:
                 while True:
                     asked = time.monotonic()
                     try:
-                        chunk = await anext(stream)
+                        chunk = await (self._next_chunk(stream, writer) if keepalive else anext(stream))
                     except StopAsyncIteration:
                         break
                     if chunk.pcm:
@@ -499,6 +503,26 @@ class WorkerServer:
             log.exception("synthesis failed")
             writer.write(framing.encode_json({"op": "error", "code": "internal", "message": str(exc)}))
         await writer.drain()
+
+
+    @staticmethod
+    async def _next_chunk(stream: AsyncIterator[AudioChunk], writer: asyncio.StreamWriter) -> AudioChunk:
+        """The backend's next chunk; while it takes longer than framing.KEEPALIVE_S (queued for a slot, the
+        aligner's queue), a {"op": "wait"} every KEEPALIVE_S tells the gateway this stream is alive, so that
+        its deadline catches only a worker that is truly silent."""
+        pending = asyncio.ensure_future(anext(stream))
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=framing.KEEPALIVE_S)
+                if done:
+                    return pending.result()
+                writer.write(framing.encode_json({"op": "wait"}))
+                await writer.drain()
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await pending
 
 
 def default_advertise(listen: WorkerAddress) -> WorkerAddress:
