@@ -4,9 +4,12 @@ and a keyless gateway's wording about keys."""
 from __future__ import annotations
 
 import os
+import queue
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,22 +38,51 @@ def test_the_twilio_bridge_refuses_an_open_listener_without_the_twilio_token():
     assert "--twilio-auth-token" in output and "--insecure-no-auth" in output and "Traceback" not in output
 
 
-def _listens(process: subprocess.Popen, port: int, deadline_s: float = 30) -> bool:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline and process.poll() is None:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return True
-        time.sleep(0.1)
-    return False
+class _Output:
+    """The bridge's output, read on a thread so that the test can wait for a line with a deadline."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process = process
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # end of output
+
+    def bound_port(self, deadline_s: float = 30) -> int:
+        """The port the bridge says it bound. It is started on --port 0: a port picked here and passed in
+        could be taken by another socket before the bridge binds it (CI once saw the bridge exit on that)."""
+        deadline = time.monotonic() + deadline_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.seen.append(line)
+            if found := re.search(r"Twilio bridge on \S+:(\d+) ", line):
+                return int(found.group(1))
+        raise AssertionError(f"the bridge did not say it listens (exit {self.process.poll()}): {''.join(self.seen)}")
+
+    def rest(self) -> str:
+        """All the output, once the process has ended."""
+        while (line := self.lines.get(timeout=10)) is not None:
+            self.seen.append(line)
+        return "".join(self.seen)
 
 
 def test_the_twilio_bridge_listens_on_loopback_by_default_and_anywhere_when_told():
     for args in ([], ["--host", "0.0.0.0", "--twilio-auth-token", "secret"], ["--host", "0.0.0.0", "--insecure-no-auth"]):
-        port = free_port()
-        process = _twilio("--port", str(port), *args)
+        process = _twilio("--port", "0", *args)
+        output = _Output(process)
         try:
-            assert _listens(process, port), (args, process.poll())
+            port = output.bound_port()
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", port)) == 0, args
             if not args:  # the default is loopback only
                 addresses = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
                 for address in addresses - {"127.0.0.1"}:
@@ -58,9 +90,9 @@ def test_the_twilio_bridge_listens_on_loopback_by_default_and_anywhere_when_told
                         assert probe.connect_ex((address, port)) != 0, address
         finally:
             process.terminate()
-            output, _ = process.communicate(timeout=10)
         if "--insecure-no-auth" in args:
-            assert "without --twilio-auth-token" in output  # said, not silent
+            assert "without --twilio-auth-token" in output.rest()  # said, not silent
+        process.wait(timeout=10)
 
 
 def test_the_page_has_a_favicon():

@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("VOXGATE_API_KEY"))
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to listen on; another than loopback needs --twilio-auth-token")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port (the log line says which)")
     parser.add_argument("--public-url", help="wss:// base URL Twilio reaches this bridge on")
     parser.add_argument(
         "--twilio-auth-token", default=os.environ.get("TWILIO_AUTH_TOKEN"),
@@ -70,7 +70,8 @@ async def run(args: argparse.Namespace) -> None:
     server = await bridge.serve(
         args.host, args.port, public_url=args.public_url, auth_token=args.twilio_auth_token
     )
-    logging.info("Twilio bridge on %s:%d (stream /twilio, TwiML /twiml) -> %s", args.host, args.port, args.gateway)
+    port = server.sockets[0].getsockname()[1]  # the bound one: --port 0 lets the OS pick without a race
+    logging.info("Twilio bridge on %s:%d (stream /twilio, TwiML /twiml) -> %s", args.host, port, args.gateway)
     await server.serve_forever()
 
 
