@@ -100,7 +100,12 @@ def running_gateway(
     `ready_path` answers 200: "/health" to see the gateway before its backend is ready."""
     if isinstance(store, str):  # the settings' store kind ("memory", "redis"), not an instance
         settings_overrides["store"], store = store, None
-    port = free_port()
+    # The socket is bound here and handed to uvicorn: a port picked and released here could be taken by
+    # another socket before uvicorn binds it.
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     instance = backend if isinstance(backend, Synthesizer) else None
     name = backend.name if instance is not None else backend
     settings = GatewaySettings(host="127.0.0.1", port=port, backend=name, log_level="warning", **settings_overrides)
@@ -115,9 +120,10 @@ def running_gateway(
         loop_box["loop"] = loop
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(server.serve())
+            loop.run_until_complete(server.serve(sockets=[listener]))
         finally:
             loop.close()
+            listener.close()
 
     thread = threading.Thread(target=serve, name=f"gateway-{port}", daemon=True)
     thread.start()
