@@ -96,7 +96,14 @@ def _compile(fn, enabled: bool):
 
     _guard_same_meta()
 
-    # One code object serves several stacks and shapes (batch 1 is specialised apart from batch > 1).
+    import torch.fx.experimental._config as shape_config
+
+    # Each variant TorchDynamo traces is one TorchInductor compile, about 8 s of start-up on the H200 (issue
+    # 22), so the functions are traced for as few shapes as possible: sizes that happen to be equal at the
+    # first call (a batch of 64 rows and a table of 64 entries) must not be guarded equal ("duck sizing").
+    # A size of 1 still gets a variant of its own (TorchDynamo specialises 0 and 1; treating them
+    # size-obliviously breaks the broadcasts of size-1 dimensions), so the runner's buckets avoid batches of 1.
+    shape_config.use_duck_shape = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
     return torch.compile(fn, dynamic=True, fullgraph=True)
@@ -215,7 +222,9 @@ def fuse_codec_activations(codec, compile: bool) -> int:
     snake = _compile(_snake_beta, True)
     for module in codec.modules():
         if isinstance(module, SnakeBeta):
-            module.forward = functools.partial(snake, alpha=module.alpha.detach(), beta=module.beta.detach())
+            # Contiguous input: a strided one (a trimmed transposed convolution's output) is a variant of its own.
+            module.forward = lambda x, alpha=module.alpha.detach(), beta=module.beta.detach(): snake(
+                x.contiguous(), alpha, beta)
             count += 1
     return count + _route_codec_layers(codec, True)
 
@@ -285,7 +294,9 @@ class FusedStack:
         self.layer_fn = _compile(make_layer_fn(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                                cfg.rms_norm_eps, cfg.rope_theta), compile)
         eps = cfg.rms_norm_eps
-        self.norm_fn = _compile(lambda x, w: _rms_norm(x, w, eps), compile)
+        # Over rows of any rank, as one 2-D shape: one compiled variant for decode [B, D] and prefill [B, S, D].
+        norm = _compile(lambda x, w: _rms_norm(x, w, eps), compile)
+        self.norm_fn = lambda x, w: norm(x.reshape(-1, x.shape[-1]), w).view(x.shape)
         self.key_positions = torch.arange(max(cfg.max_position_embeddings, 1), device=self.norm_weight.device)
 
     def forward(self, x: torch.Tensor, cache: PerLayerKV, slots: torch.Tensor, pos: torch.Tensor,

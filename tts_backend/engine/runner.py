@@ -109,15 +109,18 @@ class Qwen3RunnerConfig:
     # Decode layers of the fused path: "triton" (engine/kernels.py, five kernels per layer), "inductor" (the
     # compiled layer function), or "auto": Triton on CUDA when it is installed and the shapes suit it.
     kernels: str = "auto"
-    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    # No bucket of 1: a batch of one row runs padded to 2, because TorchDynamo traces a size of 1 as a shape of
+    # its own, and every traced variant is a TorchInductor compile (~8 s of start-up on the H200, issue 22);
+    # on a bandwidth-bound GPU the padding row costs next to nothing.
+    decode_buckets: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 48, 64)
     attend_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048)
-    prefill_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_batch_buckets: tuple[int, ...] = (2, 4, 8)
     prefill_len_buckets: tuple[int, ...] = (16, 32, 64, 128)
     # Prompt lengths of the captured prefill for cloned voices (Base checkpoints only), whose prompts carry
     # vectors (the x-vector, the reference frames) and so enter the graph as embeddings: an in-context voice's
     # prompt holds its reference frames (126 positions for a 10 s clip, 376 for 30 s) besides the text.
     clone_prefill_len_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-    codec_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    codec_batch_buckets: tuple[int, ...] = (2, 4, 8, 16)
     codec_frames: tuple[int, ...] = tuple(range(1, 13))
     # In-context cloned voices whose reference-primed codec state is kept (about 5 MB each at the released
     # size), so a registered voice's reference frames go through the codec once, not before every request.

@@ -1,0 +1,102 @@
+"""How many graph variants the engine's start-up makes TorchInductor compile, on the CPU (issue 22).
+
+On the H200 each compiled variant costs about 8 s of start-up (bench/results/engine_h200.md), so the count
+is what decides a cold start. TorchDynamo decides the variants (a new one per shape its guards reject), not
+Inductor, so tracing with a backend that compiles nothing gives the same count here in seconds: the runner's
+functions go through `torch.compile(..., backend="eager")`, and every step the GPU would capture runs once
+at each captured shape, in the order the runner captures them.
+
+    TRITON_INTERPRET=1 python bench/compile_variants.py [--size small] [--json out.json]
+
+Prints, per kind of step, the variants compiled and, with --reasons, why each recompilation happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def count_variants(size: str = "small", model_type: str = "custom_voice", config_overrides: dict | None = None,
+                   reasons: bool = False) -> dict:
+    """{kind: variants compiled while capturing that kind, ..., "total": n, "recompiles": [...]}."""
+    from torch._dynamo.utils import counters
+
+    from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
+    from tts_backend.qwen3.generate import Qwen3TTS
+    from tts_backend.qwen3.testing.checkpoint import write_checkpoint
+
+    real_compile = torch.compile
+    torch._dynamo.reset()
+    counters.clear()
+    recompiles: list[str] = []
+
+    class _Recompiles(logging.Handler):
+        def emit(self, record):
+            recompiles.append(record.getMessage())
+
+    handler = _Recompiles()
+    if reasons:
+        torch._logging.set_logs(recompiles=True)
+        logging.getLogger("torch._dynamo").addHandler(handler)
+    torch.compile = lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_checkpoint(Path(tmp) / "ckpt", size, seed=3, model_type=model_type)
+            model = Qwen3TTS.from_pretrained(str(path), device="cpu", dtype=torch.float32)
+            options = dict(sampler="stateless", fused=True, kernels="triton", max_len=512)
+            options.update(config_overrides or {})
+            runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(**options))
+            runner.compile = True  # what CUDA does; the CPU default runs the functions uncompiled
+            runner.graphs.enabled = True  # so that the runner pads batches to its buckets as it does on CUDA
+            counts: dict[str, int] = {}
+            current = {"kind": None}
+
+            def capture(key, fn, example_inputs, warmup=2):
+                kind = key[0]
+                before = int(counters["stats"]["unique_graphs"])
+                with torch.inference_mode():
+                    fn(*[t.clone() for t in example_inputs])
+                counts[kind] = counts.get(kind, 0) + int(counters["stats"]["unique_graphs"]) - before
+                current["kind"] = kind
+
+            runner.graphs.capture = capture
+            with torch.inference_mode():
+                runner._allocate()
+                runner._capture_all()
+    finally:
+        torch.compile = real_compile
+        if reasons:
+            logging.getLogger("torch._dynamo").removeHandler(handler)
+            torch._logging.set_logs(recompiles=False)
+    counts["total"] = int(counters["stats"]["unique_graphs"])
+    if reasons:
+        counts["recompiles"] = recompiles
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--model-type", default="custom_voice")
+    parser.add_argument("--reasons", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    result = count_variants(args.size, args.model_type, reasons=args.reasons)
+    for line in result.pop("recompiles", []):
+        print(line)
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

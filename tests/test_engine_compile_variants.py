@@ -1,0 +1,39 @@
+"""Start-up compiles few graph variants (issue 22): on the H200 each TorchInductor compile costs about 8 s,
+and 20 of them made a cold start 166 s. TorchDynamo decides the variants, so they are counted here on the
+CPU with a backend that compiles nothing (bench/compile_variants.py), over every bucket the runner captures
+in a reduced configuration that still has several batch sizes, frame counts and prompt lengths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytest.importorskip("triton")
+
+
+def test_capture_traces_one_variant_per_function_and_shape_class():
+    code = textwrap.dedent("""
+        import json
+        from bench.compile_variants import count_variants
+        print(json.dumps(count_variants("small", config_overrides=dict(
+            max_slots=8, decode_buckets=(2, 4, 8), codec_batch_buckets=(2, 4, 8), codec_frames=(1, 2, 3, 4),
+            prefill_len_buckets=(16, 32)))))
+    """)
+    # The Triton decode kernels run in Triton's interpreter, which must be chosen before Triton is imported.
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    # decode: the Talker's sampler and the final norm; cp: the frame embedding; codec: SnakeBeta, the
+    # pre-transformer layer at one frame and at several; prefill: the layer over several positions. Batch
+    # size, frame count and prompt length within a class add none (duck sizing, 1-row batches and strided
+    # inputs each added some before).
+    assert counts == {"decode": 2, "cp": 1, "codec": 3, "prefill": 1, "total": 7}, counts
