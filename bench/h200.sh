@@ -169,6 +169,11 @@ step_textstream() {  # step_textstream "ARGS" (e.g. "--others 8 --words-per-s 10
 
 step_savecache() {
     local archive=$OUT/compile_cache.tgz limit=$((15 * 1024 * 1024)) size
+    # What the cache holds, by kind (issue 22: it grew to 164 MB, too large to carry between machines).
+    run du -sh "$COMPILE_CACHE"/inductor/* "$COMPILE_CACHE"/triton 2>/dev/null
+    run find "$COMPILE_CACHE/triton" -type f -printf '%s %f\n' 2>/dev/null \
+        | awk '{n = split($2, p, "."); ext = p[n]; bytes[ext] += $1; files[ext]++}
+               END {for (e in bytes) printf "triton cache .%s: %d files, %.1f MB\n", e, files[e], bytes[e] / 1e6}'
     run tar -C "$COMPILE_CACHE" -czf "$archive" inductor triton || return 1
     [[ -n ${DRY_RUN:-} ]] && return 0
     size=$(stat -c %s "$archive")
