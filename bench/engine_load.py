@@ -280,6 +280,27 @@ def aligner_breakdown(before: dict, after: dict, engine: dict | None) -> dict | 
             "share_of_engine_wall": seconds / wall if wall else None}
 
 
+def loop_lag_breakdown(before: dict, after: dict) -> dict | None:
+    """The gateway's event-loop lag between two scrapes (voxgate_event_loop_lag_seconds): samples, how many
+    were later than 5 / 25 / 100 ms, and the bucket bound the 99th percentile lies under, in ms. Whether the
+    gateway's loop is what stalls under load (issue 22). None when /metrics has no such histogram."""
+    buckets: dict[float, float] = {}
+    for (sample, labels), value in after.items():
+        if sample == "voxgate_event_loop_lag_seconds_bucket":
+            bound = float(dict(labels)["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + value - before.get((sample, labels), 0.0)
+    if not buckets:
+        return None
+    count = buckets.get(float("inf"), 0.0)
+
+    def over(bound_s: float) -> int:
+        return int(round(count - buckets.get(bound_s, 0.0)))
+
+    p99 = next((bound for bound in sorted(buckets) if buckets[bound] >= 0.99 * count), None) if count else None
+    return {"samples": int(count), "over_5ms": over(0.005), "over_25ms": over(0.025), "over_100ms": over(0.1),
+            "p99_under_ms": None if p99 is None or p99 == float("inf") else p99 * 1000}
+
+
 def requests_by_outcome(before: dict, after: dict) -> dict[str, int]:
     """voxgate_engine_requests_total between two scrapes, by outcome."""
     out: dict[str, int] = {}
@@ -622,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
                 engine = engine_breakdown(counters_before, counters_after)
                 entry = {"rps": rate, "passed": passed, "gpu_memory_max_MiB": max(memory) if memory else None,
                          "seeds": seeds, "summary": summary, "engine": engine,
-                         "aligner": aligner_breakdown(counters_before, counters_after, engine)}
+                         "aligner": aligner_breakdown(counters_before, counters_after, engine),
+                         "gateway_loop_lag": loop_lag_breakdown(counters_before, counters_after)}
                 if health:
                     entry["workers"] = [
                         {"worker": i, "address": spec["address"],
@@ -645,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"GPU memory max {entry['gpu_memory_max_MiB']} MiB; verdict {'PASS' if passed else 'FAIL'}", flush=True)
                 if engine is not None:
                     print(engine_table([entry]), flush=True)
+                if entry["gateway_loop_lag"] is not None:
+                    print(f"gateway event-loop lag: {entry['gateway_loop_lag']}", flush=True)
                 for w in entry.get("workers", []):
                     print(f"worker {w['worker']} ({w['address']}): requests {w['requests']}", flush=True)
                 if not passed and not args.keep_going:

@@ -143,6 +143,7 @@ def create_app(
         gateway.shared_voices_pending = bool(settings.shared_voices_dir)
 
         starting = asyncio.create_task(start_backend(), name="backend-start")
+        lag_watch = asyncio.create_task(gateway.metrics.watch_loop_lag(), name="loop-lag")
 
         def started(task: asyncio.Task) -> None:
             if task.cancelled():
@@ -169,7 +170,8 @@ def create_app(
             gateway.draining = True
             if not starting.done():
                 starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
+            lag_watch.cancel()
+            await asyncio.gather(starting, lag_watch, return_exceptions=True)
             await gateway.backend.stop()
             await gateway.voices.stop()
             await gateway.admission.stop()

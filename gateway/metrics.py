@@ -6,6 +6,7 @@ batches and time shares, a worker's streams), read at each scrape and exposed as
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,6 +17,9 @@ from tts_backend.base import BackendMetric
 
 # Time to first audio spans sub-10 ms (synthetic backend) to seconds (an overloaded GPU).
 TTFA_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
+# Event-loop lag: a healthy loop is late by well under a millisecond; 5 ms and more delays every session's audio.
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LOOP_LAG_INTERVAL_S = 0.05
 
 
 class _BackendMetrics:
@@ -60,8 +64,24 @@ class GatewayMetrics:
             "voxgate_speech_requests_total", "POST /v1/audio/speech requests", ["stream"], registry=r
         )
 
+        self.loop_lag_seconds = Histogram(
+            "voxgate_event_loop_lag_seconds",
+            f"How late the event loop ran a timer due every {LOOP_LAG_INTERVAL_S * 1000:g} ms: the time every"
+            " session's frames, handshakes and text waited for the loop (issue 22: whether the gateway's loop"
+            " is what stalls under load, or the engine)",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        )
         self._backend = _BackendMetrics()
         r.register(self._backend)
+
+    async def watch_loop_lag(self, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+        """Run for the app's life: sleep `interval_s` and record how much later than that the loop woke."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + interval_s
+            await asyncio.sleep(interval_s)
+            self.loop_lag_seconds.observe(max(0.0, loop.time() - due))
 
     def render(self, backend_metrics: Sequence[BackendMetric] = ()) -> bytes:
         """The exposition text; `backend_metrics` as read from the backend for this scrape (rendering is

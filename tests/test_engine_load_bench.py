@@ -43,6 +43,9 @@ def test_several_seeds_are_reported_as_the_median_of_each_seeds_percentiles(tiny
     shares = sum(st["thread_share"] for st in stages.values()) + engine["schedule_share"] + engine["idle_share"]
     assert 0.9 <= shares <= 1.0 + 1e-9
     assert "Engine thread" in output.with_suffix(".md").read_text()
+    # The gateway's event-loop lag over the same window: its watch samples every 50 ms (5 s of runs here).
+    lag = entry["gateway_loop_lag"]
+    assert lag["samples"] >= 20 and lag["over_100ms"] <= lag["over_25ms"] <= lag["over_5ms"] <= lag["samples"]
 
 
 def test_cloned_voice_and_word_timestamp_runs_report_voice_add_and_the_aligner(tmp_path):
