@@ -30,6 +30,9 @@
 #                      LOAD_ARGS="--worker --clone icl" bash bench/h200.sh setup use:base load:1,10,20
 #   aligner          build (once) the random Qwen3-ForcedAligner-0.6B in /tmp/aligner, for LOAD_ARGS such as
 #                    "--worker --timestamps async -o aligner=/tmp/aligner"
+#   alignercost[:ARGS] bench/aligner_cost.py ARGS on the random aligner in /tmp/aligner (built if missing)
+#                    -> $OUT/aligner_cost.json: ms and ops per sentence at batch 1/4/16, e.g.
+#                      bash bench/h200.sh alignercost:"--contend-ms 2"
 #   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.tgz (if under 15 MiB)
 #
 # Only 8 files come back from $OUT, so after each step everything there except h200.log, the *.json
@@ -112,6 +115,16 @@ step_aligner() {
     else
         run "$PY" bench/make_checkpoint.py --aligner --size 0.6b --out /tmp/aligner || return 1
     fi
+}
+
+ALIGNERCOST_RUNS=0
+step_alignercost() {  # step_alignercost "ARGS" (e.g. "--contend-ms 2 --batches 1,4,16")
+    local args=() suffix=""
+    read -ra args <<<"$1"
+    step_aligner || return 1
+    ALIGNERCOST_RUNS=$((ALIGNERCOST_RUNS + 1))
+    ((ALIGNERCOST_RUNS > 1)) && suffix=_$ALIGNERCOST_RUNS
+    run "$PY" bench/aligner_cost.py --model /tmp/aligner --device cuda "${args[@]}" --output "$OUT/aligner_cost$suffix.json"
 }
 
 step_reference() {
@@ -220,9 +233,10 @@ for arg in "$@"; do
         textstream) step_textstream "$value" ;;
         use) step_use "$value" ;;
         aligner) step_aligner ;;
+        alignercost) step_alignercost "$value" ;;
         tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
         savecache) step_savecache ;;
-        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, textstream:ARGS, use:TYPE, aligner, savecache)"; false ;;
+        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, textstream:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
     esac
     rc=$?
     if ((rc != 0)); then
