@@ -58,7 +58,6 @@ def count_variants(size: str = "small", model_type: str = "custom_voice", config
             runner.compile = True  # what CUDA does; the CPU default runs the functions uncompiled
             runner.graphs.enabled = True  # so that the runner pads batches to its buckets as it does on CUDA
             counts: dict[str, int] = {}
-            current = {"kind": None}
 
             def capture(key, fn, example_inputs, warmup=2):
                 kind = key[0]
@@ -66,7 +65,6 @@ def count_variants(size: str = "small", model_type: str = "custom_voice", config
                 with torch.inference_mode():
                     fn(*[t.clone() for t in example_inputs])
                 counts[kind] = counts.get(kind, 0) + int(counters["stats"]["unique_graphs"]) - before
-                current["kind"] = kind
 
             runner.graphs.capture = capture
             with torch.inference_mode():
