@@ -84,9 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--kernels", default="auto", choices=["auto", "triton", "inductor"],
                         help="decode layers of the fused path (Qwen3RunnerConfig.kernels)")
+    parser.add_argument("--prefill-batches", default="2,4,8", help="cost table: prefill batch sizes (no 1: a shape of its own to compile)")
+    parser.add_argument("--prefill-lengths", default="32,64", help="cost table: prefill prompt positions")
+    parser.add_argument("--codec-batches", default="2,4,8,16", help="cost table: codec batch sizes")
+    parser.add_argument("--codec-frames", default="2,4,8,12", help="cost table: frames per codec call")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    for name in ("prefill_batches", "prefill_lengths", "codec_batches", "codec_frames"):
+        setattr(args, name, [int(x) for x in getattr(args, name).split(",")])
 
     from tts_backend.qwen3.generate import Qwen3TTS
 
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append("")
     lines.append(f"fused {report['fused']}, compiled {report['compiled']}, decode kernels {report['kernels']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
                  f"weights per frame {floor['frame'] / 1e9:.2f} GB; eager frame at batch 1 "
-                 f"{report['eager_frame_batch1_ms']:.1f} ms; prefill (1x32) {report['prefill_batch1_32pos_ms']:.2f} ms; "
+                 f"{report['eager_frame_batch1_ms']:.1f} ms; prefill (2x32) {report['prefill_batch2_32pos_ms']:.2f} ms; "
                  + "; ".join(f"{k} {v:.2f}" for k, v in report.items() if k.startswith("codec_")))
     table = "\n".join(lines)
     print(table)
@@ -140,7 +146,8 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
     max_b = max(batches)
     runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(
         max_slots=max_b, max_len=512, decode_buckets=tuple(batches), attend_buckets=(attend,),
-        prefill_batch_buckets=(1,), prefill_len_buckets=(16, 32), codec_batch_buckets=(1, 16), codec_frames=(2, 12),
+        prefill_batch_buckets=tuple(args.prefill_batches), prefill_len_buckets=tuple(args.prefill_lengths),
+        codec_batch_buckets=tuple(args.codec_batches), codec_frames=tuple(args.codec_frames),
         sampler="stateless", fused=fused, kernels=args.kernels if fused else "inductor",
     ))
     with torch.inference_mode():
@@ -227,17 +234,33 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
 
         eager_s = time_replays(eager_frame, 5, repeats=3)
 
-        # The first-chunk path: prefill (batch 1, 32 positions) and a 2-frame codec decode.
+        # The first-chunk path and the simulator's cost table (bench/engine_sim.py): prefill per (batch, prompt
+        # length) and codec per (batch, frames), each replayed as the graph the engine captures.
         sc = runner.scratch
-        prefill_inputs = [torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, 32, dtype=torch.long, device=device),
-                          torch.full((1, 32), -1, dtype=torch.long, device=device), torch.full((1,), 20, dtype=torch.long, device=device)]
-        graphs.capture(("prefill", 1, 32), runner._prefill_fn, prefill_inputs)
-        prefill_s = time_replays(graphs._steps[("prefill", 1, 32)].graph.replay, args.iters)
-        codec_rows = {}
-        for b, f in ((1, 2), (16, 12)):
-            s = torch.full((b,), sc, dtype=torch.long, device=device)
-            graphs.capture(("codec", f, b), lambda x, f=f, b=b: runner._codec_fn(x, f, runner.codec_static[b]), [s])
-            codec_rows[f"codec_{f}frames_batch{b}_ms"] = time_replays(graphs._steps[("codec", f, b)].graph.replay, 10) * 1e3
+        prefill_ms = {}
+        for b in args.prefill_batches:
+            for n in args.prefill_lengths:
+                inputs = [torch.arange(b, dtype=torch.long, device=device), torch.zeros(b, n, dtype=torch.long, device=device),
+                          torch.full((b, n), -1, dtype=torch.long, device=device),
+                          torch.full((b,), max(1, n - 4), dtype=torch.long, device=device)]
+                graphs.capture(("prefill", b, n), runner._prefill_fn, inputs)
+                prefill_ms[f"{b}x{n}"] = time_replays(graphs._steps[("prefill", b, n)].graph.replay, args.iters) * 1e3
+        prefill_s = prefill_ms.get("2x32", min(prefill_ms.values())) / 1e3
+        codec_ms = {}
+        for b in args.codec_batches:
+            for f in args.codec_frames:
+                s = torch.full((b,), sc, dtype=torch.long, device=device)
+                graphs.capture(("codec", f, b), lambda x, f=f, b=b: runner._codec_fn(x, f, runner.codec_static[b]), [s])
+                codec_ms[f"{b}x{f}"] = time_replays(graphs._steps[("codec", f, b)].graph.replay, 10) * 1e3
+        codec_rows = {f"codec_{f}frames_batch{b}_ms": codec_ms[f"{b}x{f}"] for b, f in ((2, 2), (16, 12))
+                      if f"{b}x{f}" in codec_ms}
+        cost_table = {
+            "frame_ms": {str(r["batch"]): r["frame_ms"] for r in rows},
+            "talker_ms": {str(r["batch"]): r["talker_ms"] for r in rows},
+            "code_predictor_ms": {str(r["batch"]): r["code_predictor_ms"] for r in rows},
+            "prefill_ms": prefill_ms,  # "BATCHxPOSITIONS"
+            "codec_ms": codec_ms,  # "BATCHxFRAMES"
+        }
     return {
         "tool": "bench/engine_step.py",
         "copy_bandwidth_TBps": bandwidth / 1e12,
@@ -246,8 +269,9 @@ def measure(args, model, batches, attend, bandwidth, floor, fused) -> dict:
         "attend_bucket": attend,
         "rows": rows,
         "eager_frame_batch1_ms": eager_s * 1e3,
-        "prefill_batch1_32pos_ms": prefill_s * 1e3,
+        "prefill_batch2_32pos_ms": prefill_s * 1e3,
         **codec_rows,
+        "cost_table": cost_table,
         "gpu_memory_GiB": torch.cuda.max_memory_allocated(device) / 2**30,
         "fused": runner.fused,
         "compiled": runner.compile,

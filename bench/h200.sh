@@ -79,6 +79,11 @@ install_wheels() {  # install_wheels FOLDER TARGET
 
 step_setup() {
     install_wheels "$REPO/.carry/whl" "$SITE" || return 1
+    # PyAV (35 MB) travels only when the image lacks it (.carry/optwhl), to leave room for the compile cache.
+    if ! "$PY" -c "import av" 2>/dev/null; then
+        echo "the image has no PyAV: installing .carry/optwhl"
+        install_wheels "$REPO/.carry/optwhl" "$SITE" || return 1
+    fi
     run nvidia-smi -L
     run "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || return 1
     run "$PY" -c "import gateway.app, tts_backend.qwen3_backend, uvicorn, websockets; print('gateway imports ok')" || return 1
