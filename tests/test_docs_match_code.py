@@ -1,5 +1,6 @@
-"""README.md and docs/protocol.md say what the code does: every setting in README's settings table with its
-flag and default, every error code and close code in the protocol's "Errors and limits".
+"""The docs say what the code does: every setting in docs/settings.md's table with its flag and default,
+every error code and close code in docs/protocol.md's "Errors and limits", every file in docs/layout.md's
+tree.
 
 These read the documents as a person does (the table's rows, the paragraph's backticked codes) and compare
 them with the code's own lists, in both directions.
@@ -8,6 +9,7 @@ them with the code's own lists, in both directions.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,9 +23,8 @@ UNITS = {"KiB": 1024, "MiB": 1024 * 1024}
 
 
 def settings_rows() -> list[tuple[str, str, str]]:
-    """(flag, variable, default) cells of README's settings table."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## `voxgate serve`: flags and settings", 1)[1].split("\n## ", 1)[0]
+    """(flag, variable, default) cells of docs/settings.md's table."""
+    section = (ROOT / "docs" / "settings.md").read_text().split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -70,15 +71,15 @@ def serve_flags() -> dict[tuple[str, ...], str]:
             for action in serve._actions if action.option_strings and action.dest != "help"}
 
 
-def test_every_setting_is_in_the_readme_table_and_every_row_is_a_setting():
+def test_every_setting_is_in_the_settings_table_and_every_row_is_a_setting():
     documented = [name.lower() for _, cell, _ in settings_rows() for name in variables(cell)]
     fields = set(GatewaySettings.model_fields)
     assert len(documented) == len(set(documented)), f"settings in two rows: {sorted(documented)}"
-    assert sorted(fields - set(documented)) == [], "settings missing from README's table"
-    assert sorted(set(documented) - fields) == [], "README's table names settings that do not exist"
+    assert sorted(fields - set(documented)) == [], "settings missing from docs/settings.md's table"
+    assert sorted(set(documented) - fields) == [], "docs/settings.md's table names settings that do not exist"
 
 
-def test_every_readme_default_is_the_settings_default():
+def test_every_documented_default_is_the_settings_default():
     wrong = []
     for _, variable_cell, default_cell in settings_rows():
         names = [n.lower() for n in variables(variable_cell)]
@@ -88,11 +89,11 @@ def test_every_readme_default_is_the_settings_default():
             field = GatewaySettings.model_fields[name]
             actual = field.get_default(call_default_factory=True)
             if comparable(actual) != documented_value(cell):
-                wrong.append(f"VOXGATE_{name.upper()}: README says {cell!r}, the default is {actual!r}")
+                wrong.append(f"VOXGATE_{name.upper()}: docs/settings.md says {cell!r}, the default is {actual!r}")
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_serve_flag_is_in_the_readme_table_on_the_row_of_its_setting():
+def test_every_serve_flag_is_in_the_settings_table_on_the_row_of_its_setting():
     rows = {}
     for flag_cell, variable_cell, _ in settings_rows():
         for flag in re.findall(r"`(--?[a-z][a-z-]*)", flag_cell):
@@ -101,11 +102,11 @@ def test_every_serve_flag_is_in_the_readme_table_on_the_row_of_its_setting():
     for spellings, setting in serve_flags().items():
         documented = [flag for flag in spellings if flag in rows]
         if not documented:
-            wrong.append(f"{'/'.join(spellings)} (sets {setting}) is not in README's table")
+            wrong.append(f"{'/'.join(spellings)} (sets {setting}) is not in docs/settings.md's table")
         wrong += [f"{flag} sets {setting}, its row documents {rows[flag]}" for flag in documented
                   if rows[flag] != [setting]]
     taken = {flag for spellings in serve_flags() for flag in spellings}
-    wrong += [f"README lists {flag}, which voxgate serve does not take" for flag in rows if flag not in taken]
+    wrong += [f"docs/settings.md lists {flag}, which voxgate serve does not take" for flag in rows if flag not in taken]
     assert not wrong, "\n".join(wrong)
 
 
@@ -144,3 +145,55 @@ def test_the_protocol_lists_every_warning_code_and_nothing_else():
     row = next(line for line in text.splitlines() if line.startswith("| `session.started` |"))
     listed = row.split("list of `{code, message, field}`:", 1)[1]
     assert set(re.findall(r"`([a-z_]+)`", listed)) == warning_codes_in_the_code()
+
+
+def layout_tree() -> dict[str, list[str]]:
+    """docs/layout.md's tree: each folder it lists (relative to the repository, "" for the root) -> the
+    names listed inside it (a folder's name ends with "/"). A line is `name  description`, indented two
+    spaces per level."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    (block,) = re.findall(r"^```text\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+    tree: dict[str, list[str]] = {"": []}
+    parents = [""]
+    for line in filter(str.strip, block.splitlines()):
+        depth, rest = divmod(len(line) - len(line.lstrip(" ")), 2)
+        assert rest == 0 and depth < len(parents), f"docs/layout.md: badly indented line {line!r}"
+        name = line.split()[0]
+        del parents[depth + 1:]
+        tree[parents[depth]].append(name)
+        if name.endswith("/"):
+            folder = parents[depth] + name
+            tree.setdefault(folder, [])
+            parents.append(folder)
+    return {folder: names for folder, names in tree.items()}
+
+
+def repository_files() -> list[str]:
+    """The repository's files as git sees them: tracked, or new and not ignored."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    return [path for path in listed if (ROOT / path).is_file()]
+
+
+def test_the_layout_lists_every_file_of_each_folder_it_opens():
+    """A folder whose contents docs/layout.md lists (the root, gateway/, tts_backend/engine/, ...) lists all
+    of them, files and folders, and nothing that is not there; a folder it names without contents is
+    described as a whole (bench/, tests/)."""
+    tree = layout_tree()
+    inside: dict[str, set[str]] = {folder: set() for folder in tree}
+    for path in repository_files():
+        parts = path.split("/")
+        for depth in range(len(parts)):
+            folder = "".join(part + "/" for part in parts[:depth])
+            if folder in inside:
+                inside[folder].add(parts[depth] + ("/" if depth < len(parts) - 1 else ""))
+    wrong = []
+    for folder, names in tree.items():
+        if not names:
+            continue
+        listed = set(names)
+        wrong += [f"{folder}{name} is in the repository, not in docs/layout.md" for name in inside[folder] - listed]
+        wrong += [f"docs/layout.md lists {folder}{name}, which is not in the repository"
+                  for name in listed - inside[folder]]
+    assert not wrong, "\n".join(sorted(wrong))
+

@@ -18,7 +18,7 @@ Choices that keep a stream playable while it is being made, and cheap:
   whole) has `with_length` write the true length into it: libsndfile (soundfile) refuses a FLAC file of
   unknown length, and ffprobe gives it no duration. `wav` likewise gets its true RIFF sizes.
 - Opus codes at 8, 12, 16, 24 or 48 kHz only: any other rate is resampled to 48 kHz (`coded_rate`).
-The codecs cost 0.4-0.7 ms of CPU per 100 ms of audio (bench/encode_cost.py; README, "Output formats"):
+The codecs cost 0.4-0.7 ms of CPU per 100 ms of audio (bench/encode_cost.py; docs/formats.md):
 too much to run on the event loop for every stream, so `encode`/`finish` of the compressed formats run
 on a small thread pool (PyAV releases the GIL while a codec runs); raw formats and WAV, microseconds,
 run inline.

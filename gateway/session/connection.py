@@ -100,7 +100,7 @@ log = logging.getLogger("voxgate.session")
 
 # split_granularity "token" on a backend that synthesizes whole units only (Piper): an utterance's first unit
 # ends after this many words (or at a clause mark after two), so its first audio waits for a few words, not a
-# whole sentence (Piper on a CPU: 74 ms for 9 characters, 436 ms for 57; README, "Text streaming").
+# whole sentence (Piper on a CPU: 74 ms for 9 characters, 436 ms for 57; docs/protocol.md, "Text streaming").
 FIRST_UNIT_WORDS = 4
 
 
