@@ -1,6 +1,6 @@
 """The docs say what the code does: every setting in docs/settings.md's table with its flag and default,
 every error code and close code in docs/protocol.md's "Errors and limits", every file in docs/layout.md's
-tree.
+tree, every file docs/architecture.md names with what it defines.
 
 These read the documents as a person does (the table's rows, the paragraph's backticked codes) and compare
 them with the code's own lists, in both directions.
@@ -8,6 +8,7 @@ them with the code's own lists, in both directions.
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -197,3 +198,44 @@ def test_the_layout_lists_every_file_of_each_folder_it_opens():
                   for name in listed - inside[folder]]
     assert not wrong, "\n".join(sorted(wrong))
 
+
+def source_file(named: str) -> Path:
+    """The package file that architecture.md names by its path inside gateway/ or tts_backend/."""
+    found = [path for package in ("gateway", "tts_backend") for path in (ROOT / package).rglob("*.py")
+             if path.as_posix().endswith("/" + named)]
+    assert len(found) == 1, f"docs/architecture.md names `{named}`: {len(found)} files match"
+    return found[0]
+
+
+def implements(path: Path, name: str) -> bool:
+    """`path` defines a function or method `name` with a body (not an abstract method)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            decorators = {ast.unparse(d) for d in node.decorator_list}
+            if not decorators & {"abstractmethod", "abc.abstractmethod"}:
+                return True
+    return False
+
+
+def test_architecture_names_the_files_that_implement_what_it_says():
+    """"(`store/memory.py` or `store/redis.py`, `apply`)": each file named beside a function implements
+    it; "`SpeechPipeline.enqueue` (`session/pipeline.py`)": the file defines the class and the method."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    claims = []
+    for match in re.finditer(r"(?:`([A-Z]\w*)\.(\w+)` )?\(([^()]*)\)", text):
+        files = re.findall(r"`([\w/]+\.py)`", match.group(3))
+        names = [n for n in re.findall(r"`([a-z_]\w*)`", match.group(3))]
+        if match.group(1):
+            claims += [(f, match.group(2)) for f in files]
+            claims += [(f, match.group(1)) for f in files]
+        elif files and names:
+            claims += [(f, n) for f in files for n in names]
+    assert ("store/redis.py", "apply") in claims and ("session/pipeline.py", "enqueue") in claims
+    wrong = []
+    for named, name in claims:
+        path = source_file(named)
+        tree = ast.parse(path.read_text())
+        is_class = any(isinstance(n, ast.ClassDef) and n.name == name for n in ast.walk(tree))
+        if not (is_class or implements(path, name)):
+            wrong.append(f"docs/architecture.md: `{named}` does not implement `{name}`")
+    assert not wrong, "\n".join(wrong)
