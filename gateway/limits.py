@@ -26,7 +26,7 @@ import math
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,6 +42,7 @@ SLOT_TTL_S = 30.0  # a replica's claim on a concurrent-session slot in Redis, re
 TAKE_MEMORY_MS = 60_000  # how long Redis remembers a rate take's answer, for a retry of the same take
 MONITOR_WINDOW_S = 5.0  # the real-time measure looks at this much recent synthesis
 MONITOR_MIN_AUDIO_S = 1.0  # ... and judges only with at least this much audio made in the window
+REFUSAL_LOG_INTERVAL_S = 10.0  # at most one log line about overload refusals per this many seconds
 TRIM_INTERVAL_S = 30.0  # how often freed session memory is handed back to the OS (see Admission._trim_forever)
 
 
@@ -61,21 +62,13 @@ class LimitExceeded(ProtocolError):
 # ------------------------------------------------------------------------------------ real-time monitor
 
 
-class SynthesisMonitor:
-    """The gateway's own view of whether synthesis keeps real time: for every chunk a session pulls from
-    the backend, the audio it holds and the wall time the pull took (time paused by back-pressure is not
-    a pull). Speed over the recent window = audio seconds / pull seconds; below 1 the streams underrun."""
+class StreamMeter:
+    """One running stream's pulls from the backend, by whole second: the audio each pull held and the
+    wall time it took (time paused by back-pressure is not a pull)."""
 
-    def __init__(self, window_s: float = MONITOR_WINDOW_S) -> None:
+    def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.active_streams = 0
         self._seconds: deque[list[float]] = deque()  # [whole second, audio s, pull s]
-
-    def stream_started(self) -> None:
-        self.active_streams += 1
-
-    def stream_ended(self) -> None:
-        self.active_streams -= 1
 
     def produced(self, audio_s: float, pull_s: float, now: float | None = None) -> None:
         second = math.floor(now if now is not None else time.monotonic())
@@ -84,17 +77,51 @@ class SynthesisMonitor:
             self._seconds[-1][2] += pull_s
         else:
             self._seconds.append([second, audio_s, pull_s])
-        self._trim(second)
+        self.trim(second)
 
-    def _trim(self, now: float) -> None:
+    def trim(self, now: float) -> None:
         while self._seconds and self._seconds[0][0] <= now - self.window_s:
             self._seconds.popleft()
 
+    def totals(self, now: float) -> tuple[float, float]:
+        """(audio s, pull s) within the window."""
+        self.trim(now)
+        return sum(s[1] for s in self._seconds), sum(s[2] for s in self._seconds)
+
+
+class SynthesisMonitor:
+    """The gateway's own view of whether the streams running now keep real time. Each stream, while it
+    runs, has a `StreamMeter`; speed = their audio seconds / their pull seconds over the recent window;
+    below 1 the streams underrun. A finished stream's pulls leave with it: with nothing running there is
+    nothing to protect and nothing to judge (a lone client opening sessions one after another is never
+    refused for its own previous sentence)."""
+
+    def __init__(self, window_s: float = MONITOR_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._running: set[StreamMeter] = set()
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._running)
+
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[StreamMeter]:
+        """A stream running for the body; its pulls count until it ends."""
+        meter = StreamMeter(self.window_s)
+        self._running.add(meter)
+        try:
+            yield meter
+        finally:
+            self._running.discard(meter)
+
     def realtime_speed(self, now: float | None = None) -> float | None:
-        """Audio seconds made per second of pulling, over the window; None without enough evidence."""
-        self._trim(now if now is not None else time.monotonic())
-        audio = sum(s[1] for s in self._seconds)
-        pull = sum(s[2] for s in self._seconds)
+        """Audio seconds made per second of pulling by the running streams, over the window; None without
+        enough evidence (under MONITOR_MIN_AUDIO_S of their audio)."""
+        now = now if now is not None else time.monotonic()
+        audio = pull = 0.0
+        for meter in self._running:
+            a, p = meter.totals(now)
+            audio, pull = audio + a, pull + p
         if audio < MONITOR_MIN_AUDIO_S or pull <= 0:
             return None
         return audio / pull
@@ -115,6 +142,25 @@ class AdmissionClaim:
         if self._waiting is not None:
             self._waiting.pop(self, None)
             self._waiting = None
+
+
+class RefusalLog:
+    """Overload refusals, logged with their reason: the first at once, then at most one line per
+    `interval_s` that counts the refusals since the previous line (a flood of clients cannot flood the log)."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._logged_at = -math.inf
+        self._unlogged = 0
+
+    def record(self, reason: str) -> None:
+        now = time.monotonic()
+        if now - self._logged_at < self.interval_s:
+            self._unlogged += 1
+            return
+        more = f"; {self._unlogged} more refused since the previous line" if self._unlogged else ""
+        log.warning("refused new work as overloaded: %s%s", reason, more)
+        self._logged_at, self._unlogged = now, 0
 
 
 # ------------------------------------------------------------------------------------ counters
@@ -319,6 +365,7 @@ class Admission:
         self._peak_since_trim = 0
         self._trimmer: asyncio.Task | None = None
         self._claims: dict[AdmissionClaim, float] = {}  # admitted, synthesis not started yet -> since when
+        self._refusals = RefusalLog()
 
     async def start(self) -> None:
         await self.counters.start()
@@ -350,20 +397,25 @@ class Admission:
     def check_overload(self) -> AdmissionClaim:
         """Raises LimitExceeded(overloaded) when more work would push synthesis past real time; else the
         new work's claim on the active-synthesis cap, taken at once (to release when its synthesis starts
-        or it ends)."""
-        settings, reason = self.settings, None
+        or it ends). Each refusal is logged with its reason (at most one line per REFUSAL_LOG_INTERVAL_S)."""
+        settings, reason, setting = self.settings, None, ""
         load = self.backend.load() if self.backend is not None else 0.0
         speed = self.monitor.realtime_speed()
         if load >= settings.overload_backend_load:
             reason = f"the speech backend is at {load:.0%} of its real-time capacity"
+            setting = "VOXGATE_OVERLOAD_BACKEND_LOAD"
         elif settings.overload_min_realtime and speed is not None and speed < settings.overload_min_realtime:
-            reason = f"speech is being made at {speed:.2f}x real time"
+            reason = (f"the {self.monitor.active_streams} streams running are made at {speed:.2f}x real time,"
+                      f" under {settings.overload_min_realtime:g}x")
+            setting = "VOXGATE_OVERLOAD_MIN_REALTIME"
         elif settings.max_active_synthesis:
             waiting = self.waiting_claims()
             if self.monitor.active_streams + waiting >= settings.max_active_synthesis:
                 reason = (f"{self.monitor.active_streams} streams are being synthesized and {waiting} more were"
                           " just admitted")
+                setting = "VOXGATE_MAX_ACTIVE_SYNTHESIS"
         if reason is not None:
+            self._refusals.record(f"{reason} (setting: {setting})")
             raise LimitExceeded(
                 ErrorCode.overloaded, f"the gateway is overloaded ({reason}); retry shortly",
                 retry_after_s=2.0, close=CloseCode.try_again_later,

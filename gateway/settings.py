@@ -139,7 +139,7 @@ class GatewaySettings(BaseSettings):
         0.95, gt=0, description="refuse new sessions (overloaded) while the backend reports load() at or above this"
     )
     overload_min_realtime: float = Field(
-        1.0, ge=0, description="refuse new sessions while streams are made slower than this times real time; 0 = off"
+        1.0, ge=0, description="refuse new sessions while the streams running now are made slower than this times real time; 0 = off"
     )
     max_active_synthesis: int = Field(
         0, ge=0, description="refuse new sessions and HTTP speech while this many streams synthesize (counting those"

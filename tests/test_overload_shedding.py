@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -64,24 +65,50 @@ async def test_backend_load_refuses_new_sessions_but_not_open_ones():
         assert await speaks(server.ws_url) > 0
 
 
-async def test_measured_slower_than_real_time_refuses_new_sessions():
-    # A backend making audio at half real time: every stream would underrun. After a second of audio made
-    # that slowly, the gateway refuses new sessions until the window (5 s) has passed.
+async def judgement(monitor: SynthesisMonitor) -> tuple[int, float | None]:
+    """(streams running, their speed), read on the server's loop."""
+    return monitor.active_streams, monitor.realtime_speed()
+
+
+async def test_slower_than_real_time_refuses_new_sessions_only_while_a_slow_stream_runs(caplog):
+    # A backend making audio at half real time: a stream running now underruns, so new sessions are refused
+    # (and each refusal is logged with its reason) while it runs. Once it has finished there is nothing left
+    # to protect: the next session is admitted at once, not after the finished stream ages out of a window.
     with running_gateway("synthetic", backend_options={"speed": 0.5}) as server:
+        monitor = server.gateway.admission.monitor
         async with websockets.connect(server.ws_url) as ws:
             await ws.send(json.dumps(CONFIG))
             await receive_until(ws, "session.started")
-            await ws.send(json.dumps({"type": "input.text", "text": "A sentence that takes a few seconds to say."}))
+            await ws.send(json.dumps({"type": "input.text", "text": "A sentence that takes a few seconds to say,"
+                                      " long enough to be judged while it is still being made."}))
             await ws.send(json.dumps({"type": "input.done"}))
-            await receive_until(ws, "session.done", timeout=30)
-        error, code = await refused(server.ws_url)
-        assert error["code"] == "overloaded" and code == 1013
-        assert "real time" in error["message"]
-        for _ in range(80):  # the evidence ages out of the window and sessions are admitted again
-            await asyncio.sleep(0.1)
-            if server.gateway.admission.monitor.realtime_speed() is None:
-                break
+            await receive_until(ws, "audio.start")
+            while (judged := server.call(judgement, monitor))[1] is None:  # a second of its audio: enough to judge
+                assert judged[0] == 1, "the stream ended before it could be judged"
+                await asyncio.sleep(0.05)
+            with caplog.at_level(logging.WARNING, logger="voxgate.limits"):
+                error, code = await refused(server.ws_url)
+                assert error["code"] == "overloaded" and code == 1013
+                assert "real time" in error["message"]
+                second_error, _ = await refused(server.ws_url)
+            refusals = [r.getMessage() for r in caplog.records if r.name == "voxgate.limits"]
+            assert len(refusals) == 1, refusals  # rate-limited: the second refusal within the interval is counted
+            assert "real time" in refusals[0] and "VOXGATE_OVERLOAD_MIN_REALTIME" in refusals[0]
+            await receive_until(ws, "session.done", timeout=60)
+        assert server.call(judgement, monitor) == (0, None)
         assert await speaks(server.ws_url, "Hi.") > 0
+
+
+async def test_a_lone_client_is_never_refused_for_its_own_finished_sessions():
+    # One client opening sessions one after another, with nothing else synthesizing, on a backend slower
+    # than real time (the tiny test checkpoint on a busy CPU): each session starts after the previous one
+    # has ended, so none is refused.
+    with running_gateway("synthetic", backend_options={"speed": 0.5}) as server:
+        for n in range(3):
+            assert await speaks(server.ws_url, f"Sentence number {n} of a lone client, said slowly.") > 0
+        response = httpx.post(server.url + "/v1/audio/speech", json={"input": "And over HTTP.", "voice": "tone-mid"},
+                              timeout=60)
+        assert response.status_code == 200, response.text
 
 
 async def test_active_synthesis_cap():
@@ -96,13 +123,19 @@ async def test_active_synthesis_cap():
             assert error["code"] == "overloaded" and "1 streams" in error["message"]
 
 
-def test_monitor_window_and_evidence():
+def test_monitor_judges_running_streams_over_the_window():
     monitor = SynthesisMonitor(window_s=5.0)
     assert monitor.realtime_speed(now=100.0) is None
-    monitor.produced(0.5, 1.0, now=100.0)
-    assert monitor.realtime_speed(now=100.5) is None  # under a second of audio: no judgement
-    monitor.produced(0.5, 1.0, now=101.0)
-    assert monitor.realtime_speed(now=101.5) == pytest.approx(0.5)
-    monitor.produced(4.0, 1.0, now=102.0)
-    assert monitor.realtime_speed(now=102.5) == pytest.approx(5.0 / 3.0)
-    assert monitor.realtime_speed(now=110.0) is None  # aged out
+    with monitor.stream() as slow:
+        slow.produced(0.5, 1.0, now=100.0)
+        assert monitor.realtime_speed(now=100.5) is None  # under a second of audio: no judgement
+        slow.produced(0.5, 1.0, now=101.0)
+        assert monitor.realtime_speed(now=101.5) == pytest.approx(0.5)
+        with monitor.stream() as fast:
+            fast.produced(4.0, 1.0, now=102.0)
+            assert monitor.active_streams == 2
+            assert monitor.realtime_speed(now=102.5) == pytest.approx(5.0 / 3.0)
+        assert monitor.realtime_speed(now=102.5) == pytest.approx(0.5)  # the finished stream left with its pulls
+        assert monitor.realtime_speed(now=110.0) is None  # aged out
+    slow.produced(2.0, 4.0, now=111.0)  # a finished stream's meter no longer counts
+    assert monitor.active_streams == 0 and monitor.realtime_speed(now=111.0) is None

@@ -51,7 +51,7 @@ from ..auth import PRINCIPAL_SCOPE_KEY, AuthError, Principal, TokenSigner
 from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
 from ..gateway import Gateway
 from ..language import voice_for_sentence
-from ..limits import AdmissionClaim, LimitExceeded, SynthesisMonitor
+from ..limits import AdmissionClaim, LimitExceeded, StreamMeter, SynthesisMonitor
 from ..protocol import ErrorCode, ProtocolError, backend_error_code, loads_client_json
 from ..session.segmenter import SentenceSegmenter, push_in_slices
 from ..session.word_times import append_monotonic, count_reached, in_seconds
@@ -235,7 +235,7 @@ async def pipelined_synthesis(
     advanced = asyncio.Event()
     bytes_per_second = 2 * backend.sample_rate
 
-    async def produce() -> None:
+    async def produce(meter: StreamMeter | None) -> None:
         made = 0  # samples of audio made so far
         for j, request in enumerate(requests):
             offset = made  # this request's sample 0 on the response's timeline
@@ -250,8 +250,8 @@ async def pipelined_synthesis(
                             chunk = await anext(stream)
                         except StopAsyncIteration:
                             break
-                        if chunk.pcm and monitor is not None:
-                            monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
+                        if chunk.pcm and meter is not None:
+                            meter.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
                         if chunk.words:
                             words = tuple(WordTiming(w.word, w.start + offset, w.end + offset) for w in chunk.words)
                             chunk = AudioChunk(chunk.pcm, words)
@@ -266,13 +266,8 @@ async def pipelined_synthesis(
     async def produce_as_a_stream() -> None:
         if claim is not None:
             claim.release()
-        if monitor is None:
-            return await produce()
-        monitor.stream_started()
-        try:
-            await produce()
-        finally:
-            monitor.stream_ended()
+        with monitor.stream() if monitor is not None else contextlib.nullcontext() as meter:
+            await produce(meter)
 
     producer = asyncio.create_task(produce_as_a_stream(), name="http-synthesis")
     try:

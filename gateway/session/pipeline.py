@@ -255,33 +255,31 @@ class SpeechPipeline:
         monitor = self.monitor
         bytes_per_second = 2 * self.backend.sample_rate
         try:
-            async with contextlib.aclosing(self.backend.synthesize(request)) as stream:
+            async with contextlib.aclosing(self.backend.synthesize(request)) as audio:
                 if self.admission_claim is not None:  # from now on the session's streams count, not its claim
                     self.admission_claim.release()
-                if monitor is not None:
-                    monitor.stream_started()
-                try:
+                with monitor.stream() if monitor is not None else contextlib.nullcontext() as meter:
                     while True:
                         # Back-pressure: no more is pulled from the backend while the sender is behind.
                         while not self._has_room(job):
                             self._audio_taken.clear()
                             await self._audio_taken.wait()
                         pulled_at = time.monotonic()
+                        # A pull begun while the client's text still grows may wait for that text: not
+                        # synthesis speed, so it is not measured.
+                        measured = meter is not None and (stream is None or stream.finished)
                         try:
-                            chunk = await anext(stream)
+                            chunk = await anext(audio)
                         except StopAsyncIteration:
                             break
                         if chunk.words and not job.finished:
                             append_monotonic(job.words, chunk.words)
                         if chunk.pcm and not job.finished:
-                            if monitor is not None:
-                                monitor.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
+                            if measured:
+                                meter.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
                             job.queued_bytes += len(chunk.pcm)
                             self.queued_audio += len(chunk.pcm)
                             job.chunks.put_nowait(chunk.pcm)
-                finally:
-                    if monitor is not None:
-                        monitor.stream_ended()
             job.chunks.put_nowait(END)
         except asyncio.CancelledError:
             raise
