@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from tts_backend.base import SynthesisError
+from tts_backend.base import SynthesisError, Synthesizer
 
 from .auth import is_loopback
 from .logs import redact
@@ -195,14 +195,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
             raise SystemExit(f"voxgate: port {port} on {host} is already in use (another voxgate serve?);"
                              " stop that process or pick another port with --port") from None
         raise SystemExit(f"voxgate: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
     return sock
 
 
-def serve(settings: GatewaySettings) -> None:
+def serve(settings: GatewaySettings, backend: Synthesizer | None = None) -> None:
     """Run the gateway until SIGTERM/SIGINT. Anything that keeps it from serving - a backend that cannot
     be built or fails to start, an unknown --voice, a port in use - ends the process with a non-zero exit
-    and one line on stderr, so a supervisor restarts it and a person sees why."""
+    and one line on stderr, so a supervisor restarts it and a person sees why. `backend`: an instance
+    instead of the one `settings.backend` names (the tests' cloning backend)."""
     import uvicorn
 
     from .app import create_app
@@ -211,7 +211,7 @@ def serve(settings: GatewaySettings) -> None:
 
     check_binding(settings)
     try:
-        app = create_app(settings, freeze_gc_when_ready=True)
+        app = create_app(settings, backend, freeze_gc_when_ready=True)
     except (SynthesisError, ValueError) as exc:  # the backend cannot even be built (options, missing torch)
         raise SystemExit(redact(f"voxgate: {exc}")) from None
     gateway = app.state.gateway

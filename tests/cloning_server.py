@@ -3,8 +3,9 @@
 
     python -m tests.cloning_server PORT '{"api_keys": ["k"], "sessions_per_minute": 5}'
 
-serves `create_app(GatewaySettings(**settings), backend=PitchCloneSynthesizer())` (the test backend of
-tests/cloning_fixtures.py, which really clones) on 127.0.0.1:PORT with the options `voxgate serve` uses.
+serves the gateway with `GatewaySettings(**settings)` and the test backend of tests/cloning_fixtures.py
+(which really clones) on 127.0.0.1:PORT the way `voxgate serve` does (gateway.cli.serve: its listening
+socket, its uvicorn options, its drain).
 `cloning_gateway_process(**settings)` starts one and waits until it is ready.
 """
 
@@ -41,18 +42,14 @@ def cloning_gateway_process(**settings) -> Iterator[GatewayProcess]:
 
 
 def main() -> None:
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.cli import uvicorn_options
+    from gateway.cli import serve
     from gateway.settings import GatewaySettings
     from tests.cloning_fixtures import PitchCloneSynthesizer
 
     port, overrides = int(sys.argv[1]), json.loads(sys.argv[2])
     settings = GatewaySettings(host="127.0.0.1", port=port, backend="pitch-clone-test", log_level="warning",
                                **overrides)
-    app = create_app(settings, backend=PitchCloneSynthesizer())
-    uvicorn.run(app, lifespan="on", **uvicorn_options(settings))
+    serve(settings, PitchCloneSynthesizer())
 
 
 if __name__ == "__main__":

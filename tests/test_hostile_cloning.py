@@ -12,6 +12,7 @@ backend (tests/cloning_fixtures.py), whose voice is the reference clip's pitch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import io
 import json
@@ -691,3 +692,62 @@ def test_a_clip_that_finds_every_decoder_busy_is_refused_as_overload_after_a_bou
             await decoder.stop()
 
     asyncio.run(scenario())
+
+
+def _descriptors(pid: int) -> dict[int, str]:
+    """A process's open descriptors and what each is (readlink of /proc/PID/fd/N: 'socket:[inode]', ...)."""
+    import os
+
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            found[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
+    return found
+
+
+def test_a_live_decoder_process_holds_none_of_the_gateways_descriptors():
+    """Issue 30 item 4: a decoder process (the gateway's riskiest code) inherited the gateway's listening
+    socket as its fd 3, so a subverted decoder could have accepted clients' connections. A real gateway
+    served as `voxgate serve` serves it (tests/cloning_server.py), with a client connected meanwhile: the
+    live decoder holds its stdin, stdout and stderr, nothing else, and none of the gateway's sockets."""
+    with cloning_gateway_process(api_keys=[KEY_A]) as gateway:
+        with httpx.Client(timeout=30) as client:  # a connection of the gateway's, open while the decoder starts
+            response = client.post(gateway.url + "/v1/audio/speech", headers=auth(KEY_A),
+                                   json={"input": "Hello there, this is a cloned voice.", "response_format": "pcm",
+                                         "task_type": "Base", "ref_audio": b64(clip(240.0)),
+                                         "x_vector_only_mode": True})
+            assert response.status_code == 200, response.text
+            decoders = children_of(gateway.process.pid)
+            assert len(decoders) == 1, decoders  # idle, kept for the next clip
+            held = _descriptors(decoders[0])
+            gateways = {link for fd, link in _descriptors(gateway.process.pid).items() if link.startswith("socket:")}
+    assert set(held) == {0, 1, 2}, held
+    assert not set(held.values()) & gateways, (held, gateways)
+
+
+def test_a_subverted_decoder_reaches_neither_the_gateways_environment_nor_the_network():
+    """Issue 30 item 4 (low): a decoder runs under the gateway's uid, so a subverted one could read
+    /proc/<gateway>/environ (its API keys), reach the network or signal the gateway. Where the kernel has
+    Landlock ABI 6 (Linux 6.12), the decoder's sandbox (gateway/audio/sandbox.py) stops all four; the
+    planted decoder tries them from inside its decode, as FFmpeg's code would once subverted."""
+    from gateway.audio.sandbox import landlock_abi
+
+    if landlock_abi() < 6:
+        pytest.skip(f"this kernel's Landlock ABI is {landlock_abi()}; the sandbox's full reach needs 6")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    async def scenario() -> str:
+        decoder = _planted_decoder(processes=1)
+        try:
+            with pytest.raises(Exception) as refused:
+                await decoder.decode(clip(240.0) + b"PLANTED-ESCAPE:%05d" % port, 3.0, 30.0, 24000)
+            assert len(await decoder.decode(clip(240.0), 3.0, 30.0, 24000)) == 4 * 24000  # and it still decodes
+            return refused.value.refusal
+        finally:
+            await decoder.stop()
+
+    try:
+        assert asyncio.run(scenario()) == "reached: "
+    finally:
+        listener.close()

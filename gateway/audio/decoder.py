@@ -10,7 +10,9 @@ one of them over its stdin/stdout pipes. Each process is bounded:
   spins);
 - time: the gateway kills a process whose answer takes longer than `wall_s`;
 - no core files, no files written, none of the gateway's environment (its secrets) but what starting
-  Python needs; it ends with the gateway (its stdin closes; on Linux also PR_SET_PDEATHSIG).
+  Python needs; it ends with the gateway (its stdin closes; on Linux also PR_SET_PDEATHSIG);
+- reach: none of the gateway's descriptors but its pipes and stderr, and where Linux has them,
+  no_new_privs and a Landlock sandbox (gateway/audio/sandbox.py): it reads Python's files and nothing else.
 A process that crashed, overran or was cancelled mid-clip is killed and replaced by a fresh one at the next
 clip; the others keep serving. A clip waits at most `queue_s` for a free process (DecoderBusy: the
 gateway answers `overloaded`), so a flood of clips is refused rather than queued without end. The gateway waits on the pipes from its event loop: nothing blocks it.
@@ -262,12 +264,15 @@ def serve(decode=None) -> None:
     then decode clips from stdin until it closes. `decode` is gateway.audio.reference.decode_clip unless
     a test plants another."""
     from .reference import InvalidReferenceAudio, decode_clip
+    from .sandbox import close_inherited_descriptors, confine
 
+    close_inherited_descriptors()
     decode = decode or decode_clip
     memory_bytes, cpu_s = int(sys.argv[1]), float(sys.argv[2])
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing printed by a library can corrupt the answers
     _limit_self(memory_bytes)
+    confine()
     stdout.write(_READY)
     stdout.flush()
     while (head := _read_exactly(stdin, _REQUEST.size)) is not None:
