@@ -25,6 +25,7 @@ from .auth import AuthError, Authenticator, api_key_authenticator, authorization
 from .http.routes import ApiError, router
 from .limits import Admission
 from .metrics import GatewayMetrics
+from .nari_speech import NARI_PATH, NARI_PROTOCOL, NariSocket, offers_protocol
 from .protocol import CloseCode, ErrorCode, ProtocolError
 from .audio.decoder import ReferenceDecoder
 from .http.guard import RequestGuard
@@ -52,7 +53,7 @@ def backend_options(settings: GatewaySettings) -> dict[str, Any]:
     return options
 
 
-async def _refuse(websocket: WebSocket, error: ProtocolError, metrics: GatewayMetrics) -> None:
+async def _refuse(websocket: WebSocket | NariSocket, error: ProtocolError, metrics: GatewayMetrics) -> None:
     """Tell a connection why it is refused and close it. A client that reads nothing is dropped by the
     WebSocket protocol's write deadline (gateway.limits), which ends these writes."""
     metrics.errors_total.labels(error.code.value).inc()
@@ -202,6 +203,19 @@ def create_app(
         return await api_error(request, ApiError(ErrorCode.invalid_message, f"invalid request: {details}"))
 
     async def speech_stream(websocket: WebSocket) -> None:
+        await serve_session(websocket, websocket)
+
+    async def nari_speech_stream(websocket: WebSocket) -> None:
+        """Nari Labs' live-text protocol (gateway/nari_speech.py), on the same sessions."""
+        if not offers_protocol(websocket):
+            await websocket.accept()
+            await websocket.close(1002, reason=f"required subprotocol: {NARI_PROTOCOL}")
+            return
+        await serve_session(websocket, NariSocket(websocket, max_event_bytes=settings.max_config_bytes))
+
+    async def serve_session(websocket: WebSocket, socket: WebSocket | NariSocket) -> None:
+        """Authenticate `websocket`, admit it and run a session on `socket`: the same WebSocket, or one that
+        speaks another protocol over it."""
         try:
             principal = await gateway.authenticate(websocket)
         except AuthError as exc:
@@ -213,15 +227,15 @@ def create_app(
                 gateway.metrics.errors_total.labels(error.code.value).inc()
                 await websocket.send_denial_response(JSONResponse(error.to_message().model_dump(exclude_none=True), 401))
                 return
-            await websocket.accept()
-            await _refuse(websocket, error, gateway.metrics)
+            await socket.accept()
+            await _refuse(socket, error, gateway.metrics)
             return
-        await websocket.accept()
+        await socket.accept()
         if not gateway.ready:
             reason = ("the gateway is shutting down" if gateway.draining
                       else gateway.failure or "the speech backend is not ready")
             await _refuse(
-                websocket,
+                socket,
                 ProtocolError(ErrorCode.overloaded, f"{reason}; retry shortly", close=CloseCode.try_again_later),
                 gateway.metrics,
             )
@@ -229,7 +243,7 @@ def create_app(
         try:
             async with gateway.admission.session(principal) as claim:
                 session = StreamingSession(
-                    websocket,
+                    socket,
                     settings=settings,
                     backend=gateway.backend,
                     store=gateway.store,
@@ -245,9 +259,10 @@ def create_app(
                 finally:
                     gateway.sessions.discard(session)
         except ProtocolError as error:
-            await _refuse(websocket, error, gateway.metrics)
+            await _refuse(socket, error, gateway.metrics)
 
     for path in STREAM_PATHS:
         app.add_api_websocket_route(path, speech_stream)
+    app.add_api_websocket_route(NARI_PATH, nari_speech_stream)
     mount_web_demo(app)  # last: its catch-all "/" must not shadow the API
     return app
