@@ -22,12 +22,19 @@ shared token (which Redis never sees), over the record and the time it was signe
 
 A gateway ignores (and logs) a record that is not signed so, and one signed more than
 RECORD_MAX_AGE_S from its own clock (a record copied from the registry replays for at most that long, and
-only ever names the worker that signed it, which the connection's handshake checks again). Workers
-re-sign theirs at every heartbeat.
+only ever names the worker that signed it at an address that worker answers to, which the connection's
+handshake checks again: connection.py). Workers re-sign theirs at every heartbeat.
+
+Whoever writes to that Redis can also fill it with entries. A gateway reads at most MAX_RECORDS live
+entries per read (those whose lease runs out first: a worker's own lease is a few seconds), skips any entry
+over MAX_RECORD_BYTES and stops at MAX_READ_BYTES in all (in the script, before anything crosses the
+network), and checks what it read in a thread, an entry not shaped as a signed one without parsing it, so
+that the read costs every gateway a bounded, small amount of work whatever the registry holds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -38,6 +45,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 RECORD_MAX_AGE_S = 30.0  # also the clock difference between a worker's host and a gateway's that is tolerated
+# What one read of the registry takes at most (module doc): a record is a few hundred bytes (plus its voices).
+MAX_RECORDS = 1024
+MAX_RECORD_BYTES = 64 * 1024
+MAX_READ_BYTES = 4 * 1024 * 1024
+_SIGNED_PREFIX = b'{"record":"'  # how sign_record's envelopes start
 _REFUSAL_LOG_EVERY_S = 10.0  # a refused record is logged at most this often (a gateway reads the registry every second)
 
 
@@ -55,6 +67,8 @@ def sign_record(record: dict, key: bytes, now: float | None = None) -> str:
 
 def open_record(raw: str | bytes, key: bytes, now: float | None = None) -> dict:
     """The record a signed entry holds; ValueError saying why it is refused."""
+    if not (raw.encode() if isinstance(raw, str) else raw).startswith(_SIGNED_PREFIX):
+        raise ValueError("not signed")  # refused without parsing what may be a costly JSON document
     try:
         envelope = json.loads(raw)
     except (ValueError, RecursionError):
@@ -94,14 +108,42 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 return redis.call('HDEL', KEYS[2], ARGV[1])
 """
 
-# KEYS: leases, info. The records of the workers whose lease has not run out.
+# KEYS: leases, info. ARGV: MAX_RECORDS, MAX_RECORD_BYTES, MAX_READ_BYTES. The records of the first
+# MAX_RECORDS workers whose lease has not run out (soonest to run out first) within the byte bounds, the
+# count of live entries not read (past MAX_RECORDS), and of those left out for their size.
 _LIVE = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
-if #ids == 0 then return {} end
-return redis.call('HMGET', KEYS[2], unpack(ids))
+local live = redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'LIMIT', 0, tonumber(ARGV[1]))
+if #ids == 0 then return {0, 0, {}} end
+local raws = redis.call('HMGET', KEYS[2], unpack(ids))
+local kept, total, oversize = {}, 0, 0
+for i = 1, #ids do
+  local raw = raws[i]
+  if raw then
+    local size = string.len(raw)
+    if size > tonumber(ARGV[2]) or total + size > tonumber(ARGV[3]) then
+      oversize = oversize + 1
+    else
+      total = total + size
+      kept[#kept + 1] = raw
+    end
+  end
+end
+return {live - #ids, oversize, kept}
 """
+
+
+def open_records(raws: list[bytes], key: bytes, now: float) -> tuple[list[dict], list[str]]:
+    """The records of `raws` that are signed with `key` and fresh, and why each other one was refused."""
+    records, refusals = [], []
+    for raw in raws:
+        try:
+            records.append(open_record(raw, key, now))
+        except ValueError as exc:
+            refusals.append(str(exc))
+    return records, refusals
 
 
 def connect(url: str, cluster: bool = False) -> Any:
@@ -139,27 +181,32 @@ class WorkerRegistry:
         await self._withdraw(keys=self.keys, args=[worker_id])
 
     async def live(self) -> list[dict]:
-        """The records of the live workers that are signed with the key; any other entry is logged (once)
-        and left out."""
-        records = []
-        now = time.time()
-        for raw in await self._live(keys=self.keys, args=[]):
-            if raw is None:  # a lease with no record: written by hand, or by something that is no worker
-                continue
-            try:
-                records.append(open_record(raw, self.key, now))
-            except ValueError as exc:
-                self._log_refused(raw, str(exc))
+        """The records of the live workers that are signed with the key, read and checked within the bounds
+        of the module doc; any other entry is logged (at most every few seconds) and left out. (A lease
+        with no record, written by hand or by something that is no worker, is skipped.)"""
+        unread, oversize, raws = await self._live(keys=self.keys,
+                                                  args=[MAX_RECORDS, MAX_RECORD_BYTES, MAX_READ_BYTES])
+        # Off the event loop, which serves every session of this gateway: a few workers' records take
+        # microseconds, a registry filled by someone else milliseconds.
+        records, refusals = await asyncio.to_thread(open_records, raws, self.key, time.time())
+        self.refused += len(refusals) + oversize
+        if oversize:
+            refusals.append(f"{oversize} over {MAX_RECORD_BYTES} bytes, or past {MAX_READ_BYTES} in all")
+        if refusals or unread:
+            self._log_refused(refusals[0] if refusals else "", unread)
         return records
 
-    def _log_refused(self, raw: bytes | str, why: str) -> None:
-        self.refused += 1
+    def _log_refused(self, why: str, unread: int) -> None:
         now = time.monotonic()
         if now - self._last_refusal_logged < _REFUSAL_LOG_EVERY_S:
             return
         self._last_refusal_logged = now
-        log.warning("registry: ignored a worker record (%s; %d refused so far); only records signed with the "
-                    "workers' token count", why, self.refused)
+        if why:
+            log.warning("registry: ignored a worker record (%s; %d refused so far); only records signed with the "
+                        "workers' token count", why, self.refused)
+        if unread:
+            log.warning("registry: %d live entries past the first %d were not read; a registry that large is "
+                        "someone else's doing", unread, MAX_RECORDS)
 
     async def close(self) -> None:
         await self._redis.aclose()
