@@ -161,7 +161,7 @@ class GatewaySettings(BaseSettings):
     )
     max_header_bytes: int = Field(
         64 * KIB, ge=1 * KIB, description="largest HTTP request head (request line and headers), WebSocket upgrades"
-        " included; refused (431) as soon as more arrives"
+        " included, and largest trailer section of a chunked body; refused (431) as soon as more arrives"
     )
     max_http_body_bytes: int = Field(
         1 * MIB, gt=0, description="largest HTTP request body; refused (413) as soon as more arrives"

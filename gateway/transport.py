@@ -30,7 +30,9 @@ def http_protocol(header_timeout_s: float, max_request_line_bytes: int, max_head
       is disconnected instead of holding a connection forever (uvicorn only times out idle keep-alive
       connections);
     - a request line longer than `max_request_line_bytes` is answered 414 and a head longer than
-      `max_head_bytes` 431, each counted as the bytes arrive and before the parser sees the excess. Both
+      `max_head_bytes` 431, each counted as the bytes arrive and before the parser sees the excess; a
+      chunked body's trailer section (with the chunk lines since the last body bytes) gets the head's
+      limit too (431, or the connection ends if the response has begun). Both
       parsers below keep what they have of an unfinished URL or header by appending to bytes (uvicorn's
       on_url, httptools' header fields), which costs time growing with the square of its size: before
       this bound a 40 MB URL cost 2.1 CPU-s and a 40 MB header was read whole and answered 200.
@@ -54,6 +56,12 @@ def http_protocol(header_timeout_s: float, max_request_line_bytes: int, max_head
         _head_bytes = 0  # bytes of the current head received so far
         _line_bytes: int | None = 0  # ... of its request line, while that goes on; None once it has ended
         _heads_done = 0  # heads parsed whole on this connection
+        _body_bytes = 0  # body bytes the parser delivered on this connection
+        # Bytes received after the current request's head that the parser delivered as no body since the last
+        # body bytes: chunk lines, then the trailer section. Bounded as the head is: the parser keeps an
+        # unfinished trailer field by appending to bytes, and uvicorn adds each field to the request's
+        # headers (before: a 32 MiB trailer cost 2.5 CPU-s).
+        _unbodied_bytes = 0
         _upgraded = False
 
         def _arm(self) -> None:
@@ -89,6 +97,7 @@ def http_protocol(header_timeout_s: float, max_request_line_bytes: int, max_head
         def on_headers_complete(self) -> None:
             self._disarm()
             self._in_head = False
+            self._unbodied_bytes = 0
             self._heads_done += 1
             super().on_headers_complete()
 
@@ -126,8 +135,40 @@ def http_protocol(header_timeout_s: float, max_request_line_bytes: int, max_head
                 if data and self._heads_done == heads_done:  # no head ended in `piece`: this one is too long
                     self._refuse(431, f"the request's head exceeds the {max_head_bytes}-byte limit")
                     return
-            if data:  # a body, and whatever follows it in this read
+            while data and not self._in_head:  # a body, and whatever follows it in this read
+                room = max_head_bytes - self._unbodied_bytes
+                if room <= 0:
+                    self._refuse_trailer()
+                    return
+                piece, data = data[:room], data[room:]
+                body_before = self._body_bytes
+                super().data_received(piece)
+                if self.transport.is_closing():
+                    return
+                delivered = self._body_bytes - body_before
+                # What of `piece` was no body: chunk lines, and the trailer if it began there.
+                self._unbodied_bytes = len(piece) - delivered if delivered else self._unbodied_bytes + len(piece)
+            if data:  # a request pipelined behind the one that ended in this read
                 super().data_received(data)
+
+        def on_body(self, body: bytes) -> None:
+            self._body_bytes += len(body)
+            super().on_body(body)
+
+        def _refuse_trailer(self) -> None:
+            """The bytes after the head that are no body passed the head's limit: a trailer section (or
+            chunk extensions) too long. Answered 431 if the app has not begun its response, else the
+            connection just ends; the app's response, if any, goes nowhere."""
+            message = f"the request's trailer exceeds the {max_head_bytes}-byte limit"
+            cycle = self.cycle
+            answered = cycle is not None and cycle.response_started
+            if cycle is not None:
+                cycle.disconnected = True
+            if answered:
+                log.info("closing a connection: %s", message)
+                self.transport.close()
+            else:
+                self._refuse(431, message)
 
         def _refuse(self, status: int, message: str) -> None:
             """Answer `status` before the head was read, then linger: the client may still be sending it."""

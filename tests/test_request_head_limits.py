@@ -9,6 +9,7 @@ header was read whole and answered 200, and 8 such connections at once cost 7.1 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import json
 import os
@@ -166,3 +167,82 @@ async def test_a_websocket_upgrade_with_large_headers_still_works_and_one_too_la
                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{too_large}\r\n")
     status, body, _ = await pour_head(gateway.port, request.encode(), 0)
     assert status == 431 and body["error"]["code"] == "message_too_large"
+
+
+# ------------------------------------------------------------------ issue 30 item 5: chunked trailers
+
+TRAILER_BYTES = 32 * 1024 * 1024
+
+
+async def pour_trailer(port: int, filler: int, *, path: str = "/health", headers: str = "",
+                       body: bytes = b"hello") -> tuple[bytes, int, bool]:
+    """A chunked request whose body `body` is followed by a trailer field of `filler` bytes; reads what the
+    server answers meanwhile: (the answer's bytes, trailer bytes sent when the server ended the connection
+    or all of them, whether it ended it)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sent = 0
+    answer = bytearray()
+    ended_at: list[int] = []
+
+    async def read() -> None:
+        while piece := await reader.read(65536):
+            answer.extend(piece)
+        ended_at.append(sent)
+
+    reading = asyncio.create_task(read())
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}Transfer-Encoding: chunked\r\n\r\n"
+                     f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\nX-Trailer: ")
+        piece = b"a" * PIECE
+        try:
+            while sent < filler and not reading.done():
+                writer.write(piece[: filler - sent])
+                await writer.drain()
+                sent += min(PIECE, filler - sent)
+                await asyncio.sleep(0)
+            writer.write(b"\r\n\r\n")
+            await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError, OSError):
+            await asyncio.wait_for(asyncio.shield(reading), 5)
+    finally:
+        reading.cancel()
+        writer.transport.abort()
+    return bytes(answer), ended_at[0] if ended_at else sent, bool(ended_at)
+
+
+async def test_a_32_mib_trailer_ends_its_connection_at_the_head_limit(gateway):
+    """Issue 30 item 5: a chunked body's trailer section was read whole, before any authentication, its
+    field grown by appending to bytes: `POST /health` with a 32 MiB trailer cost 2.5 CPU-s and stalled
+    /health for up to 2.6 s (four at once: 3.2 s, 312 MB). The trailer is bounded as the head is: the
+    connection ends once the bytes after the last chunk pass the head's limit."""
+    pid = gateway.process.pid
+    memory = MemoryWatch(pid)
+    memory.start()
+    async with HealthProbe(gateway.url) as health:
+        cpu_before = cpu_seconds(pid)
+        results = await asyncio.gather(*(pour_trailer(gateway.port, TRAILER_BYTES) for _ in range(4)))
+        cpu = cpu_seconds(pid) - cpu_before
+    print(f"4 x 32 MiB trailer: {cpu:.3f} CPU-s, /health worst {health.worst * 1000:.0f} ms,"
+          f" peak RSS +{memory.growth / 1e6:.1f} MB, sent when ended {[sent for _, sent, _ in results]}")
+    for answer, sent_when_ended, ended in results:
+        assert ended and sent_when_ended < TRAILER_BYTES / 4, (answer[:200], sent_when_ended)
+    assert cpu < MAX_CPU_S, cpu  # before: 1.7 CPU-s here
+    assert health.worst < 1.0, health.worst  # before: 1.9 s
+    assert memory.growth < MAX_GROWTH, memory.growth  # before: +254 MB
+
+
+async def test_a_trailer_within_the_limit_is_an_ordinary_request_and_one_beyond_it_is_431(gateway):
+    """A chunked speech request with a small trailer (a checksum, as RFC 9112 allows) is served; with a
+    trailer past the limit, before any response began, it is answered 431 message_too_large."""
+    body = json.dumps({"model": "tts-1", "input": "Hello there.", "voice": "tone-mid",
+                       "response_format": "pcm"}).encode()
+    headers = f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    answer, _, _ = await pour_trailer(gateway.port, 1000, path="/v1/audio/speech", body=body, headers=headers)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    answer, sent_when_ended, ended = await pour_trailer(gateway.port, TRAILER_BYTES, path="/v1/audio/speech",
+                                                        body=body, headers=headers)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:300]
+    assert b'"message_too_large"' in answer and b"trailer exceeds the 65536-byte limit" in answer, answer
+    assert ended and sent_when_ended < TRAILER_BYTES / 4
