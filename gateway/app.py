@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -143,6 +144,7 @@ def create_app(
 
         gateway.shared_voices_pending = bool(settings.shared_voices_dir)
 
+        starting_at = time.monotonic()
         starting = asyncio.create_task(start_backend(), name="backend-start")
         lag_watch = asyncio.create_task(gateway.metrics.watch_loop_lag(), name="loop-lag")
 
@@ -155,7 +157,8 @@ def create_app(
                 gateway.check_default_voice()
             if gateway.backend_error is not None:
                 log.error("%s", gateway.failure)
-            elif freeze_gc_when_ready:
+                return
+            if freeze_gc_when_ready:
                 # A full collection scans every tracked object; with the model, torch and the tokenizer
                 # loaded that is millions, and each pause stops the event loop (and an in-process engine
                 # thread) for hundreds of ms: under load, late audio and slow handshakes. What exists now
@@ -163,6 +166,9 @@ def create_app(
                 gc.collect()
                 gc.freeze()
                 log.info("froze %d start-up objects out of the cyclic garbage collector", gc.get_freeze_count())
+            # The one line that says sessions are served now (/ready answers 200); never after a failure.
+            log.info("ready (%s, voice %s) in %.1f s", gateway.backend.name, gateway.default_voice,
+                     time.monotonic() - starting_at)
 
         starting.add_done_callback(started)
         try:

@@ -51,7 +51,7 @@ def startup_line(host: str, port: int, backend: str) -> str:
     base = f"http://{local}:{port}"
     page = f"open {base}/ for the web demo" if web_root() is not None else "no web demo in this install"
     return (f"Voxgate is up: {page}; WebSocket ws://{local}:{port}/v1/audio/speech/stream; "
-            f"OpenAI-style HTTP {base}/v1; backend {backend} (ready when {base}/ready answers 200)")
+            f"OpenAI-style HTTP {base}/v1; starting backend {backend} (a 'ready' line follows once it serves)")
 
 
 class DrainingServer(uvicorn.Server):

@@ -15,6 +15,7 @@ import wave
 import pytest
 
 import voxgate_client as vg
+from voxgate_client.events import parse_server_message
 from tests.gateway_server import running_gateway
 from tts_backend.base import SynthesisRequest
 from tts_backend.synthetic import SyntheticSynthesizer
@@ -295,6 +296,34 @@ def test_cli_writes_a_valid_wav(gateway, tmp_path):
         assert wav.getframerate() == 16000
         seconds = wav.getnframes() / 16000
     assert abs(seconds - len("Read from standard input.") / 15.0) < 0.1
+
+
+def test_cli_prints_the_gateways_warnings(tmp_path):
+    """A voice fallback (session.started) and a sentence the voice does not speak (audio.start) are told on
+    stderr, even with -q: the user learns why it does not sound as asked."""
+    script = [sys.executable, "-c", "import sys; from voxgate_client.cli import main; sys.exit(main())"]
+    with running_gateway(backend="synthetic") as lenient:  # the default: an unknown voice falls back
+        result = subprocess.run(
+            [*script, "--url", lenient.url, "--voice", "nobody-here", "-q", "-o", str(tmp_path / "x.wav")],
+            input="Hello there. Bonjour à tous, comment allez-vous aujourd'hui?", capture_output=True, text=True,
+            timeout=30,
+        )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("voxgate-say: warning: voice_fallback: voice 'nobody-here'") for line in lines), lines
+    assert any(line.startswith("voxgate-say: warning: sentence 1: language_unsupported: the text looks French")
+               for line in lines), lines
+
+
+def test_audio_start_keeps_its_voice_and_warnings():
+    warning = {"code": "language_unsupported", "message": "the text looks French (fr)", "field": "language"}
+    event = parse_server_message({"type": "audio.start", "sentence_index": 3, "sentence_text": "Oui.",
+                                     "format": "pcm", "sample_rate": 24000, "voice": "fr_FR-siwis-medium",
+                                     "warnings": [warning]})
+    assert event.voice == "fr_FR-siwis-medium" and event.warnings == [warning]
+    plain = parse_server_message({"type": "audio.start", "sentence_index": 0, "sentence_text": "Hi.",
+                                     "format": "pcm", "sample_rate": 24000})
+    assert plain.voice is None and plain.warnings == []
 
 
 def test_cli_reports_an_unreachable_gateway(tmp_path):

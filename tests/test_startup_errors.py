@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -191,6 +192,26 @@ def test_logs_are_text_on_a_terminal():
 def test_log_format_flag_wins_over_the_terminal_check():
     _, lines = startup_lines("--log-format", "text", tty=False)
     assert not lines[-1].startswith("{") and "open http://127.0.0.1" in lines[-1]
+
+
+def test_one_line_says_when_the_gateway_serves():
+    """"Voxgate is up" is logged as uvicorn listens, while the backend still starts; a later line says that
+    sessions are served, with the backend, the default voice and the start-up time."""
+    server = ServeOutput("--backend", "synthetic", "--voice", "tone-high", "--log-format", "text", tty=False)
+    try:
+        lines = server.until("ready (")
+    finally:
+        server.stop()
+    up = next(i for i, line in enumerate(lines) if "Voxgate is up" in line)
+    assert up < len(lines) - 1
+    assert re.search(r"ready \(synthetic, voice tone-high\) in \d+\.\d s$", lines[-1]), lines[-1]
+
+
+def test_no_ready_line_when_start_up_fails():
+    result = run_serve("--port", str(free_port()), "--backend", "synthetic", "--voice", "no-such-voice",
+                       "--log-format", "text")
+    assert_one_clear_line(result, "--voice")
+    assert "ready (" not in result.stderr, result.stderr
 
 
 # ------------------------------------------------------------------------------ HTTP and WebSocket

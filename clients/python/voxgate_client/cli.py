@@ -59,6 +59,7 @@ async def say(args: argparse.Namespace, text: str) -> int:
     started = time.monotonic()
     status = 0
     async with connect(args.url, config, api_key=args.api_key) as session:
+        _print_warnings(session.started.warnings if session.started else [])
         sample_rate = session.sample_rate or args.sample_rate or 24000
         if play:
             player = SoundCardPlayer(sample_rate)
@@ -71,9 +72,13 @@ async def say(args: argparse.Namespace, text: str) -> int:
                     pcm += samples
                     if player is not None:
                         await player.play(samples)
-                elif isinstance(event, AudioStart) and not args.quiet:
-                    elapsed = time.monotonic() - started
-                    print(f"[{elapsed:6.2f}s] sentence {event.sentence_index}: {event.sentence_text}", file=sys.stderr)
+                elif isinstance(event, AudioStart):
+                    if not args.quiet:
+                        elapsed = time.monotonic() - started
+                        voice = f" (voice {event.voice})" if event.voice else ""
+                        print(f"[{elapsed:6.2f}s] sentence {event.sentence_index}{voice}: {event.sentence_text}",
+                              file=sys.stderr)
+                    _print_warnings(event.warnings, f"sentence {event.sentence_index}: ")
                 elif isinstance(event, Error):
                     print(f"voxgate-say: {event.code}: {event.message}", file=sys.stderr)
                     status = 1
@@ -89,6 +94,13 @@ async def say(args: argparse.Namespace, text: str) -> int:
         print(f"{seconds:.2f} s of audio at {sample_rate} Hz" + (f" -> {args.output}" if args.output else ""),
               file=sys.stderr)
     return status
+
+
+def _print_warnings(warnings: list[dict], where: str = "") -> None:
+    """What the gateway does differently than asked (a voice fallback, a language the voice does not speak):
+    always shown, even with --quiet."""
+    for warning in warnings:
+        print(f"voxgate-say: warning: {where}{warning.get('code')}: {warning.get('message')}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,9 @@ class AudioStart(Event):
     sample_rate: int
     channels: int = 1
     context_id: str | None = None
+    voice: str | None = None  # only when another voice than session.started's speaks this sentence
+    # What this sentence gets differently than asked: {code, message, field} (e.g. language_unsupported)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ def parse_server_message(data: dict[str, Any]) -> Event:
         )
     if kind == "audio.start":
         return AudioStart(
-            **_pick(data, "sentence_index", "format", "sample_rate", "channels", "context_id"),
+            **_pick(data, "sentence_index", "format", "sample_rate", "channels", "context_id", "voice", "warnings"),
             sentence_text=data.get("sentence_text", ""),
         )
     if kind == "audio.done":
