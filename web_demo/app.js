@@ -34,6 +34,8 @@ const ui = {
   preroll: $("preroll"),
   apiKey: $("api-key"),
   apiKeyField: $("api-key-field"),
+  warnings: $("warnings"),
+  warningList: $("warning-list"),
   notice: $("notice"),
   noticeText: $("notice-text"),
   noticeAction: $("notice-action"),
@@ -68,6 +70,10 @@ const state = {
   retrySpeak: false, // Speak failed for want of a key or a gateway: retried once that is fixed
   keyTried: null, // the API key the last gateway check used
   interrupting: null, // the last interrupt's report, then its cancel (Speak waits for it)
+  readiness: null, // what the gateway's /ready last said: "ready", "starting", "failed", "draining", "unreachable"
+  pillFromReadiness: false, // the status pill shows readiness (not a session's state or an error)
+  sessionWarnings: [], // session.started's warnings that concern the user's choices
+  drawErrors: new Set(), // errors of the animation frame's parts, each reported once
 };
 
 const chart = new TimelineChart($("chart"));
@@ -77,7 +83,8 @@ if (params.get("api_key")) ui.apiKey.value = params.get("api_key");
 
 // ------------------------------------------------------------------------------------------ helpers
 
-function setStatus(kind, text) {
+function setStatus(kind, text, { readiness = false } = {}) {
+  state.pillFromReadiness = readiness;
   ui.status.dataset.state = kind;
   ui.status.className = `pill pill-${kind}`;
   ui.status.textContent = text;
@@ -177,6 +184,32 @@ function settings() {
   };
 }
 
+// ------------------------------------------------------------------------------------------ warnings
+// What the gateway could not do as asked goes ahead without it, and says so: session.started's warnings
+// (an unknown voice spoken by the default one, an option the backend ignores) and a sentence's audio.start
+// warnings (its text is not in the voice's language). Every one is logged; those about the user's choices
+// are shown beside the controls until the next session (session's) or the next Speak (sentences'). The
+// page's own preferences (token splitting, word timestamps) are best effort: the log says what it got.
+
+const PAGE_PREFERENCES = new Set(["split_granularity", "timestamp_type"]);
+
+function describeWarning({ code, message }) {
+  return `${message} (${code})`;
+}
+
+function renderWarnings() {
+  const shown = state.sessionWarnings.map(describeWarning);
+  const bySentence = new Map(); // warning text -> sentence numbers
+  for (const { sentence, ...warning } of state.utterance?.warnings ?? []) {
+    const text = describeWarning(warning);
+    if (!bySentence.has(text)) bySentence.set(text, []);
+    bySentence.get(text).push(sentence);
+  }
+  for (const [text, numbers] of bySentence) shown.push(`Sentence${numbers.length > 1 ? "s" : ""} ${numbers.join(", ")}: ${text}`);
+  ui.warningList.replaceChildren(...shown.map((text) => Object.assign(document.createElement("li"), { textContent: text })));
+  ui.warnings.hidden = shown.length === 0;
+}
+
 // ------------------------------------------------------------------------------------------ session
 
 // Load the gateway's voices (and its backend's name): the page's first contact, repeated when the user
@@ -198,8 +231,9 @@ async function loadGateway(select = null) {
     ui.clonePanel.classList.toggle("unavailable", !voices.voice_cloning);
     ui.cloneFields.disabled = !voices.voice_cloning;
     ui.cloneUnavailable.hidden = Boolean(voices.voice_cloning);
-    setStatus("idle", "ready");
+    if (!state.client) state.pillFromReadiness = true; // the gateway answered: its readiness says the rest
     clearNotice("auth", "unreachable");
+    checkReadiness();
     loadBackendInfo(apiKey);
     return true;
   } catch (error) {
@@ -216,6 +250,56 @@ function loadBackendInfo(apiKey) {
       if (model) ui.backendInfo.textContent = `${model.id} · ${model.backend} backend`;
     })
     .catch(() => {});
+}
+
+// ------------------------------------------------------------------------------------------ readiness
+// The pill follows the gateway's /ready for the page's life: "starting" while it answers 503 (its backend
+// still loading or warming up, its store unreachable), "ready" once it answers 200, checked again every few
+// seconds (a gateway drains, restarts, loses its store). /ready needs no key. Where the page cannot read
+// it (another origin without CORS) but the gateway answers, the pill says "connected".
+
+const READINESS_POLL_MS = { ready: 5000, other: 1000 };
+let readinessTimer = null;
+
+async function readGatewayReadiness() {
+  const url = new URL("/ready", gatewayUrl);
+  try {
+    const response = await fetch(url, { cache: "no-store" });
+    const body = await response.json().catch(() => ({}));
+    if (response.ok) return { readiness: "ready" };
+    if (body.status === "failed") return { readiness: "failed", detail: body.error };
+    if (body.draining) return { readiness: "draining" };
+    return { readiness: "starting", detail: body.store ? `store: ${body.store}` : null };
+  } catch (error) {
+    // Unreachable, or reachable but unreadable here: an opaque answer tells the two apart.
+    const answered = await fetch(url, { mode: "no-cors", cache: "no-store" }).then(() => true, () => false);
+    return { readiness: answered ? "unknown" : "unreachable" };
+  }
+}
+
+async function checkReadiness() {
+  clearTimeout(readinessTimer);
+  const { readiness, detail } = await readGatewayReadiness();
+  const previous = state.readiness;
+  const changed = readiness !== previous;
+  state.readiness = readiness;
+  if (changed && readiness !== "ready") logEvent(`gateway ${readiness}${detail ? `: ${detail}` : ""}`, "warn");
+  // An error the user must act on (a key), or a session's own state, keeps the pill; readiness takes it
+  // back when it was readiness that set it, or whenever the gateway cannot serve.
+  const mayShow = state.pillFromReadiness || ui.status.dataset.state === "idle";
+  if (readiness === "ready" || readiness === "unknown") {
+    if (mayShow) setStatus("idle", readiness === "ready" ? "ready" : "connected", { readiness: true });
+    // The gateway could not answer before (unreachable, or its backend loading and its voices unknown):
+    // load the voices again now that it can.
+    if (state.notice === "unreachable" || (changed && previous !== null)) loadGateway(ui.voice.value || null);
+  } else if (readiness === "unreachable") {
+    if (mayShow || state.client === null) setStatus("error", "gateway unreachable", { readiness: true });
+  } else if (mayShow || state.client === null || readiness === "failed") {
+    const text = { starting: "starting…", draining: "draining", failed: "backend failed" }[readiness];
+    setStatus(readiness === "failed" ? "error" : "busy", text, { readiness: true });
+  }
+  clearTimeout(readinessTimer); // one loop, however many checks were in flight
+  readinessTimer = setTimeout(checkReadiness, readiness === "ready" ? READINESS_POLL_MS.ready : READINESS_POLL_MS.other);
 }
 
 // After a new key or a Retry: check the gateway again, then speak if Speak was what failed.
@@ -245,6 +329,11 @@ async function ensurePlayer() {
       const sentence = state.utterance?.byTag.get(tag);
       logEvent(sentence ? `underrun in sentence ${sentence.number}` : "underrun", "warn");
     });
+    state.player.on("gap", ({ tag, ms: gapMs }) => {
+      const sentence = state.utterance?.byTag.get(tag);
+      if (sentence) sentence.gapBeforeMs = gapMs;
+      logEvent(`${Math.round(gapMs)} ms of silence before ${sentence ? `sentence ${sentence.number}` : "a sentence"}: its audio came late`, "warn");
+    });
   }
   state.player.setPrerollMs(Number(ui.preroll.value));
   if (state.player.context.state !== "running") await state.player.context.resume();
@@ -267,6 +356,9 @@ async function ensureClient() {
   ui.rates.textContent = `stream ${client.format} @ ${client.sampleRate} Hz → audio context @ ${state.player.sampleRate} Hz (resampled in the worklet)`;
   logEvent(`session.started: voice ${client.voice}, ${client.format} ${client.sampleRate} Hz, ` +
     (client.textStreaming ? "synthesis from each sentence's first words" : "synthesis sentence by sentence"));
+  for (const warning of client.warnings) logEvent(`warning ${warning.code}: ${warning.message}`, "warn");
+  state.sessionWarnings = client.warnings.filter((warning) => !PAGE_PREFERENCES.has(warning.field));
+  renderWarnings();
   wireClient(client);
   return client;
 }
@@ -296,6 +388,12 @@ function wireClient(client) {
     utterance.sentences.push(sentence);
     utterance.byTag.set(sentence.tag, sentence);
     renderSentenceRow(sentence);
+    if (message.voice) logEvent(`sentence ${sentence.number} is spoken by voice ${message.voice}`);
+    for (const warning of message.warnings ?? []) {
+      logEvent(`sentence ${sentence.number}: warning ${warning.code}: ${warning.message}`, "warn");
+      utterance.warnings.push({ ...warning, sentence: sentence.number });
+    }
+    if (message.warnings?.length) renderWarnings();
   });
   client.on("audio", (chunk) => {
     const utterance = state.utterance;
@@ -393,6 +491,7 @@ function newUtterance(contextId, text) {
     t0,
     sentences: [],
     byTag: new Map(),
+    warnings: [], // audio.start's warnings: {code, message, field, sentence (its number)}
     bytes: 0,
     samples: 0,
     firstByteAt: null,
@@ -443,6 +542,7 @@ async function speak() {
     if (state.utterance) player.forget(state.utterance.sentences.map((sentence) => sentence.tag));
     utterance.counterBase = { queued: player.stats.framesQueued, played: player.stats.framesPlayed };
     state.utterance = utterance;
+    renderWarnings();
     chart.reset(utterance);
     ui.rows.replaceChildren();
     ui.spokenWords.replaceChildren();
@@ -508,8 +608,13 @@ function renderStats(stats) {
   ui.ttfa.textContent = ms(stats.ttfaMs);
   ui.firstByte.textContent = ms(state.utterance?.firstByteAt ?? null);
   ui.buffered.textContent = `${Math.round(stats.bufferedMs)} ms`;
-  ui.underruns.textContent = count(stats.underruns);
-  ui.underruns.parentElement.classList.toggle("alert", stats.underruns > 0);
+  // What a listener hears as a break: audio that ran out inside a sentence (underruns), and silences between
+  // sentences because the next one came late (gaps; the natural pause at a sentence's end is in its audio).
+  const heard = stats.underruns + stats.gaps;
+  ui.underruns.textContent = count(heard);
+  ui.underruns.title = `${count(stats.underruns)} inside sentences, ${count(stats.gaps)} between sentences ` +
+    `(${(stats.gapFrames / (stats.contextRate || 1)).toFixed(1)} s of silence in all)`;
+  ui.underruns.parentElement.classList.toggle("alert", heard > 0);
   // Both in seconds of the utterance's audio at the audio context's rate: what reached the worklet
   // (after resampling) and what it played, so the two agree once everything has played; after an
   // interrupt, received counts what was dropped unplayed too, and the next utterance starts both at 0.
@@ -590,14 +695,31 @@ function highlightWord(utterance) {
   ui.wordsInfo.textContent = `${utterance.highlights.length}/${utterance.wordCount} words`;
 }
 
+// Each frame draws the timeline, moves the word highlight and draws the jitter-buffer chart. Whatever one
+// of them throws (a canvas call refusing its arguments, say), the others still run and the next frame
+// still comes: the loop is scheduled first, each part is guarded, and each distinct error is reported
+// once (in the console and the event log), not sixty times a second.
 function animate() {
-  const now = performance.now();
-  if (state.utterance) {
-    chart.draw(state.utterance, now - state.utterance.t0);
-    highlightWord(state.utterance);
-  }
-  sparkline.draw(now, Number(ui.preroll.value));
   requestAnimationFrame(animate);
+  const now = performance.now();
+  const utterance = state.utterance;
+  if (utterance) {
+    guarded("timeline", () => chart.draw(utterance, now - utterance.t0));
+    guarded("word highlight", () => highlightWord(utterance));
+  }
+  guarded("jitter buffer chart", () => sparkline.draw(now, Number(ui.preroll.value)));
+}
+
+function guarded(part, run) {
+  try {
+    run();
+  } catch (error) {
+    const key = `${part}: ${error}`;
+    if (state.drawErrors.has(key)) return;
+    state.drawErrors.add(key);
+    console.error(`web demo: the ${part} failed to draw`, error);
+    logEvent(`the ${part} failed to draw: ${error.message}`, "error");
+  }
 }
 
 // ------------------------------------------------------------------------------------------ wiring
@@ -695,6 +817,7 @@ window.addEventListener("keydown", (event) => {
 });
 
 loadGateway();
+checkReadiness();
 requestAnimationFrame(animate);
 
 // A read-only view of the page's state for automated checks.
@@ -705,6 +828,10 @@ window.voxgateDemo = {
     const utterance = state.utterance;
     return {
       status: ui.status.dataset.state,
+      pill: ui.status.textContent,
+      readiness: state.readiness,
+      shownWarnings: ui.warnings.hidden ? [] : [...ui.warningList.children].map((item) => item.textContent),
+      underrunsTile: ui.underruns.textContent,
       clone: {
         shown: !ui.clonePanel.hidden,
         offered: !ui.clonePanel.hidden && !ui.cloneFields.disabled,
@@ -737,8 +864,9 @@ window.voxgateDemo = {
         words: utterance.sentences.flatMap((s) => s.words.map(({ word, start, end }) => ({ number: s.number, word, start, end }))),
         highlights: utterance.highlights,
         highlighted: ui.spokenWords.querySelector(".word.current")?.textContent ?? null,
-        sentences: utterance.sentences.map(({ index, number, text, bytes, samples, totalBytes, done, firstAudioAt, playAt, textReadyAt }) => ({
+        sentences: utterance.sentences.map(({ index, number, text, bytes, samples, totalBytes, done, firstAudioAt, playAt, textReadyAt, gapBeforeMs }) => ({
           index, number, text, bytes, samples, totalBytes: totalBytes ?? null, done, firstAudioAt, playAt, textReadyAt,
+          gapBeforeMs: gapBeforeMs ?? null,
         })),
       },
     };

@@ -49,6 +49,7 @@ export class TimelineChart {
     const axis = 24;
     const plotWidth = width - left - right;
     const plotHeight = height - top - axis;
+    if (plotWidth <= 0 || plotHeight <= 0) return; // a canvas laid out with no room (hidden, collapsed)
     const live = !utterance.outcome;
     const end = live ? nowMs : utterance.endedAt ?? nowMs;
 
@@ -149,10 +150,11 @@ function durationMs(sentence) {
 }
 
 function bar(g, x, y, width, height, color) {
-  const radius = Math.min(3, height / 2, width / 2);
+  const w = Math.max(width, 1);
+  const radius = Math.max(0, Math.min(3, height / 2, w / 2)); // roundRect throws on a negative radius
   g.fillStyle = color;
   g.beginPath();
-  g.roundRect(x, y, Math.max(width, 1), height, radius);
+  g.roundRect(x, y, w, height, radius);
   g.fill();
 }
 

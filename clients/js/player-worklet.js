@@ -4,8 +4,10 @@
 // them to the AudioContext's rate, queues them, and starts playing once `prerollMs` of audio is buffered
 // (or the sentence is complete), so that network jitter does not turn into clicks. Running dry in the
 // middle of a sentence is an underrun: it is counted, and playback waits for a fresh pre-roll. Running
-// dry after a sentence's last sample is not: the next sentence's text may simply not exist yet while an
-// LLM is still writing it (the page's timing chart shows such gaps).
+// dry after a sentence's last sample is not an underrun: the next sentence's text may simply not exist yet
+// while an LLM is still writing it. The listener hears that silence all the same, so when the next
+// sentence starts after `audibleGapMs` or more of it, it is counted as a gap (`gaps`, `gapFrames`, a `gap`
+// event). Silence before a new request (`request`) or after an interrupt is no gap.
 //
 // `tag` names a sentence (any cloneable value, unique among sentences not yet fully played).
 //
@@ -14,9 +16,11 @@
 //   {type: "segment-end", tag}                              sentence `tag` has no more audio
 //   {type: "interrupt"}                                      drop everything queued, now
 //   {type: "drain-check", id}                                answer `drain` once all written so far played
+//   {type: "request"}                                        new text was sent: the silence so far is no gap
 //   {type: "config", prerollMs}
 // Messages out: {event: "stats", ...counters}, {event: "segment-start", tag, contextTime, frame},
-//   {event: "underrun", tag}, {event: "drained"}, {event: "interrupted", droppedFrames, droppedByTag},
+//   {event: "underrun", tag}, {event: "gap", tag, frames}, {event: "drained"},
+//   {event: "interrupted", droppedFrames, droppedByTag},
 //   {event: "drain", id, interrupted}. Stats are posted just before `interrupted` and `drain`, so that
 //   the counters a listener reads then are current.
 
@@ -27,6 +31,7 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
     super();
     const settings = options.processorOptions || {};
     this.prerollFrames = Math.round(((settings.prerollMs ?? 50) * sampleRate) / 1000);
+    this.audibleGapFrames = Math.round(((settings.audibleGapMs ?? 150) * sampleRate) / 1000);
     this.queue = []; // [{data: Float32Array at context rate, read: index, tag}]
     this.bufferedFrames = 0;
     this.state = "idle"; // idle -> buffering -> playing -> (idle | buffering)
@@ -39,10 +44,13 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
       framesPlayed: 0, // audio frames written to the output (silence excluded)
       underruns: 0,
       underrunFrames: 0, // silence played while starved inside a sentence
+      gaps: 0, // silences of at least audibleGapMs between a sentence's end and the next one's start
+      gapFrames: 0, // their length
       interrupts: 0,
       droppedFrames: 0, // discarded by interrupts
     };
     this.lastTag = undefined; // sentence of the last frame played
+    this.silentSince = null; // the frame at which the queue ran dry after a sentence's last sample
     this.quanta = 0;
     this.drainChecks = []; // ids of drain-checks waiting for the queue to empty
     this.port.onmessage = (event) => this.onMessage(event.data);
@@ -66,6 +74,7 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
         this.bufferedFrames = 0;
         this.forgetSentences();
         this.resampler = { inputRate: 0, position: 0, previous: 0 };
+        this.silentSince = null;
         this.counters.interrupts += 1;
         this.counters.droppedFrames += dropped;
         this.postStats();
@@ -77,6 +86,9 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
         // Messages arrive in order, so every write posted before this one is in the queue already.
         this.drainChecks.push(message.id);
         if (this.queue.length === 0) this.answerDrainChecks(false);
+        break;
+      case "request":
+        this.silentSince = null;
         break;
       case "config":
         if (message.prerollMs !== undefined) this.prerollFrames = Math.round((message.prerollMs * sampleRate) / 1000);
@@ -146,11 +158,12 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
     while (this.state === "playing" && written < frames) {
       const segment = this.queue[0];
       if (!segment) {
-        this.onStarved();
+        this.onStarved(currentFrame + written);
         break;
       }
       if (segment.read === 0 && !this.startedTags.has(segment.tag)) {
         this.startedTags.add(segment.tag);
+        if (this.silentSince !== null) this.endGap(segment.tag, currentFrame + written - this.silentSince);
         this.port.postMessage({
           event: "segment-start",
           tag: segment.tag,
@@ -191,16 +204,26 @@ class VoxgatePlayerProcessor extends AudioWorkletProcessor {
 
   // The queue ran dry while playing. Inside a sentence that is an underrun; after a sentence's last
   // sample it is the end of what was asked for (or a gap until the next sentence arrives).
-  onStarved() {
+  onStarved(frame) {
     if (!this.completeTags.has(this.lastTag)) {
       this.counters.underruns += 1;
       this.state = "buffering";
       this.port.postMessage({ event: "underrun", tag: this.lastTag });
     } else {
       this.forgetSentences();
+      this.silentSince = frame;
       this.port.postMessage({ event: "drained" });
     }
     this.postStats();
+  }
+
+  // Sentence `tag` starts after `frames` of silence since the previous one ended.
+  endGap(tag, frames) {
+    this.silentSince = null;
+    if (frames < this.audibleGapFrames) return;
+    this.counters.gaps += 1;
+    this.counters.gapFrames += frames;
+    this.port.postMessage({ event: "gap", tag, frames });
   }
 
   // Everything queued has been played or dropped: no tag seen so far can receive audio again, so a later

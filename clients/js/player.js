@@ -9,7 +9,9 @@
 //   await player.whenDrained();        // everything written so far has played
 //
 // Counters (player.stats): samplesReceived (stream rate), framesQueued / framesPlayed (context rate),
-// underruns, underrunFrames, bufferedMs, interrupts, droppedFrames, state, plus ttfaMs (time from
+// underruns, underrunFrames, gaps, gapFrames (silences of `audibleGapMs` or more between one sentence's end
+// and the next one's start, within a request: a sentence that came late; a `gap` event each, with its
+// `ms`), bufferedMs, interrupts, droppedFrames, state, plus ttfaMs (time from
 // `markRequest()` to the first sample leaving the worklet) and firstChunkMs (to the first audio written).
 // Importing this module in Node is harmless (nothing touches Web Audio before start(), which in Node
 // throws an error saying so): a Node program uses VoxgateClient alone and does its own playback.
@@ -23,9 +25,12 @@ function now() {
 }
 
 export class StreamPlayer extends Emitter {
-  constructor({ prerollMs = 50, audioContext = null, sampleRate = undefined, workletUrl = DEFAULT_WORKLET_URL } = {}) {
+  constructor({
+    prerollMs = 50, audibleGapMs = 150, audioContext = null, sampleRate = undefined, workletUrl = DEFAULT_WORKLET_URL,
+  } = {}) {
     super();
     this.prerollMs = prerollMs;
+    this.audibleGapMs = audibleGapMs;
     this.context = audioContext;
     this.ownsContext = audioContext === null;
     this.contextOptions = sampleRate ? { sampleRate, latencyHint: "interactive" } : { latencyHint: "interactive" };
@@ -52,7 +57,7 @@ export class StreamPlayer extends Emitter {
       numberOfInputs: 0,
       numberOfOutputs: 1,
       outputChannelCount: [1],
-      processorOptions: { prerollMs: this.prerollMs },
+      processorOptions: { prerollMs: this.prerollMs, audibleGapMs: this.audibleGapMs },
     });
     this.node.port.onmessage = (event) => this.#onWorkletMessage(event.data);
     this.node.connect(this.context.destination);
@@ -64,11 +69,13 @@ export class StreamPlayer extends Emitter {
     return this.context?.sampleRate ?? null;
   }
 
-  /** Start the clock for time-to-first-audio: call it when the text is sent. */
+  /** Start the clock for time-to-first-audio: call it when the text is sent. The silence before it is
+   * no gap between sentences. */
   markRequest(at = now()) {
     this.requestedAt = at;
     this.stats.ttfaMs = null;
     this.stats.firstChunkMs = null;
+    this.node?.port.postMessage({ type: "request" });
   }
 
   /** Queue 16-bit samples of sentence `tag` at `sampleRate` (resampled to the context's rate). */
@@ -194,6 +201,9 @@ export class StreamPlayer extends Emitter {
       case "underrun":
         this.emit("underrun", { tag: message.tag, at });
         break;
+      case "gap":
+        this.emit("gap", { tag: message.tag, ms: (message.frames * 1000) / this.context.sampleRate, at });
+        break;
       case "drained":
         this.emit("drained", { at });
         break;
@@ -226,6 +236,8 @@ function emptyStats() {
     framesPlayed: 0,
     underruns: 0,
     underrunFrames: 0,
+    gaps: 0,
+    gapFrames: 0,
     interrupts: 0,
     droppedFrames: 0,
     bufferedFrames: 0,
