@@ -35,6 +35,7 @@ from .settings import GatewaySettings
 from .gateway import Gateway
 from .store.base import SessionStore
 from .store.factory import create_store
+from .pronunciation.registry import PronunciationRegistry
 from .voices import VoiceRegistry
 from .http.static import mount_web_demo
 
@@ -118,6 +119,7 @@ def create_app(
         authenticate=authenticate or api_key_authenticator(settings),
         admission=admission,
         voices=VoiceRegistry(backend, store, settings, admission, reference_decoder),
+        pronunciations=PronunciationRegistry(store),
     )
 
     @asynccontextmanager
@@ -258,6 +260,7 @@ def create_app(
                     admission_claim=claim,
                     principal=principal,
                     voices=gateway.voices,
+                    pronunciations=gateway.pronunciations,
                 )
                 gateway.sessions.add(session)
                 try:

@@ -16,6 +16,7 @@ from .auth import Authenticator
 from .compat import resolve_voice
 from .limits import Admission
 from .metrics import GatewayMetrics
+from .pronunciation.registry import PronunciationRegistry
 from .protocol import ProtocolError
 from .session.connection import StreamingSession
 from .settings import GatewaySettings
@@ -32,6 +33,7 @@ class Gateway:
     authenticate: Authenticator
     admission: Admission
     voices: VoiceRegistry
+    pronunciations: PronunciationRegistry
     started_at: float = field(default_factory=time.time)
     draining: bool = False  # set while shutting down (issue 5): /ready says no, new sessions are refused
     backend_error: BaseException | None = None

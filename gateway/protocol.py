@@ -54,6 +54,9 @@ class ErrorCode(str, enum.Enum):
     invalid_reference_audio = "invalid_reference_audio"
     voice_limit_reached = "voice_limit_reached"
     voice_not_found = "voice_not_found"
+    pronunciation_invalid = "pronunciation_invalid"
+    pronunciation_limit_reached = "pronunciation_limit_reached"
+    pronunciation_not_found = "pronunciation_not_found"
     internal = "internal"
 
 
@@ -130,6 +133,21 @@ class _ClientMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PronunciationEntry(_ClientMessage):
+    """One entry of a pronunciation dictionary (gateway/pronunciation/rules.py checks its bounds): the
+    written form `text` is said as `say`; in any case and as whole words unless told otherwise."""
+
+    text: str
+    say: str
+    case_sensitive: bool = False
+    whole_word: bool = True
+
+
+# session.config's and the speech request's `pronunciations`: entries, or the names of dictionaries the key
+# registered (POST /v1/audio/pronunciations, pronunciation.add), applied in the order given.
+Pronunciations = list[Union[PronunciationEntry, str]]
+
+
 class SessionConfig(_ClientMessage):
     """`session.config`. Unknown fields are rejected. Every field that vLLM-Omni's or Baseten's clients send
     is accepted; those the backend cannot honour (voice cloning, word timestamps, ...) are named in
@@ -167,6 +185,9 @@ class SessionConfig(_ClientMessage):
     # token per frame; left out, the server's default (-o streaming_text). Honoured by backends with
     # "text_mode"; true also means a sentence is synthesized only once it has ended (no "token" splitting).
     non_streaming_mode: bool | None = None
+    # ext (issue 34): pronunciation dictionaries, and the markup subset ("ssml") read in the text
+    pronunciations: Pronunciations | None = None
+    text_markup: Literal["ssml"] | None = None
 
     @model_validator(mode="after")
     def _defaults_and_streaming_rules(self) -> "SessionConfig":
@@ -269,12 +290,31 @@ class VoiceAdd(_ClientMessage):
     x_vector_only_mode: bool | None = None
 
 
+class PronunciationAdd(_ClientMessage):
+    """ext: register (or replace) a pronunciation dictionary of this key by name, as
+    POST /v1/audio/pronunciations does."""
+
+    type: Literal["pronunciation.add"]
+    name: str
+    entries: list[PronunciationEntry]
+
+
+class PronunciationList(_ClientMessage):
+    type: Literal["pronunciation.list"]
+
+
+class PronunciationDelete(_ClientMessage):
+    type: Literal["pronunciation.delete"]
+    name: str
+
+
+PRONUNCIATION_MESSAGES = (PronunciationAdd, PronunciationList, PronunciationDelete)
 # Messages answered before session.config, and as large as it may be.
-HANDSHAKE_MESSAGES = (SessionConfig, VoiceAdd)
+HANDSHAKE_MESSAGES = (SessionConfig, VoiceAdd, PronunciationAdd)
 
 ClientMessage = Annotated[
     Union[SessionConfig, InputText, InputFlush, InputDone, InputCancel, SessionResume, SessionClose, Ping,
-          VoiceList, VoiceAdd],
+          VoiceList, VoiceAdd, PronunciationAdd, PronunciationList, PronunciationDelete],
     Field(discriminator="type"),
 ]
 CLIENT_TYPES = (
@@ -288,6 +328,9 @@ CLIENT_TYPES = (
     "ping",
     "voice.list",
     "voice.add",
+    "pronunciation.add",
+    "pronunciation.list",
+    "pronunciation.delete",
 )
 _client_adapter: TypeAdapter[Any] = TypeAdapter(ClientMessage)
 
@@ -401,7 +444,7 @@ class ConfigWarning(BaseModel):
     default one, an option this backend cannot honour); the request goes ahead."""
 
     code: str  # stable: voice_fallback, voice_cloning_unsupported, timestamps_unsupported, option_ignored,
-    # language_unsupported
+    # language_unsupported, markup_ignored, expression_ignored
     message: str
     field: str | None = None  # the request field it concerns
 
@@ -432,6 +475,16 @@ class VoiceAdded(_ServerMessage):
     type: Literal["voice.add"] = "voice.add"
     success: bool = True
     voice: dict[str, Any]
+
+
+class PronunciationAnswer(_ServerMessage):
+    """Answer to pronunciation.add (the dictionary's metadata), .list (every dictionary of the key) and
+    .delete (the name deleted)."""
+
+    type: Literal["pronunciation.add", "pronunciation.list", "pronunciation.delete"]
+    dictionary: dict[str, Any] | None = None
+    dictionaries: list[dict[str, Any]] | None = None
+    deleted: str | None = None
 
 
 class AudioStart(_ServerMessage):
@@ -483,6 +536,8 @@ class AudioDone(_ServerMessage):
     timestamp_info: TimestampInfo | None = None  # timestamp_transport_strategy "sync": the sentence's words
     # ext, split_granularity "token": the sentence's whole text (its audio.start had the words known then)
     sentence_text: str | None = None
+    # ext, split_granularity "token": what of its markup was not honoured (its audio.start had not its whole text)
+    warnings: list[ConfigWarning] | None = None
 
 
 class AudioWords(_ServerMessage):

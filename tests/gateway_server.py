@@ -235,6 +235,7 @@ class RecordingBackend(Synthesizer):
     async def start(self) -> None:
         await self.inner.start()
         self.sample_rate = self.inner.sample_rate
+        self.honours = self.inner.honours  # a backend may learn at start what it honours (Piper's timings)
 
     async def stop(self) -> None:
         await self.inner.stop()

@@ -52,7 +52,8 @@ from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_tran
 from ..gateway import Gateway
 from ..language import voice_for_sentence
 from ..limits import AdmissionClaim, LimitExceeded, StreamMeter, SynthesisMonitor
-from ..protocol import ErrorCode, ProtocolError, backend_error_code, loads_client_json
+from ..pronunciation.pronouncer import Pronouncer
+from ..protocol import ErrorCode, PronunciationEntry, Pronunciations, ProtocolError, backend_error_code, loads_client_json
 from ..session.segmenter import SentenceSegmenter, push_in_slices
 from ..session.word_times import append_monotonic, count_reached, in_seconds
 
@@ -103,6 +104,8 @@ _STATUS = {
     ErrorCode.rate_limited: 429,
     ErrorCode.voice_not_found: 404,
     ErrorCode.voice_limit_reached: 403,
+    ErrorCode.pronunciation_not_found: 404,
+    ErrorCode.pronunciation_limit_reached: 403,
     ErrorCode.too_many_sessions: 429,
     ErrorCode.overloaded: 503,
     ErrorCode.internal: 500,
@@ -194,6 +197,9 @@ class SpeechRequest(BaseModel):
     # vLLM-Omni's text mode: true puts the whole text in the model's prompt, false feeds it one token per
     # frame; left out, the server's default (-o streaming_text). Honoured by backends with "text_mode".
     non_streaming_mode: bool | None = None
+    # Pronunciation (issue 34): dictionary entries and registered dictionaries' names, and the markup subset.
+    pronunciations: Pronunciations | None = None
+    text_markup: Literal["ssml"] | None = None
 
     @property
     def voice_id(self) -> str | None:
@@ -222,13 +228,14 @@ def speech_is_sse(body: SpeechRequest, accept: str) -> bool:
 async def pipelined_synthesis(
     backend: Synthesizer, requests: list[SynthesisRequest], lookahead: int,
     monitor: SynthesisMonitor | None = None, claim: AdmissionClaim | None = None,
+    pronouncer: Pronouncer | None = None,
 ) -> AsyncIterator[AudioChunk]:
     """The chunks of each request in order, their word timings moved onto the timeline of all the requests'
     audio (a request's sample 0 follows the previous requests' last). One producer synthesizes the requests
     one after another, running up to `lookahead` requests ahead of the one being read, so the next sentence is made while this one
     is sent and the head sentence never competes with its successors for the backend. While it runs it
     is one stream of `monitor` (with each pull's audio and time), replacing the request's admission
-    `claim`."""
+    `claim`. With a `pronouncer`, each request's text is the client's and the backend is given its rewrite."""
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
     end = object()
     reading = 0
@@ -243,7 +250,8 @@ async def pipelined_synthesis(
                 advanced.clear()
                 await advanced.wait()
             try:
-                async with contextlib.aclosing(backend.synthesize(request)) as stream:
+                chunks = backend.synthesize(request) if pronouncer is None else pronouncer.synthesize(backend, request)
+                async with contextlib.aclosing(chunks) as stream:
                     while True:
                         pulled_at = time.monotonic()
                         try:
@@ -372,14 +380,20 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
             )
     # Each sentence's voice: one of its language where the client left that to the server (gateway/language.py),
     # and a warning per language the voice cannot read.
+    try:
+        pronouncer = await gateway.pronunciations.pronouncer(principal, body.pronunciations, body.text_markup)
+    except ProtocolError as exc:
+        raise ApiError(exc.code, exc.message, param="pronunciations") from None
     sentences = await _sentences(body.input, body.language, settings.max_synthesis_chars)
     auto_voice = (body.voice_id is None and body.ref_audio is None and cloned is None
                   and body.language.lower() == "auto")
     spoken_by = [voice_for_sentence(backend, voice, text, auto=auto_voice) for text in sentences]
-    for choice_of_sentence in spoken_by:
-        told = choice_of_sentence.warning
-        if told is not None and told.model_dump(exclude_none=True) not in warnings:
-            warnings.append(told.model_dump(exclude_none=True))
+    told = [choice_of_sentence.warning for choice_of_sentence in spoken_by]
+    if pronouncer is not None:
+        told += [warning for text in sentences for warning in pronouncer.warnings(text, backend)]
+    for warning in told:
+        if warning is not None and warning.model_dump(exclude_none=True) not in warnings:
+            warnings.append(warning.model_dump(exclude_none=True))
     warning_headers = {WARNINGS_HEADER: json.dumps(warnings)} if warnings else {}
     fmt = (body.response_format or ("pcm" if sse else "mp3")).lower()
     try:
@@ -427,7 +441,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     ]
     metrics = gateway.metrics
     encoder = encoders.AudioFileEncoder(fmt, backend.sample_rate, rate)
-    synthesis = pipelined_synthesis(backend, requests, settings.lookahead_sentences, gateway.admission.monitor, claim)
+    synthesis = pipelined_synthesis(backend, requests, settings.lookahead_sentences, gateway.admission.monitor, claim,
+                                    pronouncer)
 
     async def encoded() -> AsyncIterator[tuple[bytes, list[dict[str, Any]]]]:
         """The response's audio file, piece by piece as it is made, recording time to first audio; with
@@ -679,6 +694,38 @@ async def get_voice(name: str, request: Request, principal: Principal = Depends(
 async def delete_voice(name: str, request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
     await _voice_call(gateway_of(request).voices.delete(principal, name))
     return {"success": True, "message": f"voice {name!r} deleted"}
+
+
+class PronunciationDictionary(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    entries: list[PronunciationEntry]
+
+
+@router.post("/v1/audio/pronunciations")
+async def add_pronunciations(body: PronunciationDictionary, request: Request,
+                             principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    """Register (or replace) a pronunciation dictionary of this key (gateway/pronunciation/registry.py)."""
+    registry = gateway_of(request).pronunciations
+    return {"success": True, "dictionary": await _voice_call(registry.add(principal, body.name, body.entries))}
+
+
+@router.get("/v1/audio/pronunciations")
+async def list_pronunciations(request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    return {"object": "list", "data": await _voice_call(gateway_of(request).pronunciations.list(principal))}
+
+
+@router.get("/v1/audio/pronunciations/{name}")
+async def get_pronunciations(name: str, request: Request, principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    return {"success": True, "dictionary": await _voice_call(gateway_of(request).pronunciations.get(principal, name))}
+
+
+@router.delete("/v1/audio/pronunciations/{name}")
+async def delete_pronunciations(name: str, request: Request,
+                                principal: Principal = Depends(require_auth)) -> dict[str, Any]:
+    await _voice_call(gateway_of(request).pronunciations.delete(principal, name))
+    return {"success": True, "message": f"pronunciation dictionary {name!r} deleted"}
 
 
 @router.get("/v1/models")

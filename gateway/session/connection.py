@@ -50,6 +50,7 @@ from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_tran
 from ..limits import Admission, AdmissionClaim
 from ..logs import session_id_var
 from ..metrics import GatewayMetrics
+from ..pronunciation.registry import PronunciationRegistry
 from ..protocol import (
     DEFAULT_SAMPLE_RATE,
     HANDSHAKE_MESSAGES,
@@ -62,7 +63,11 @@ from ..protocol import (
     InputFlush,
     InputText,
     Ping,
+    PRONUNCIATION_MESSAGES,
     Pong,
+    PronunciationAdd,
+    PronunciationAnswer,
+    PronunciationList,
     ProtocolError,
     SessionClose,
     SessionConfig,
@@ -120,6 +125,7 @@ class StreamingSession:
         admission_claim: AdmissionClaim | None = None,
         principal: Principal | None = None,
         voices: VoiceRegistry | None = None,
+        pronunciations: PronunciationRegistry | None = None,
     ) -> None:
         self.ws = websocket
         self.settings = settings
@@ -129,6 +135,7 @@ class StreamingSession:
         self.admission = admission
         self.principal = principal or Principal()
         self.voices = voices or VoiceRegistry(backend, store, settings)
+        self.pronunciations = pronunciations or PronunciationRegistry(store)
 
         self.info = SessionInfo(owner=uuid.uuid4().hex)  # owner: this connection's lease token in the store
         self.writer = SocketWriter(websocket)
@@ -380,6 +387,8 @@ class StreamingSession:
                     return True
                 if isinstance(message, (VoiceList, VoiceAdd)):
                     await self._on_voice_message(message)
+                elif isinstance(message, PRONUNCIATION_MESSAGES):
+                    await self._on_pronunciation_message(message)
                 elif isinstance(message, Ping):
                     await self._send_json(Pong(id=message.id))
                 elif isinstance(message, SessionResume):
@@ -451,17 +460,31 @@ class StreamingSession:
                                       ref_text=message.ref_text, x_vector_only=bool(message.x_vector_only_mode))
         await self._send_json(VoiceAdded(voice=voice))
 
+    async def _on_pronunciation_message(self, message) -> None:
+        """pronunciation.add/.list/.delete: this key's dictionaries (gateway/pronunciation/registry.py)."""
+        registry = self.pronunciations
+        if isinstance(message, PronunciationAdd):
+            meta = await registry.add(self.principal, message.name, message.entries)
+            answer = PronunciationAnswer(type=message.type, dictionary=meta)
+        elif isinstance(message, PronunciationList):
+            answer = PronunciationAnswer(type=message.type, dictionaries=await registry.list(self.principal))
+        else:
+            await registry.delete(self.principal, message.name)
+            answer = PronunciationAnswer(type=message.type, deleted=message.name)
+        await self._send_json(answer)
+
     async def _resolved(self, message: SessionConfig, *, admitted: bool) -> ResolvedConfig:
-        """The session's config, with its cloned voice when it names one (registered, or its ref_audio).
-        `admitted`: the session's admission counts a clone of its ref_audio (its first config); a later
-        config's clone is a request of its own (rate, overload)."""
+        """The session's config, with its cloned voice when it names one (registered, or its ref_audio) and
+        its pronunciation. `admitted`: the session's admission counts a clone of its ref_audio (its first
+        config); a later config's clone is a request of its own (rate, overload)."""
+        pronouncer = await self.pronunciations.pronouncer(self.principal, message.pronunciations, message.text_markup)
         cloned = await self.voices.voice_for(
             self.principal, voice=message.voice, ref_audio=message.ref_audio, ref_text=message.ref_text,
             x_vector_only=message.x_vector_only_mode, task_type=message.task_type, admitted=admitted)
         if cloned is None:
-            return self._resolve(message)
+            return dataclasses.replace(self._resolve(message), pronouncer=pronouncer)
         return dataclasses.replace(self._resolve(message, VoiceChoice(cloned.name)), voice_prompt=cloned.prompt,
-                                   own_clip=message.ref_audio is not None)
+                                   own_clip=message.ref_audio is not None, pronouncer=pronouncer)
 
     async def _recorded_config(self, recorded: dict) -> ResolvedConfig:
         """The config the session was recorded with (ResolvedConfig.snapshot). A voice cloned from the
@@ -615,6 +638,8 @@ class StreamingSession:
             await self._on_close()
         elif isinstance(message, (VoiceList, VoiceAdd)):
             await self._on_voice_message(message)
+        elif isinstance(message, PRONUNCIATION_MESSAGES):
+            await self._on_pronunciation_message(message)
         elif isinstance(message, SessionResume):
             raise ProtocolError(ErrorCode.invalid_message, "session.resume is only valid as a connection's first message")
 

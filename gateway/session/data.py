@@ -12,6 +12,7 @@ from tts_backend.base import TextStream, WordTiming
 
 from ..audio import pcm as audio
 from ..language import SentenceVoice
+from ..pronunciation.pronouncer import Pronouncer
 from ..protocol import ConfigWarning, SessionConfig, SpokenWord
 from ..store.base import MarkerRecord
 from .segmenter import SentenceSegmenter
@@ -68,6 +69,13 @@ class ResolvedConfig:
     # The client left the voice and the language to the server (no voice, language Auto, no clone): each
     # sentence may be spoken by a voice of its own language (gateway/language.py).
     auto_voice: bool = False
+    # The session's pronunciation (gateway/pronunciation/): its dictionaries' rules and markup; None: the
+    # text goes to the backend as written.
+    pronouncer: Pronouncer | None = None
+
+    def shown_text(self, text: str) -> str:
+        """A sentence's text as the client's words show it (markup removed)."""
+        return self.pronouncer.written(text) if self.pronouncer is not None else text
 
     def snapshot(self) -> dict[str, Any]:
         """The config as the store records it. The reference clip is not kept (a voice recording is
@@ -78,6 +86,8 @@ class ResolvedConfig:
         data.update(response_format=self.response_format, sample_rate=self.output_rate)
         if not self.auto_voice:
             data.update(voice=self.voice)
+        if self.pronouncer is not None:  # as resolved (names read once): a resume applies the same rules
+            data["pronunciations"] = self.pronouncer.entries()
         if self.own_clip and self.voice_prompt is not None:
             data[INLINE_PROMPT_KEY] = base64.b64encode(self.voice_prompt).decode("ascii")
         return data
@@ -149,6 +159,7 @@ class SentenceJob:
     source_samples: int | None = 0  # backend samples received, for duration_ms; None: unknown
     queued_bytes: int = 0  # PCM made but not yet taken by the sender (back-pressure)
     spoken_by: SentenceVoice | None = None  # its voice, chosen once for its text (SpeechPipeline._voice_of)
+    markup_told: bool = False  # its markup warnings went out (in audio.start, or audio.done once its text ended)
     # Word timestamps (config.timestamps set): the backend's timings so far, how many were told in
     # audio.words, and for compressed formats the audio (output samples) the bytes sent so far decode to.
     words: list[WordTiming] = field(default_factory=list)

@@ -41,6 +41,7 @@ from ..protocol import (
     AudioStart,
     AudioWords,
     CloseCode,
+    ConfigWarning,
     ErrorCode,
     ProtocolError,
     SessionDone,
@@ -255,7 +256,10 @@ class SpeechPipeline:
         monitor = self.monitor
         bytes_per_second = 2 * self.backend.sample_rate
         try:
-            async with contextlib.aclosing(self.backend.synthesize(request)) as audio:
+            pronouncer = config.pronouncer
+            audio_chunks = (self.backend.synthesize(request) if pronouncer is None
+                            else pronouncer.synthesize(self.backend, request))
+            async with contextlib.aclosing(audio_chunks) as audio:
                 if self.admission_claim is not None:  # from now on the session's streams count, not its claim
                     self.admission_claim.release()
                 with monitor.stream() if monitor is not None else contextlib.nullcontext() as meter:
@@ -395,18 +399,21 @@ class SpeechPipeline:
         bytes_per_sample = encoder.bytes_per_sample or 2
         frame_bytes = max(1, config.output_rate * self.settings.max_frame_ms // 1000) * bytes_per_sample
         spoken_by = self._voice_of(job)
+        warnings = [spoken_by.warning] if spoken_by.warning is not None else []
+        if job.text_stream is None or job.text_stream.finished:  # else audio.done tells them, of the whole text
+            warnings += markup_warnings(job, self.backend)
         async with self.writer.lock:
             if job.cancelled:
                 return
             await self.writer.send_text_locked(
                 AudioStart(
                     sentence_index=job.index,
-                    sentence_text=job.text,
+                    sentence_text=config.shown_text(job.text),
                     format=fmt,
                     sample_rate=config.output_rate,
                     context_id=job.utterance.context_id,
                     voice=spoken_by.voice if spoken_by.voice != config.voice else None,
-                    warnings=[spoken_by.warning] if spoken_by.warning is not None else None,
+                    warnings=warnings or None,
                 ).encode()
             )
             job.started_sending = True
@@ -469,7 +476,8 @@ class SpeechPipeline:
                 error = _synthesis_error(failure, job)
                 self.metrics.errors_total.labels(error.code.value).inc()
                 await self.writer.send_text_locked(error.to_message().encode())
-            await self.writer.send_text_locked(audio_done(job, error=failure is not None).encode())
+            await self.writer.send_text_locked(audio_done(job, error=failure is not None,
+                                                          warnings=markup_warnings(job, self.backend)).encode())
         outcome = "failed" if failure is not None else "done"
         self.metrics.sentences_total.labels(outcome).inc()
         await self.store.set_sentence_state(self.info.session_id, job.index, outcome, owner=self.info.owner)
@@ -500,7 +508,16 @@ class SpeechPipeline:
             await self.store.delete(self.info.session_id, owner=self.info.owner)
 
 
-def audio_done(job: SentenceJob, *, error: bool, cancelled: bool = False) -> AudioDone:
+def markup_warnings(job: SentenceJob, backend: Synthesizer) -> list[ConfigWarning]:
+    """What of the sentence's markup is not honoured, once per sentence."""
+    if job.config.pronouncer is None or job.markup_told:
+        return []
+    job.markup_told = True
+    return job.config.pronouncer.warnings(job.text, backend)
+
+
+def audio_done(job: SentenceJob, *, error: bool, cancelled: bool = False,
+               warnings: list[ConfigWarning] | None = None) -> AudioDone:
     """A sentence's audio.done: the bytes sent of it, its duration, and ("sync" timestamps) its words."""
     timestamp_info = None
     if job.config.timestamps == "sync" and not error:
@@ -516,7 +533,9 @@ def audio_done(job: SentenceJob, *, error: bool, cancelled: bool = False) -> Aud
         duration_ms=None if job.source_samples is None else round(job.source_samples * 1000 / job.config.source_rate, 1),
         cancelled=True if cancelled else None,
         timestamp_info=timestamp_info,
-        sentence_text=job.text if job.config.text_streaming else None,  # audio.start had its first words
+        # audio.start had its first words
+        sentence_text=job.config.shown_text(job.text) if job.config.text_streaming else None,
+        warnings=warnings or None,
     )
 
 

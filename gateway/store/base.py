@@ -349,3 +349,24 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     async def delete_voice(self, owner: str, name: str) -> bool:
         """True if the owner had a voice of that name."""
+
+    # Pronunciation dictionaries (issue 34, gateway/pronunciation/registry.py): per owner and name, a metadata
+    # dict (its "bytes" counted against the owner's total) and the entries as JSON, kept until deleted.
+
+    @abc.abstractmethod
+    async def put_dictionary(self, owner: str, name: str, meta: dict[str, Any], entries: str, max_count: int,
+                             max_bytes: int) -> int:
+        """Store a dictionary, replacing the owner's dictionary of that name: 1 stored; 0 (nothing stored) when
+        it is a new name and the owner has `max_count` already; -1 when the owner's dictionaries would take
+        more than `max_bytes` (their metas' "bytes" added up). The checks and the write are one atomic step."""
+
+    @abc.abstractmethod
+    async def dictionary(self, owner: str, name: str) -> tuple[dict[str, Any], str] | None:
+        """(meta, entries JSON), or None."""
+
+    @abc.abstractmethod
+    async def dictionary_metas(self, owner: str) -> list[dict[str, Any]]: ...
+
+    @abc.abstractmethod
+    async def delete_dictionary(self, owner: str, name: str) -> bool:
+        """True if the owner had a dictionary of that name."""

@@ -45,6 +45,7 @@ class MemorySessionStore(SessionStore):
         self._sessions: dict[str, SessionRecord] = {}
         self._voices: dict[str, dict[str, tuple[dict[str, Any], bytes]]] = {}  # owner -> name -> (meta, prompt)
         self._logs: dict[str, deque[tuple[float, ReplayPiece]]] = {}
+        self._dictionaries: dict[str, dict[str, tuple[dict[str, Any], str]]] = {}  # owner -> name -> (meta, entries)
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -216,3 +217,24 @@ class MemorySessionStore(SessionStore):
 
     async def delete_voice(self, owner: str, name: str) -> bool:
         return self._voices.get(owner, {}).pop(name, None) is not None
+
+    async def put_dictionary(self, owner: str, name: str, meta: dict[str, Any], entries: str, max_count: int,
+                             max_bytes: int) -> int:
+        kept = self._dictionaries.setdefault(owner, {})
+        if name not in kept and len(kept) >= max_count:
+            return 0
+        total = sum(m["bytes"] for n, (m, _) in kept.items() if n != name) + meta["bytes"]
+        if total > max_bytes:
+            return -1
+        kept[name] = (dict(meta), entries)
+        return 1
+
+    async def dictionary(self, owner: str, name: str) -> tuple[dict[str, Any], str] | None:
+        found = self._dictionaries.get(owner, {}).get(name)
+        return (dict(found[0]), found[1]) if found is not None else None
+
+    async def dictionary_metas(self, owner: str) -> list[dict[str, Any]]:
+        return [dict(meta) for meta, _ in self._dictionaries.get(owner, {}).values()]
+
+    async def delete_dictionary(self, owner: str, name: str) -> bool:
+        return self._dictionaries.get(owner, {}).pop(name, None) is not None

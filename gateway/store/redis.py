@@ -30,6 +30,10 @@ Cloned voices, per owner (the API key's fingerprint, '' without keys), under `{p
 A voice is added (the per-owner count checked and both keys written) by one Lua script, so two replicas
 adding at once never pass the limit; the keys have no expiry.
 
+Pronunciation dictionaries, per owner, under `{prefix}{pronunciations:<owner>}:`: `meta` (name -> metadata
+JSON, its "bytes" counted against the owner's total) and `entries` (name -> entries JSON), both written by
+one Lua script that checks the owner's count and bytes first.
+
 Every write is one Lua script call (one round trip): it checks that the session exists and that the
 caller still holds the lease (a resume elsewhere overwrites the lease: the old owner's next write fails
 with LeaseLost) and applies the change. The audio append, the hot path, stays small: since entry ids
@@ -606,6 +610,56 @@ class RedisSessionStore(SessionStore):
             removed, _ = await pipe.hdel(meta, name).delete(prompt).execute()
         return bool(removed)
 
+    # ------------------------------------------------------------------ pronunciation dictionaries
+
+    def _dictionary_keys(self, owner: str) -> list[str]:
+        base = f"{self.key_prefix}{{pronunciations:{owner}}}:"
+        return [base + "meta", base + "entries"]
+
+    async def put_dictionary(self, owner: str, name: str, meta: dict[str, Any], entries: str, max_count: int,
+                             max_bytes: int) -> int:
+        return int(await self.redis.eval(_PUT_DICTIONARY, 2, *self._dictionary_keys(owner), name, json.dumps(meta),
+                                         entries, max_count, max_bytes))
+
+    async def dictionary(self, owner: str, name: str) -> tuple[dict[str, Any], str] | None:
+        meta_key, entries_key = self._dictionary_keys(owner)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            meta, entries = await pipe.hget(meta_key, name).hget(entries_key, name).execute()
+        if meta is None or entries is None:
+            return None
+        return json.loads(meta), entries.decode() if isinstance(entries, bytes) else entries
+
+    async def dictionary_metas(self, owner: str) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in (await self.redis.hgetall(self._dictionary_keys(owner)[0])).values()]
+
+    async def delete_dictionary(self, owner: str, name: str) -> bool:
+        meta_key, entries_key = self._dictionary_keys(owner)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            removed, _ = await pipe.hdel(meta_key, name).hdel(entries_key, name).execute()
+        return bool(removed)
+
+
+# KEYS: meta hash, entries hash. ARGV: name, meta JSON, entries JSON, max count, max bytes. 1 stored, 0 over
+# the count, -1 over the bytes (the metas' "bytes", the new one's instead of the one it replaces).
+_PUT_DICTIONARY = """
+local exists = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
+if not exists and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) then
+  return 0
+end
+local total = cjson.decode(ARGV[2])['bytes']
+local metas = redis.call('HGETALL', KEYS[1])
+for i = 1, #metas, 2 do
+  if metas[i] ~= ARGV[1] then
+    total = total + cjson.decode(metas[i + 1])['bytes']
+  end
+end
+if total > tonumber(ARGV[5]) then
+  return -1
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+return 1
+"""
 
 # KEYS: meta hash, prompt string. ARGV: name, meta JSON, prompt, max voices. 1 stored, 0 over the limit.
 _PUT_VOICE = """
