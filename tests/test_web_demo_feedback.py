@@ -6,14 +6,19 @@ whatever one of its draws throws."""
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.gateway_server import running_gateway
 from tests.js_fixtures import JS_CLIENT_DIR, require_chromium, require_node, require_npm_packages, run_node_json
+from tests.test_web_demo import png_size
 from tts_backend.synthetic import SyntheticSynthesizer
 
+REPO = Path(__file__).resolve().parent.parent
 SCRIPT = JS_CLIENT_DIR / "test" / "web_demo_feedback.mjs"
 TEXT = "Hello from the browser. The worklet plays every sample. Nothing should underrun here!"
 
@@ -126,3 +131,16 @@ def test_the_animation_goes_on_whatever_a_draw_throws():
     assert any("the timeline failed to draw: roundRect refused" in line for line in result["throwing"]["log"])
     assert throwing["highlights"][-1]["word"] == TEXT.split()[-1]
     assert result["sparklineMoved"], "the jitter-buffer chart stopped"
+
+
+def test_the_readme_picture_has_a_command_of_its_own(tmp_path):
+    """README's picture is taken on purpose (docs/web_demo_screenshot.py), not as a side effect of a test
+    run: the command starts the default gateway, speaks the page's own text and writes a 1280 x 900 PNG
+    where it is told, saying what the listener heard. (On a busy machine it refuses, without
+    --accept-busy, a picture with silences in it: that is for a person to run when the machine is idle.)"""
+    picture = tmp_path / "page.png"
+    completed = subprocess.run([sys.executable, str(REPO / "docs" / "web_demo_screenshot.py"), "--output", str(picture),
+                                "--attempts", "1", "--accept-busy"], capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert re.search(r"attempt 1: S1 plays at \d+ ms, S2 plays at \d+ ms", completed.stdout), completed.stdout
+    assert png_size(picture) == (1280, 900) and picture.stat().st_size > 20_000
