@@ -1,11 +1,14 @@
 """The reference implementations (qwen-tts 0.1.1, qwen-asr 0.0.6) in virtual environments of their own.
 
 qwen-tts pins transformers 4.57.3, which must not leak into Voxgate's own environment, so the tests build a
-cached virtualenv beside it (system site-packages visible, so it reuses the installed torch) and run the
-reference in subprocesses. `import qwen_tts` also imports the 25 Hz tokenizer's torchaudio dependency; a
-stub module is enough for the 12 Hz path, which is all we compare against.
+cached virtualenv beside it and run the reference in subprocesses. That venv imports its own packages
+first, then those of the environment running the tests (a .pth file, `see_our_packages`): the reference runs
+on the very torch Voxgate runs on, and nothing downloads another (`--system-site-packages` would show the
+base interpreter's packages instead, not a virtualenv's). `import qwen_tts` also imports the 25 Hz
+tokenizer's torchaudio dependency; a stub module is enough for the 12 Hz path, which is all we compare against.
 
-The venv lives in $VOXGATE_REF_VENV or ~/.cache/voxgate/qwen-tts-0.1.1; creating it takes about 30 s.
+The venv lives in $VOXGATE_REF_VENV or ~/.cache/voxgate/qwen-tts-0.1.1 (about 150 MB: transformers and a
+few audio packages); creating it takes about a minute. Tests that use it are marked `third_party`.
 
 qwen-asr (the forced aligner's reference) pins transformers 4.57.6, so it gets a second venv,
 $VOXGATE_ASR_REF_VENV or ~/.cache/voxgate/qwen-asr-0.0.6. Its module-level `import nagisa` (Japanese word
@@ -21,7 +24,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.venv_cache import cached_venv, pip_install, run_script, venv_python
+from tests.venv_cache import cached_venv, our_site_dirs, pip_install, run_script, see_our_packages, venv_python
+
 
 @dataclass(frozen=True)
 class ReferenceEnv:
@@ -34,14 +38,14 @@ class ReferenceEnv:
     package: str  # installed without its dependencies (they would replace torch, or are not needed)
     stubs: dict[str, str]  # path under site-packages -> text, for imports the compared path never uses
     module: str  # imported once built, to prove the venv works
-    recipe: int = 1  # bump when the build recipe changes, so cached venvs of an older recipe are rebuilt
+    recipe: int = 2  # bump when the build recipe changes, so cached venvs of an older recipe are rebuilt
 
     def venv_dir(self) -> Path:
         return Path(os.environ.get(self.env_var, Path.home() / ".cache" / "voxgate" / self.directory))
 
     def python(self) -> Path:
         venv = self.venv_dir()
-        wanted = {"recipe": self.recipe, "python": sys.version_info[:2],
+        wanted = {"recipe": self.recipe, "python": sys.version_info[:2], "on": our_site_dirs(),
                   "requirements": [*self.requirements, self.package]}
         return cached_venv(venv, wanted, lambda previous: self._build(venv))
 
@@ -50,10 +54,13 @@ class ReferenceEnv:
         return run_script(self.python(), script, *args, timeout=timeout, env={"PYTHONWARNINGS": "ignore"})
 
     def _build(self, venv: Path) -> None:
-        """A venv that sees the system site-packages (torch), with the requirements, the package without its
+        """A venv that sees this environment's packages (torch) after its own, with the requirements (what
+        this environment already has, torch above all, is not installed again), the package without its
         dependencies, and the stub files."""
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--clear", str(venv)], check=True)
-        pip_install(venv, *self.requirements)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        see_our_packages(venv_python(venv))
+        if self.requirements:
+            pip_install(venv, *self.requirements)
         pip_install(venv, "--no-deps", self.package)
         purelib = subprocess.run(
             [str(venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -24,6 +24,9 @@ from tts_backend.base import SynthesisRequest
 from tts_backend.piper import PiperSynthesizer
 from tts_backend.synthetic import SyntheticSynthesizer
 
+pytestmark = pytest.mark.third_party  # a cached venv of third-party packages (tests/conftest.py)
+
+
 KEY = "k-baseten-test"  # as in the script
 REPLIES = ["Hello there. This is the first reply.", "A second reply on the same socket."]
 LONG_REPLY = " ".join(f"This is sentence number {n} of a long reply that the user will interrupt."

@@ -14,6 +14,9 @@ import pytest
 from tests.adapter_fixtures import VOICE, scenario, scenario_results, synthetic_pcm
 from tests.gateway_server import RecordingBackend, free_port
 
+pytestmark = pytest.mark.third_party  # a cached venv of third-party packages (tests/conftest.py)
+
+
 REPLY_1 = ["Hello there.", "This is the first reply of the agent.", "It has three sentences in all."]
 REPLY_2 = ["A second reply follows on the same socket."]
 CHUNKED = ["Chunked synthesis goes over HTTP.", "It streams raw audio back."]

@@ -13,6 +13,9 @@ import hashlib
 import pytest
 
 from tests.adapter_fixtures import VOICE, scenario, scenario_results, synthetic_pcm
+
+pytestmark = pytest.mark.third_party  # a cached venv of third-party packages (tests/conftest.py)
+
 CHUNK_BYTES = 24000 * 80 // 1000 * 2  # one synthetic-backend chunk: 80 ms of s16le at 24 kHz
 
 TURN_1 = ["Hello there.", "This is the first turn of the test.", "It has three sentences in all."]

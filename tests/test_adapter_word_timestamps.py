@@ -15,6 +15,9 @@ from tests.adapter_fixtures import scenario, scenario_results, synthetic_pcm, ws
 from tests.gateway_server import running_gateway
 from tts_backend.synthetic import SyntheticSynthesizer
 
+pytestmark = pytest.mark.third_party  # a cached venv of third-party packages (tests/conftest.py)
+
+
 SAMPLE_RATE = 24000
 TURN = ["Hello there, how are you?", "The weather is lovely today."]
 LONG_TURN = [f"Sentence number {n} of a long reply that the user cuts short." for n in range(1, 7)]

@@ -108,6 +108,7 @@ def aligners(checkpoints):
 
 @pytest.mark.parametrize("size", ["tiny", "tiny-windowed"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+@pytest.mark.third_party
 def test_timestamp_classes_and_word_times_match_reference(aligners, reference, clips, size, case):
     aligner, ref = aligners[size], reference[size][case["name"]]
     audio = [clips[k][0] for k in case["clips"]]
@@ -151,6 +152,7 @@ def _slot_logits(aligner, audio, words) -> list[torch.Tensor]:
     return rows
 
 
+@pytest.mark.third_party
 def test_prompt_ids_match_reference(aligners, reference, clips):
     """Our tokenizer over our prompt gives the reference processor's input ids (placeholders, words, slots)."""
     from tts_backend.aligner.features import encoder_tokens
@@ -165,11 +167,13 @@ def test_prompt_ids_match_reference(aligners, reference, clips):
         assert aligner.tokenizer.encode(prompt) == ref_ids
 
 
+@pytest.mark.third_party
 def test_word_split_matches_reference(reference):
     for text, lang in WORD_TEXTS:
         assert split_words(text, lang) == reference["tiny"]["words"][text], text
 
 
+@pytest.mark.third_party
 def test_monotonic_repair_matches_reference(reference):
     for seq, ref in zip(REPAIR, reference["tiny"]["repair"]):
         assert repair_monotonic(seq) == ref, seq

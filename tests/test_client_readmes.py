@@ -144,6 +144,7 @@ def test_telephony_in_process_example_runs_as_pasted(default_gateway, tmp_path):
 
 
 @pytest.mark.parametrize("framework", ["pipecat", "livekit"])
+@pytest.mark.third_party
 def test_framework_examples_run_as_pasted(framework, default_gateway, tmp_path):
     """The adapter README's first example, in a venv holding just what its install line installs (the
     pinned framework, voxgate-client and the adapter: tests/adapter_env.py), writes a spoken reply."""

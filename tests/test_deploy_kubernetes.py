@@ -234,6 +234,7 @@ def _redis_url_reaches_the_redis_service(url: str, docs: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("name", [*DEPLOYMENTS, "model"])
+@pytest.mark.third_party
 def test_rendered_manifests_validate_against_the_schemas(kube_tools, rendered, name):
     result = _run([kube_tools / "kubernetes-validate", "--strict", "-k", KUBERNETES_VERSION, rendered[name]])
     print(result.stdout + result.stderr)
@@ -253,6 +254,7 @@ def test_rendered_manifests_validate_against_the_schemas(kube_tools, rendered, n
     assert keda.stdout.count(" passed for resource scaledobject/") == len(scaled)
 
 
+@pytest.mark.third_party
 def test_the_validators_reject_what_the_schemas_forbid(kube_tools, rendered, tmp_path):
     """The checks above can fail: a port given as a string, a misspelt probe field, a misspelt KEDA field."""
     text = rendered["fleet"].read_text()
@@ -276,6 +278,7 @@ def test_the_validators_reject_what_the_schemas_forbid(kube_tools, rendered, tmp
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_worker_command_registers_on_tcp_with_the_token_and_drains(rendered, deployment):
     docs = _docs(rendered[deployment])
     worker = _worker(docs)
@@ -332,6 +335,7 @@ def test_worker_command_registers_on_tcp_with_the_token_and_drains(rendered, dep
 
 
 @pytest.mark.parametrize("deployment", [d for d in DEPLOYMENTS if d != "multi-gpu-host"])
+@pytest.mark.third_party
 def test_worker_probes_ready_and_health_on_the_health_port(rendered, deployment):
     docs = _docs(rendered[deployment])
     container = _container(_worker(docs))
@@ -348,6 +352,7 @@ def test_worker_probes_ready_and_health_on_the_health_port(rendered, deployment)
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_worker_gets_its_gpus_the_model_read_only_and_a_kernel_cache_volume(rendered, deployment):
     docs = _docs(rendered[deployment])
     worker = _worker(docs)
@@ -403,6 +408,7 @@ def _free_ports(count: int) -> int:
     raise RuntimeError("no consecutive free ports")
 
 
+@pytest.mark.third_party
 def test_multi_gpu_probes_ask_every_process(rendered):
     """The 4-GPU pod's exec probes, run here against four local health servers: ready only when all four
     answer 200, not ready when one answers 503 (warming up, draining) or is not listening."""
@@ -468,6 +474,7 @@ def _worker_cli():
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_worker_command_is_what_the_worker_cli_accepts(rendered, deployment, monkeypatch):
     """Each worker command, expanded, through the worker's own argument parser, in the container's
     environment: the flags exist and mean what the manifests intend."""
@@ -493,6 +500,7 @@ def test_worker_command_is_what_the_worker_cli_accepts(rendered, deployment, mon
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_gateway_serves_the_remote_pool_with_probes_drain_and_secrets(rendered, deployment, monkeypatch):
     from gateway.cli import build_parser, settings_from_args
     from gateway.drain import CLOSE_GRACE_S
@@ -549,6 +557,7 @@ def test_gateway_serves_the_remote_pool_with_probes_drain_and_secrets(rendered, 
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_no_secret_is_written_into_the_manifests(rendered, deployment):
     """The API keys and the worker token are Secrets the operator creates (docs/deploy.md): a Secret in the
     manifests would overwrite the real one with its placeholder at every `kubectl apply`."""
@@ -560,6 +569,7 @@ def test_no_secret_is_written_into_the_manifests(rendered, deployment):
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_redis_requires_the_password_its_clients_are_given(rendered, deployment):
     """Issue 24: whoever can write to the registry's Redis could add workers (records are signed now) and
     rewrite sessions, so the Redis of the manifests requires a password, from the Secret voxgate-redis, and
@@ -591,6 +601,7 @@ def test_redis_requires_the_password_its_clients_are_given(rendered, deployment)
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_services_reach_the_right_ports(rendered, deployment):
     docs = _docs(rendered[deployment])
     workloads = _workloads(docs)
@@ -615,6 +626,7 @@ def test_services_reach_the_right_ports(rendered, deployment):
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_ingress_keeps_websockets_open_and_reaches_only_the_gateways(rendered, deployment):
     docs = _docs(rendered[deployment])
     (ingress,) = [d for d in docs if d["kind"] == "Ingress"]
@@ -630,6 +642,7 @@ def test_ingress_keeps_websockets_open_and_reaches_only_the_gateways(rendered, d
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_a_disruption_budget_for_each_tier(rendered, deployment):
     docs = _docs(rendered[deployment])
     budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
@@ -676,6 +689,7 @@ def _admitted(policies: list[dict], source: tuple[str, dict], target: dict, port
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_network_policies_admit_only_the_paths_voxgate_uses(rendered, deployment):
     docs = _docs(rendered[deployment])
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
@@ -709,6 +723,7 @@ def test_network_policies_admit_only_the_paths_voxgate_uses(rendered, deployment
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
+@pytest.mark.third_party
 def test_one_switch_puts_gateways_and_workers_on_a_redis_cluster(rendered, deployment, monkeypatch):
     """VOXGATE_REDIS_CLUSTER=true in the ConfigMap makes the gateways' store and limits (--redis-cluster),
     their discovery (discover_cluster) and the workers' registration (--registry-cluster) use the cluster
@@ -739,6 +754,7 @@ def _gateway_gauges() -> set[str]:
     return {m.name for m in GatewayMetrics().registry.collect() if m.type == "gauge"}
 
 
+@pytest.mark.third_party
 def test_fleet_autoscales_workers_on_streams_against_capacity_and_gateways_on_sessions(rendered):
     docs = _docs(rendered["fleet"])
     assert "voxgate_sessions_active" in _gateway_gauges()
@@ -787,6 +803,7 @@ def test_fleet_autoscales_workers_on_streams_against_capacity_and_gateways_on_se
 
 
 @pytest.mark.parametrize("overlay", ["single-gpu", "multi-gpu-host"])
+@pytest.mark.third_party
 def test_fixed_overlays_have_fixed_sizes_and_no_autoscaler(rendered, overlay):
     docs = _docs(rendered[overlay])
     assert not [d for d in docs if d["kind"] == "ScaledObject"]

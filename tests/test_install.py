@@ -8,14 +8,14 @@ from the wheel.
 "This interpreter's packages" are those of whatever environment runs the tests: the base interpreter's
 as CI once ran them, or a virtualenv's, as README's command 2 installs them. A venv made with
 `system_site_packages=True` would see only the BASE interpreter's packages (a venv of a venv does not
-chain), so the new venv is pointed at this interpreter's site directories by a .pth file instead.
+chain), so the new venv is pointed at this interpreter's site directories by a .pth file instead
+(tests/venv_cache.py's `see_our_packages`, which the reference venvs use too).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import site
 import subprocess
 import sys
 import venv
@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from tests.gateway_server import free_port, wait_until_ready
+from tests.venv_cache import see_our_packages
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,17 +48,6 @@ def referenced_files(url: str, client: httpx.Client, seen: dict[str, str]) -> No
         referenced_files(urljoin(url, reference), client, seen)
 
 
-def see_these_packages(python: Path) -> None:
-    """Make the venv of `python` import what this interpreter imports, after its own packages: each of this
-    interpreter's site directories is added with site.addsitedir (which also runs their .pth files, as
-    the interpreter itself does at start-up)."""
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    ours = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
-    lines = [f"import site; site.addsitedir({path!r})" for path in ours if Path(path).is_dir()]
-    (Path(purelib) / "_voxgate_test_parent_site.pth").write_text("\n".join(lines) + "\n")
-
-
 @pytest.mark.slow
 def test_a_wheel_install_serves_the_web_demo_and_its_javascript(tmp_path):
     wheels = tmp_path / "wheels"
@@ -71,7 +61,7 @@ def test_a_wheel_install_serves_the_web_demo_and_its_javascript(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(system_site_packages=False, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
-    see_these_packages(python)
+    see_our_packages(python)
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],

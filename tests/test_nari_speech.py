@@ -54,6 +54,7 @@ async def until(ws, *types: str) -> list[dict]:
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the harness's source needs Python 3.11 (asyncio.timeout)")
+@pytest.mark.third_party
 def test_nari_harness_runs_unchanged_in_websocket_mode(server, tmp_path):
     try:
         source_dir()

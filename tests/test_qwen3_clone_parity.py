@@ -105,6 +105,7 @@ def _params(model: Qwen3TTS, gen: dict):
 
 
 @pytest.mark.parametrize("clip", sorted(CLIPS))
+@pytest.mark.third_party
 def test_clone_prompt_matches_create_voice_clone_prompt(model, reference, clips, clip):
     ref = reference["clips"][clip]
     audio = torch.from_numpy(clips[clip])
@@ -118,12 +119,14 @@ def test_clone_prompt_matches_create_voice_clone_prompt(model, reference, clips,
     assert xvec_only.ref_codes is None and torch.equal(xvec_only.x_vector, ref["x_vector"])
 
 
+@pytest.mark.third_party
 def test_reference_text_ids_match(model, reference):
     for text, ids in reference["ref_text_ids"].items():
         assert model.tokenizer.ref_text_ids(text) == ids[3:-2]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+@pytest.mark.third_party
 def test_generate_voice_clone_codes_match_reference(model, reference, clips, case):
     ref = reference["cases"][case["name"]]
     voice = model.clone_prompt(torch.from_numpy(clips[case["clip"]]), case["ref_text"], case["x_vector_only_mode"])
@@ -145,6 +148,7 @@ def test_generate_voice_clone_codes_match_reference(model, reference, clips, cas
     assert float((wav - ref["wav"]).abs().max()) < 1e-5
 
 
+@pytest.mark.third_party
 def test_streaming_utterance_with_a_cloned_voice_matches_reference(model, reference, clips):
     """The backend's path (Utterance, text pushed in pieces) gives the reference's streaming-mode codes."""
     case = next(c for c in CASES if c["name"] == "icl_sampled_streaming")

@@ -29,7 +29,7 @@ from tts_backend.qwen3.testing.codec_checkpoint import (
     write_speech_tokenizer,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.third_party]
 
 SCRIPT = Path(__file__).parent / "reference_scripts" / "codec_ref_decode.py"
 LAYOUT_SCRIPT = Path(__file__).parent / "reference_scripts" / "codec_ref_layout.py"

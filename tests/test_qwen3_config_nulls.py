@@ -89,6 +89,7 @@ def test_a_bad_model_config_field_is_named_with_its_file(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.third_party
 def test_the_config_the_reference_writes_loads_with_the_rate_it_derives(tmp_path):
     from tests.reference_env import run_reference
 

@@ -18,6 +18,9 @@ from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice, tiny_vo
 from tts_backend.qwen3.generate import Qwen3TTS, Utterance
 from tts_backend.qwen3.prompt import build_prompt
 
+pytestmark = pytest.mark.third_party  # a cached venv of third-party packages (tests/conftest.py)
+
+
 REF_SCRIPT = Path(__file__).parent / "reference_scripts" / "qwen3_ref_generate.py"
 GREEDY = {"do_sample": False, "subtalker_dosample": False}
 MAX_NEW = 24

@@ -276,6 +276,7 @@ def test_the_js_client_adds_lists_and_deletes_voices(cloning_gateway, tmp_path):
     assert result["afterDelete"] == 0
 
 
+@pytest.mark.third_party
 def test_livekits_baseten_client_registers_lists_and_streams_a_clone(tmp_path):
     """The plugin's register_voice() and list_voices(), then a stream with the clone, all unchanged."""
     from tests.adapter_env import adapter_python, run_in_adapter_env
