@@ -51,6 +51,15 @@ async def speak(gateway, text: str, config: dict = CONFIG, timeout: float = 30) 
         await ws.close()
 
 
+def assert_spoken(texts: list[str], answers: list[list]) -> None:
+    """Each of `speak`'s answers is its text spoken whole and right (the synthetic backend's audio)."""
+    expected = SyntheticSynthesizer()
+    for text, answer in zip(texts, answers):
+        assert answer[-1]["type"] == "session.done", answer[-1]
+        audio = b"".join(m for m in answer if isinstance(m, bytes))
+        assert audio == expected.render(SynthesisRequest(text=text, voice="tone-mid", seed=5)).tobytes()
+
+
 # ---------------------------------------------------------------------------------------- item 2
 
 
@@ -71,12 +80,7 @@ async def test_a_forged_registry_record_is_ignored_and_its_worker_gets_nothing(r
                 "--backend", "remote", "-o", f"discover={REDIS_URL}", "-o", f"discover_prefix={redis_prefix}",
                 "-o", f"token={TOKEN}", "-o", "discover_refresh_s=0.2") as gateway:
             texts = [f"Session number {n} says something private." for n in range(6)]
-            answers = await asyncio.gather(*(speak(gateway, text) for text in texts))
-            expected = SyntheticSynthesizer()
-            for text, answer in zip(texts, answers):
-                assert answer[-1]["type"] == "session.done", answer[-1]
-                audio = b"".join(m for m in answer if isinstance(m, bytes))
-                assert audio == expected.render(SynthesisRequest(text=text, voice="tone-mid", seed=5)).tobytes()
+            assert_spoken(texts, await asyncio.gather(*(speak(gateway, text) for text in texts)))
             log = gateway.log()
         client.close()
     assert TOKEN.encode() not in forged.received
@@ -116,15 +120,17 @@ async def test_the_token_never_crosses_the_wire(token_file):
         finally:
             writer.close()
 
-    with workers(synthetic_worker_args("--token-file", token_file)) as (worker,):
-        host, port = worker.address.removeprefix("tcp://").rsplit(":", 1)
+    upstream: list[str] = []
 
-        async def relay(reader, writer):
-            upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
-            await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+    async def relay(reader, writer):
+        upstream_reader, upstream_writer = await asyncio.open_connection(*upstream)
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
 
-        proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
-        address = f"tcp://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+    proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+    address = f"tcp://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+    # A forwarder in front of a worker: the worker is told the address gateways reach it by (issue 30, item 2).
+    with workers(synthetic_worker_args("--token-file", token_file, "--reachable-at", address)) as (worker,):
+        upstream += worker.address.removeprefix("tcp://").rsplit(":", 1)
         remote = RemoteSynthesizer(workers=address, token=TOKEN, connect_timeout_s=20, info_refresh_s=0.1)
         await remote.start()
         try:

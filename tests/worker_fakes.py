@@ -72,7 +72,7 @@ class FakeWorker:
                 if self.token is None:  # it cannot prove anything: it tries anyway, and listens
                     proof = "0" * 64
                 else:
-                    proof = framing.worker_proof(self.token, client_nonce, worker_nonce, self.worker_id)
+                    proof = framing.worker_proof(self.token, client_nonce, worker_nonce, message["to"], self.worker_id)
                 writer.write(framing.encode_json({"op": "hello", "nonce": worker_nonce.hex(), "id": self.worker_id,
                                                   "proof": proof}))
                 await writer.drain()
@@ -94,3 +94,84 @@ class FakeWorker:
             pass
         finally:
             writer.close()
+
+
+class RelayWorker:
+    """The relay attack: a listener that holds no token, at an address a gateway dials (a static pool's
+    member whose port it took over, an address a replayed registry record names), forwarding each
+    connection to a real worker at `upstream` ("tcp://HOST:PORT"). It records every byte the gateways send
+    it. Every other connection (every one with `strip_to`) it also tries to be served itself: it relays the
+    handshake, and once the gateway has written its proof, sends the worker that proof and an info request of
+    its own in place of the gateway's request; `served` counts the answers the worker gave it."""
+
+    def __init__(self, upstream: str, port: int = 0, strip_to: bool = False) -> None:
+        self.upstream = upstream.removeprefix("tcp://").rsplit(":", 1)
+        self.port = port
+        self.strip_to = strip_to  # a downgrade: each hello relayed without the address it binds (framing.py)
+        self.received = bytearray()
+        self.connections = 0
+        self.served = 0
+        self._server: asyncio.AbstractServer | None = None
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> "RelayWorker":
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: bool) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                if record:
+                    self.received += data
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _gateway_frame(self, reader: asyncio.StreamReader) -> tuple[bytes, dict]:
+        head = await reader.readexactly(5)
+        payload = await reader.readexactly(int.from_bytes(head[:4], "big") - 1)
+        self.received += head + payload
+        return head + payload, (framing.decode_json(payload) if head[4:] == framing.JSON else {})
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        hijack = self.connections % 2 == 0 or self.strip_to
+        upstream_reader = upstream_writer = None
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(self.upstream[0], int(self.upstream[1]))
+            if not hijack:
+                await asyncio.gather(self._pump(reader, upstream_writer, True),
+                                     self._pump(upstream_reader, writer, False))
+                return
+            hello, message = await self._gateway_frame(reader)
+            if self.strip_to:
+                message.pop("to", None)
+                hello = framing.encode_json(message)
+            upstream_writer.write(hello)
+            answer = await framing.read_frame(upstream_reader, framing.MAX_AUTH_FRAME)
+            if answer is None:
+                return
+            writer.write(framing.encode(*answer))
+            auth, message = await self._gateway_frame(reader)
+            if message.get("op") != "auth":
+                return
+            upstream_writer.write(auth + framing.encode_json({"op": "info"}))
+            served = await asyncio.wait_for(framing.read_frame(upstream_reader, framing.MAX_ANSWER_FRAME), 10)
+            if served is not None and framing.decode_json(served[1]).get("op") == "info":
+                self.served += 1
+            with contextlib.suppress(asyncio.TimeoutError):  # what else the gateway sent: its request
+                self.received += await asyncio.wait_for(reader.read(65536), 1)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, framing.ProtocolError):
+            pass
+        finally:
+            writer.close()
+            if upstream_writer is not None:
+                upstream_writer.close()

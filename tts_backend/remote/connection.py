@@ -3,9 +3,19 @@
 Addresses are written as `unix:/path/to.sock` (or a bare absolute path), `tcp://HOST:PORT` or
 `tls://HOST:PORT`. An address proves nothing about who answers at it, nor a connection about who dialled,
 so where there is a shared token every connection starts with a handshake in which the worker proves it
-holds the token, then the gateway (framing.py); the token itself never crosses the wire. Plain TCP does not
-hide what follows (the text, the audio) from the network in between: use `tls://` (the worker's certificate
-checked against `tls_ca`, or the system's CAs) anywhere that network is not trusted.
+holds the token, then the gateway (framing.py); the token itself never crosses the wire. Both proofs bind
+the address the connection reached: for TCP the IP and port the gateway's socket is connected to (after
+its name was resolved), for a Unix socket the path it dialled. A worker proves itself only for an address
+it answers to: the one the connection reached on its side (a direct connection), its --advertise and its
+--reachable-at addresses (a forwarder in front of it: a load balancer, a NAT or container port mapping),
+host names among them resolved when it starts. So a listener at another address relaying the handshake to a
+real worker gets no proof the gateway accepts, and is sent nothing but a nonce.
+
+What that does not stop: whoever is on the network path to a worker's own address (or answers for its
+host name, in a DNS the gateways use) sees, on plain TCP, the text and the audio that follow the
+handshake, as anyone on that path does. Use `tls://` (the worker's certificate checked against `tls_ca`,
+or the system's CAs, and the host name the gateway dials) for every worker on a network the gateway's
+operator does not control.
 """
 
 from __future__ import annotations
@@ -67,6 +77,14 @@ class WorkerAddress:
         return self.scheme != "unix"
 
     @property
+    def host_is_ip(self) -> bool:
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
+
+    @property
     def is_loopback(self) -> bool:
         if self.scheme == "unix":
             return True
@@ -79,6 +97,26 @@ class WorkerAddress:
 
     def with_port(self, port: int) -> "WorkerAddress":
         return WorkerAddress(self.scheme, self.host, port, self.path)
+
+
+def reached_address(scheme: str, sockaddr: object) -> WorkerAddress:
+    """The TCP address a connected socket names (its peer's, from the gateway; its own, from the worker),
+    with the IP written one way (an IPv4-mapped IPv6 address as IPv4, no scope): what the handshake binds."""
+    host, port = sockaddr[0], sockaddr[1]
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return WorkerAddress(scheme, str(ip), port)
+
+
+def normalized(address: WorkerAddress) -> WorkerAddress:
+    """`address` with an IP host written as reached_address writes it (a name is left as it is)."""
+    if address.scheme == "unix":
+        return address
+    try:
+        return reached_address(address.scheme, (address.host, address.port))
+    except ValueError:
+        return WorkerAddress(address.scheme, address.host.lower(), address.port)
 
 
 def listen_address(listen: str | None, socket_path: str | None = None) -> WorkerAddress:
@@ -194,11 +232,17 @@ class Dialer:
             writer.write(framing.encode_json({"op": "hello", "nonce": client_nonce.hex(),
                                               "proof": framing.local_proof(self.token, client_nonce)}))
             return
-        writer.write(framing.encode_json({"op": "hello", "nonce": client_nonce.hex()}))
+        # What the connection reached: for TCP the peer's IP and port, not the name dialled (module doc).
+        dialled = str(address if address.scheme == "unix" else
+                      reached_address(address.scheme, writer.get_extra_info("peername")))
+        writer.write(framing.encode_json({"op": "hello", "nonce": client_nonce.hex(), "to": dialled}))
         await writer.drain()
         try:
             frame = await framing.read_frame(reader, framing.MAX_AUTH_FRAME)
             answer = framing.decode_json(frame[1]) if frame is not None and frame[0] == framing.JSON else {}
+            if answer.get("op") == "error" and answer.get("code") == "wrong_address":
+                raise WorkerNotProven(f"{address}: the worker there is not reachable as {dialled} (a relay, or a "
+                                      "forwarder the worker was not told of with --reachable-at)")
             if answer.get("op") == "error":
                 raise WorkerNotProven(f"{address} refused the handshake: {str(answer.get('code'))[:64]}")
             if answer.get("op") != "hello" or not isinstance(answer.get("id"), str):
@@ -208,9 +252,9 @@ class Dialer:
             raise WorkerNotProven(f"{address} did not answer the handshake: {exc}") from None
         worker_id = answer["id"]
         if not framing.proof_matches(answer.get("proof"),
-                                     framing.worker_proof(self.token, client_nonce, worker_nonce, worker_id)):
-            raise WorkerNotProven(f"{address} does not hold the worker token")
+                                     framing.worker_proof(self.token, client_nonce, worker_nonce, dialled, worker_id)):
+            raise WorkerNotProven(f"{address} did not prove that it holds the worker token and answers at {dialled}")
         if expect_id is not None and worker_id != expect_id:
             raise WorkerNotProven(f"{address} proved to be worker {worker_id[:64]!r}, not {expect_id[:64]!r}")
-        writer.write(framing.encode_json({"op": "auth",
-                                          "proof": framing.gateway_proof(self.token, worker_nonce, client_nonce)}))
+        writer.write(framing.encode_json({"op": "auth", "proof": framing.gateway_proof(
+            self.token, worker_nonce, client_nonce, dialled, worker_id)}))

@@ -14,16 +14,28 @@ worker notices end-of-file and stops its stream within one chunk, which frees th
                                                                or {"op": "error", ...}
 Authentication, where the worker has a token (connection.py's Dialer does the client's part): neither side
 ever sends the token; each proves that it holds it with an HMAC-SHA256 over both sides' fresh nonces, the
-worker first, so that a peer posing as a worker (an address planted in the registry, say) learns nothing of
-the token and is sent no text, and a peer posing as a gateway gets nothing served:
-  client -> worker   {"op": "hello", "nonce": hex}           16 random bytes
+address the gateway's connection reached and the worker's id, the worker first, so that a peer posing as a
+worker anywhere but at a worker's own address (an address planted in the registry, a port taken over, even
+relaying to a real worker) learns nothing of the token and is sent no text, and a peer posing as a gateway
+gets nothing served (what an eavesdropper on the path to a worker's own address sees: connection.py):
+  client -> worker   {"op": "hello", "nonce": hex, "to": address}
+                                                             16 random bytes; the address the connection reached,
+                                                             as the gateway's socket names it (connection.py)
   worker -> client   {"op": "hello", "nonce": hex, "id": str, "proof": hex}
-                                                             proof = worker_proof(token, client nonce, worker nonce, id)
-  client -> worker   {"op": "auth", "proof": hex}            gateway_proof(token, worker nonce, client nonce), and in
-                                                             the same write the request frame
-  A wrong proof, or anything else first: {"op": "error", "code": "unauthorized"}. The gateway checks the
-  worker's proof (and, for a worker found in the registry, its id) before it writes its own proof or any
-  request. This costs one round trip per connection. Handshake frames are at most MAX_AUTH_FRAME bytes.
+                                                             proof = worker_proof(token, client nonce, worker nonce,
+                                                                                  to, id)
+  client -> worker   {"op": "auth", "proof": hex}            gateway_proof(token, worker nonce, client nonce, to, id),
+                                                             and in the same write the request frame
+  A wrong proof, or anything else first: {"op": "error", "code": "unauthorized"}. A worker proves nothing
+  for an address it does not answer to (its own, its --advertise, its --reachable-at):
+  {"op": "error", "code": "wrong_address"}. So a relay, a listener at another address forwarding the hello
+  to a real worker, gets either a refusal or a proof for the worker's address, which the gateway, checking
+  it against the address it reached, refuses: it writes nothing more. The gateway checks the worker's
+  proof (and, for a worker found in the registry or a static member with an id, its id) before it writes
+  its own proof or any request. This costs one round trip per connection. Handshake frames are at most
+  MAX_AUTH_FRAME bytes. (A hello without "to" is an older gateway's: the worker answers it with the
+  proofs of v1, which bind no address; this version's gateways never accept those, so workers are upgraded
+  before gateways.)
 On a Unix socket the kernel names the process at the other end (SO_PEERCRED): a gateway that finds the
 worker runs as its own user (or root), which a forger of another user cannot, skips the round trip,
   client -> worker   {"op": "hello", "nonce": hex, "proof": local_proof(token, client nonce)}, and the request
@@ -150,9 +162,12 @@ def decode_json(payload: bytes) -> dict:
 # ---- the handshake (see the module doc) ----------------------------------------------------------------
 NONCE_BYTES = 16
 # Each side's proof is labelled with its role, so that one side's proof is never valid as the other's.
-_WORKER_LABEL = b"voxgate worker proof v1\0"
-_GATEWAY_LABEL = b"voxgate gateway proof v1\0"
+_WORKER_LABEL = b"voxgate worker proof v2\0"
+_GATEWAY_LABEL = b"voxgate gateway proof v2\0"
 _LOCAL_LABEL = b"voxgate local gateway proof v1\0"
+# An older gateway's hello (no "to"): proofs that bind no address (module doc).
+_V1_WORKER_LABEL = b"voxgate worker proof v1\0"
+_V1_GATEWAY_LABEL = b"voxgate gateway proof v1\0"
 
 
 def new_nonce() -> str:
@@ -173,13 +188,27 @@ def _mac(token: str, *parts: bytes) -> str:
     return hmac.new(token.encode(), b"".join(parts), hashlib.sha256).hexdigest()
 
 
-def worker_proof(token: str, client_nonce: bytes, worker_nonce: bytes, worker_id: str) -> str:
-    # The nonces have a fixed length and the id comes last, so no two inputs join into the same bytes.
-    return _mac(token, _WORKER_LABEL, client_nonce, worker_nonce, worker_id.encode())
+def _bound(dialled: str, worker_id: str) -> bytes:
+    # The nonces have a fixed length and the address its length before it, so no two inputs join into the
+    # same bytes.
+    address = dialled.encode()
+    return len(address).to_bytes(2, "big") + address + worker_id.encode()
 
 
-def gateway_proof(token: str, worker_nonce: bytes, client_nonce: bytes) -> str:
-    return _mac(token, _GATEWAY_LABEL, worker_nonce, client_nonce)
+def worker_proof(token: str, client_nonce: bytes, worker_nonce: bytes, dialled: str, worker_id: str) -> str:
+    return _mac(token, _WORKER_LABEL, client_nonce, worker_nonce, _bound(dialled, worker_id))
+
+
+def gateway_proof(token: str, worker_nonce: bytes, client_nonce: bytes, dialled: str, worker_id: str) -> str:
+    return _mac(token, _GATEWAY_LABEL, worker_nonce, client_nonce, _bound(dialled, worker_id))
+
+
+def v1_worker_proof(token: str, client_nonce: bytes, worker_nonce: bytes, worker_id: str) -> str:
+    return _mac(token, _V1_WORKER_LABEL, client_nonce, worker_nonce, worker_id.encode())
+
+
+def v1_gateway_proof(token: str, worker_nonce: bytes, client_nonce: bytes) -> str:
+    return _mac(token, _V1_GATEWAY_LABEL, worker_nonce, client_nonce)
 
 
 def local_proof(token: str, client_nonce: bytes) -> str:

@@ -2,8 +2,9 @@
 
 Each child is the same `voxgate worker` command without `--gpus`, with CUDA_VISIBLE_DEVICES set to its GPU
 (so inside it the GPU is `cuda:0`), and with the ports counted up from the given ones: `--listen
-tcp://0.0.0.0:7100 --health-port 9400` makes GPU i listen on 7100+i with its health port on 9400+i. Its
-worker id gets `-gpuI` (default ids already differ by port). A Unix socket gets `.I` after its path.
+tcp://0.0.0.0:7100 --health-port 9400` makes GPU i listen on 7100+i with its health port on 9400+i (its
+--advertise and --reachable-at ports are counted up alike). Its worker id gets `-gpuI` (default ids already
+differ by port). A Unix socket gets `.I` after its path.
 
 SIGTERM and SIGINT are passed to every child, so each drains as it would alone; the launcher exits when
 all have, with the worst exit status. A child that dies is not restarted here: that is the job of what
@@ -83,8 +84,11 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 def child_commands(args: argparse.Namespace, argv: list[str]) -> list[tuple[list[str], dict[str, str]]]:
     listen = listen_address(args.listen, args.socket)
-    base = _without(argv, "--gpus", "--listen", "--socket", "--worker-id", "--health-port", "--advertise")
+    base = _without(argv, "--gpus", "--listen", "--socket", "--worker-id", "--health-port", "--advertise",
+                    "--reachable-at")
     advertise = WorkerAddress.parse(args.advertise) if args.advertise else None
+    reachable_at = [WorkerAddress.parse(item.strip()) for value in args.reachable_at for item in value.split(",")
+                    if item.strip()]
     commands = []
     for i, gpu in enumerate(gpu_list(args.gpus)):
         if listen.scheme == "unix":
@@ -97,9 +101,14 @@ def child_commands(args: argparse.Namespace, argv: list[str]) -> list[tuple[list
                    "--worker-id", f"{args.worker_id or default_worker_id(listen)}-gpu{gpu}"]
         if advertise is not None:
             command += ["--advertise", str(advertise.with_port(advertise.port + i) if advertise.is_network else advertise)]
+        for address in reachable_at:  # counted up as the listen addresses are
+            nth = address.with_port(address.port + i) if address.is_network else WorkerAddress(
+                "unix", path=f"{address.path}.{i}")
+            command += ["--reachable-at", str(nth)]
         if args.health_port:
             command += ["--health-port", str(args.health_port + i)]
-        commands.append((command, {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, LAUNCHER_PID: str(os.getpid())}))
+        commands.append((command, {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, LAUNCHER_PID: str(os.getpid()),
+                                   "VOXGATE_WORKER_REACHABLE_AT": ""}))  # given per GPU above
     return commands
 
 

@@ -23,9 +23,10 @@ word timings) already delivered are dropped from the new stream, as a session re
 request the audio goes on byte for byte, and the client sees only a pause. The failed worker counts as
 down until it answers an info query again, and the session is bound to its new worker.
 
-Trust. A worker is used only once it has proved that it holds the shared token (connection.py, on every
-connection, before any text is sent), and a worker found in the registry only through a record signed with
-that token (discovery.py), whose id it must prove too. Whatever a worker sends is bounded before it is
+Trust. A worker is used only once it has proved, on every connection and before any text is sent, that it
+holds the shared token and answers at the address the connection reached (connection.py: a relay at
+another address gets no proof), and a worker found in the registry only through a record signed with that
+token (discovery.py), whose id it must prove too, as must a static member listed as `ID@ADDRESS`. Whatever a worker sends is bounded before it is
 believed: frame sizes (framing.py), an info answer's every field (a sample rate of 8-48 kHz, numbers that are
 numbers), and per sentence the audio (MAX_SECONDS_PER_CHAR of the text's characters, at the worker's rate),
 the word timings (one per character at most). A worker that breaks one of these bounds (or sends a bad
@@ -185,6 +186,18 @@ def _split(value: str | list | tuple | None) -> list[str]:
     return [str(item).strip() for item in items if str(item).strip()]
 
 
+def pinned_member(item: str) -> tuple[str | None, WorkerAddress]:
+    """A static member as `workers=` lists it: an address, or `ID@ADDRESS`, the id the worker at that address
+    must prove it has (its --worker-id) on every connection."""
+    item = item.strip()
+    worker_id = None
+    if not item.startswith(("/", "unix:", "tcp://", "tls://")) and "@" in item:
+        worker_id, item = item.split("@", 1)
+        if not worker_id:
+            raise ValueError(f"worker {item!r}: write ID@ADDRESS, or the address alone")
+    return worker_id, WorkerAddress.parse(item)
+
+
 class WorkerClient:
     """One worker of the pool: how to reach it, what it last said of itself, and what this gateway runs
     on it now."""
@@ -194,7 +207,8 @@ class WorkerClient:
         self.address = address
         self.dialer = dialer
         self.id = worker_id or str(address)
-        # A worker found in the registry must prove it is the one its signed record names.
+        # A worker found in the registry must prove it is the one its signed record names; a static member
+        # with an id (pinned_member), that one.
         self.expected_id = worker_id
         self.first_audio_timeout_s = first_audio_timeout_s
         self.chunk_timeout_s = chunk_timeout_s
@@ -475,7 +489,8 @@ class _Binding:
 
 
 class RemoteSynthesizer(Synthesizer):
-    """socket: one local worker's socket path. workers: addresses (comma-separated or a list). discover: a
+    """socket: one local worker's socket path. workers: addresses (comma-separated or a list), each may be
+    written ID@ADDRESS to pin the id the worker there must prove (pinned_member). discover: a
     Redis URL whose registry lists the workers (discover_cluster: a Redis Cluster). token / token_file: the
     workers' shared secret (default $VOXGATE_WORKER_TOKEN); discovery needs it (records are signed with it).
     tls_ca: CA file for tls:// workers. start() waits up to `connect_timeout_s` for a ready worker (it may
@@ -497,7 +512,8 @@ class RemoteSynthesizer(Synthesizer):
         if not addresses and not discover:
             addresses = ["unix:/tmp/voxgate-worker.sock"]
         try:
-            parsed = [WorkerAddress.parse(a) for a in addresses]
+            pinned = [pinned_member(a) for a in addresses]
+            parsed = [address for _, address in pinned]
             token = read_token(token, token_file)
         except ValueError as exc:
             raise SynthesisError(str(exc)) from None
@@ -509,8 +525,8 @@ class RemoteSynthesizer(Synthesizer):
         tls = client_tls_context(tls_ca) if tls_ca or any(a.scheme == "tls" for a in parsed) or discover else None
         self.dialer = Dialer(token=token, tls=tls, timeout_s=dial_timeout_s)
         self.members: dict[str, WorkerClient] = {}
-        for address in parsed:
-            self.members[str(address)] = WorkerClient(address, self.dialer, **self._timeouts)
+        for worker_id, address in pinned:
+            self.members[str(address)] = WorkerClient(address, self.dialer, worker_id, **self._timeouts)
         self.registry = WorkerRegistry(discover, discover_cluster, discover_prefix,
                                        key=registry_key(token)) if discover else None
         self.connect_timeout_s = connect_timeout_s

@@ -39,7 +39,15 @@ from ..base import AudioChunk, BackendMetric, ReferenceAudio, SynthesisError, Sy
 from ..log_format import TextFormatter, redact
 from ..registry import create_backend
 from . import framing
-from .connection import WorkerAddress, default_worker_id, listen_address, read_token, server_tls_context
+from .connection import (
+    WorkerAddress,
+    default_worker_id,
+    listen_address,
+    normalized,
+    reached_address,
+    read_token,
+    server_tls_context,
+)
 from .discovery import WorkerRegistry, registry_key
 from .health import HealthServer
 
@@ -116,7 +124,8 @@ class WorkerServer:
     def __init__(self, backend: Synthesizer, listen: WorkerAddress | str, *, token: str | None = None,
                  tls=None, worker_id: str | None = None, advertise: WorkerAddress | None = None,
                  capacity: int | None = None, drain_linger_s: float = 2.0, max_connections: int = 4096,
-                 model: str | None = None, max_text_chars: int = MAX_TEXT_CHARS) -> None:
+                 model: str | None = None, max_text_chars: int = MAX_TEXT_CHARS,
+                 reachable_at: tuple[WorkerAddress, ...] = ()) -> None:
         self.backend = backend
         self.listen = listen if isinstance(listen, WorkerAddress) else WorkerAddress.parse(listen)
         if self.listen.scheme == "tls" and tls is None:
@@ -124,6 +133,8 @@ class WorkerServer:
         self.token = token
         self.tls = tls if self.listen.scheme == "tls" else None
         self.advertise = advertise or self.listen
+        self.reachable_at = reachable_at
+        self._answers_to: frozenset[WorkerAddress] = frozenset()  # set by start() (connection.py)
         self._given_id = worker_id
         self.worker_id = worker_id or default_worker_id(self.listen)
         self._capacity = capacity
@@ -253,6 +264,45 @@ class WorkerServer:
                 self.advertise = self.advertise.with_port(self.bound_port)
             if self._given_id is None:
                 self.worker_id = default_worker_id(self.listen.with_port(self.bound_port))
+        self._answers_to = await self._addresses_answered()
+
+    async def _addresses_answered(self) -> frozenset[WorkerAddress]:
+        """The addresses of the advertise and --reachable-at addresses, host names resolved now, that this
+        worker proves itself for besides the one a connection reaches on its side (connection.py)."""
+        answered = set()
+        loop = asyncio.get_running_loop()
+        for address in (self.advertise, *self.reachable_at):
+            if address.scheme != self.listen.scheme:
+                log.warning("%s is not a %s address: this worker does not answer to it", address, self.listen.scheme)
+                continue
+            address = normalized(address)
+            answered.add(address)
+            if address.scheme == "unix" or address.host_is_ip:
+                continue
+            try:
+                found = await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("cannot resolve %s: %s; this worker answers to it only where it is dialled by IP",
+                            address, exc)
+                continue
+            answered.update(reached_address(address.scheme, sockaddr) for *_, sockaddr in found)
+        return frozenset(answered)
+
+    def answers_to(self, dialled: object, writer: asyncio.StreamWriter) -> bool:
+        """Whether `dialled`, the address a gateway's hello says its connection reached, is this worker's."""
+        if not isinstance(dialled, str) or len(dialled) > 1024:
+            return False
+        try:
+            address = normalized(WorkerAddress.parse(dialled))
+        except ValueError:
+            return False
+        if address.scheme != self.listen.scheme:
+            return False
+        if address.scheme == "unix":
+            return address.path == self.listen.path or address in self._answers_to
+        sockname = writer.get_extra_info("sockname")
+        return (sockname is not None and address == reached_address(address.scheme, sockname)) \
+            or address in self._answers_to
 
     async def close(self) -> None:
         if self._server is not None:
@@ -319,16 +369,27 @@ class WorkerServer:
             self.refused_unauthorized += 1
             await _refuse(writer, "unauthorized", "wrong proof of the worker token")
             return False
+        dialled = hello.get("to")
+        if dialled is not None and not self.answers_to(dialled, writer):
+            # A proof for an address that is not this worker's is what a relay wants (framing.py).
+            self.refused_unauthorized += 1
+            await _refuse(writer, "wrong_address", f"this worker does not answer at {str(dialled)[:200]} (its "
+                          "own address, --advertise and --reachable-at are what it answers to)")
+            return False
         worker_nonce = secrets.token_bytes(framing.NONCE_BYTES)
-        writer.write(framing.encode_json({
-            "op": "hello", "nonce": worker_nonce.hex(), "id": self.worker_id,
-            "proof": framing.worker_proof(self.token, client_nonce, worker_nonce, self.worker_id)}))
+        if dialled is None:  # an older gateway's hello (framing.py)
+            proof = framing.v1_worker_proof(self.token, client_nonce, worker_nonce, self.worker_id)
+            expected = framing.v1_gateway_proof(self.token, worker_nonce, client_nonce)
+        else:
+            proof = framing.worker_proof(self.token, client_nonce, worker_nonce, dialled, self.worker_id)
+            expected = framing.gateway_proof(self.token, worker_nonce, client_nonce, dialled, self.worker_id)
+        writer.write(framing.encode_json({"op": "hello", "nonce": worker_nonce.hex(), "id": self.worker_id,
+                                          "proof": proof}))
         await writer.drain()
         frame = await framing.read_frame(reader, framing.MAX_AUTH_FRAME)
         if frame is None:
             return False
         auth = framing.decode_json(frame[1]) if frame[0] == framing.JSON else {}
-        expected = framing.gateway_proof(self.token, worker_nonce, client_nonce)
         if auth.get("op") != "auth" or not framing.proof_matches(auth.get("proof"), expected):
             self.refused_unauthorized += 1
             await _refuse(writer, "unauthorized", "wrong proof of the worker token")
@@ -536,6 +597,10 @@ def default_advertise(listen: WorkerAddress) -> WorkerAddress:
     return WorkerAddress(listen.scheme, host, listen.port)
 
 
+def _split_env(value: str | None) -> list[str]:
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="voxgate worker", description=__doc__.splitlines()[0])
@@ -558,6 +623,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lease-s", type=float, default=3.0, help="seconds a registration lasts unrenewed")
     parser.add_argument("--advertise", default=env("VOXGATE_WORKER_ADVERTISE"),
                         help="the address gateways dial (default: --listen, a wildcard host made this host's)")
+    parser.add_argument("--reachable-at", action="append", default=_split_env(env("VOXGATE_WORKER_REACHABLE_AT")),
+                        metavar="ADDRESS", help="an address gateways reach this worker by through a forwarder (load "
+                        "balancer, NAT or container port mapping), as they dial it; repeatable")
     parser.add_argument("--worker-id", default=env("VOXGATE_WORKER_ID"), help="default: HOSTNAME-PORT")
     parser.add_argument("--capacity", type=int, default=None,
                         help="streams served at once at full speed (default: the backend's, e.g. its KV slots)")
@@ -608,6 +676,7 @@ def server_from_args(args: argparse.Namespace, backend: Synthesizer) -> WorkerSe
         listen = listen_address(args.listen, args.socket)
         token = read_token(token_file=args.token_file)
         advertise = WorkerAddress.parse(args.advertise) if args.advertise else default_advertise(listen)
+        reachable_at = tuple(WorkerAddress.parse(item) for value in args.reachable_at for item in _split_env(value))
     except ValueError as exc:
         raise SystemExit(f"voxgate worker: {exc}") from None
     if listen.is_network and not listen.is_loopback and token is None and not args.insecure_no_auth:
@@ -626,6 +695,7 @@ def server_from_args(args: argparse.Namespace, backend: Synthesizer) -> WorkerSe
             raise SystemExit(f"voxgate worker: cannot load the TLS certificate or key: {exc}") from None
     return WorkerServer(backend, listen, token=token, tls=tls, worker_id=args.worker_id, advertise=advertise,
                         capacity=args.capacity, drain_linger_s=args.drain_linger_s, max_text_chars=args.max_text_chars,
+                        reachable_at=reachable_at,
                         model=os.path.basename(os.path.normpath(args.model)) if args.model else None)
 
 
