@@ -1,0 +1,73 @@
+"""bench/engine_sim.py: the real engine against simulated time keeps the invariants of the time it simulates."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch")  # the engine's runner module imports torch
+
+from bench.engine_load import BENCH_MAX_ACTIVE, BENCH_MAX_LEN, BENCH_RUNNER_OPTIONS  # noqa: E402
+from bench.engine_sim import CostTable, SimOptions, run_rate  # noqa: E402
+from tts_backend.engine import engine as engine_module  # noqa: E402
+from tts_backend.engine.runner import Qwen3RunnerConfig  # noqa: E402
+
+DECODE_BUCKETS = ("2", "4", "8", "16", "24", "32", "48", "64", "96", "128")
+TALKER_MS, PREDICTOR_MS, PREFILL_MS = 2.0, 3.0, 3.0
+
+
+def small_table() -> CostTable:
+    """Round figures shaped like bench/engine_step.py's: a frame is the Talker step plus the predictor."""
+    table = {
+        "talker_ms": {b: TALKER_MS for b in DECODE_BUCKETS},
+        "code_predictor_ms": {b: PREDICTOR_MS for b in DECODE_BUCKETS},
+        "frame_ms": {b: TALKER_MS + PREDICTOR_MS for b in DECODE_BUCKETS},
+        "prefill_ms": {f"{n}x{p}": PREFILL_MS for n in (2, 4, 8) for p in (32, 64)},
+        "codec_ms": {f"{n}x{f}": 1.5 + 0.25 * f for n in (2, 4, 8, 16) for f in (2, 4, 8, 12)},
+    }
+    config = Qwen3RunnerConfig(max_slots=BENCH_MAX_ACTIVE, max_len=BENCH_MAX_LEN, **BENCH_RUNNER_OPTIONS)
+    return CostTable(table, config, "test table")
+
+
+def simulate(costs: CostTable, rate: float = 3.0, **options) -> dict:
+    options = SimOptions(warmup=0.5, duration=2.0, seed=1, **options)
+    return run_rate(rate, options, costs=costs)
+
+
+def test_every_request_gets_its_frame_cap_of_audio_and_time_covers_the_device():
+    costs = small_table()
+    entry = simulate(costs)
+    requests = entry["requests"]
+    assert len(requests) >= 4  # a Poisson run of 2.5 s at 3 RPS, seed 1
+    for r in requests:
+        assert r.completed and not r.errors, r.errors
+        assert r.audio_s == pytest.approx(r.expected_audio_s), r.index  # random weights: the cap, no EOS
+    sim = entry["simulator"]
+    # The generation device is one queue: the simulated time spans at least the device seconds charged to it.
+    assert sim["simulated_s"] >= sim["generation_device_s"] > 0
+    # The engine read the simulated clock (its perf_counter pointed there) only for the run.
+    assert engine_module.time is time
+
+
+def test_audible_ttfa_is_prefill_two_frames_and_a_codec_call_at_least():
+    costs = small_table()
+    # No host time measured here (it would pad every figure): the device and the runner's fixed host work set
+    # the times. The first audio needs the prefill (codebook 0 of frame 0), the predictor (frame 0), a Talker
+    # step and the predictor (frame 1), then the codec on the first chunk of 2 frames.
+    entry = simulate(costs, host_factor=0.0, launch_us=0.0)
+    floor_s = (PREFILL_MS + PREDICTOR_MS + TALKER_MS + PREDICTOR_MS + costs.codec_ms(1, 2)) / 1000
+    ttfa = [r.audible_ttfa_s for r in entry["requests"]]
+    assert all(t is not None for t in ttfa)
+    assert min(ttfa) >= floor_s
+    # A request alone on the engine gets it within one more frame (its audio is collected at the next step).
+    assert min(ttfa) < floor_s + (TALKER_MS + PREDICTOR_MS) / 1000
+    # ... and at this rate nothing runs dry.
+    assert entry["summary"]["underrun_events"] == 0
+
+
+def test_a_device_twenty_times_slower_underruns():
+    # A frame now takes 100 ms of device time, more than the 80 ms of audio it makes: the listener runs dry.
+    entry = simulate(small_table().scaled(20))
+    assert entry["summary"]["underrun_events"] > 0
+    assert all(r.completed for r in entry["requests"])
