@@ -11,11 +11,13 @@ by default, so the gateway looks at the text itself:
   None: no claim, no warning. A table lookup per character, no model, no dependency.
 - `voice_for_sentence` picks, for a backend whose voices each speak one language (it does not honour
   "language"), the voice of a sentence: when the client named no voice and asked for Auto, a voice of the
-  text's language if the backend has one (several Piper voices loaded from a folder); otherwise the
+  text's language if the backend has one (several Piper voices loaded from a folder), and for a sentence
+  whose language is not clear ("Yes.", "OK, thanks!") the voice of the sentence before it; otherwise the
   session's voice, with the warning `language_unsupported` when the text is not in that voice's language.
 
-The choice depends only on the text, the request and the backend's voices, so a sentence made again after a
-resume, on any replica with the same voices, gets the same voice.
+The choice depends only on the text, the sentence before it, the request and the backend's voices. A
+sentence made again after a resume gets the same voice, except an unclear one whose previous sentence had
+already been sent: it gets the session's voice.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ _FUNCTION_WORDS: dict[str, frozenset[str]] = {
     "fr": frozenset("le la les et est un une des du de pas que qui dans pour sur avec ce cette il elle nous "
                     "vous ils sont était je ne au aux mais ou où très".split()),
     "es": frozenset("el la los las y es un una unos de del que en por para con no se su sus está son "
-                    "pero como muy yo tú él ella nosotros hoy también".split()),
+                    "pero como muy yo tú él ella nosotros hoy también hola gracias gustaría quiero usted "
+                    "tengo hay aquí".split()),
     "it": frozenset("il lo la gli le e è un una di del della che in per con non si sono ma come molto io "
                     "tu lui lei noi oggi anche questo questa".split()),
     "pt": frozenset("o a os as e é um uma de do da dos das que em por para com não se são mas como muito "
@@ -115,20 +118,26 @@ def detect(text: str) -> str | None:
 
 
 def _latin_language(text: str) -> str | None:
+    """The language the text's cues (function words, letters) point to: at least _MIN_POINTS of them, and
+    against each other language twice as many cues that point to it and not the other as the reverse. Cues
+    two languages share ("para", "por": Spanish and Portuguese) say nothing between those two."""
     lowered = text.lower()
-    points = dict.fromkeys(_FUNCTION_WORDS, 0)
-    for word in _WORD.findall(lowered):
-        for language, words in _FUNCTION_WORDS.items():
-            if word in words:
-                points[language] += 1
-    for char in lowered:
-        for language in _LETTERS.get(char, "").split():
-            points[language] += 1
-    ranked = sorted(points.items(), key=lambda item: (-item[1], item[0]))
-    (best, top), (_, second) = ranked[0], ranked[1]
-    if top >= _MIN_POINTS and top >= 2 * second:
-        return best
-    return None
+    cues = [frozenset(language for language, words in _FUNCTION_WORDS.items() if word in words)
+            for word in _WORD.findall(lowered)]
+    cues += [frozenset(_LETTERS[char].split()) for char in lowered if char in _LETTERS]
+    cues = [cue for cue in cues if cue]
+    points = {language: sum(language in cue for cue in cues) for language in _FUNCTION_WORDS}
+    best = min(points, key=lambda language: (-points[language], language))
+    if points[best] < _MIN_POINTS:
+        return None
+    for other in points:
+        if other == best:
+            continue
+        only_best = sum(best in cue and other not in cue for cue in cues)
+        only_other = sum(other in cue and best not in cue for cue in cues)
+        if only_best == 0 or only_best < 2 * only_other:
+            return None
+    return best
 
 
 def voice_language(language: str) -> str:
@@ -158,14 +167,16 @@ def unsupported(text_language: str, voice: str, voice_lang: str, *, could_pick: 
     )
 
 
-def voice_for_sentence(backend: Synthesizer, voice: str, text: str, *, auto: bool) -> SentenceVoice:
+def voice_for_sentence(backend: Synthesizer, voice: str, text: str, *, auto: bool,
+                       previous: str | None = None) -> SentenceVoice:
     """The voice of a sentence (see the module doc): `voice` is the request's resolved voice, `auto` whether
-    the client left both the voice and the language to the server (no voice named, language Auto, no clone)."""
+    the client left both the voice and the language to the server (no voice named, language Auto, no clone),
+    `previous` the voice of the sentence before it, if known."""
     if "language" in backend.honours:  # the backend speaks the request's language with any voice
         return SentenceVoice(voice)
     text_language = detect(text)
-    if text_language is None:
-        return SentenceVoice(voice)
+    if text_language is None:  # too short or mixed to tell: a conversation goes on in its language
+        return SentenceVoice(previous if auto and previous is not None else voice)
     voices = backend.voices()
     own = next((voice_language(v.language) for v in voices if v.id == voice), None)
     if own is None or own == text_language:
@@ -175,3 +186,12 @@ def voice_for_sentence(backend: Synthesizer, voice: str, text: str, *, auto: boo
             if voice_language(candidate.language) == text_language:
                 return SentenceVoice(candidate.id)
     return SentenceVoice(voice, unsupported(text_language, voice, own, could_pick=auto))
+
+
+def voices_for_sentences(backend: Synthesizer, voice: str, texts: list[str], *, auto: bool) -> list[SentenceVoice]:
+    """`voice_for_sentence` of each of a request's sentences, in order."""
+    chosen: list[SentenceVoice] = []
+    for text in texts:
+        chosen.append(voice_for_sentence(backend, voice, text, auto=auto,
+                                         previous=chosen[-1].voice if chosen else None))
+    return chosen

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import websockets
 
-from gateway.language import detect, voice_for_sentence
+from gateway.language import detect, voice_for_sentence, voices_for_sentences
 from tests.gateway_server import receive_until, running_gateway
 from tts_backend.base import SynthesisRequest
 from tts_backend.piper import PiperSynthesizer, bundled_voice_path
@@ -32,6 +32,7 @@ CHINESE = "你好，我是通义千问。"
 JAPANESE = "こんにちは、私はアシスタントです。"
 GERMAN = "Guten Tag, ich bin heute leider nicht zu Hause."
 ENGLISH = "Hello there, how can I help you today?"
+SPANISH = "¡Hola! Me gustaría reservar una mesa para dos personas, por favor."
 
 
 @pytest.mark.parametrize("text, language", [
@@ -39,7 +40,7 @@ ENGLISH = "Hello there, how can I help you today?"
     ("Привет, как дела?", "ru"), ("Привіт, як справи? Їжак.", "uk"), ("Γεια σου, τι κάνεις;", "el"),
     ("مرحبا كيف حالك", "ar"), ("שלום, מה שלומך?", "he"), ("नमस्ते, आप कैसे हैं?", "hi"), ("สวัสดีครับ", "th"),
     (GERMAN, "de"), ("Das ist schön.", "de"), ("Bonjour, je suis très content de vous voir.", "fr"),
-    ("Hola, ¿cómo estás? Estoy muy bien.", "es"), ("Ciao, come stai? Oggi è una bella giornata.", "it"),
+    ("Hola, ¿cómo estás? Estoy muy bien.", "es"), (SPANISH, "es"), (SPANISH.split("! ")[1], "es"), ("Ciao, come stai? Oggi è una bella giornata.", "it"),
     ("Olá, como você está? Não sei.", "pt"), ("Hallo, ik ben vandaag niet thuis.", "nl"), (ENGLISH, "en"),
     # Not sure: no claim (and so no warning).
     ("Hi.", None), ("OK", None), ("1234567 7654321.", None), ("Dr. Müller paid $3.50.", None),
@@ -151,6 +152,44 @@ async def test_a_folder_of_voices_speaks_each_sentence_with_a_voice_of_its_langu
     (start,) = _starts(named)
     assert "voice" not in start and start["warnings"][0]["code"] == "language_unsupported"
     assert _audio_of(named)[0] == direct["en_US-joe-medium"]
+
+
+def test_a_folders_default_voice_is_its_english_one(two_voices, tmp_path):
+    """Not the first file by name (de_DE-... sorts before en_US-...): before and after the voices load."""
+    backend = PiperSynthesizer(model=two_voices)
+    assert backend.default_voice == "en_US-joe-medium"
+    asyncio.run(backend.start())
+    try:
+        assert backend.default_voice == "en_US-joe-medium"
+    finally:
+        asyncio.run(backend.stop())
+    (tmp_path / "de_DE-joe-medium.onnx").symlink_to(two_voices / "de_DE-joe-medium.onnx")
+    (tmp_path / "de_DE-joe-medium.onnx.json").symlink_to(two_voices / "de_DE-joe-medium.onnx.json")
+    assert PiperSynthesizer(model=tmp_path).default_voice == "de_DE-joe-medium"  # no English voice: the first
+
+
+def test_a_sentence_of_unclear_language_keeps_the_voice_of_the_one_before(two_voices):
+    backend = PiperSynthesizer(model=two_voices)
+    texts = ["Yes.", "OK, thanks!", GERMAN, "OK.", "Danke!"]
+    chosen = [c.voice for c in voices_for_sentences(backend, "en_US-joe-medium", texts, auto=True)]
+    assert chosen == ["en_US-joe-medium", "en_US-joe-medium", "de_DE-joe-medium", "de_DE-joe-medium",
+                      "de_DE-joe-medium"]
+    named = [c.voice for c in voices_for_sentences(backend, "en_US-joe-medium", texts, auto=False)]
+    assert named == ["en_US-joe-medium"] * 5  # a voice the client named is kept
+
+
+async def test_short_sentences_of_a_session_follow_its_conversation(two_voices):
+    """The README's recipe (a folder with a German voice beside joe), no voice named: short English
+    sentences are spoken by the English voice, and a short one after German by the German voice."""
+    with running_gateway(PiperSynthesizer(model=two_voices)) as server:
+        messages = await _session(server, {"response_format": "pcm", "stream_audio": True, "sample_rate": 22050},
+                                  ["Yes.", "OK, thanks!", GERMAN, "OK."])
+    assert messages[0]["voice"] == "en_US-joe-medium"
+    starts = _starts(messages)
+    assert [s["sentence_text"] for s in starts] == ["Yes.", "OK, thanks!", GERMAN, "OK."]
+    assert [s.get("voice", messages[0]["voice"]) for s in starts] == [
+        "en_US-joe-medium", "en_US-joe-medium", "de_DE-joe-medium", "de_DE-joe-medium"]
+    assert not any("warnings" in s for s in starts)
 
 
 async def _made(backend: PiperSynthesizer, voice: str, text: str) -> bytes:

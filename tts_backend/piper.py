@@ -175,10 +175,18 @@ class PiperSynthesizer(Synthesizer):
     # ------------------------------------------------------------------ voices
 
     def voices(self) -> list[Voice]:
-        if not self._voices:
-            return [Voice(id=p.name.removesuffix(".onnx"), name=p.name.removesuffix(".onnx"), language="en_US")
-                    for p in self._voice_files()]
+        if not self._voices:  # before start(): the files' names, whose first part is the language ("de_DE-...")
+            return [Voice(id=name, name=name, language=name.split("-")[0] if "-" in name else "en_US")
+                    for name in (p.name.removesuffix(".onnx") for p in self._voice_files())]
         return [v.voice for v in self._voices.values()]
+
+    @property
+    def default_voice(self) -> str:
+        """A folder's first English voice in name order (the bundled joe, where it is there), else its first:
+        the voice of text whose language is not clear, and English is the gateway's own language."""
+        voices = self.voices()
+        english = [v.id for v in voices if v.language.lower().replace("_", "-").split("-")[0] in ("en", "eng")]
+        return english[0] if english else voices[0].id
 
     def _find(self, voice: str) -> _LoadedVoice:
         if voice in self._voices:

@@ -50,7 +50,7 @@ from ..audio import pcm as audio
 from ..auth import PRINCIPAL_SCOPE_KEY, AuthError, Principal, TokenSigner
 from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_transport
 from ..gateway import Gateway
-from ..language import voice_for_sentence
+from ..language import voices_for_sentences
 from ..limits import AdmissionClaim, LimitExceeded, StreamMeter, SynthesisMonitor
 from ..pronunciation.pronouncer import Pronouncer
 from ..protocol import ErrorCode, PronunciationEntry, Pronunciations, ProtocolError, backend_error_code, loads_client_json
@@ -387,7 +387,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     sentences = await _sentences(body.input, body.language, settings.max_synthesis_chars)
     auto_voice = (body.voice_id is None and body.ref_audio is None and cloned is None
                   and body.language.lower() == "auto")
-    spoken_by = [voice_for_sentence(backend, voice, text, auto=auto_voice) for text in sentences]
+    spoken_by = voices_for_sentences(backend, voice, sentences, auto=auto_voice)
     told = [choice_of_sentence.warning for choice_of_sentence in spoken_by]
     if pronouncer is not None:
         told += [warning for text in sentences for warning in pronouncer.warnings(text, backend)]

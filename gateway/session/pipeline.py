@@ -111,6 +111,8 @@ class SpeechPipeline:
         self.ends_queued = 0
         self.pending_chars = 0  # text released and not yet fully sent (count_text)
         self._synthesis: set[asyncio.Task] = set()  # running synthesis tasks, owned here
+        # The voice of the latest sentence given one, in send order: a sentence of unclear language keeps it.
+        self._previous_voice: str | None = None
         self._stopping = False
         # Back-pressure: PCM made and not yet taken by the sender, in all jobs; synthesis waits beyond
         # max_queued_audio_s.
@@ -220,7 +222,9 @@ class SpeechPipeline:
     def _voice_of(self, job: SentenceJob) -> SentenceVoice:
         """The voice that speaks the sentence, and a warning when it cannot read the sentence's language."""
         if job.spoken_by is None:
-            job.spoken_by = voice_for_sentence(self.backend, job.config.voice, job.text, auto=job.config.auto_voice)
+            job.spoken_by = voice_for_sentence(self.backend, job.config.voice, job.text, auto=job.config.auto_voice,
+                                               previous=self._previous_voice)
+            self._previous_voice = job.spoken_by.voice
         return job.spoken_by
 
     def _synthesis_ended(self, task: asyncio.Task) -> None:
