@@ -39,7 +39,10 @@ def on_page_markdown(markdown, page, config, files):
             log.warning("Doc file '%s' links to '%s', which is not a file of the repository",
                         page.file.src_uri, target)
         shown = resolved.relative_to(repository).as_posix() + ("/" if resolved.is_dir() else "")
-        return f"`{shown}`" if text.strip("`") == shown else f"{text} (`{shown}`)"
+        # `base/worker.yaml` linking to ../deploy/kubernetes/base/worker.yaml: the path in full says it all
+        if re.fullmatch(r"`[^`]+`", text) and shown.endswith(text.strip("`").lstrip("./")):
+            return f"`{shown}`"
+        return f"{text} (`{shown}`)"
 
     pieces, last = [], 0
     for fence in FENCE.finditer(markdown):
