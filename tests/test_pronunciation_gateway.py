@@ -8,8 +8,11 @@ request the gateway makes) and by the word timestamps that come back, which name
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import threading
+import time
 
 import httpx
 import pytest
@@ -224,6 +227,10 @@ async def test_replicas_share_dictionaries_and_a_resume_applies_the_recorded_rul
         url = "/v1/audio/pronunciations"
         assert httpx.post(first.url + url, headers=auth(KEY_A), json={"name": "brands", "entries": BRANDS}).is_success
         assert [d["name"] for d in httpx.get(second.url + url, headers=auth(KEY_A)).json()["data"]] == ["brands"]
+        # The key's byte bound holds across replicas (checked and written in one Lua script).
+        fill_to_the_byte_bound(second.url)
+        for d in range(5):
+            assert httpx.delete(f"{first.url}{url}/long{d}", headers=auth(KEY_A)).is_success
         # A session on the first replica, its text still open (no sentence end yet) when its connection drops.
         async with websockets.connect(first.ws_url, additional_headers=auth(KEY_A)) as ws:
             await send(ws, type="session.config", voice=VOICE, response_format="pcm", pronunciations=["brands"])
@@ -260,3 +267,51 @@ async def test_piper_says_the_rewrite_and_times_the_written_words():
     assert alignment["words"] == ["Voxgate", "code", "AB7", "is", "ready."]
     gap = alignment["word_start_times_seconds"][3] - alignment["word_end_times_seconds"][2]
     assert gap >= 0.4
+
+
+def fill_to_the_byte_bound(url: str) -> list[str]:
+    """Register dictionaries of key A's up to its 256 KiB (5 of about 51 KiB of the longest entries); one
+    more is refused. Their names."""
+    url += "/v1/audio/pronunciations"
+    names = []
+    for d in range(6):
+        entries = [{"text": f"{d}{i:04d}" + "q" * 123, "say": "y"} for i in range(270)]
+        made = httpx.post(url, headers=auth(KEY_A), json={"name": f"long{d}", "entries": entries})
+        if d == 5:
+            assert made.status_code == 403 and made.json()["error"]["code"] == "pronunciation_limit_reached"
+            assert "bytes" in made.json()["error"]["message"]
+        else:
+            assert made.status_code == 200, made.text
+            names.append(f"long{d}")
+    return names
+
+
+def test_the_largest_rules_are_built_without_stalling_the_event_loop(synthetic):
+    """A key's rules at their bound (256 KiB of the longest entries, about 170,000 trie nodes) take the
+    matcher a good part of a second to build: a session naming them must not hold the server's event loop
+    (other sessions' audio, /health) for that long."""
+    server, _ = synthetic
+    names = fill_to_the_byte_bound(server.url)
+    stop = threading.Event()
+
+    async def worst_lag() -> float:
+        lag = 0.0
+        while not stop.is_set():
+            before = time.perf_counter()
+            await asyncio.sleep(0.005)
+            lag = max(lag, time.perf_counter() - before - 0.005)
+        return lag
+
+    probe = asyncio.run_coroutine_threadsafe(worst_lag(), server.loop)
+
+    async def configure() -> dict:
+        async with websockets.connect(server.ws_url, additional_headers=auth(KEY_A)) as ws:
+            await send(ws, type="session.config", voice=VOICE, pronunciations=names)
+            return json.loads(await ws.recv())
+
+    try:
+        started = asyncio.run(configure())
+    finally:
+        stop.set()
+    assert started["type"] == "session.started", started
+    assert probe.result(10) < 0.1

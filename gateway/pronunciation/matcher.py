@@ -13,7 +13,7 @@ entry that may still match, or right after an entry whose whole-word end needs t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .rules import Rule
 
@@ -31,48 +31,58 @@ def is_word_char(char: str) -> bool:
     return char.isalnum()
 
 
-@dataclass(eq=False)
-class _Node:
-    children: dict[str, "_Node"] = field(default_factory=dict)
-    rules: list[Rule] = field(default_factory=list)  # entries that end here, in the order given
-
-
 @dataclass(frozen=True)
 class Match:
     length: int
     rule: Rule
 
 
+# The trie as flat tables of ints: node ids, an edge keyed by node * CHARS + the character's code point.
+# Ints, not a dict per node: a key's rules at their bound make about 170,000 nodes, and that many dicts take
+# twice as long to build and hold the GIL through the garbage collector's passes over them.
+CHARS = 0x110000
+
+
 class Matcher:
     def __init__(self, rules: tuple[Rule, ...]) -> None:
         self.rules = rules
-        self._root = _Node()
+        self._edges: dict[int, int] = {}  # node * CHARS + code point -> node; the root is 0
+        self._ends: dict[int, list[Rule]] = {}  # node -> the entries that end there, in the order given
+        self._inner: set[int] = set()  # nodes with an edge out
+        nodes = 1
         for rule in rules:
-            node = self._root
+            node = 0
             for char in rule.text:
-                node = node.children.setdefault(fold(char), _Node())
-            node.rules.append(rule)
+                key = node * CHARS + ord(fold(char))
+                child = self._edges.get(key)
+                if child is None:
+                    child = self._edges[key] = nodes
+                    nodes += 1
+                    self._inner.add(node)
+                node = child
+            self._ends.setdefault(node, []).append(rule)
 
     def __bool__(self) -> bool:
         return bool(self.rules)
 
     def may_start(self, char: str) -> bool:
-        return fold(char) in self._root.children
+        return ord(fold(char)) in self._edges
 
     def match_at(self, text: str, i: int, *, final: bool, stop: str = "") -> Match | None | object:
         """The entry matching at text[i], None, or UNDECIDED (see the module doc). The walk stops before any
         character of `stop` (markup's "<": a tag there is read as a tag)."""
         before = text[i - 1] if i else ""
-        node, j, best = self._root, i, None
+        edges, ends = self._edges, self._ends
+        node, j, best = 0, i, None
         while j < len(text):
             char = text[j]
             if char in stop:
                 break
-            node = node.children.get(fold(char))
+            node = edges.get(node * CHARS + ord(fold(char)))
             if node is None:
                 break
             j += 1
-            for rule in node.rules:
+            for rule in ends.get(node, ()):
                 if rule.case_sensitive and text[i:j] != rule.text:
                     continue
                 if rule.whole_word and is_word_char(rule.text[0]) and is_word_char(before):
@@ -86,6 +96,6 @@ class Matcher:
                 best = Match(j - i, rule)
                 break
         else:
-            if node.children and not final and j > i:
+            if node in self._inner and not final and j > i:
                 return UNDECIDED  # a longer entry may still match
         return best

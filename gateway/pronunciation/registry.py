@@ -11,6 +11,7 @@ same ones whatever happened to the dictionaries since.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -32,6 +33,7 @@ from .rules import (
 
 DICTIONARY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PUBLIC_FIELDS = ("name", "entries", "bytes", "created_at")
+BUILT_IN_THREAD_BYTES = 16 * 1024
 
 
 def _owner(principal: Principal) -> str:
@@ -101,8 +103,11 @@ class PronunciationRegistry:
             if found is None:
                 raise _not_found(item)
             rules.extend(rules_from_json(json.loads(found[1])))
-        if size_of(rules) > MAX_KEY_BYTES:
+        size = size_of(rules)
+        if size > MAX_KEY_BYTES:
             raise limit_reached(f"the pronunciation rules named take more than {MAX_KEY_BYTES} bytes together")
+        if size > BUILT_IN_THREAD_BYTES:  # building a large trie takes up to about a second: off the event loop
+            return await asyncio.to_thread(Pronouncer, tuple(rules), markup == "ssml")
         return Pronouncer(tuple(rules), markup == "ssml")
 
 
