@@ -109,7 +109,10 @@ BYTES_PER_SAMPLE = 2  # the engine streams s16le
 SAMPLE_PERIOD_S = 0.25  # in-flight and slot samples, as engine_profile takes them
 # The stage whose batches carry the streams' steps: Talker decode today, a whole frame once it is one stage.
 GENERATION_STAGE = getattr(Stage, "FRAME", None) or Stage.DECODE
-GENERATION_PHASES = (Phase.NEED_DECODE, Phase.NEED_CODE_PREDICT) if hasattr(Stage, "FRAME") else (Phase.NEED_DECODE,)
+# Streams that could step, per generation decision: slot holders whose generation is not finished (a Talker step
+# or the predictor pending) and that are not waiting for text. A decode batch (separate stages) can take only
+# those in NEED_DECODE, so its mean batch against these counts shows the streams split into two cohorts.
+GENERATION_PHASES = (Phase.NEED_DECODE, Phase.NEED_CODE_PREDICT)
 PROMPT_OVERHEAD_POSITIONS = 10  # chat template + codec prefix (tts_backend/qwen3/prompt.py _layout), text aside
 
 
@@ -408,6 +411,7 @@ class DecideMeter:
     decides: int = 0
     generation_decisions: int = 0
     could_step: int = 0
+    slot_holders: int = 0  # including finished streams whose audio the codec has not all decoded yet
     batch_items: int = 0
     could_step_hist: dict[int, int] = field(default_factory=dict)
 
@@ -428,6 +432,7 @@ def meter_decisions(engine: Engine, clock: SimClock, meter: DecideMeter) -> None
                         if r.slot is not None and not r.done and r.phase in GENERATION_PHASES and not r.waiting_for_text)
                 meter.generation_decisions += 1
                 meter.could_step += n
+                meter.slot_holders += scheduler.active
                 meter.batch_items += len(batch.requests)
                 meter.could_step_hist[n] = meter.could_step_hist.get(n, 0) + 1
                 clock.resume()
@@ -599,6 +604,7 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
             "mean_generation_batch": meter.batch_items / gen if gen else None,
             "mean_streams_could_step": meter.could_step / gen if gen else None,
             "batch_over_could_step": meter.batch_items / meter.could_step if meter.could_step else None,
+            "mean_slot_holders": meter.slot_holders / gen if gen else None,
             "could_step_histogram": dict(sorted(meter.could_step_hist.items())),
             "generation_device_share": device_s / wall,  # of the measured phase
             "generation_device_s": runner.generation_device_s,  # the whole run
@@ -633,8 +639,8 @@ def client_table(entries: list[dict]) -> str:
 def engine_table(entries: list[dict]) -> str:
     names = [s.name for s in Stage]
     lines = ["| RPS | decisions/s | " + " | ".join(f"{n} batches / items / mean" for n in names)
-             + " | streams that could step (mean) | mean batch / could step | decide (real us) |",
-             "|---|---|" + "---|" * len(names) + "---|---|---|"]
+             + " | streams that could step (mean) | mean batch / could step | slot holders (mean) | decide (real us) |",
+             "|---|---|" + "---|" * len(names) + "---|---|---|---|"]
     for e in entries:
         g, sim = e["engine"], e["simulator"]
         cells = []
@@ -647,7 +653,7 @@ def engine_table(entries: list[dict]) -> str:
         decide = sim["decide_us_real"]
         lines.append(f"| {e['rps']:g} | {g['decisions_per_s']:.0f} | " + " | ".join(cells)
                      + f" | {'-' if could is None else f'{could:.1f}'} | {'-' if ratio is None else f'{ratio:.2f}'}"
-                     f" | {'-' if decide is None else f'{decide:.0f}'} |")
+                     f" | {sim['mean_slot_holders'] or 0:.1f} | {'-' if decide is None else f'{decide:.0f}'} |")
     return "\n".join(lines)
 
 
