@@ -444,7 +444,7 @@ class ConfigWarning(BaseModel):
     default one, an option this backend cannot honour); the request goes ahead."""
 
     code: str  # stable: voice_fallback, voice_cloning_unsupported, timestamps_unsupported, option_ignored,
-    # language_unsupported, markup_ignored, expression_ignored
+    # language_unsupported, markup_ignored, expression_ignored, sentence_finished_early
     message: str
     field: str | None = None  # the request field it concerns
 
@@ -536,7 +536,8 @@ class AudioDone(_ServerMessage):
     timestamp_info: TimestampInfo | None = None  # timestamp_transport_strategy "sync": the sentence's words
     # ext, split_granularity "token": the sentence's whole text (its audio.start had the words known then)
     sentence_text: str | None = None
-    # ext, split_granularity "token": what of its markup was not honoured (its audio.start had not its whole text)
+    # ext: left out when empty. split_granularity "token": what of its markup was not honoured (its audio.start
+    # had not its whole text), and sentence_finished_early (a sentence still being written ended at its words)
     warnings: list[ConfigWarning] | None = None
 
 

@@ -56,6 +56,7 @@ from ..protocol import (
     HANDSHAKE_MESSAGES,
     TELEPHONY_SAMPLE_RATE,
     CloseCode,
+    ConfigWarning,
     ContextCancelled,
     ErrorCode,
     InputCancel,
@@ -98,7 +99,7 @@ from .data import (
 )
 from .pipeline import SpeechPipeline, audio_done
 from .resume import Resumer, rebuild
-from .segmenter import SentenceSegmenter, push_in_slices
+from .segmenter import SentenceSegmenter, push_in_slices, spoken_length
 from .writer import SocketWriter
 
 log = logging.getLogger("voxgate.session")
@@ -107,6 +108,10 @@ log = logging.getLogger("voxgate.session")
 # ends after this many words (or at a clause mark after two), so its first audio waits for a few words, not a
 # whole sentence (Piper on a CPU: 74 ms for 9 characters, 436 ms for 57; docs/protocol.md, "Text streaming").
 FIRST_UNIT_WORDS = 4
+# A sentence still being written (text streaming) that holds back another context's audio (which goes out
+# only once the sentence is sent) is ended at its words after waiting this long for text: an LLM writes a
+# word every tens to hundreds of milliseconds, so a second without one is a wait, not writing.
+OPEN_SENTENCE_YIELD_S = 1.0
 
 
 # ------------------------------------------------------------------------------------------ session
@@ -433,9 +438,16 @@ class StreamingSession:
         self.pipeline.enqueue(*rebuilt.owed)
         for utterance, text in rebuilt.reopened:
             self._open[utterance.context_id] = utterance
-            self._release(utterance, await push_in_slices(utterance.segmenter, text))
-            self._grow_open_sentence(utterance)
-            self._record_open_text(utterance)
+            job = utterance.open_job
+            utterance.segmenter.append(text)
+            if job is not None and spoken_length(job.text) >= self.settings.max_synthesis_chars:
+                # Written under a larger max_synthesis_chars (a rolling change of it): this replica's segmenter
+                # would cut the unit inside the words already spoken, so the sentence ends at them.
+                await self._end_open_sentence(utterance)
+            else:
+                self._release(utterance, await push_in_slices(utterance.segmenter, ""))
+                self._grow_open_sentence(utterance)
+                self._record_open_text(utterance)
         await self._commit(counted=False)
         self.pipeline.refill()
 
@@ -565,8 +577,11 @@ class StreamingSession:
 
     async def _read_loop(self) -> None:
         while not self._closing:
-            idle_for = time.monotonic() - self._last_active()
-            timeout = max(0.05, self.settings.idle_timeout_s - idle_for)
+            await self._end_sentences_waiting_too_long()  # (messages that are not text do not delay it)
+            now = time.monotonic()
+            idle_until = self._last_active() + self.settings.idle_timeout_s
+            waits = [deadline for _, deadline, _ in self._sentences_waiting_for_text()]
+            timeout = max(0.05, min([idle_until, *waits]) - now)
             try:
                 raw = await self._receive_text(timeout)
             except asyncio.TimeoutError:
@@ -690,6 +705,7 @@ class StreamingSession:
             )
         if self.admission is not None and message.text:
             await self.admission.charge_chars(self.principal, len(message.text), context_id=message.context_id)
+        await self._after_failed_sentence(message.context_id)
         utterance = self._utterance(message.context_id)
         # In slices: splitting a large input can take seconds, and other sessions share this loop. This
         # session's next message waits (the reader handles one at a time), so its texts stay in order.
@@ -706,6 +722,7 @@ class StreamingSession:
         )
 
     async def _on_flush(self, context_id: str | None) -> None:
+        await self._after_failed_sentence(context_id)
         utterance = self._open.get(context_id)
         if utterance is not None:
             self._release(utterance, utterance.segmenter.flush())
@@ -721,6 +738,7 @@ class StreamingSession:
                 " once audio has gone out",
                 context_id=context_id,
             )
+        await self._after_failed_sentence(context_id)
         utterance = self._open.pop(context_id, None)
         if utterance is None:
             # input.done with no text: the utterance is empty, but the client still gets its answer.
@@ -817,10 +835,61 @@ class StreamingSession:
             raise RuntimeError(f"sentence {job.index}: {text!r} does not continue {job.text!r}")
         added, job.text = text[len(job.text):], text
         if added:
+            job.progress_at = time.monotonic()
             self._staged.sentence_texts.append(
                 SentenceRecord(job.index, text, job.utterance.context_id, utterance=job.utterance.number))
         if added or finish:
             self._staged_items.append(TextPush(job, added, finish=finish))
+
+    # -------------------------------------------------------------- sentences waiting for text
+
+    def _sentences_waiting_for_text(self):
+        """The open sentences whose synthesis runs, holding a backend slot, while they wait for the client's
+        text: (utterance, when it is ended at the words it has, whether another context waits behind it).
+        The wait is the idle timeout, shortened to OPEN_SENTENCE_YIELD_S while another context's audio waits."""
+        for utterance in self._open.values():
+            job = utterance.open_job
+            if job is None or job.task is None or job.task.done() or job.synthesis_failed or not job.waits_for_text:
+                continue
+            blocking = self.pipeline.others_wait_behind(job)
+            wait = self.settings.idle_timeout_s
+            yield utterance, job.progress_at + (min(wait, OPEN_SENTENCE_YIELD_S) if blocking else wait), blocking
+
+    async def _end_sentences_waiting_too_long(self) -> None:
+        """A sentence may not hold a backend slot (nor the session's other contexts) while no text comes: past
+        its wait it is finished at the words it has, with a warning; text that comes later starts the next."""
+        now, ended = time.monotonic(), False
+        for utterance, deadline, blocking in list(self._sentences_waiting_for_text()):
+            if deadline > now:
+                continue
+            waited = now - utterance.open_job.progress_at
+            reason = "while another context's audio waited behind it" if blocking else "holding a synthesis slot"
+            await self._end_open_sentence(utterance, warning=(
+                f"sentence {utterance.open_job.index} was ended at the words it had: it waited {waited:.1f} s for"
+                f" more text {reason}; text sent later is spoken as the next sentence"))
+            ended = True
+        if ended:
+            await self._commit(counted=False)
+
+    async def _end_open_sentence(self, utterance: Utterance, *, warning: str | None = None) -> None:
+        """End the utterance's sentence still being written at the words it has (its synthesis finishes them);
+        the text after them goes on as the next unit. `warning`: why, told in the sentence's audio.done."""
+        job = utterance.open_job
+        if warning is not None:
+            job.warnings.append(ConfigWarning(code="sentence_finished_early", message=warning,
+                                              field="split_granularity"))
+        segmenter = utterance.segmenter
+        unit = segmenter.end_unit_at(len(job.text))
+        self._release(utterance, [unit, *await push_in_slices(segmenter, "")])
+        self._grow_open_sentence(utterance)
+        self._record_open_text(utterance)
+
+    async def _after_failed_sentence(self, context_id: str | None) -> None:
+        """A sentence still being written whose synthesis failed takes no more text (its error names the words
+        it has): the context's text after them starts the next sentence, spoken or named in an error of its own."""
+        utterance = self._open.get(context_id)
+        if utterance is not None and utterance.open_job is not None and utterance.open_job.synthesis_failed:
+            await self._end_open_sentence(utterance)
 
     # -------------------------------------------------------------- cancel
 

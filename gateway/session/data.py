@@ -150,6 +150,12 @@ class SentenceJob:
     # Text streaming: the text given to synthesis so far (`text` is the same), finished once the sentence
     # has ended; None for a sentence whose text was whole from the start.
     text_stream: TextStream | None = None
+    # Text streaming: when the sentence last grew, had its synthesis started or sent audio. A sentence still
+    # being written waits for the client's text from then on, holding its backend slot (StreamingSession
+    # bounds that wait).
+    progress_at: float = 0.0
+    synthesis_failed: bool = False  # its synthesis ended with an error: it takes no more text
+    warnings: list[ConfigWarning] = field(default_factory=list)  # told in its audio.done
     chars_pending: int = 0  # what this sentence adds to the session's count of text not yet spoken
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     task: asyncio.Task | None = None
@@ -193,6 +199,11 @@ class SentenceJob:
     @property
     def cancelled(self) -> bool:
         return self.utterance.cancelled
+
+    @property
+    def waits_for_text(self) -> bool:
+        """A sentence still being written, not stopped: its synthesis speaks what it has, then waits for more."""
+        return self.text_stream is not None and not self.text_stream.finished and not self.finished
 
 
 @dataclass(eq=False)

@@ -118,7 +118,7 @@ class SpeechPipeline:
         # max_queued_audio_s.
         self.queued_audio = 0
         self._audio_taken = asyncio.Event()
-        self.last_sent_at = time.monotonic()  # when the sender last finished an item (the idle timeout)
+        self.last_sent_at = time.monotonic()  # when the sender last sent a frame or finished an item (idle timeout)
         # Per context, its latest utterance whose end went out: the client may still be playing it (a CPU
         # voice sends a sentence far faster than real time), and a barge-in with the playback position must
         # still be answered with what was heard. One per context, at most FINISHED_KEPT contexts.
@@ -126,8 +126,20 @@ class SpeechPipeline:
 
     @property
     def busy(self) -> bool:
-        """Audio is being made or sent."""
-        return self._current is not None or bool(self._queue)
+        """Audio is being made or sent, or waits to be. A sentence still being written does not count: once its
+        audio so far has gone out (`last_sent_at`), it waits for the client's text, and the session is idle."""
+        return any(item is not None and not (isinstance(item, SentenceJob) and item.waits_for_text)
+                   for item in [self._current, *self._queue])
+
+    def others_wait_behind(self, job: SentenceJob) -> bool:
+        """Items of another context are queued after `job`: they go out only once it has been sent."""
+        context_id, behind = job.utterance.context_id, False
+        for item in [self._current, *self._queue]:
+            if item is job:
+                behind = True
+            elif behind and isinstance(item, (SentenceJob, UtteranceEnd)) and item.utterance.context_id != context_id:
+                return True
+        return False
 
     def enqueue(self, *items: SentenceJob | UtteranceEnd | SessionEnd) -> None:
         """Queue items to be sent after everything queued already, and start what synthesis they allow."""
@@ -214,6 +226,7 @@ class SpeechPipeline:
             if isinstance(item, SentenceJob) and not item.cancelled and not item.finished and item.needs_synthesis:
                 window -= 1
                 if item.task is None:
+                    item.progress_at = time.monotonic()
                     item.task = asyncio.create_task(self._synthesize(item), name=f"synth-{self.info.session_id}-{item.index}")
                     self._synthesis.add(item.task)
                     item.task.add_done_callback(self._synthesis_ended)
@@ -292,6 +305,7 @@ class SpeechPipeline:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # reported by the sender, in order
+            job.synthesis_failed = True
             job.chunks.put_nowait(exc)
 
     def _has_room(self, job: SentenceJob) -> bool:
@@ -368,6 +382,7 @@ class SpeechPipeline:
                 if job.cancelled:
                     return False
                 await self.writer.send_bytes_locked(frame)
+                job.progress_at = self.last_sent_at = time.monotonic()
                 if job.bytes_sent == 0 and job.first_of_utterance:
                     self.metrics.ttfa_seconds.labels("websocket").observe(time.monotonic() - job.released_at)
                 job.bytes_sent += len(frame)
@@ -480,8 +495,8 @@ class SpeechPipeline:
                 error = _synthesis_error(failure, job)
                 self.metrics.errors_total.labels(error.code.value).inc()
                 await self.writer.send_text_locked(error.to_message().encode())
-            await self.writer.send_text_locked(audio_done(job, error=failure is not None,
-                                                          warnings=markup_warnings(job, self.backend)).encode())
+            warnings = [*job.warnings, *markup_warnings(job, self.backend)]
+            await self.writer.send_text_locked(audio_done(job, error=failure is not None, warnings=warnings).encode())
         outcome = "failed" if failure is not None else "done"
         self.metrics.sentences_total.labels(outcome).inc()
         await self.store.set_sentence_state(self.info.session_id, job.index, outcome, owner=self.info.owner)

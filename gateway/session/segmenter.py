@@ -252,6 +252,17 @@ class SentenceSegmenter:
             self._released_any = True
         return split_to_fit(unit, self.max_unit_chars) if unit else []
 
+    def end_unit_at(self, chars: int) -> str:
+        """End the unit being written after its first `chars` characters (granularity ``token``: the words
+        already given to synthesis, which will not grow) and return it; the text after them starts the next
+        unit, examined by the next `advance`. The utterance goes on."""
+        unit = self._tail[:chars].strip()
+        self._tail = self._tail[chars:].lstrip()
+        self._reset_scan()
+        if unit:
+            self._released_any = True
+        return unit
+
     # -- decisions -------------------------------------------------------------------------------------
 
     def _examine(self, tail: str, i: int) -> tuple[int, int] | None:
