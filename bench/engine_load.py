@@ -796,8 +796,8 @@ def engine_table(entries: list[dict]) -> str:
             return "-"
         return f"{pct(st['thread_share'])} ({st['mean_batch']:.1f})"
 
-    lines = ["| RPS | decode (mean batch) | code predict | codec thread | codec device | prefill | schedule "
-             "(us/decision) | idle | decisions | rules |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| RPS | frame (mean batch) | codec thread | codec device | prefill | schedule "
+             "(us/decision) | idle | decisions | rules |", "|---|---|---|---|---|---|---|---|---|"]
     for entry in entries:
         e = entry.get("engine")
         if not e:
@@ -805,7 +805,7 @@ def engine_table(entries: list[dict]) -> str:
         us = e["schedule_us_per_decision"]
         rules = ", ".join(f"{rule} {count}" for rule, count in e["rules"].items())
         rps = entry["rps"] if isinstance(entry["rps"], str) else f"{entry['rps']:g}"
-        lines.append(f"| {rps} | {stage(e, 'decode')} | {stage(e, 'code_predict')} | {stage(e, 'codec')} | "
+        lines.append(f"| {rps} | {stage(e, 'frame')} | {stage(e, 'codec')} | "
                      f"{pct(e['codec_device_share'])} | {stage(e, 'prefill')} | {pct(e['schedule_share'])} "
                      f"({'-' if us is None else f'{us:.0f}'}) | {pct(e['idle_share'])} | {e['decisions']} | {rules} |")
     return "\n".join(lines)

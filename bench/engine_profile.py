@@ -51,7 +51,7 @@ from bench.loadgen import (
     summarize,
 )
 
-STAGES = ("PREFILL", "CODE_PREDICT", "DECODE", "CODEC")
+STAGES = ("PREFILL", "FRAME", "CODEC")
 BYTES_PER_SAMPLE = 2  # the engine streams s16le
 
 

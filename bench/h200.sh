@@ -4,9 +4,9 @@
 #   bash bench/h200.sh setup step reference load:1,10,20,40 profile:"--rates 10,20 --duration 20" savecache
 #
 # with the device call carrying ".carry" (wheels in .carry/whl and .carry/refwhl, the tokenizer cache in
-# .carry/voxgate_cache, and optionally a compile cache unpacked into .carry/compile_cache from an earlier
-# call's compile_cache.tgz). Steps run in the order given; a failing step is reported and the next one
-# still runs, and the script exits non-zero if any failed.
+# .carry/voxgate_cache, and optionally an earlier call's compile_cache.txz as .carry/compile_cache.txz).
+# Steps run in the order given; a failing step is reported and the next one still runs, and the script exits
+# non-zero if any failed.
 #
 #   setup            install .carry/whl into /tmp/site, build the random 1.7B checkpoint in /tmp/ckpt once
 #   step[:ARGS]      bench/engine_step.py ARGS           -> $OUT/engine_step.json (then engine_step_2.json...)
@@ -33,7 +33,7 @@
 #   alignercost[:ARGS] bench/aligner_cost.py ARGS on the random aligner in /tmp/aligner (built if missing)
 #                    -> $OUT/aligner_cost.json: ms and ops per sentence at batch 1/4/16, e.g.
 #                      bash bench/h200.sh alignercost:"--contend-ms 2"
-#   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.tgz (if under 15 MiB)
+#   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.txz (if under 15 MiB)
 #
 # Only 8 files come back from $OUT, so after each step everything there except h200.log, the *.json
 # reports and the *.tgz archives (the .md tables, gateway.log, partial results) is moved into
@@ -58,8 +58,14 @@ STARTED=$SECONDS
 export VOXGATE_CACHE=$REPO/.carry/voxgate_cache PYTHONUNBUFFERED=1
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
-# A cache brought back from an earlier call (unpacked into .carry/compile_cache) saves the compile time.
-if [[ -d $REPO/.carry/compile_cache ]]; then COMPILE_CACHE=$REPO/.carry/compile_cache; else COMPILE_CACHE=/tmp/compile_cache; fi
+# A cache brought back from an earlier call saves the compile time: carried packed (.carry/compile_cache.txz,
+# as savecache wrote it; unpacked it is too large to travel) and unpacked here, or already unpacked.
+COMPILE_CACHE=/tmp/compile_cache
+if [[ -d $REPO/.carry/compile_cache ]]; then
+    COMPILE_CACHE=$REPO/.carry/compile_cache
+elif [[ -f $REPO/.carry/compile_cache.txz && ! -d $COMPILE_CACHE ]]; then
+    mkdir -p "$COMPILE_CACHE" && tar -C "$COMPILE_CACHE" -xJf "$REPO/.carry/compile_cache.txz"
+fi
 export TORCHINDUCTOR_CACHE_DIR=$COMPILE_CACHE/inductor TRITON_CACHE_DIR=$COMPILE_CACHE/triton
 mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
 
@@ -186,13 +192,15 @@ step_textstream() {  # step_textstream "ARGS" (e.g. "--others 8 --words-per-s 10
 }
 
 step_savecache() {
-    local archive=$OUT/compile_cache.tgz limit=$((15 * 1024 * 1024)) size
+    local archive=$OUT/compile_cache.txz limit=$((15 * 1024 * 1024)) size
     # What the cache holds, by kind (issue 22: it grew to 164 MB, too large to carry between machines).
     run du -sh "$COMPILE_CACHE"/inductor/* "$COMPILE_CACHE"/triton 2>/dev/null
     run find "$COMPILE_CACHE/triton" -type f -printf '%s %f\n' 2>/dev/null \
         | awk '{n = split($2, p, "."); ext = p[n]; bytes[ext] += $1; files[ext]++}
                END {for (e in bytes) printf "triton cache .%s: %d files, %.1f MB\n", e, files[e], bytes[e] / 1e6}'
-    run tar -C "$COMPILE_CACHE" -czf "$archive" inductor triton || return 1
+    # xz, not gzip: the cache is mostly text (Triton's IR and sources, Inductor's generated code), and gzip
+    # packed the H100's cold cache to 15.3 MiB, over what comes back.
+    run tar -C "$COMPILE_CACHE" -cf "$archive" -I 'xz -T0 -6' inductor triton || return 1
     [[ -n ${DRY_RUN:-} ]] && return 0
     size=$(stat -c %s "$archive")
     if ((size > limit)); then
@@ -211,7 +219,7 @@ tidy_out() {
         [[ -f $f ]] || continue
         name=${f##*/}
         case $name in
-            h200.log | extras.tgz | *.tgz) continue ;;
+            h200.log | extras.tgz | *.tgz | *.txz) continue ;;
             *.partial.json) ;;
             *.json) continue ;;
         esac

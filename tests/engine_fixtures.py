@@ -12,12 +12,13 @@ turns a runner's exception into a failed batch, so a broken rule is also kept in
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from tts_backend.engine.request import RequestState
+from tts_backend.engine.request import Phase, RequestState
 from tts_backend.engine.runner import CodecHandle, ModelRunner
 
 
@@ -55,6 +56,7 @@ class ScriptedRunnerTestDouble(ModelRunner):
         self.sample_rate = sample_rate
         self.step_delay_s = step_delay_s
         self.calls: list[tuple[str, list[int], int]] = []  # (stage, request ids, codec frames)
+        self.talker_steps: collections.Counter = collections.Counter()  # request id -> Talker steps in frames
         self.released: list[int] = []
         self.slots_in_use: dict[int, int] = {}  # slot -> request id
         self.prepared = False
@@ -89,13 +91,12 @@ class ScriptedRunnerTestDouble(ModelRunner):
     def prefill(self, requests):
         self._record("prefill", requests)
 
-    def code_predict(self, requests):
-        self._record("code_predict", requests)
-
-    def decode(self, requests):
-        self._record("decode", requests)
-        # frames_generated frames exist; EOS is sampled once the script's frames are all made.
-        return [r.frames_generated >= r.prompt.frames for r in requests]
+    def frame(self, requests):
+        self._record("frame", requests)
+        stepping = [r for r in requests if r.phase is Phase.NEED_DECODE]
+        self.talker_steps.update(r.request_id for r in stepping)
+        # frames_generated frames exist; a Talker step samples EOS once the script's frames are all made.
+        return [r.phase is Phase.NEED_DECODE and r.frames_generated >= r.prompt.frames for r in requests]
 
     def push_text(self, request, tokens):
         # Text is opaque here (the script says when EOS comes); the engine counts the tokens.

@@ -40,7 +40,7 @@ async def test_the_engines_counters_follow_what_it_did(tiny_custom_voice):
 
     assert delta("voxgate_engine_requests_total", "outcome") == {"completed": 2, "cancelled": 0, "failed": 0}
     batches, items = delta("voxgate_engine_batches_total", "stage"), delta("voxgate_engine_batch_items_total", "stage")
-    assert batches["prefill"] >= 1 and batches["decode"] >= 2 and batches["code_predict"] >= 2 and batches["codec"] >= 2
+    assert batches["prefill"] >= 1 and batches["frame"] >= 2 and batches["codec"] >= 2
     assert all(items[stage] >= batches[stage] for stage in batches)
     decisions = after[("voxgate_engine_decisions_total", ())] - before[("voxgate_engine_decisions_total", ())]
     assert decisions == sum(batches.values())

@@ -37,7 +37,7 @@ def test_several_seeds_are_reported_as_the_median_of_each_seeds_percentiles(tiny
     # prefill, and the thread's sections (shares) add up to its wall time.
     engine = entry["engine"]
     stages = engine["stages"]
-    assert stages["prefill"]["batches"] >= 1 and stages["decode"]["batches"] > stages["prefill"]["batches"]
+    assert stages["prefill"]["batches"] >= 1 and stages["frame"]["batches"] > stages["prefill"]["batches"]
     assert stages["codec"]["mean_batch"] >= 1
     assert engine["decisions"] == sum(st["batches"] for st in stages.values()) == sum(engine["rules"].values())
     shares = sum(st["thread_share"] for st in stages.values()) + engine["schedule_share"] + engine["idle_share"]

@@ -72,7 +72,7 @@ def test_engine_breakdown_adds_up(report):
     assert sum(s["batches"] for s in g["stages"].values()) == g["decisions"]
     assert sum(g["codec_batches_by_frames"].values()) == g["stages"]["CODEC"]["batches"]
     assert sum(g["rules"].values()) == g["decisions"]
-    assert g["stages"]["CODE_PREDICT"]["items"] > 0 and g["stages"]["CODEC"]["items"] > 0
+    assert g["stages"]["FRAME"]["items"] > 0 and g["stages"]["CODEC"]["items"] > 0
     # On the CPU the codec runs synchronously: each batch is collected at its launch, and no device time is
     # measured; a batch launched before the first snapshot may be collected after it.
     assert abs(g["codec_collected"] - g["stages"]["CODEC"]["batches"]) <= 1

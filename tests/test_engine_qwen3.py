@@ -75,7 +75,7 @@ async def test_concurrent_requests_each_match_their_own_generation(tiny_custom_v
                     for i, v in enumerate(["ryan", "vivian", "aiden"])]
         results = await asyncio.gather(*(audio_of(backend, r) for r in requests))
         stats = backend.engine.stats
-        assert stats.items["DECODE"] > stats.batches["DECODE"]  # some decode batches held several requests
+        assert stats.items["FRAME"] > stats.batches["FRAME"]  # some frames held several requests
         for request, got in zip(requests, results):
             assert_same_audio(got, reference_audio(backend.model, request, greedy=True)[1])
     finally:
@@ -180,7 +180,7 @@ async def test_worker_process_serves_the_qwen3_engine(tiny_custom_voice, tmp_pat
             assert metrics["worker_streams"].samples == (((), 0.0),)
             completed = dict(metrics["engine_requests"].samples)[("completed",)]
             assert completed == 2  # the warm-up request and this one
-            assert dict(metrics["engine_batches"].samples)[("decode",)] >= 15
+            assert dict(metrics["engine_batches"].samples)[("frame",)] >= 15
         finally:
             await remote.stop()
     finally:

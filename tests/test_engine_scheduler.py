@@ -66,8 +66,9 @@ async def test_one_request_follows_chunk_schedule_and_ends_at_eos():
     codec_frames = [c[2] for c in runner.calls if c[0] == "codec"]
     assert codec_frames == [2, 4, 8, 12, 4]  # grows, then the remainder once generation finished
     stages = runner.stages()
-    assert stages[:3] == ["prefill", "code_predict", "decode"]
-    assert stages.count("code_predict") == 30 and stages.count("decode") == 30  # the 30th decode samples EOS
+    assert stages[:2] == ["prefill", "frame"]
+    # 30 frames, then a 31st whose Talker step samples EOS; the first frame only predicts (prefill sampled c0).
+    assert stages.count("frame") == 31 and runner.talker_steps[stream.request_id] == 30
     audio = await collect(stream)
     assert len(audio) == 30 * SPF * 2
     assert runner.released == [stream.request_id]
@@ -79,7 +80,7 @@ async def test_frame_cap_and_per_request_schedule_override():
     stream = submit(engine, frames=100, max_frames=7, chunk_schedule=(3,))
     run_until_idle(engine)
     assert [c[2] for c in runner.calls if c[0] == "codec"] == [3, 3, 1]
-    assert runner.stages().count("decode") == 6
+    assert runner.talker_steps[stream.request_id] == 6
     assert len(await collect(stream)) == 7 * SPF * 2
 
 
@@ -90,7 +91,7 @@ async def test_compatible_work_is_batched_anchor_plus_fill():
     first = engine.step()
     assert first.stage is Stage.PREFILL and [r.request_id for r in first.requests] == ids
     second = engine.step()
-    assert second.stage is Stage.CODE_PREDICT and len(second.requests) == 3
+    assert second.stage is Stage.FRAME and len(second.requests) == 3
     run_until_idle(engine)
     # Codec calls batch requests that decode the same number of frames.
     codec_calls = [c for c in runner.calls if c[0] == "codec"]
@@ -100,12 +101,11 @@ async def test_compatible_work_is_batched_anchor_plus_fill():
 
 
 async def test_batch_cap_splits_work():
-    engine, runner, _ = make_engine(max_active=6, max_batch={Stage.PREFILL: 2, Stage.DECODE: 4,
-                                                             Stage.CODE_PREDICT: 4, Stage.CODEC: 3})
+    engine, runner, _ = make_engine(max_active=6, max_batch={Stage.PREFILL: 2, Stage.FRAME: 4, Stage.CODEC: 3})
     streams = [submit(engine, frames=3) for _ in range(6)]
     run_until_idle(engine)
     for stage, ids, _ in runner.calls:
-        assert len(ids) <= {"prefill": 2, "decode": 4, "code_predict": 4, "codec": 3}[stage]
+        assert len(ids) <= {"prefill": 2, "frame": 4, "codec": 3}[stage]
     assert sum(len(ids) for stage, ids, _ in runner.calls if stage == "prefill") == 6
     for s in streams:
         assert len(await collect(s)) == 3 * SPF * 2
@@ -256,16 +256,14 @@ async def test_engine_thread_serves_concurrent_streams_and_cancellation():
         assert victim.request_id in runner.released
         assert engine.scheduler.active == 0 or all(r.done for r in engine.scheduler.requests)
         # The victim stopped long before its 500 frames.
-        victim_calls = sum(victim.request_id in ids for stage, ids, _ in runner.calls if stage == "decode")
-        assert victim_calls < 100
+        assert runner.talker_steps[victim.request_id] < 100
     finally:
         engine.stop()
 
 
 def _set_costs(engine, frame_stage_s: float, codec_s: float) -> None:
     for _ in range(200):  # the scheduler's cost estimates are moving averages
-        engine.scheduler.observe(Stage.DECODE, frame_stage_s)
-        engine.scheduler.observe(Stage.CODE_PREDICT, frame_stage_s)
+        engine.scheduler.observe(Stage.FRAME, 2 * frame_stage_s)
         engine.scheduler.observe(Stage.CODEC, codec_s)
 
 
@@ -284,7 +282,7 @@ async def test_playing_stream_that_would_underrun_outranks_new_requests(step_cos
     if expected_rule == "urgent_generation":
         # 4 frames x (20 + 20) ms + codec cannot fit in A's 160 ms unless A's generation runs now.
         assert [r.request_id for r in batch.requests][0] == a.request_id
-        assert batch.stage in (Stage.DECODE, Stage.CODE_PREDICT)
+        assert batch.stage is Stage.FRAME
     else:
         assert [r.request_id for r in batch.requests] == [b.request_id]
 
@@ -326,7 +324,7 @@ async def test_generation_runs_while_a_codec_batch_is_in_flight_and_one_codec_ba
             break
         saw_in_flight |= bool(runner.codec_in_flight)
     assert saw_in_flight and runner.codec_polled_early > 0
-    assert {"decode", "code_predict"} <= set(runner.during_codec)
+    assert "frame" in runner.during_codec
     assert "codec" not in runner.during_codec  # never a second codec batch while one is in flight
     assert runner.violations == []
     assert len(runner.codec_collected) == runner.stages().count("codec")
@@ -454,8 +452,7 @@ def test_the_codec_lead_grows_with_measured_costs():
     busy = scheduler_with_stream()
     for _ in range(50):
         busy.observe(Stage.CODEC, 0.020)
-        busy.observe(Stage.DECODE, 0.006)
-        busy.observe(Stage.CODE_PREDICT, 0.0002)
+        busy.observe(Stage.FRAME, 0.0062)
     assert busy.codec_lead() == pytest.approx(0.0462, abs=1e-3)
     batch = busy.decide(now=0.12)
     assert batch.stage is Stage.CODEC and batch.rule == "urgent_codec"

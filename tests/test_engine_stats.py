@@ -17,7 +17,7 @@ from tts_backend.engine.engine import Engine, EngineConfig
 from tts_backend.engine.request import Stage
 from tts_backend.engine.scheduler import SchedulerConfig
 
-STAGE_OF_CALL = {"prefill": "PREFILL", "code_predict": "CODE_PREDICT", "decode": "DECODE", "codec": "CODEC"}
+STAGE_OF_CALL = {"prefill": "PREFILL", "frame": "FRAME", "codec": "CODEC"}
 
 
 def seconds_total(snapshot: dict) -> float:
@@ -30,7 +30,7 @@ def seconds_total(snapshot: dict) -> float:
 async def test_histograms_and_rules_match_the_runners_calls(codec_polls):
     runner = ScriptedRunnerTestDouble(max_slots=4, step_delay_s=0.002, codec_polls=codec_polls)
     config = EngineConfig(scheduler=SchedulerConfig(
-        max_active=4, max_batch={Stage.PREFILL: 2, Stage.DECODE: 4, Stage.CODE_PREDICT: 3, Stage.CODEC: 2}))
+        max_active=4, max_batch={Stage.PREFILL: 2, Stage.FRAME: 3, Stage.CODEC: 2}))
     engine = Engine(runner, config, clock=ManualClock())
     engine.start_inline()
     before = engine.stats_snapshot()
@@ -49,7 +49,7 @@ async def test_histograms_and_rules_match_the_runners_calls(codec_polls):
         if stage == "codec":
             frames[codec_frames] += 1
     # Several batch sizes and codec frame counts occur, so a histogram keyed wrongly would not match.
-    assert len(sizes["CODE_PREDICT"]) > 1 and len(frames) > 1
+    assert len(sizes["FRAME"]) > 1 and len(frames) > 1
     for name, stage in after["stages"].items():
         assert stage["batch_sizes"] == dict(sizes[name])
         assert stage["batches"] == sum(sizes[name].values())

@@ -17,7 +17,7 @@ def open_stream(engine, frames, text_tokens, max_frames=10_000):
 
 
 def decodes_of(runner, request_id):
-    return sum(1 for stage, ids, _ in runner.calls if stage == "decode" and request_id in ids)
+    return runner.talker_steps[request_id]
 
 
 async def test_a_stream_without_its_next_token_waits_outside_the_batch_and_holds_back_no_one():
@@ -40,7 +40,7 @@ async def test_a_stream_without_its_next_token_waits_outside_the_batch_and_holds
 
     engine.push_text(waiting.request_id, ["t"] * 3)
     batch = engine.step()
-    assert batch.stage is Stage.DECODE and request in batch.requests  # the first decision after its token
+    assert batch.stage is Stage.FRAME and request in batch.requests  # the first decision after its token
     run_until_idle(engine)
     assert decodes_of(runner, waiting.request_id) == 5 and request.waiting_for_text
     engine.push_text(waiting.request_id, ["t", "eos"], final=True)
@@ -62,7 +62,7 @@ async def test_a_stream_that_gets_its_token_joins_the_batch_of_the_others():
     while len(decodes) < 3:
         batch = engine.step()
         assert batch is not None
-        if batch.stage is Stage.DECODE:
+        if batch.stage is Stage.FRAME:
             decodes.append({r.request_id for r in batch.requests})
     assert {waiting.request_id, busy.request_id} in decodes  # one batch, not one each
     run_until_idle(engine)

@@ -183,8 +183,8 @@ class Qwen3Synthesizer(Synthesizer):
         codec_cap = max(runner.codec_buckets)
         scheduler = SchedulerConfig(
             max_active=self.max_active,
-            max_batch={Stage.PREFILL: max(runner.prefill_buckets), Stage.DECODE: self.max_active,
-                       Stage.CODE_PREDICT: self.max_active, Stage.CODEC: codec_cap},
+            max_batch={Stage.PREFILL: max(runner.prefill_buckets), Stage.FRAME: self.max_active,
+                       Stage.CODEC: codec_cap},
             max_pending_frames=runner.config.frame_ring - max(self.chunk_schedule),
         )
         self.engine = Engine(runner, EngineConfig(

@@ -382,7 +382,7 @@ class Engine:
             self._complete_finished([request])
 
     def _note_text_waits(self, requests: list[RequestState]) -> None:
-        """After a code-predictor batch: the streams whose next step must wait for text start waiting."""
+        """After a frame: the streams whose next step must wait for text start waiting."""
         for r in requests:
             if r.text_open and r.text_wait_since is None and r.waiting_for_text:
                 r.text_wait_since = self.clock()
@@ -412,21 +412,20 @@ class Engine:
                 self._enter(post)
                 for r in requests:
                     r.phase = Phase.NEED_CODE_PREDICT
-            elif stage is Stage.CODE_PREDICT:
-                runner.code_predict(requests)
+            else:
+                eos = runner.frame(requests)
                 self._enter(post)
-                for r in requests:
+                for r, stop in zip(requests, eos):
+                    if r.phase is Phase.NEED_DECODE:
+                        r.text_fed += 1  # its Talker step took one text token (or the pad)
+                    if stop:
+                        r.phase = Phase.FINISHED
+                        continue
                     r.frames_generated += 1
                     # While its text is open a request's cap may still grow: it waits for text there instead.
                     capped = r.frames_generated >= r.max_frames and not r.text_open
                     r.phase = Phase.FINISHED if capped else Phase.NEED_DECODE
                 self._note_text_waits(requests)
-            else:
-                eos = runner.decode(requests)
-                self._enter(post)
-                for r, stop in zip(requests, eos):
-                    r.text_fed += 1
-                    r.phase = Phase.FINISHED if stop else Phase.NEED_CODE_PREDICT
         except Exception as exc:  # a failed batch fails its requests, not the engine
             self._enter(post)
             self._fail_batch(batch, exc)

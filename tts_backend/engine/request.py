@@ -16,12 +16,16 @@ DEFAULT_CHUNK_SCHEDULE: tuple[int, ...] = (2, 4, 8, 12)
 
 class Stage(enum.IntEnum):
     """Kinds of work. The integer is the startup rank: for a request with no audio yet, finishing a
-    nearly-ready first chunk outranks admitting new prefills, which outrank generation steps."""
+    nearly-ready first chunk outranks admitting new prefills, which outrank frames.
+
+    FRAME is one whole frame for every stream in it: the Talker step of the streams that need one, then the
+    code-predictor loop of all of them (a stream just prefilled has its codebook 0 already and only
+    predicts). It is one stage, not two, so that every stream that can step is in the same step: run as two
+    kinds of batch, the streams split into two cohorts half a frame apart, and each batch carried only one."""
 
     CODEC = 0
     PREFILL = 1
-    CODE_PREDICT = 2
-    DECODE = 3
+    FRAME = 2
 
 
 class Phase(enum.Enum):
@@ -29,7 +33,7 @@ class Phase(enum.Enum):
 
     WAITING = "waiting"  # admitted to the engine, no KV slot yet
     NEED_PREFILL = "need_prefill"  # has a slot; the prompt has not been run
-    NEED_CODE_PREDICT = "need_code_predict"  # codebook 0 of the next frame is sampled; residuals are not
+    NEED_CODE_PREDICT = "need_code_predict"  # prefilled: codebook 0 of frame 0 is sampled, its residuals are not
     NEED_DECODE = "need_decode"  # the last frame is complete; the Talker must step to the next one
     FINISHED = "finished"  # EOS sampled or the frame cap reached; codec work may remain
 

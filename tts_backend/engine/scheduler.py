@@ -1,18 +1,26 @@
 """The scheduler: which batch runs next.
 
 Pure bookkeeping, no threads and no device: the engine thread calls `decide(now)` and gets one batch of
-one kind of work (Talker prefill, Talker decode, code-predictor loop or codec chunk). The batch is built
-around an anchor, the most urgent ready item, and filled with every compatible ready item, because on a
-bandwidth-bound GPU a batch of 8 costs about what a batch of 1 does.
+one kind of work (prefill, frame or codec chunk). The batch is built around an anchor, the most urgent
+ready item, and filled with every compatible ready item, because on a bandwidth-bound GPU a batch of 8
+costs about what a batch of 1 does (H100, bench/results/engine_step_h100.json: a frame is 5.3 ms for 2
+streams, 7.1 ms for 64, 10.7 ms for 128).
+
+Every frame item is compatible with every other: a frame batch carries every stream that can step (the
+Talker step of those that need one and the code-predictor loop of all), in the smallest captured bucket
+that holds them. The urgency rules pick the anchor, so they decide when a frame runs against prefill and
+codec work, and which streams go first when more can step than the largest bucket holds; they never leave
+a stream out of a frame that has room. (When decode and code prediction were separate batches, the streams
+split into cohorts half a frame apart and each batch carried one of them: at 40 RPS on the H100 110 streams
+held slots and a batch carried 14.)
 
 Urgency, highest first (engine.md):
 1. codec work of a playing stream about to run out of audio (now >= deadline - reserve);
 2. generation work of a playing stream whose next chunk cannot be ready in time unless it runs now: the
-   frames its next chunk still lacks, times the measured cost of a frame (Talker step + code predictor),
-   plus a codec call, reach past its deadline. Without this rule a burst of new requests (rule 3) starves
+   frames its next chunk still lacks, times the measured cost of a frame, plus a codec call, reach past
+   its deadline. Without this rule a burst of new requests (rule 3) starves
    streams that are already playing and they underrun;
-3. any work of a request that has no audio yet, by stage rank (codec, prefill, code predictor, decode),
-   then arrival;
+3. any work of a request that has no audio yet, by stage rank (codec, prefill, frame), then arrival;
 4. work of a stream within `pressing_lead_s` of its deadline, earliest deadline first;
 5. otherwise round-robin: the stage served least recently.
 
@@ -35,14 +43,14 @@ from dataclasses import dataclass, field
 from .request import Phase, RequestState, Stage
 
 # Round-robin tie order when several stages were served equally long ago.
-_ROUND_ROBIN_ORDER = (Stage.PREFILL, Stage.DECODE, Stage.CODEC, Stage.CODE_PREDICT)
+_ROUND_ROBIN_ORDER = (Stage.PREFILL, Stage.FRAME, Stage.CODEC)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_active: int = 64  # KV slots: requests admitted to generation at once
     max_batch: dict = field(
-        default_factory=lambda: {Stage.PREFILL: 8, Stage.DECODE: 64, Stage.CODE_PREDICT: 64, Stage.CODEC: 16}
+        default_factory=lambda: {Stage.PREFILL: 8, Stage.FRAME: 64, Stage.CODEC: 16}
     )
     codec_reserve_s: float = 0.025  # the least lead a playing stream's codec work gets (see Scheduler.codec_lead)
     pressing_lead_s: float = 1.0
@@ -112,8 +120,7 @@ class Scheduler:
         (one frame); then its own codec call runs. From the measured costs, never less than
         `codec_reserve_s`: under load these costs grow, and a fixed lead let streams run dry by a few ms
         (H200, 40 RPS: codec calls of 8-9 ms, frames of 6 ms, against a fixed 25 ms)."""
-        frame = self._cost[Stage.DECODE] + self._cost[Stage.CODE_PREDICT]
-        return max(self.config.codec_reserve_s, 2 * self._cost[Stage.CODEC] + frame)
+        return max(self.config.codec_reserve_s, 2 * self._cost[Stage.CODEC] + self._cost[Stage.FRAME])
 
     # ---- membership -------------------------------------------------------------------------------
     def add(self, request: RequestState) -> None:
@@ -168,9 +175,8 @@ class Scheduler:
         codec_limit = now + codec_lead
         pressing_limit = now + config.pressing_lead_s
         # Rule 2's plan: the frames a stream's next chunk still lacks at the measured cost of a frame, then its
-        # codec call. Only the decode and codec stages wait for the device (they read results back), so a
-        # code-predictor batch's device time shows up in the next decode's cost: the sum is a frame's cost.
-        frame_cost = self._cost[Stage.DECODE] + self._cost[Stage.CODE_PREDICT]
+        # codec call.
+        frame_cost = self._cost[Stage.FRAME]
         codec_cost = self._cost[Stage.CODEC] + codec_lead
         for request in self._active.values():
             if request.cancelled or request.done:
@@ -193,10 +199,8 @@ class Scheduler:
                 request.text_fed >= request.text_ready or request.frames_generated >= request.max_frames)
             if waiting:
                 stage = None
-            elif phase is Phase.NEED_DECODE:
-                stage = Stage.DECODE
-            elif phase is Phase.NEED_CODE_PREDICT:
-                stage = Stage.CODE_PREDICT
+            elif phase is Phase.NEED_DECODE or phase is Phase.NEED_CODE_PREDICT:
+                stage = Stage.FRAME
             elif phase is Phase.NEED_PREFILL:
                 stage = Stage.PREFILL
             else:
@@ -266,7 +270,7 @@ class Scheduler:
         costs about the same for 1 stream as for 8)."""
         stage, frames = anchor.stage, anchor.frames
 
-        def compatible(it: _Item) -> bool:
+        def compatible(it: _Item) -> bool:  # every frame item is compatible with every other (module doc)
             if it.stage is not stage or it is anchor:
                 return False
             return stage is not Stage.CODEC or it.frames <= frames <= it.request.pending_frames
