@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tts_backend.base import Synthesizer
@@ -188,10 +189,11 @@ def voice_for_sentence(backend: Synthesizer, voice: str, text: str, *, auto: boo
     return SentenceVoice(voice, unsupported(text_language, voice, own, could_pick=auto))
 
 
-def voices_for_sentences(backend: Synthesizer, voice: str, texts: list[str], *, auto: bool) -> list[SentenceVoice]:
-    """`voice_for_sentence` of each of a request's sentences, in order."""
-    chosen: list[SentenceVoice] = []
+def voices_for_sentences(backend: Synthesizer, voice: str, texts: list[str], *, auto: bool) -> Iterator[SentenceVoice]:
+    """`voice_for_sentence` of each of a request's sentences, in order, one at a time: a caller on an event
+    loop takes them in slices (telling a language looks at every character)."""
+    previous = None
     for text in texts:
-        chosen.append(voice_for_sentence(backend, voice, text, auto=auto,
-                                         previous=chosen[-1].voice if chosen else None))
-    return chosen
+        chosen = voice_for_sentence(backend, voice, text, auto=auto, previous=previous)
+        previous = chosen.voice
+        yield chosen

@@ -4,7 +4,7 @@ in the wrong order, invalid UTF-8, oversized lengths, floods of control frames) 
 
 Also a well-behaved reference session (`good_session`) whose audio must be byte-exact whatever the
 hostile clients do meanwhile; a gateway in its own process (`served_gateway`) whose memory a test can
-measure (`MemoryWatch`), raw HTTP requests whose body a test pours as it likes (`RawHttp`), and a probe of
+measure (`MemoryWatch`, `cpu_seconds`), raw HTTP requests whose body a test pours as it likes (`RawHttp`), and a probe of
 the event loop's responsiveness while an attack runs (`HealthProbe`)."""
 
 from __future__ import annotations
@@ -207,6 +207,13 @@ def served_gateway(*flags: str, env: dict[str, str] | None = None) -> Iterator[G
         gateway.kill()
         with contextlib.suppress(OSError):
             os.unlink(gateway.log_path)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class MemoryWatch:

@@ -17,7 +17,7 @@ import os
 import pytest
 import websockets
 
-from tests.hostile_fixtures import HealthProbe, MemoryWatch, served_gateway
+from tests.hostile_fixtures import HealthProbe, MemoryWatch, cpu_seconds, served_gateway
 
 KEY = "sk-head-limits-" + "h" * 16
 ATTACK_BYTES = 40 * 1024 * 1024
@@ -30,13 +30,6 @@ MAX_GROWTH = 20 * 1024 * 1024
 def gateway():
     with served_gateway("--api-key", KEY) as running:
         yield running
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss(pid: int) -> int:
