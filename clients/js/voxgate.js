@@ -54,6 +54,10 @@ const CONFIG_FIELDS = {
   chunkSchedule: "chunk_schedule",
   timestampType: "timestamp_type",
   timestampTransportStrategy: "timestamp_transport_strategy",
+  // Pronunciation: entries ({text, say, case_sensitive, whole_word}) and registered dictionaries' names;
+  // textMarkup "ssml" reads the text as the markup subset (docs/pronunciation.md).
+  pronunciations: "pronunciations",
+  textMarkup: "text_markup",
 };
 
 /** An error the server reported (`type: "error"`), or a failed connection. */

@@ -262,8 +262,31 @@ async def scenario_word_timestamps(url: str, reply: str, long_reply: str, interr
         await tts.aclose()
 
 
+async def scenario_pronunciation(url: str, reply: str, chunked: str, pronunciations: list, text_markup: str) -> dict:
+    """A reply streamed and a text synthesized over HTTP with pronunciations and markup passed through the
+    TTS: the aligned transcript names the reply's written words."""
+    tts = TTS(url=url, voice="tone-mid", pronunciations=pronunciations, text_markup=text_markup)
+    try:
+        frames, events = [], []
+        async with tts.stream() as stream:
+            reader = asyncio.create_task(read_stream(stream, frames, events))
+            for token in llm_tokens(reply):
+                stream.push_text(token)
+            stream.end_input()
+            await asyncio.wait_for(reader, 30)
+        words = [w["text"] for w in timed_words(events)]
+        chunked_frames = []
+        async with tts.synthesize(chunked) as synthesis:
+            async for ev in synthesis:
+                chunked_frames.append(ev.frame)
+        return {"words": words, "chunked_bytes": sum(len(f.data.tobytes()) for f in chunked_frames)}
+    finally:
+        await tts.aclose()
+
+
 SCENARIOS = {
     "word_timestamps": scenario_word_timestamps,
+    "pronunciation": scenario_pronunciation,
     "stream": scenario_stream,
     "synthesize": scenario_synthesize,
     "cancel": scenario_cancel,

@@ -441,8 +441,26 @@ async def scenario_untimed_backend(url: str, turn: str) -> dict:
         }
 
 
+async def scenario_pronunciation(url: str, turn: str, pronunciations: list, text_markup: str) -> dict:
+    """A turn spoken with pronunciations and markup passed through the service: the words Pipecat gets (and
+    the assistant's context records) are the turn's written words."""
+    context = LLMContext()
+    async with Harness(url, assistant=LLMAssistantAggregator(context), word_timestamps=True,
+                       pronunciations=pronunciations, text_markup=text_markup) as h:
+        await h.speak_turn(turn)
+        spoken = await h.spoken_turn(0)
+        deadline = time.monotonic() + 20
+        while not assistant_messages(context):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no assistant message")
+            await asyncio.sleep(0.01)
+        return {"words": [w["word"] for w in words_of(h, spoken["context_id"])],
+                "assistant_messages": assistant_messages(context), "errors": h.errors}
+
+
 SCENARIOS = {
     "word_timestamps": scenario_word_timestamps,
+    "pronunciation": scenario_pronunciation,
     "untimed_backend": scenario_untimed_backend,
     "two_turns": scenario_two_turns,
     "interrupt": scenario_interrupt,

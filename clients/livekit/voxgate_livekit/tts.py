@@ -91,6 +91,8 @@ class _Options:
     split_granularity: str | None
     chunk_schedule: list[int] | None
     word_timestamps: bool
+    pronunciations: list[dict[str, Any] | str] | None = None
+    text_markup: str | None = None
 
     def session_config(self) -> voxgate_client.SessionConfig:
         return voxgate_client.SessionConfig(
@@ -106,6 +108,8 @@ class _Options:
             chunk_schedule=self.chunk_schedule,
             timestamp_type="word" if self.word_timestamps else None,
             timestamp_transport_strategy="async" if self.word_timestamps else None,
+            pronunciations=self.pronunciations,
+            text_markup=self.text_markup,
         )
 
 
@@ -154,6 +158,12 @@ class TTS(tts.TTS):
         chunk_schedule: Codec frames per audio chunk (Qwen3 backends), e.g. `[2, 4, 8, 12]`.
         word_timestamps: Ask for word timestamps and push them as the aligned transcript (a backend without
             them sends none, and the framework then falls back to the plain text).
+        pronunciations: Pronunciation dictionary entries (`{"text": "Voxgate", "say": "vox gate"}`) and names
+            of dictionaries registered with the key (docs/pronunciation.md), for streams and `synthesize()`;
+            the aligned transcript keeps the words as written.
+        text_markup: `"ssml"`: text is read as the gateway's markup subset (`<spell>`, `<sub>`, `<break>`).
+            LiveKit's expressive mode writes `<expression value=.../>` tags, which the gateway maps to
+            instructions where its backend takes them (docs/protocol.md, "Pronunciation").
         http_session: aiohttp session for `synthesize()`; default the job's, or one this TTS owns.
         session_options: Further `voxgate_client.Session` options.
     """
@@ -173,6 +183,8 @@ class TTS(tts.TTS):
         split_granularity: str | None = "token",
         chunk_schedule: list[int] | None = None,
         word_timestamps: bool = True,
+        pronunciations: list[dict[str, Any] | str] | None = None,
+        text_markup: str | None = None,
         http_session: aiohttp.ClientSession | None = None,
         session_options: dict[str, Any] | None = None,
     ) -> None:
@@ -194,6 +206,8 @@ class TTS(tts.TTS):
             split_granularity=split_granularity,
             chunk_schedule=list(chunk_schedule) if chunk_schedule else None,
             word_timestamps=word_timestamps,
+            pronunciations=list(pronunciations) if pronunciations else None,
+            text_markup=text_markup,
         )
         self._opts.session_config()  # validates sample_rate and chunk_schedule now, not at first use
         self._session_options = dict(session_options or {})
@@ -336,7 +350,7 @@ class ChunkedStream(tts.ChunkedStream):
             "sample_rate": opts.sample_rate,
             "stream_format": "audio",
         }
-        for name in ("voice", "model", "language", "instructions", "seed"):
+        for name in ("voice", "model", "language", "instructions", "seed", "pronunciations", "text_markup"):
             value = getattr(opts, name)
             if value is not None:
                 payload[name] = value

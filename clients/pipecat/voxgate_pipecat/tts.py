@@ -103,6 +103,11 @@ class VoxgateTTSService(WebsocketTTSService):
             aggregation nothing waits for a sentence's end; elsewhere the gateway splits at sentences and
             warns in session.started), `sentence`, `clause` or `none`.
         chunk_schedule: Codec frames per audio chunk (Qwen3 backends), e.g. `[2, 4, 8, 12]`.
+        pronunciations: Pronunciation dictionary entries (`{"text": "Voxgate", "say": "vox gate"}`) and names
+            of dictionaries registered with the key, passed to the gateway (docs/pronunciation.md); word
+            timestamps and the transcript keep the words as written.
+        text_markup: `"ssml"`: the LLM's text is read as the gateway's markup subset (`<spell>`, `<sub>`,
+            `<break time="300ms"/>`, ...); without it `<` is just text.
         word_timestamps: Ask the gateway for word timestamps (`timestamp_type: "word"`, sent as soon as
             each word's audio is out) and report them with Pipecat's word-timestamp hooks. Without them, or
             when the gateway's backend gives none (session.started warns `timestamps_unsupported`), each
@@ -127,6 +132,8 @@ class VoxgateTTSService(WebsocketTTSService):
         split_granularity: str | None = "token",
         chunk_schedule: list[int] | None = None,
         word_timestamps: bool = True,
+        pronunciations: list[dict[str, Any] | str] | None = None,
+        text_markup: str | None = None,
         text_aggregation_mode: TextAggregationMode | None = None,
         max_reconnect_attempts: int = 6,
         session_options: dict[str, Any] | None = None,
@@ -150,6 +157,8 @@ class VoxgateTTSService(WebsocketTTSService):
         self._split_granularity = split_granularity
         self._chunk_schedule = list(chunk_schedule) if chunk_schedule else None
         self._word_timestamps = word_timestamps
+        self._pronunciations = list(pronunciations) if pronunciations else None
+        self._text_markup = text_markup
         self._session_options = {"max_reconnect_attempts": max_reconnect_attempts, **(session_options or {})}
         self._session: voxgate_client.Session | None = None
         self._receive_task: asyncio.Task | None = None
@@ -210,6 +219,8 @@ class VoxgateTTSService(WebsocketTTSService):
             chunk_schedule=self._chunk_schedule,
             timestamp_type="word" if self._word_timestamps else None,
             timestamp_transport_strategy="async" if self._word_timestamps else None,
+            pronunciations=self._pronunciations,
+            text_markup=self._text_markup,
         )
 
     async def _connect_websocket(self):

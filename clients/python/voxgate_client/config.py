@@ -42,6 +42,11 @@ class SessionConfig:
     # audio has been sent ("async") or with the sentence's audio.done ("sync"; left out: the gateway's default).
     timestamp_type: str | None = None
     timestamp_transport_strategy: str | None = None
+    # Pronunciation (docs/pronunciation.md): dictionary entries ({"text": ..., "say": ...}, optionally
+    # "case_sensitive", "whole_word") and names of dictionaries registered with the key, in one list; and
+    # "ssml" to have the text read as the markup subset (<spell>, <say-as>, <sub>, <break>).
+    pronunciations: list[dict[str, Any] | str] | None = None
+    text_markup: str | None = None
     # Fields a newer gateway knows and this client does not: sent as they are.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -54,6 +59,8 @@ class SessionConfig:
             raise ValueError(
                 f"timestamp_transport_strategy must be 'sync' or 'async', not {self.timestamp_transport_strategy!r}"
             )
+        if self.text_markup not in (None, "ssml"):
+            raise ValueError(f"text_markup must be 'ssml', not {self.text_markup!r}")
         if self.chunk_schedule is not None:
             if not self.chunk_schedule or any(int(n) < 1 for n in self.chunk_schedule):
                 raise ValueError("chunk_schedule must be a non-empty list of positive frame counts")
