@@ -9,6 +9,7 @@ the backend's rendering of its text) and, where a worker is involved, real `voxg
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -62,6 +63,18 @@ async def until_closed(ws, timeout: float) -> tuple[list, websockets.ConnectionC
 # ------------------------------------------------------------------------------- item 1: slots held
 
 
+@contextlib.contextmanager
+def two_slots(where: str, tmp_path):
+    """A backend of two streams at once: the synthetic backend in the gateway, or one `voxgate worker`."""
+    if where == "gateway":
+        yield SyntheticSynthesizer(capacity=2)
+        return
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    with workers(synthetic_worker_args("--token-file", str(token_file), capacity=2)) as (worker,):
+        yield RemoteSynthesizer(workers=worker.address, token=TOKEN, connect_timeout_s=20, info_refresh_s=0.1)
+
+
 async def open_token_sessions(server, backend, count: int) -> list:
     """`count` token sessions, each sending "Hello there my " and then nothing: their synthesis holds a slot."""
     sockets = []
@@ -75,11 +88,11 @@ async def open_token_sessions(server, backend, count: int) -> list:
     return sockets
 
 
-async def test_silent_token_sessions_close_at_the_idle_timeout_and_give_their_slots_back():
+@pytest.mark.parametrize("where", ["gateway", "worker"])
+async def test_silent_token_sessions_close_at_the_idle_timeout_and_give_their_slots_back(tmp_path, where):
     # The issue's setup: capacity=2, idle timeout 3 s, two token sessions that send "Hello there my " and
     # then nothing. Before: both stayed open past 12 s holding both slots, and every new session was refused.
-    backend = SyntheticSynthesizer(capacity=2)
-    with running_gateway(backend, idle_timeout_s=3) as server:
+    with two_slots(where, tmp_path) as backend, running_gateway(backend, idle_timeout_s=3) as server:
         sockets = await open_token_sessions(server, backend, 2)
         opened_at = time.monotonic()
         refused, error, code = await open_session(server.ws_url, TOKEN_CONFIG)
@@ -90,19 +103,19 @@ async def test_silent_token_sessions_close_at_the_idle_timeout_and_give_their_sl
         third, started, _ = await open_session(server.ws_url, TOKEN_CONFIG)
         assert third is not None, started
         await third.close()
-    print(f"both sessions closed {closed_after:.1f} s after they went quiet; slots held then: 0 of 2")
+    print(f"{where}: both sessions closed {closed_after:.1f} s after they went quiet; slots held then: 0 of 2")
     for messages, closed in ends:
         assert [m["code"] for m in of_type(messages, "error")] == ["idle_timeout"]
         assert closed.rcvd.code == 1000
     assert closed_after < 8  # the idle timeout (3 s), not never
 
 
-async def test_a_sentence_waiting_for_text_is_finished_at_its_words_and_gives_its_slot_back():
+@pytest.mark.parametrize("where", ["gateway", "worker"])
+async def test_a_sentence_waiting_for_text_is_finished_at_its_words_and_gives_its_slot_back(tmp_path, where):
     # Pings keep a session open, but they are not text: a sentence that waits for text longer than the idle
     # timeout is finished at the words it has (with a warning), and its slot goes back to the pool. Text
     # that comes later is spoken as the next sentence.
-    backend = SyntheticSynthesizer(capacity=2)
-    with running_gateway(backend, idle_timeout_s=3) as server:
+    with two_slots(where, tmp_path) as backend, running_gateway(backend, idle_timeout_s=3) as server:
         sockets = await open_token_sessions(server, backend, 2)
         opened_at = time.monotonic()
         received = {ws: [] for ws in sockets}
@@ -129,7 +142,7 @@ async def test_a_sentence_waiting_for_text_is_finished_at_its_words_and_gives_it
         later = await receive_until(first, "session.done")
         for ws in sockets:
             await ws.close()
-    print(f"sentences finished {finished_after:.1f} s after their text stopped; slots held then: 0 of 2")
+    print(f"{where}: sentences finished {finished_after:.1f} s after their text stopped; slots held then: 0 of 2")
     assert finished_after < 8
     for ws in sockets:
         (done,) = of_type(received[ws], "audio.done")
