@@ -29,6 +29,7 @@ from .metrics import GatewayMetrics
 from .nari_speech import NARI_PATH, NARI_PROTOCOL, NariSocket, offers_protocol
 from .protocol import CloseCode, ErrorCode, ProtocolError
 from .audio.decoder import ReferenceDecoder
+from .http.cors import Cors
 from .http.guard import RequestGuard
 from .session.connection import StreamingSession
 from .settings import GatewaySettings
@@ -192,6 +193,7 @@ def create_app(
     app.state.gateway = gateway
     app.include_router(router)
     app.add_middleware(RequestGuard, gateway=gateway)
+    app.add_middleware(Cors, settings=settings)  # outermost: a preflight is answered before the guard's key check
     if settings.api_docs:
         add_docs_pages(app)
 

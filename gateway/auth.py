@@ -151,22 +151,41 @@ class TokenSigner:
         return key_id
 
 
+@dataclass(frozen=True)
+class OriginPolicy:
+    """Which browser pages (by their `Origin`) may use the gateway: those of `allowed_origins` when it is set;
+    else, without API keys (the default loopback mode), pages served from loopback; else any (a key is
+    needed anyway). The WebSocket's authentication and the HTTP routes' CORS answers follow the same policy."""
+
+    allowed: frozenset[str]
+    loopback_only: bool
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> "OriginPolicy":
+        allowed = frozenset(settings.allowed_origins)
+        return cls(allowed, loopback_only=not settings.api_keys and not allowed and not settings.insecure_no_auth)
+
+    def refusal(self, origin: str) -> str | None:
+        """Why a page of `origin` may not use the gateway; None when it may."""
+        if self.allowed and origin not in self.allowed:
+            return f"origin {origin!r} is not allowed (allow it with --allowed-origin)"
+        if self.loopback_only and not is_loopback_origin(origin):
+            return (f"origin {origin!r} is not allowed: without API keys only loopback pages may connect"
+                    " (allow a site with --allowed-origin)")
+        return None
+
+
 def api_key_authenticator(settings: GatewaySettings) -> Authenticator:
-    """The default hook: API keys or minted tokens, plus the allowed-origins list."""
+    """The default hook: API keys or minted tokens, plus the origin policy."""
     keys = [(k.encode(), key_fingerprint(k)) for k in settings.api_keys]
-    origins = set(settings.allowed_origins)
-    loopback_pages_only = not keys and not origins and not settings.insecure_no_auth
+    origins = OriginPolicy.from_settings(settings)
     signer = TokenSigner.from_settings(settings)
 
     async def authenticate(connection: HTTPConnection) -> Principal:
         origin = connection.headers.get("origin")
-        if origins and origin is not None and origin not in origins:
-            raise AuthError(f"origin {origin!r} is not allowed")
-        if loopback_pages_only and origin is not None and not is_loopback_origin(origin):
-            raise AuthError(
-                f"origin {origin!r} is not allowed: without API keys only loopback pages may connect"
-                " (allow a site with --allowed-origin)"
-            )
+        refusal = origins.refusal(origin) if origin is not None else None
+        if refusal is not None:
+            raise AuthError(refusal)
         if not keys:
             return Principal()
         credential = presented_credential(connection)

@@ -6,9 +6,14 @@ it fails, because .ci/run installs all of them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import json
 import shutil
 import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,3 +75,19 @@ def run_node_json(script: Path, *args: str, timeout: float = 90.0, node_options:
         return json.loads(completed.stdout)
     except ValueError:
         pytest.fail(f"{script.name} printed no JSON:\n{completed.stdout[-2000:]}\n{completed.stderr[-2000:]}", pytrace=False)
+
+
+@contextlib.contextmanager
+def static_site(folder: Path) -> Iterator[str]:
+    """`folder`'s files served on a loopback port of their own: a page of another origin than the gateway's,
+    as a user hosts one. Yields the site's base URL (http://127.0.0.1:PORT)."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *args: None  # type: ignore[method-assign]
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, name="static-site", daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            thread.join(5)

@@ -213,19 +213,29 @@ def test_js_client_node_example_runs_as_pasted(default_gateway, tmp_path):
 
 
 def test_js_client_browser_example_runs_as_pasted(default_gateway, tmp_path):
-    """The browser example in Chromium, on a page of the gateway's origin: it plays, barges in with
+    """The browser example in Chromium, saved as a page the user hosts: served from another loopback origin
+    than the gateway's, it imports the client from the gateway (CORS), plays, barges in with
     StreamPlayer.bargeIn, whose input.cancel says how much of the reply played, and the gateway answers with
-    the words heard: a prefix of the reply, shorter than the reply Piper had long since sent whole."""
-    from tests.js_fixtures import JS_CLIENT_DIR, require_chromium, require_node, require_npm_packages, run_node_json
+    the words heard: a prefix of the reply, shorter than the reply Piper had long since sent whole. Its POST
+    to /v1/audio/speech (a CORS preflight first) gets the WAV."""
+    from tests.js_fixtures import (
+        JS_CLIENT_DIR, require_chromium, require_node, require_npm_packages, run_node_json, static_site,
+    )
 
     require_node()
     require_npm_packages()
     require_chromium()
     (html,) = re.findall(r"^```html\n(.*?)^```", (JS_CLIENT_DIR / "README.md").read_text(), flags=re.MULTILINE | re.DOTALL)
-    (tmp_path / "example.html").write_text(html)
-    result = run_node_json(JS_CLIENT_DIR / "test" / "readme_browser_example.mjs", default_gateway.url,
-                           str(tmp_path / "example.html"), timeout=90)
+    readme_http_url = README_URL.replace("ws://", "http://")
+    assert readme_http_url + "/clients/js/voxgate.js" in html
+    (tmp_path / "hello.html").write_text(html.replace(readme_http_url, default_gateway.url))
+    with static_site(tmp_path) as site:
+        assert site != default_gateway.url
+        result = run_node_json(JS_CLIENT_DIR / "test" / "readme_browser_example.mjs", site + "/hello.html", timeout=90)
     assert result.get("failure") is None and result["pageErrors"] == [], result
+    assert result["failedRequests"] == [], result
+    (wav,) = [line for line in result["console"] if line.startswith("wav:")]
+    assert re.fullmatch(r"wav: 200, [1-9]\d{4,} bytes", wav), wav
     (cancel,) = result["cancels"]
     assert cancel["context_id"] == "turn-2" and cancel["played_ms"] > 0, cancel
     played = [line for line in result["console"] if line.startswith("played ")]
