@@ -347,7 +347,8 @@ def scheduler_config(runner: SimRunner, max_active: int, chunk_schedule: tuple[i
     max_batch[Stage.PREFILL] = max(runner.prefill_buckets)
     max_batch[Stage.CODEC] = max(runner.codec_buckets)
     return SchedulerConfig(max_active=max_active, max_batch=max_batch,
-                           max_pending_frames=runner.config.frame_ring - max(chunk_schedule))
+                           max_pending_frames=runner.config.frame_ring - max(chunk_schedule),
+                           max_codec_frames=max(runner.config.codec_frames))
 
 
 def frame_cap(text: str, prompt_len: int, chars_per_second: float | None, max_len: int,

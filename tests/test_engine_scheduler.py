@@ -456,3 +456,89 @@ def test_the_codec_lead_grows_with_measured_costs():
     assert busy.codec_lead() == pytest.approx(0.0462, abs=1e-3)
     batch = busy.decide(now=0.12)
     assert batch.stage is Stage.CODEC and batch.rule == "urgent_codec"
+
+
+# ---- codec volume: bulk calls when nothing is urgent, and first chunks do not take every codec turn ----------
+
+def _scheduler_with_playing_streams(specs, **config):
+    """specs: (generated, decoded, chunks_decoded, seconds of audio left) per stream, all playing."""
+    from tts_backend.engine.request import RequestState
+    from tts_backend.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_active=len(specs) + 2, **config))
+    streams = []
+    for i, (generated, decoded, chunks, left_s) in enumerate(specs, start=1):
+        r = RequestState(request_id=i, prompt=None, seed=1, max_frames=1000, chunk_schedule=(2, 4, 8, 12),
+                         arrival=float(i), sample_rate=24000, samples_per_frame=SPF)
+        scheduler.add(r)
+        r.phase = Phase.NEED_DECODE
+        r.frames_generated, r.frames_decoded, r.chunks_decoded = generated, decoded, chunks
+        r.output.emitted_samples = decoded * SPF
+        r.playback_start = 100.0 + left_s - decoded * SPF / 24000  # runs dry left_s after t=100
+        streams.append(r)
+    return scheduler, streams
+
+
+def test_a_codec_call_nothing_urgent_waits_for_decodes_the_count_that_moves_the_most_frames():
+    # Stream 1 runs dry first but has only its 4-frame chunk; three others are 12 or more frames ahead.
+    scheduler, (first, *ahead) = _scheduler_with_playing_streams(
+        [(10, 6, 1, 0.5), (40, 14, 3, 3.0), (38, 14, 3, 3.2), (30, 6, 2, 3.4)])
+    for _ in range(50):  # a frame measured slow enough that the streams' frames are not urgent
+        scheduler.observe(Stage.FRAME, 0.004)
+    batch = scheduler.decide(now=100.0)
+    assert batch.stage is Stage.CODEC and batch.rule == "pressing"
+    # 12 frames for the three that can take them (36 frames) beats 4 frames for all four (16).
+    assert batch.frames == 12 and batch.requests == ahead and first not in batch.requests
+
+
+def test_an_urgent_codec_call_still_decodes_its_anchors_chunk():
+    scheduler, (first, *ahead) = _scheduler_with_playing_streams(
+        [(10, 6, 1, 0.01), (40, 14, 3, 3.0), (38, 14, 3, 3.2)])
+    batch = scheduler.decide(now=100.0)
+    assert batch.rule == "urgent_codec" and batch.frames == 4 and batch.requests[0] is first
+
+
+def test_after_a_first_chunk_a_lagging_codec_decodes_in_bulk_before_the_next_first_chunk():
+    from tts_backend.engine.request import RequestState
+
+    # Three playing streams lag: 30 frames generated and not decoded (max_pending 48: half is 24).
+    scheduler, lagging = _scheduler_with_playing_streams([(44, 14, 3, 2.0), (40, 10, 3, 2.2), (42, 12, 3, 2.4)])
+
+    def new_stream(request_id):
+        r = RequestState(request_id=request_id, prompt=None, seed=1, max_frames=1000,
+                         chunk_schedule=(2, 4, 8, 12), arrival=50.0 + request_id, sample_rate=24000,
+                         samples_per_frame=SPF)
+        scheduler.add(r)
+        r.phase, r.frames_generated = Phase.NEED_DECODE, 2  # its first chunk is ready
+        return r
+
+    first = new_stream(10)
+    batch = scheduler.decide(now=100.0)
+    assert batch.rule == "startup" and batch.stage is Stage.CODEC and batch.requests == [first]
+    first.frames_decoded, first.chunks_decoded, first.playback_start = 2, 1, 100.0  # the engine collected it
+    first.output.emitted_samples = 2 * SPF
+    second = new_stream(11)
+    batch = scheduler.decide(now=100.001)
+    assert batch.rule == "bulk_codec" and batch.frames == 12 and set(batch.requests) == set(lagging)
+    batch = scheduler.decide(now=100.002)  # a bulk call is in; the next first chunk goes first again
+    assert batch.rule == "startup" and batch.requests == [second]
+
+
+def test_first_chunks_keep_every_codec_turn_while_the_codec_keeps_up():
+    scheduler, playing = _scheduler_with_playing_streams([(20, 14, 3, 2.0)])  # 6 frames undecoded: no lag
+    from tts_backend.engine.request import RequestState
+
+    for request_id in (10, 11):
+        r = RequestState(request_id=request_id, prompt=None, seed=1, max_frames=1000,
+                         chunk_schedule=(2, 4, 8, 12), arrival=50.0 + request_id, sample_rate=24000,
+                         samples_per_frame=SPF)
+        scheduler.add(r)
+        r.phase, r.frames_generated = Phase.NEED_DECODE, 2 if request_id == 10 else 1
+    first = scheduler.get(10)
+    assert scheduler.decide(now=100.0).requests == [first]
+    first.frames_decoded, first.chunks_decoded, first.playback_start = 2, 1, 100.0
+    first.output.emitted_samples = 2 * SPF
+    second = scheduler.get(11)
+    second.frames_generated = 2
+    batch = scheduler.decide(now=100.001)
+    assert batch.rule == "startup" and batch.requests == [second]

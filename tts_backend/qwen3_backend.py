@@ -186,6 +186,7 @@ class Qwen3Synthesizer(Synthesizer):
             max_batch={Stage.PREFILL: max(runner.prefill_buckets), Stage.FRAME: self.max_active,
                        Stage.CODEC: codec_cap},
             max_pending_frames=runner.config.frame_ring - max(self.chunk_schedule),
+            max_codec_frames=max(runner.config.codec_frames),
         )
         self.engine = Engine(runner, EngineConfig(
             scheduler=scheduler, max_queued=self.max_queued, chunk_schedule=self.chunk_schedule,
