@@ -143,9 +143,11 @@ class PronunciationEntry(_ClientMessage):
     whole_word: bool = True
 
 
-# session.config's and the speech request's `pronunciations`: entries, or the names of dictionaries the key
-# registered (POST /v1/audio/pronunciations, pronunciation.add), applied in the order given.
-Pronunciations = list[Union[PronunciationEntry, str]]
+# session.config's and the speech request's `pronunciations`: entries (PronunciationEntry's fields), or the
+# names of dictionaries the key registered (POST /v1/audio/pronunciations, pronunciation.add), applied in the
+# order given. Taken as plain JSON values here and checked by gateway/pronunciation/registry.py, count first:
+# a config of 4 MiB of tiny entries would take a second and more to validate item by item.
+Pronunciations = list[Any]
 
 
 class SessionConfig(_ClientMessage):

@@ -175,6 +175,15 @@ async def test_dictionaries_on_the_websocket_and_a_name_in_session_config(synthe
     ws, error, close = await open_session(server.ws_url, {"type": "session.config", "pronunciations": ["brands"]},
                                           additional_headers=auth(KEY_A))
     assert ws is None and error["code"] == "pronunciation_not_found" and close == 1008
+    # Bounds on what a config carries, each with its code, checked before any entry is looked at.
+    for pronunciations, code in (([{"text": "a", "say": "b"}] * 1001, "pronunciation_limit_reached"),
+                                 ([{"text": "a"}], "pronunciation_invalid"),
+                                 ([{"text": "a", "say": "b", "regex": ".*"}], "pronunciation_invalid"),
+                                 (["x"] * 33, "pronunciation_limit_reached"),
+                                 ([{"text": "a", "say": "b"}] * 100_000, "pronunciation_limit_reached")):
+        ws, error, close = await open_session(server.ws_url, {"type": "session.config", "pronunciations": pronunciations},
+                                              additional_headers=auth(KEY_A), max_size=None)
+        assert ws is None and error["code"] == code and close == 1008, error
 
 
 async def test_token_streaming_says_the_same_whatever_the_piece_boundaries():
@@ -225,15 +234,15 @@ async def test_replicas_share_dictionaries_and_a_resume_applies_the_recorded_rul
     one, two = RecordingBackend(SyntheticSynthesizer()), RecordingBackend(SyntheticSynthesizer())
     with running_gateway(one, **options) as first, running_gateway(two, **options) as second:
         url = "/v1/audio/pronunciations"
-        assert httpx.post(first.url + url, headers=auth(KEY_A), json={"name": "brands", "entries": BRANDS}).is_success
-        assert [d["name"] for d in httpx.get(second.url + url, headers=auth(KEY_A)).json()["data"]] == ["brands"]
-        # The key's byte bound holds across replicas (checked and written in one Lua script).
-        fill_to_the_byte_bound(second.url)
-        for d in range(5):
-            assert httpx.delete(f"{first.url}{url}/long{d}", headers=auth(KEY_A)).is_success
+        # More entries together (1,202) than one config may carry inline: the session records them all.
+        filler = [{"text": f"filler{i}", "say": "f"} for i in range(600)]
+        assert httpx.post(first.url + url, headers=auth(KEY_A),
+                          json={"name": "brands", "entries": [*BRANDS, *filler]}).is_success
+        assert httpx.post(first.url + url, headers=auth(KEY_A), json={"name": "more", "entries": filler}).is_success
+        assert [d["name"] for d in httpx.get(second.url + url, headers=auth(KEY_A)).json()["data"]] == ["brands", "more"]
         # A session on the first replica, its text still open (no sentence end yet) when its connection drops.
         async with websockets.connect(first.ws_url, additional_headers=auth(KEY_A)) as ws:
-            await send(ws, type="session.config", voice=VOICE, response_format="pcm", pronunciations=["brands"])
+            await send(ws, type="session.config", voice=VOICE, response_format="pcm", pronunciations=["brands", "more"])
             session_id = json.loads(await ws.recv())["session_id"]
             await send(ws, type="input.text", text="Voxgate runs SQL")
             await send(ws, type="ping")
@@ -245,6 +254,10 @@ async def test_replicas_share_dictionaries_and_a_resume_applies_the_recorded_rul
             assert json.loads(await ws.recv())["type"] == "session.started"
             await send(ws, type="input.done")
             await receive_until(ws, "session.done")
+        # The key's byte bound holds across replicas (checked and written in one Lua script).
+        assert httpx.delete(second.url + url + "/more", headers=auth(KEY_A)).is_success
+        fill_to_the_byte_bound(second.url)
+        assert len(httpx.get(first.url + url, headers=auth(KEY_A)).json()["data"]) == 5
     assert said(one) == [] and said(two) == ["vox gate runs sequel"]
 
 

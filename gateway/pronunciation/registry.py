@@ -17,12 +17,15 @@ import re
 import time
 from typing import Any
 
+from pydantic import ValidationError
+
 from ..auth import Principal
 from ..protocol import ErrorCode, PronunciationEntry, ProtocolError
 from ..store.base import SessionStore
 from .pronouncer import Pronouncer
 from .rules import (
     MAX_DICTIONARIES_PER_KEY,
+    MAX_ENTRIES,
     MAX_KEY_BYTES,
     Rule,
     limit_reached,
@@ -86,16 +89,33 @@ class PronunciationRegistry:
         if not DICTIONARY_NAME.fullmatch(name) or not await self.store.delete_dictionary(_owner(principal), name):
             raise _not_found(name)
 
-    async def pronouncer(self, principal: Principal, items: list[PronunciationEntry | str] | None,
-                         markup: str | None) -> Pronouncer | None:
+    async def pronouncer(self, principal: Principal, items: list[Any] | None, markup: str | None) -> Pronouncer | None:
         """What a session or request speaks with: None when it asks for nothing (the text goes as written).
-        Inline entries are bounded as one dictionary is; all the rules together as a key's dictionaries."""
+        `items`: `pronunciations` as the client sent it (entries and names, JSON values), checked here, its
+        length first. Inline entries are bounded as one dictionary is, names by a key's dictionaries, all the
+        rules together as a key's dictionaries are."""
         if not items and markup is None:
             return None
+        items = items or []
+        if len(items) > MAX_ENTRIES + MAX_DICTIONARIES_PER_KEY:
+            raise limit_reached(f"pronunciations has {len(items)} items; at most {MAX_ENTRIES} entries and"
+                                f" {MAX_DICTIONARIES_PER_KEY} dictionary names")
+        names = [item for item in items if isinstance(item, str)]
+        if len(names) > MAX_DICTIONARIES_PER_KEY:
+            raise limit_reached(f"pronunciations names {len(names)} dictionaries; at most {MAX_DICTIONARIES_PER_KEY}")
+        parsed: list[PronunciationEntry | str] = []
+        for n, item in enumerate(items):
+            if isinstance(item, str):
+                parsed.append(item)
+                continue
+            try:
+                parsed.append(PronunciationEntry.model_validate(item))
+            except ValidationError as exc:
+                problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+                raise ProtocolError(ErrorCode.pronunciation_invalid, f"pronunciations[{n}]: {problems or exc}") from None
+        inline_rules = iter(rules_of([p for p in parsed if isinstance(p, PronunciationEntry)], "pronunciations"))
         rules: list[Rule] = []
-        inline = [item for item in items or () if isinstance(item, PronunciationEntry)]
-        inline_rules = iter(rules_of(inline, "pronunciations"))
-        for item in items or ():
+        for item in parsed:
             if isinstance(item, PronunciationEntry):
                 rules.append(next(inline_rules))
                 continue
@@ -103,12 +123,20 @@ class PronunciationRegistry:
             if found is None:
                 raise _not_found(item)
             rules.extend(rules_from_json(json.loads(found[1])))
-        size = size_of(rules)
-        if size > MAX_KEY_BYTES:
+        if size_of(rules) > MAX_KEY_BYTES:
             raise limit_reached(f"the pronunciation rules named take more than {MAX_KEY_BYTES} bytes together")
-        if size > BUILT_IN_THREAD_BYTES:  # building a large trie takes up to about a second: off the event loop
-            return await asyncio.to_thread(Pronouncer, tuple(rules), markup == "ssml")
-        return Pronouncer(tuple(rules), markup == "ssml")
+        return await _built(tuple(rules), markup)
+
+    @staticmethod
+    async def recorded(rules: list[dict[str, Any]], markup: str | None) -> Pronouncer:
+        """The pronunciation a session recorded (Pronouncer.entries, checked when it was first resolved)."""
+        return await _built(rules_from_json(rules), markup)
+
+
+async def _built(rules: tuple[Rule, ...], markup: str | None) -> Pronouncer:
+    if size_of(rules) > BUILT_IN_THREAD_BYTES:  # a large trie takes up to about 0.2 s: off the event loop
+        return await asyncio.to_thread(Pronouncer, rules, markup == "ssml")
+    return Pronouncer(rules, markup == "ssml")
 
 
 def _public(meta: dict[str, Any]) -> dict[str, Any]:

@@ -86,6 +86,7 @@ from ..store.base import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord,
 from ..voices import VoiceRegistry
 from .data import (
     INLINE_PROMPT_KEY,
+    PRONUNCIATION_RULES_KEY,
     ClientGone,
     ResolvedConfig,
     SentenceJob,
@@ -503,7 +504,14 @@ class StreamingSession:
         session's own clip comes back as its recorded prompt: a resume does not clone again."""
         recorded = dict(recorded)
         prompt = recorded.pop(INLINE_PROMPT_KEY, None)
+        rules = recorded.pop(PRONUNCIATION_RULES_KEY, None)
         message = SessionConfig.model_validate(recorded)
+        if rules is not None:
+            pronouncer = await self.pronunciations.recorded(rules, message.text_markup)
+            return dataclasses.replace(await self._recorded_voice(message, prompt), pronouncer=pronouncer)
+        return await self._recorded_voice(message, prompt)
+
+    async def _recorded_voice(self, message: SessionConfig, prompt: str | None) -> ResolvedConfig:
         if prompt is None:  # a preset or registered voice (found again by name)
             return await self._resolved(message, admitted=True)
         try:

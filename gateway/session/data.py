@@ -21,6 +21,9 @@ from .word_times import count_reached, in_seconds, keep_spoken
 
 # In a recorded config (ResolvedConfig.snapshot): the prompt of the session's own clip, base64.
 INLINE_PROMPT_KEY = "inline_voice_prompt"
+# In a recorded config: the pronunciation rules as resolved (dictionaries named were read once), which a resume
+# applies as they are, past the bounds of what a client may send inline.
+PRONUNCIATION_RULES_KEY = "pronunciation_rules"
 
 
 class ClientGone(Exception):
@@ -87,7 +90,8 @@ class ResolvedConfig:
         if not self.auto_voice:
             data.update(voice=self.voice)
         if self.pronouncer is not None:  # as resolved (names read once): a resume applies the same rules
-            data["pronunciations"] = self.pronouncer.entries()
+            data.pop("pronunciations", None)
+            data[PRONUNCIATION_RULES_KEY] = self.pronouncer.entries()
         if self.own_clip and self.voice_prompt is not None:
             data[INLINE_PROMPT_KEY] = base64.b64encode(self.voice_prompt).decode("ascii")
         return data
