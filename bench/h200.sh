@@ -85,14 +85,24 @@ install_wheels() {  # install_wheels FOLDER TARGET
 
 step_setup() {
     install_wheels "$REPO/.carry/whl" "$SITE" || return 1
-    # PyAV (35 MB) travels only when the image lacks it (.carry/optwhl), to leave room for the compile cache.
+    # The image has no PyAV, which the gateway imports (35 MB as a wheel): it travels in .carry/optwhl only
+    # for calls that run the gateway (load), so the engine-only steps (profile, step) leave room for the
+    # compile cache within what a call carries.
+    local gateway=1
     if ! "$PY" -c "import av" 2>/dev/null; then
-        echo "the image has no PyAV: installing .carry/optwhl"
-        install_wheels "$REPO/.carry/optwhl" "$SITE" || return 1
+        if compgen -G "$REPO/.carry/optwhl/*.whl" >/dev/null; then
+            echo "the image has no PyAV: installing .carry/optwhl"
+            install_wheels "$REPO/.carry/optwhl" "$SITE" || return 1
+        else
+            echo "no PyAV here and none carried (.carry/optwhl): engine-only steps only, the gateway cannot start"
+            gateway=0
+        fi
     fi
     run nvidia-smi -L
     run "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || return 1
-    run "$PY" -c "import gateway.app, tts_backend.qwen3_backend, uvicorn, websockets; print('gateway imports ok')" || return 1
+    if ((gateway)); then
+        run "$PY" -c "import gateway.app, tts_backend.qwen3_backend, uvicorn, websockets; print('gateway imports ok')" || return 1
+    fi
     if [[ -f $CKPT/config.json ]]; then
         echo "checkpoint $CKPT already there"
     else
