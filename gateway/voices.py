@@ -24,7 +24,7 @@ import re
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,9 @@ VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_CONSENT_CHARS = 256
 MAX_REF_TEXT_CHARS = 2000
 SHARED_AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg")
-REGISTRATIONS_PER_KEY = 2  # one key's registrations in progress at once on a replica
+# One key's clones in progress at once on a replica, whatever their path (registrations, and ref_audio in
+# session.config and HTTP speech): each holds a clip and, while it decodes, one of the few decoder processes.
+CLONES_PER_KEY = 2
 # What of a voice's metadata clients see (vLLM-Omni's uploaded_voices fields and ours).
 PUBLIC_FIELDS = ("name", "consent", "created_at", "size", "file_size", "duration_s", "ref_text", "x_vector_only",
                  "shared")
@@ -114,7 +116,7 @@ class VoiceRegistry:
         self.fetcher = ReferenceFetcher(max_bytes=settings.max_reference_audio_bytes,
                                         timeout_s=settings.reference_fetch_timeout_s,
                                         allowed_networks=settings.reference_fetch_allowed_networks)
-        self._registering: Counter[str] = Counter()  # registrations in progress per owner
+        self._cloning: Counter[str] = Counter()  # clones in progress per owner
 
     async def stop(self) -> None:
         await self.decoder.stop()
@@ -201,11 +203,13 @@ class VoiceRegistry:
         or a backend that speaks only clones) no voice, or a name that is none of these, is
         voice_not_found; elsewhere the preset rules apply (fallback or unknown_voice). Backends that
         cannot clone: None (compat warns about the cloning fields). `admitted`: the caller's admission
-        counts a clone of `ref_audio` (see clone)."""
+        counts a clone of `ref_audio` (see clone), which is one of the key's clones in progress
+        (LimitExceeded beyond CLONES_PER_KEY)."""
         if not self.backend.can_clone:
             return None
         if ref_audio is not None:
-            _, prompt = await self.clone(principal, ref_audio, ref_text, bool(x_vector_only), admitted=admitted)
+            with self._clone_in_progress(principal):
+                _, prompt = await self.clone(principal, ref_audio, ref_text, bool(x_vector_only), admitted=admitted)
             return RegisteredVoice(voice or "ref_audio", prompt, {})
         only_clones = task_type == "Base" or self.backend.speaks_only_clones
         if not voice:
@@ -224,27 +228,34 @@ class VoiceRegistry:
     @contextlib.asynccontextmanager
     async def registering(self, principal: Principal) -> AsyncIterator["Registration"]:
         """What a registration must pass before its clip is even read (an HTTP upload's body is parsed only
-        inside): the backend clones, the key may have voices at all, it has fewer than
-        REGISTRATIONS_PER_KEY registrations in progress on this replica (each holds a clip of up to
-        max_reference_audio_bytes and a decode), and the key's request rate and the load let it through.
+        inside): the backend clones, the key may have voices at all, it has fewer than CLONES_PER_KEY clones
+        in progress on this replica (each holds a clip of up to max_reference_audio_bytes and a decode), and
+        the key's request rate and the load let it through.
         Whether the key is at its voice limit depends on the name (a registration under a name it has
         replaces that voice): checked by Registration.add once the name is known, before the clip is
         decoded."""
         self._check_can_clone()
         if self.settings.max_voices_per_key == 0:
             raise self._limit()
-        owner = self.owner(principal)
-        if self._registering[owner] >= REGISTRATIONS_PER_KEY:
-            raise LimitExceeded(ErrorCode.rate_limited, f"this key already has {REGISTRATIONS_PER_KEY} voice"
-                                " registrations in progress; wait for one to finish", retry_after_s=1.0)
-        self._registering[owner] += 1
-        try:
+        with self._clone_in_progress(principal):
             async with self._admitted(principal, admitted=False):
                 yield Registration(functools.partial(self._register, principal))
+
+    @contextlib.contextmanager
+    def _clone_in_progress(self, principal: Principal) -> Iterator[None]:
+        """One of the key's CLONES_PER_KEY clones in progress on this replica, else LimitExceeded
+        (rate_limited) at once: one key's clips cannot queue for the decoders ahead of every other key's."""
+        owner = self.owner(principal)
+        if self._cloning[owner] >= CLONES_PER_KEY:
+            raise LimitExceeded(ErrorCode.rate_limited, f"this key already has {CLONES_PER_KEY} voice clones in"
+                                " progress; wait for one to finish", retry_after_s=1.0)
+        self._cloning[owner] += 1
+        try:
+            yield
         finally:
-            self._registering[owner] -= 1
-            if not self._registering[owner]:
-                del self._registering[owner]
+            self._cloning[owner] -= 1
+            if not self._cloning[owner]:
+                del self._cloning[owner]
 
     async def add(self, principal: Principal, name: Any, audio: str | bytes, *, consent: Any,
                   ref_text: str | None = None, x_vector_only: bool = False) -> dict[str, Any]:

@@ -400,22 +400,25 @@ class _Drip:
 def test_slow_reference_urls_end_at_the_deadline_and_hold_up_no_other_clone():
     drip = _Drip()
     timeout_s = 4.0
+    # Four keys send the slow URLs, two each (a key has at most 2 clones in progress); another key's clip.
+    slow_keys = [f"key-slow-{i}-" + "s" * 20 for i in range(4)]
     try:
-        with running_gateway(PitchCloneSynthesizer(), api_keys=[KEY_A], reference_audio_fetch=True,
+        with running_gateway(PitchCloneSynthesizer(), api_keys=[KEY_A, *slow_keys], reference_audio_fetch=True,
                              reference_fetch_allowed_networks=["127.0.0.2/32"],
                              reference_fetch_timeout_s=timeout_s) as server:
             assert abs(pitch_of(speak_cloned(server.url, KEY_A, b64(clip(250.0)))) - 250.0) < 5  # decoder warm
 
             async def scenario() -> tuple[list[tuple[float, httpx.Response]], float]:
                 async with httpx.AsyncClient(timeout=60) as client:
-                    async def one(ref: str) -> tuple[float, httpx.Response]:
-                        response = await client.post(server.url + "/v1/audio/speech", headers=auth(KEY_A), json={
+                    async def one(ref: str, key: str = KEY_A) -> tuple[float, httpx.Response]:
+                        response = await client.post(server.url + "/v1/audio/speech", headers=auth(key), json={
                             "input": "Hello.", "response_format": "pcm", "task_type": "Base", "ref_audio": ref,
                             "x_vector_only_mode": True})
                         return time.monotonic(), response
 
                     started = time.monotonic()
-                    slow = [asyncio.create_task(one(f"http://127.0.0.2:{drip.port}/{i}.wav")) for i in range(8)]
+                    slow = [asyncio.create_task(one(f"http://127.0.0.2:{drip.port}/{i}.wav", slow_keys[i % 4]))
+                            for i in range(8)]
                     await asyncio.sleep(0.3)  # the fetches are under way
                     done_at, fast = await one(b64(clip(260.0)))
                     assert not any(task.done() for task in slow), "a base64 clone waited for the slow URLs"
@@ -751,3 +754,49 @@ def test_a_subverted_decoder_reaches_neither_the_gateways_environment_nor_the_ne
         assert asyncio.run(scenario()) == "reached: "
     finally:
         listener.close()
+
+
+def test_inline_clones_are_held_to_the_keys_clones_in_progress():
+    """Issue 30 item 7: `ref_audio` in session.config and in HTTP speech was not held to the per-key limit
+    on clones in progress that voice.add is: 24 sessions of one key queued 24 clips for the decoders, and
+    another key's registration waited behind them (20 s, then 503). Now a key has at most 2 clones in
+    progress on a replica, whatever their path: of 24 sent at once (12 HTTP requests, 12 sessions), those
+    beyond are refused `rate_limited` before their clip is decoded, and the other key registers at once."""
+    with cloning_gateway_process(api_keys=[KEY_A, KEY_B]) as gateway:
+        config = {"type": "session.config", "task_type": "Base", "x_vector_only_mode": True,
+                  "response_format": "pcm"}
+
+        async def http_clone(i: int) -> str:
+            async with httpx.AsyncClient(timeout=60) as client:
+                response = await client.post(
+                    gateway.url + "/v1/audio/speech", headers=auth(KEY_A),
+                    json={"input": "Hello there.", "response_format": "pcm", "task_type": "Base",
+                          "ref_audio": b64(clip(200.0 + i, seconds=8.0)), "x_vector_only_mode": True})
+            return "ok" if response.status_code == 200 else response.json()["error"]["code"]
+
+        async def session_clone(i: int) -> str:
+            ws, answer, _ = await open_session(gateway.ws_url, {**config, "ref_audio": b64(clip(300.0 + i, seconds=8.0))},
+                                               additional_headers=auth(KEY_A), max_size=None)
+            if ws is None:
+                return answer["code"]
+            await ws.close()
+            return "ok"
+
+        async def other_key_registers() -> tuple[float, httpx.Response]:
+            await asyncio.sleep(0.2)  # the flood has begun
+            started = time.monotonic()
+            response = await asyncio.to_thread(upload, gateway.url, KEY_B, "mine", clip(250.0))
+            return time.monotonic() - started, response
+
+        async def scenario():
+            registered = asyncio.create_task(other_key_registers())
+            answers = await asyncio.gather(*[http_clone(i) for i in range(12)], *[session_clone(i) for i in range(12)])
+            return answers, await registered
+
+        answers, (waited, registration) = asyncio.run(scenario())
+    print(f"24 inline clones of one key at once: {answers.count('ok')} cloned, {answers.count('rate_limited')}"
+          f" refused; another key's registration took {waited:.2f} s")
+    assert registration.status_code == 200, registration.text
+    assert set(answers) <= {"ok", "rate_limited"}, answers
+    assert answers.count("rate_limited") >= 12, answers  # before: none; all 24 queued for the decoders
+    assert waited < 10.0, waited

@@ -365,6 +365,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                 principal, voice=body.voice_id, ref_audio=ref_audio, ref_text=body.ref_text,
                 x_vector_only=body.x_vector_only_mode, task_type=body.task_type,
                 admitted=True)  # the request's own admission (below, before its clip is cloned) counts it
+        except LimitExceeded as exc:  # the key's clones in progress, or every decoder busy
+            raise ApiError.from_limit(exc) from None
         except ProtocolError as exc:
             raise ApiError(exc.code, exc.message, param="ref_audio" if ref_audio is not None else "voice") from None
 
@@ -671,7 +673,7 @@ async def add_voice(request: Request, principal: Principal = Depends(require_aut
     clip), `name`, `consent`, optional `ref_text` (and our `x_vector_only_mode`); or the same fields as
     JSON with the clip in base64 as `audio_sample` (or `audio_data`, as voice.add)."""
     gateway = gateway_of(request)
-    # The key's allowance, its registrations in progress and the load are checked before a byte of the
+    # The key's allowance, its clones in progress and the load are checked before a byte of the
     # body is parsed: a refused upload costs no parsing and holds no clip.
     async with contextlib.AsyncExitStack() as stack:
         registration = await _voice_call(stack.enter_async_context(gateway.voices.registering(principal)))
