@@ -274,7 +274,17 @@ async def test_piper_says_the_rewrite_and_times_the_written_words():
             await send(ws, type="input.text", text="Voxgate code <spell>AB7</spell> <break time='400ms'/> is ready.")
             await send(ws, type="input.done")
             messages = await receive_until(ws, "session.done")
-    assert said(backend) == ["vox gate code A B 7 ", " is ready."]
+        assert said(backend) == ["vox gate code A B 7 ", " is ready."]
+        # Over HTTP, with a registered dictionary.
+        backend.records.clear()
+        url = server.url + "/v1/audio/pronunciations"
+        assert httpx.post(url, json={"name": "brands", "entries": BRANDS}).is_success
+        response = httpx.post(server.url + "/v1/audio/speech", timeout=60, json={
+            "input": "Voxgate knows SQL.", "voice": voice, "response_format": "pcm", "timestamp_type": "word",
+            "pronunciations": ["brands"]})
+        assert response.status_code == 200, response.text
+        assert said(backend) == ["vox gate knows sequel."]
+        assert json.loads(response.headers["X-Word-Timestamps"])["words"] == ["Voxgate", "knows", "SQL."]
     done = of_type(messages, "audio.done")[0]
     alignment = done["timestamp_info"]["word_alignment"]
     assert alignment["words"] == ["Voxgate", "code", "AB7", "is", "ready."]
@@ -328,3 +338,44 @@ def test_the_largest_rules_are_built_without_stalling_the_event_loop(synthetic):
         stop.set()
     assert started["type"] == "session.started", started
     assert probe.result(10) < 0.1
+
+
+async def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_token_streaming_holds_back_only_what_a_rule_still_needs():
+    """The open sentence reaches the backend as its words arrive, except a word that may begin a longer
+    entry ("New" of "New York"), until the next word decides it; a markup tag waits for its end, and its
+    warnings (known once the sentence's text is whole) come in audio.done."""
+    backend = RecordingBackend(SyntheticSynthesizer())
+    with running_gateway(backend) as server:
+        async with websockets.connect(server.ws_url, max_size=None) as ws:
+            await send(ws, type="session.config", voice=VOICE, response_format="pcm", stream_audio=True,
+                       split_granularity="token", text_markup="ssml",
+                       pronunciations=[{"text": "New York", "say": "new york city"}])
+            await ws.recv()
+
+            messages: list = []
+
+            async def given(text: str) -> None:
+                await send(ws, type="input.text", text=text)
+                await send(ws, type="ping", id=text)
+                messages.extend(await receive_until(ws, "pong"))
+
+            await given("Call me in New ")
+            await wait_for(lambda: backend.records, "the sentence's synthesis to start")
+            assert backend.records[0].text == "Call me in "
+            await given("York or <spell>AB")
+            assert backend.records[0].text == "Call me in new york city or"
+            await given("</spell> <bad> ok. ")
+            await send(ws, type="input.done")
+            messages += await receive_until(ws, "session.done")
+    assert said(backend) == ["Call me in new york city or A B <bad> ok."]
+    [start], [done] = of_type(messages, "audio.start"), of_type(messages, "audio.done")
+    assert "warnings" not in start
+    assert [w["code"] for w in done["warnings"]] == ["markup_ignored"]
