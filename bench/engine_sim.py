@@ -11,8 +11,10 @@ EngineStream consumers. What is simulated: the model runner (`SimRunner`) and th
   bench/results/engine_step_h100.json, key `cost_table`): a call costs the figure of the smallest captured
   bucket holding it (buckets as bench/engine_load.py's BENCH_RUNNER_OPTIONS); codec frames between table
   points are interpolated linearly. The generation device is a queue: a call launches at once and the device
-  finishes work in order; only calls that read results back (Talker decode, a whole frame) wait for it, so a
-  decode's time covers the code-predictor batch queued before it, as on the GPU.
+  finishes work in order. A frame is what the Qwen3 runner's `frame` does: the Talker step, whose EOS flags
+  it reads back (it waits for the device), then the code predictor, launched only; so the next call that
+  waits -- the next frame's Talker step, or a prefill, whose pageable host-to-device copies wait for the queue
+  -- covers the predictor's device time, as on the GPU (GENERATION_CALLS).
 - The codec runs on a stream of its own: it starts once the generation queued before it is done (the runner's
   wait_stream), and `codec_collect` returns None until it is finished. While a codec batch is in flight,
   generation runs slower by (1 + contention). The codec costs its table figure (measured alone).
@@ -29,39 +31,53 @@ EngineStream consumers. What is simulated: the model runner (`SimRunner`) and th
 
 Workload: bench/engine_profile.py's -- loadgen's seeded Poisson schedule of one-sentence ARCTIC prompts, 128 KV
 slots, the scheduler config the qwen3 backend builds, warm-up then the measured phase, then drain.
+`--agent-sentences 3 --words-per-s 40 --granularity token`: the agent workload (bench/README.md), each reply
+pushed word by word into one engine request through `Engine.push_text` as the qwen3 backend does (AgentSession);
+TTFA counts from the first word. Simulated at the fitted defaults: p95 from the first word 47 / 53 / 55 ms at
+1 / 5 / 10 sessions/s without underruns; from 20 sessions/s the 128 slots are full (a reply holds its slot for
+its ~10 s of audio) and arrivals wait seconds for one. (H200 through the gateway, bench/results/agent_h200.md:
+47 / 55 / 76 ms.)
 
-Calibration (`--calibrate`, H100 baseline bench/results/engine_profile_h100_baseline.json, 5 s warm-up + 20 s,
-seed 0; the fitted parameters are the defaults below):
-    grid contention {1, 1.5, 2, 2.5, 3} x host-factor {1, 2, 3, 4}, launch 60 us: best contention 3, host-factor 3.
-    Two repeats at the fitted point (host time is measured, so runs differ a little):
+Calibration (`--calibrate`: against the H100 profile of the engine on main, one FRAME stage,
+bench/results/engine_profile_h100_frame.json; 5 s warm-up + 20 s, seed 0; the fitted parameters are the
+defaults below). Grid contention {0, 0.25, 0.5, 1, 2, 3} x host-factor {1, 2, 3, 4} at 30 and 40 RPS, launch
+60 us: within 20 % on both figures at both rates from contention 2 up (host-factor 2-4); below contention 1 the
+frame batch is 15-23 % small. Chosen: contention 3, host-factor 3 (steadiest over repeats). Two repeats, with
+60 RPS as an out-of-sample check:
 
-    | RPS | mean decode batch sim / H100 | p95 audible TTFA ms sim / H100 | underruns sim / H100 | decisions/s |
-    |---|---|---|---|---|
-    | 30 | 9.3 / 8.8 (+6 %), 9.3 (+6 %) | 33 / 33 (-1 %), 32 (-2 %) | 2, 4 / 0 | 329 / 345 |
-    | 40 | 14.3 / 14.0 (+2 %), 14.1 (+1 %) | 35 / 41 (-15 %), 37 (-11 %) | 1, 4 / 14 | 311 / 313 |
+    | RPS | mean FRAME batch sim / H100 | p95 audible TTFA ms sim / H100 | underruns sim / H100 | decisions/s | scheduling us/decision | codec device ms/batch |
+    |---|---|---|---|---|---|---|
+    | 30 | 8.6, 8.6 / 8.2 (+5 %) | 35, 36 / 38 (-9 %, -7 %) | 0, 0 / 0 | 216, 215 / 214 | 150, 146 / 156 | 3.9 / 4.9 |
+    | 40 | 12.8, 12.8 / 12.9 (-0 %) | 41, 42 / 47 (-13 %, -12 %) | 7, 7 / 15 | 210, 210 / 208 | 206, 209 / 197 | 4.4 / 5.5 |
+    | 60 | 22.0, 22.4 / 23.0 (-4 %, -3 %) | 411, 321 / 397 (+4 %, -19 %) | 20, 22 / 26 | 187, 188 / 180 | 333, 320 / 308 | 5.8 / 7.1 |
 
-    What it does not reproduce: underrun counts (a handful at both rates where the H100 had 0 and 14: the
-    tail at 40 RPS is steeper on the GPU), the codec's device ms per batch (3.7 / 4.1 simulated, 4.6 / 5.0
-    measured: the codec is charged its table figure, measured alone), and scheduling us per decision (~180
-    simulated, 67 / 151 measured): host-factor 3 also stands for host costs the simulator lacks (the event
-    loop sharing the interpreter lock, GIL hand-offs after each device sync). Contention 3 means generation
-    runs 4x slower while a codec batch is in flight, a fitted stand-in rather than a measurement: in the
-    engine the Talker step + predictor took 7.1 / 8.1 ms per decode batch against 5.5 ms in the table.
-    Around the fit (contention 2.5-3, host-factor 2-4) the decode batch stays within 8 %, and p95 TTFA at
-    40 RPS moves between 34 and 41 ms (-18 % to 0): it sits on the edge where streams start to underrun.
+    At 60 RPS both saturate: 128 slots full, arrivals wait, p95 in the hundreds of ms.
+    What it does not reproduce: underruns at 40 RPS come out about half the H100's, and the codec's device ms per
+    batch is ~20 % short (it is charged its table figure, measured alone). Contention 3 (generation 4x slower
+    while a codec batch is in flight) is a fitted stand-in, not a measurement: on the H100 a frame batch took
+    5.8 / 6.1 ms at 30 / 40 RPS against 5.5 ms in the table, with the codec in flight 59-65 % of the time.
+    Host-factor 3 makes the simulated scheduling us per decision match the H100's (it also covers host costs the
+    simulator lacks: the event loop sharing the interpreter lock).
+    History: against the engine before FRAME (separate DECODE and CODE_PREDICT batches,
+    engine_profile_h100_baseline.json) the model then (a prefill not waiting for the queue) fitted contention 3,
+    host-factor 3 too: mean decode batch
+    9.3 / 8.8 and 14.1-14.3 / 14.0, p95 32-33 / 33 and 35-37 / 41 ms at 30 / 40 RPS.
 
-Speed: 30 simulated s of 40 RPS take ~8 s wall (2.3 CPU-s) on the shared 2-core VM.
+Speed: 30 simulated s of 40 RPS take 4.5-8 s wall (2.1-2.3 CPU-s) on the shared 2-core VM.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import heapq
+import itertools
 import json
 import math
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,10 +97,12 @@ from bench.loadgen import (
     Workload,
     distribution,
     json_safe,
+    last_piece_of,
     load_prompts,
     poisson_schedule,
     request_metrics,
     summarize,
+    word_pieces,
 )
 from tts_backend.engine import engine as engine_module
 from tts_backend.engine.engine import Engine, EngineConfig
@@ -94,7 +112,9 @@ from tts_backend.engine.scheduler import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_COST_TABLE = ROOT / "bench" / "results" / "engine_step_h100.json"
-DEFAULT_BASELINE = ROOT / "bench" / "results" / "engine_profile_h100_baseline.json"
+# The H100 measurement of the engine on main (one FRAME stage); engine_profile_h100_baseline.json measured the
+# engine before it (separate DECODE and CODE_PREDICT batches), which this simulator no longer runs.
+DEFAULT_BASELINE = ROOT / "bench" / "results" / "engine_profile_h100_frame.json"
 
 # Fitted by --calibrate against the H100 baseline (module docstring).
 DEFAULT_CONTENTION = 3.0
@@ -152,6 +172,11 @@ class CostTable:
         copy = object.__new__(CostTable)
         copy.__dict__.update(self.__dict__, table=table, source=f"{self.source} x{factor:g}")
         return copy
+
+    def call_ms(self, key: str, requests: list[RequestState]) -> float:
+        if key == "prefill_ms":
+            return self.prefill_ms(len(requests), max(r.prompt.positions for r in requests))
+        return self.step_ms(key, len(requests))
 
     def step_ms(self, key: str, n: int) -> float:
         """A generation call over n streams: `key` is frame_ms, talker_ms or code_predictor_ms."""
@@ -231,12 +256,15 @@ class SimCodecHandle(CodecHandle):
     done_at: float = 0.0  # simulated time the codec stream finishes the batch
 
 
-# Generation calls: runner method -> (cost-table key, whether the call reads results back and so waits for the
-# device). The cost of a call is its key's figure at the bucket of its streams (CostTable.step_ms).
+# Runner calls that queue generation work: method -> (cost-table key, when the host waits for the device). The
+# real runner's decode reads its EOS flags back ("after"); its prefill first copies pageable host tensors to the
+# device (torch.tensor(...).to(device)), which waits for the work already queued ("before": on the H100 a
+# prefill right after a frame took 4.4 ms, ~1 ms of its own host work plus the frame's predictor); the code
+# predictor only launches. A call costs its key's figure at the bucket of its streams (CostTable.call_ms).
 GENERATION_CALLS = {
-    "code_predict": ("code_predictor_ms", False),
-    "decode": ("talker_ms", True),
-    "frame": ("frame_ms", True),
+    "prefill": ("prefill_ms", "before"),
+    "code_predict": ("code_predictor_ms", None),
+    "decode": ("talker_ms", "after"),
 }
 
 
@@ -284,33 +312,34 @@ class SimRunner(ModelRunner):
         else:
             self.device_free = start + shared + (work - shared / self.slow)
 
-    def _generation(self, method: str, n: int) -> None:
-        key, reads_back = GENERATION_CALLS[method]
+    def _generation(self, method: str, requests: list[RequestState]) -> None:
+        key, wait = GENERATION_CALLS[method]
+        if wait == "before":
+            self.clock.t = max(self.clock.pause(), self.device_free)
         now = self._launch(method)
-        self._queue_generation(now, self.costs.step_ms(key, n))
-        if reads_back:
+        self._queue_generation(now, self.costs.call_ms(key, requests))
+        if wait == "after":
             self.clock.t = max(self.clock.t, self.device_free)
         self.clock.resume()
 
     # ---- ModelRunner -----------------------------------------------------------------------------------
     def prefill(self, requests: list[RequestState]) -> None:
-        now = self._launch("prefill")
-        positions = max(r.prompt.positions for r in requests)
-        self._queue_generation(now, self.costs.prefill_ms(len(requests), positions))
-        self.clock.resume()
+        self._generation("prefill", requests)
 
     def code_predict(self, requests: list[RequestState]) -> None:
-        self._generation("code_predict", len(requests))
+        self._generation("code_predict", requests)
 
     def decode(self, requests: list[RequestState]) -> list[bool]:
-        self._generation("decode", len(requests))
+        self._generation("decode", requests)
         return [False] * len(requests)
 
     def frame(self, requests: list[RequestState]) -> list[bool]:
-        """A whole frame: the Talker step of the streams that need one, the code predictor on all (a stream just
-        prefilled only predicts); costs the frame figure of its bucket, or only the predictor's if none steps."""
-        stepping = any(r.phase is Phase.NEED_DECODE for r in requests)
-        self._generation("frame" if stepping else "code_predict", len(requests))
+        """As the Qwen3 runner's: the Talker step of the streams that need one (reading its EOS flags back), then
+        the predictor on every stream that did not sample EOS (all: random weights never do), launched only."""
+        stepping = [r for r in requests if r.phase is Phase.NEED_DECODE]
+        if stepping:
+            self.decode(stepping)
+        self.code_predict(requests)
         return [False] * len(requests)
 
     def codec_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
@@ -322,6 +351,10 @@ class SimRunner(ModelRunner):
         self.codec_busy_until = handle.done_at
         self.clock.resume()
         return handle
+
+    def push_text(self, request: RequestState, tokens: list) -> None:
+        """Text for a stream whose text is still being written: the real runner copies its embeddings into the
+        slot's trailing buffer (a small host-to-device copy), charged nothing here."""
 
     def _pcm(self, handle: SimCodecHandle) -> list[np.ndarray]:
         audio = self._noise[: handle.frames * self.samples_per_frame]
@@ -361,10 +394,15 @@ def frame_cap(text: str, prompt_len: int, chars_per_second: float | None, max_le
     return min(frames, max_len - prompt_len - 1)
 
 
+def token_count(text: str) -> int:
+    """About one byte-level BPE token per English word or punctuation mark."""
+    return len(re.findall(r"\w+|[^\w\s]", text))
+
+
 def prompt_positions(text: str) -> int:
     """Talker prefill positions of a preset-voice prompt with the whole text: the template and codec prefix,
     then about one byte-level BPE token per English word or punctuation mark."""
-    return PROMPT_OVERHEAD_POSITIONS + len(re.findall(r"\w+|[^\w\s]", text))
+    return PROMPT_OVERHEAD_POSITIONS + token_count(text)
 
 
 class SimConsumer:
@@ -465,6 +503,7 @@ def engine_breakdown(diff: dict[str, Any], wall: float) -> dict[str, Any]:
         "codec_device_ms_per_batch": 1000 * codec["device_s"] / codec["timed"] if codec["timed"] else None,
         "rules": {rule: sum(by_stage.values()) for rule, by_stage in sorted(diff["rules"].items())},
         "late_chunks": diff["late_chunks"],
+        "text": diff["text"],  # streaming text: waits for text and the listener's gaps they caused
     }
 
 
@@ -483,6 +522,52 @@ class SimOptions:
     drain_s: float = 120.0  # simulated seconds after the last arrival before the run gives up
     cost_scale: float = 1.0
     prompts: Path = DEFAULT_PROMPTS
+    agent_sentences: int = 0  # > 0: the agent workload, each reply that many sentences pushed word by word
+    words_per_s: float = 40.0
+
+
+class AgentSession:
+    """The agent workload's request (bench/README.md): its reply's words arrive one at a time at `words_per_s`
+    from the first, and the qwen3 backend streams them into one engine request as their tokens settle
+    (Qwen3Synthesizer._first_text_ids and _feed_text): a word's tokens settle when the next word comes (it
+    might still grow until then), the last ones with the end of the text, which also carries tts_eos. The
+    request is submitted once the first word has settled, with its first token in the prefill (streaming-text
+    prompt) and the rest for decode steps; each push raises the frame cap with the text received so far."""
+
+    def __init__(self, engine: Engine, consumer: SimConsumer, text: str, seed: int, options: SimOptions) -> None:
+        self.engine = engine
+        self.consumer = consumer
+        self.words = word_pieces(text)
+        self.tokens = [max(1, token_count(w)) for w in self.words]
+        self.seed = seed
+        self.options = options
+        self.positions = PROMPT_OVERHEAD_POSITIONS + 1  # the prompt holds the text's first token only
+        self.final_frames = self.cap(len(self.words))
+        self.sent = 0  # text tokens the engine has (the prompt's one included)
+
+    def cap(self, words: int) -> int:
+        options = self.options
+        return frame_cap("".join(self.words[:words]), self.positions, options.frame_cap_chars_per_second,
+                         options.max_len)
+
+    def word(self, i: int) -> None:
+        """Word i has been sent; with the last one the text is done (input.done follows it at once)."""
+        last = i == len(self.words) - 1
+        settled = sum(self.tokens[:i]) + (self.tokens[i] + 1 if last else 0)  # + tts_eos at the end
+        if self.consumer.stream is None:
+            if last:  # finished before anything settled: the backend speaks it as a whole text
+                positions = prompt_positions("".join(self.words))
+                self.consumer.stream = self.engine.submit(SimPrompt(positions), seed=self.seed,
+                                                          max_frames=self.final_frames, loop=self.consumer)
+            elif settled:
+                self.consumer.stream = self.engine.submit(SimPrompt(self.positions), seed=self.seed,
+                                                          max_frames=self.cap(i + 1), loop=self.consumer,
+                                                          text_tokens=settled - 1)
+                self.sent = settled
+            return
+        self.engine.push_text(self.consumer.stream.request_id, [0] * (settled - self.sent), final=last,
+                              max_frames=self.cap(i + 1))
+        self.sent = settled
 
 
 def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | None = None,
@@ -498,7 +583,9 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
     chunk_schedule = EngineConfig().chunk_schedule
     engine = Engine(runner, EngineConfig(scheduler=scheduler_config(runner, options.max_active, chunk_schedule)),
                     clock=clock)
-    workload = Workload(prompts, options.seed, (1, 1))
+    agent = options.agent_sentences > 0
+    sentences = (options.agent_sentences,) * 2 if agent else (1, 1)
+    workload = Workload(prompts, options.seed, sentences)
     measure_start, measure_end = options.warmup, options.warmup + options.duration
     arrivals = poisson_schedule(rate, measure_end, options.seed)
     meter = DecideMeter()
@@ -508,8 +595,32 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
     in_flight: list[tuple[float, int]] = []
     engine_load: list[tuple[int, int]] = []
     peak = 0
-    next_arrival = 0
     next_sample = measure_start
+    events: list[tuple[float, int, Callable[[], None]]] = []  # (simulated time, order, action): a heap
+    order = itertools.count()
+
+    def at(when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(events, (when, next(order), action))
+
+    def arrive(index: int, planned: float) -> None:
+        nonlocal peak
+        spec = workload.request(index)
+        consumer = SimConsumer(clock, planned, ended)
+        if agent:
+            session = AgentSession(engine, consumer, spec.text, index, options)
+            frames = session.final_frames
+            for i in range(len(session.words)):
+                at(planned + i / options.words_per_s, functools.partial(session.word, i))
+        else:
+            positions = prompt_positions(spec.text)
+            frames = frame_cap(spec.text, positions, options.frame_cap_chars_per_second, options.max_len)
+            consumer.stream = engine.submit(SimPrompt(positions), seed=index, max_frames=frames, loop=consumer)
+        consumers.append((spec, consumer, planned >= measure_start, planned, frames))
+        if measure_start <= planned <= measure_end:
+            peak = max(peak, len(consumers) - ended[0])
+
+    for index, planned in enumerate(arrivals):
+        at(planned, functools.partial(arrive, index, planned))
     wall_started = time.perf_counter()
     device_s = 0.0
     with engine_time(clock):
@@ -520,19 +631,8 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
         try:
             while True:
                 now = clock.pause()  # the driver's own work is no host time of the engine
-                while next_arrival < len(arrivals) and arrivals[next_arrival] <= now:
-                    planned = arrivals[next_arrival]
-                    spec = workload.request(next_arrival)
-                    positions = prompt_positions(spec.text)
-                    frames = frame_cap(spec.text, positions, options.frame_cap_chars_per_second, options.max_len)
-                    consumer = SimConsumer(clock, planned, ended)
-                    consumer.stream = engine.submit(SimPrompt(positions), seed=next_arrival, max_frames=frames,
-                                                    loop=consumer)
-                    measured = planned >= measure_start
-                    consumers.append((spec, consumer, measured, planned, frames))
-                    next_arrival += 1
-                    if measure_start <= now <= measure_end:
-                        peak = max(peak, len(consumers) - ended[0])
+                while events and events[0][0] <= now:
+                    heapq.heappop(events)[2]()
                 if "start" not in snapshots and now >= measure_start:
                     snapshots["start"] = engine.stats_snapshot()
                     device_s = runner.generation_device_s
@@ -546,18 +646,18 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
                     slots = engine.scheduler.active
                     engine_load.append((slots, len(engine.scheduler.requests) - slots))
                     next_sample += SAMPLE_PERIOD_S
-                if next_arrival >= len(arrivals) and "end" in snapshots and ended[0] == len(consumers):
+                if not events and "end" in snapshots and ended[0] == len(consumers):
                     break
                 if now > give_up:
                     break
                 clock.resume()
                 if engine.step() is None:
-                    # Idle: nothing changes until the next arrival (consumers read at once, so no stream
-                    # is paused by back-pressure) or the next measurement boundary.
+                    # Idle: nothing changes until the next event (consumers read at once, so no stream is
+                    # paused by back-pressure) or the next measurement boundary.
                     now = clock.pause()
                     marks = [t for t in (measure_start, measure_end) if t > now]
-                    if next_arrival < len(arrivals):
-                        marks.append(arrivals[next_arrival])
+                    if events:
+                        marks.append(events[0][0])
                     if not marks and engine.scheduler.requests:
                         raise RuntimeError("simulated engine idle with requests it cannot run")
                     clock.t = max(now, min(marks, default=now))
@@ -579,6 +679,11 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
             result.errors.append("timeout")
         audio = np.frombuffer(consumer.first_chunk, dtype="<i2")
         request_metrics(result, consumer.chunks, BYTES_PER_SAMPLE, runner.sample_rate, audio, consumer.completed)
+        if agent:
+            result.first_sentence_sent_s = last_piece_of(word_pieces(spec.text), spec.first_sentence_chars) \
+                / options.words_per_s
+            if result.audible_ttfa_s is not None:
+                result.audible_ttfa_after_sentence_s = result.audible_ttfa_s - result.first_sentence_sent_s
         result.finished_at = planned + (result.e2e_s or 0.0)
         result.expected_audio_s = frames * runner.samples_per_frame / runner.sample_rate
         results.append(result)
@@ -683,7 +788,7 @@ def compared(entry: dict, baseline: dict) -> dict[str, float]:
 
 
 def calibration_table(rows: list[dict]) -> str:
-    lines = ["| RPS | mean decode batch sim / H100 (error) | p95 audible TTFA ms sim / H100 (error) | "
+    lines = ["| RPS | mean generation batch sim / H100 (error) | p95 audible TTFA ms sim / H100 (error) | "
              "underruns sim / H100 | decisions/s sim / H100 | scheduling us per decision sim / H100 | "
              "codec device ms per batch sim / H100 |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -696,9 +801,13 @@ def calibration_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def calibrate(options: SimOptions, baseline_path: Path, contentions: list[float], host_factors: list[float],
-              prompts: list[dict[str, str]]) -> dict[str, Any]:
-    baseline = {e["rps"]: e for e in json.loads(Path(baseline_path).read_text())["rates"]}
+def calibrate(options: SimOptions, baseline_path: Path, rates: list[float], contentions: list[float],
+              host_factors: list[float], prompts: list[dict[str, str]]) -> dict[str, Any]:
+    measured = {e["rps"]: e for e in json.loads(Path(baseline_path).read_text())["rates"]}
+    missing = [r for r in rates if r not in measured]
+    if missing:
+        raise SystemExit(f"{baseline_path} has no rate {missing}; it has {sorted(measured)}")
+    baseline = {r: measured[r] for r in rates}
     grid = []
     best = None
     for contention in contentions:
@@ -743,11 +852,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--frame-cap-chars-per-second", type=float, default=15.0)
     parser.add_argument("--max-active", type=int, default=BENCH_MAX_ACTIVE, help="KV slots")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    parser.add_argument("--agent-sentences", type=int, default=0,
+                        help="the agent workload (bench/README.md): each reply this many sentences, its words "
+                             "pushed into one engine request as they settle (the qwen3 backend's streaming text)")
+    parser.add_argument("--words-per-s", type=float, default=40.0, help="the agent workload's words per second")
+    parser.add_argument("--granularity", choices=["token"], default="token",
+                        help="the sessions' split_granularity: only token (text streamed into one request) "
+                             "is simulated")
     parser.add_argument("--calibrate", action="store_true",
-                        help="fit --contention and --host-factor against --baseline at its rates")
+                        help="fit --contention and --host-factor against --baseline at --rates")
     parser.add_argument("--baseline", type=Path, default=DEFAULT_BASELINE,
                         help="bench/engine_profile.py's JSON measured on the GPU the cost table comes from")
-    parser.add_argument("--contention-grid", type=_floats, default=[1.0, 1.5, 2.0, 2.5, 3.0])
+    parser.add_argument("--contention-grid", type=_floats, default=[0.0, 0.25, 0.5, 1.0, 2.0, 3.0])
     parser.add_argument("--host-factor-grid", type=_floats, default=[1.0, 2.0, 3.0, 4.0])
     parser.add_argument("--output", type=Path, help="write the JSON report here (and the tables beside it as .md)")
     return parser
@@ -759,12 +875,16 @@ def main(argv: list[str] | None = None) -> int:
     options = SimOptions(cost_table=args.cost_table, contention=args.contention, host_factor=args.host_factor,
                          launch_us=args.launch_us, warmup=args.warmup, duration=args.duration, seed=args.seed,
                          frame_cap_chars_per_second=args.frame_cap_chars_per_second, max_active=args.max_active,
-                         cost_scale=args.cost_scale, prompts=args.prompts)
+                         cost_scale=args.cost_scale, prompts=args.prompts, agent_sentences=args.agent_sentences,
+                         words_per_s=args.words_per_s)
+    if args.calibrate and args.agent_sentences:
+        build_parser().error("--calibrate fits against the one-sentence baseline: leave --agent-sentences out")
     prompts = load_prompts(args.prompts)
     report: dict[str, Any] = {"tool": "bench/engine_sim.py", "command": " ".join(["python", "bench/engine_sim.py", *argv]),
                               "cost_table": str(args.cost_table), "engine_generation_stage": GENERATION_STAGE.name}
     if args.calibrate:
-        fit = calibrate(options, args.baseline, args.contention_grid, args.host_factor_grid, prompts)
+        fit = calibrate(options, args.baseline, _floats(args.rates), args.contention_grid, args.host_factor_grid,
+                        prompts)
         best = fit["best"]
         report["calibration"] = fit
         options.contention, options.host_factor = best["contention"], best["host_factor"]
@@ -786,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     report["parameters"] = {"contention": options.contention, "host_factor": options.host_factor,
                             "launch_us": options.launch_us, "cost_scale": options.cost_scale,
                             "warmup_s": options.warmup, "duration_s": options.duration, "seed": options.seed,
-                            "max_active": options.max_active}
+                            "max_active": options.max_active, "agent_sentences": options.agent_sentences,
+                            "words_per_s": options.words_per_s if options.agent_sentences else None}
     params = report["parameters"]
     tables = (f"cost table {args.cost_table}; contention {params['contention']:g}, host-factor "
               f"{params['host_factor']:g}, launch {params['launch_us']:g} us\n\n" + tables)

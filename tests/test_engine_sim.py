@@ -71,3 +71,16 @@ def test_a_device_twenty_times_slower_underruns():
     entry = simulate(small_table().scaled(20))
     assert entry["summary"]["underrun_events"] > 0
     assert all(r.completed for r in entry["requests"])
+
+
+def test_agent_replies_pushed_word_by_word_wait_for_text_and_get_their_whole_cap():
+    # Replies of 2 sentences at 10 words/s: the engine makes frames far faster than the words come, so its
+    # streams wait for text (the streaming-text path), and each reply still ends with the cap of its whole text.
+    entry = simulate(small_table(), rate=2.0, agent_sentences=2, words_per_s=10.0)
+    requests = entry["requests"]
+    assert len(requests) >= 3
+    for r in requests:
+        assert r.completed and not r.errors, r.errors
+        assert r.audio_s == pytest.approx(r.expected_audio_s), r.index
+        assert r.audible_ttfa_after_sentence_s is not None
+    assert entry["engine"]["text"]["waits"] > 0
