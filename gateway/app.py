@@ -15,9 +15,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tts_backend.base import Synthesizer
 from tts_backend.registry import create_backend
@@ -39,6 +41,7 @@ from .store.factory import create_store
 from .pronunciation.registry import PronunciationRegistry
 from .voices import VoiceRegistry
 from .http.static import mount_web_demo
+from .http.unserved import is_json_media_type, unserved
 
 log = logging.getLogger("voxgate")
 
@@ -203,12 +206,28 @@ def create_app(
         gateway.metrics.errors_total.labels(exc.code.value).inc()
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """No route serves the path (404), or not with the method (405): said in the API's error shape."""
+        if exc.status_code in (404, 405):
+            return await api_error(request, unserved(request))
+        return await http_exception_handler(request, exc)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if any(e["type"] == "json_invalid" for e in errors):
             reasons = "; ".join(str(e.get("ctx", {}).get("error", e["msg"])) for e in errors)
             return await api_error(request, ApiError(ErrorCode.invalid_json, f"the body is not valid JSON: {reasons}"))
+        content_type = request.headers.get("content-type", "")
+        if any(tuple(e["loc"]) == ("body",) for e in errors) and not is_json_media_type(content_type):
+            # FastAPI reads a body as JSON only when it says so; curl's -d says form data.
+            return await api_error(request, ApiError(
+                ErrorCode.invalid_message,
+                "the body must be JSON, sent with Content-Type: application/json (this request's Content-Type is"
+                f" {content_type!r}; with curl: -H 'Content-Type: application/json')" if content_type else
+                "the body must be JSON, sent with Content-Type: application/json (this request has none)",
+            ))
         details = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body')}: {e['msg']}" for e in errors)
         return await api_error(request, ApiError(ErrorCode.invalid_message, f"invalid request: {details}"))
 

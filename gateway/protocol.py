@@ -49,6 +49,8 @@ class ErrorCode(str, enum.Enum):
     overloaded = "overloaded"
     idle_timeout = "idle_timeout"
     request_timeout = "request_timeout"
+    not_found = "not_found"
+    method_not_allowed = "method_not_allowed"
     slow_consumer = "slow_consumer"
     voice_cloning_unsupported = "voice_cloning_unsupported"
     invalid_reference_audio = "invalid_reference_audio"

@@ -20,7 +20,7 @@ from .events import (
     Word,
     parse_server_message,
 )
-from .session import DEFAULT_PATH, Context, Session, VoxgateError, connect
+from .session import DEFAULT_PATH, Context, GatewayUnreachable, Session, VoxgateError, connect
 from .voices import add_voice, delete_voice, list_voices
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "Disconnected",
     "Error",
     "Event",
+    "GatewayUnreachable",
     "MULAW_SILENCE",
     "Pong",
     "Reconnected",

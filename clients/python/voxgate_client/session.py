@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
@@ -66,6 +67,21 @@ class VoxgateError(Exception):
         self.message = message
         self.code = code
         self.retryable = retryable
+
+
+class GatewayUnreachable(ConnectionError):
+    """Nothing answered at the gateway's address (refused, unreachable, no such host): is the gateway running,
+    and on this host and port? An OSError, as the socket's own error was; `code` is `connection_failed`
+    (retryable), as the JavaScript client says."""
+
+    code = "connection_failed"
+    retryable = True
+
+    def __init__(self, url: str, cause: OSError) -> None:
+        reason = os.strerror(cause.errno) if cause.errno else str(cause)
+        super().__init__(f"cannot reach the gateway at {url}: {reason} (is `voxgate serve` running there, on this"
+                         " port?)")
+        self.url = url
 
 
 class _End:
@@ -314,7 +330,13 @@ class Session:
                     code = detail.get("code", code)
                     message = detail.get("message", detail.get("detail", message))
                     retryable = detail.get("retryable", retryable)
+            if status == 404:
+                path = urlsplit(url).path
+                message = (f"{message} (nothing serves a WebSocket at {path}: the gateway's is {DEFAULT_PATH}; give"
+                           " connect() the gateway's address, e.g. ws://HOST:PORT, and the path is added)")
             raise VoxgateError(str(message), code, bool(retryable)) from None
+        except OSError as exc:  # refused, unreachable: say where, and what to check
+            raise GatewayUnreachable(_without_query(url), exc) from exc
 
     async def _start(self) -> None:
         """Connect to the first URL that accepts the session (replicas are tried in order when one is
@@ -846,12 +868,19 @@ class Session:
 
 
 def _with_default_path(url: str) -> str:
+    """The endpoint for a URL: the gateway's address (`ws://HOST:PORT`, `http://...` too, or an OpenAI
+    client's base URL, `http://HOST:PORT/v1`) gets the WebSocket's path."""
     parts = urlsplit(url)
     if parts.scheme in ("http", "https"):
         parts = parts._replace(scheme="ws" if parts.scheme == "http" else "wss")
-    if parts.path in ("", "/"):
+    if parts.path.rstrip("/") in ("", "/v1"):
         parts = parts._replace(path=DEFAULT_PATH)
     return urlunsplit(parts)
+
+
+def _without_query(url: str) -> str:
+    """`url` less its query, which may hold the API key."""
+    return urlunsplit(urlsplit(url)._replace(query=""))
 
 
 class _Connecting:
