@@ -127,11 +127,9 @@ RUNNER_HOST_MS = {"prefill": 1.0, "codec_launch": 0.25}
 
 BYTES_PER_SAMPLE = 2  # the engine streams s16le
 SAMPLE_PERIOD_S = 0.25  # in-flight and slot samples, as engine_profile takes them
-# The stage whose batches carry the streams' steps: Talker decode today, a whole frame once it is one stage.
-GENERATION_STAGE = getattr(Stage, "FRAME", None) or Stage.DECODE
-# Streams that could step, per generation decision: slot holders whose generation is not finished (a Talker step
-# or the predictor pending) and that are not waiting for text. A decode batch (separate stages) can take only
-# those in NEED_DECODE, so its mean batch against these counts shows the streams split into two cohorts.
+GENERATION_STAGE = Stage.FRAME  # the stage whose batches carry the streams' steps
+# Streams that could step, per frame decision: slot holders whose generation is not finished (a Talker step or,
+# just prefilled, the predictor pending) and that are not waiting for text.
 GENERATION_PHASES = (Phase.NEED_DECODE, Phase.NEED_CODE_PREDICT)
 PROMPT_OVERHEAD_POSITIONS = 10  # chat template + codec prefix (tts_backend/qwen3/prompt.py _layout), text aside
 
@@ -768,6 +766,7 @@ def engine_table(entries: list[dict]) -> str:
 
 def compared(entry: dict, baseline: dict) -> dict[str, float]:
     """Simulated vs measured at one rate: mean generation batch and p95 audible TTFA, with relative errors."""
+    # A profile of the engine before FRAME has its streams' steps in DECODE batches.
     stage = "DECODE" if "DECODE" in baseline["engine"]["stages"] else GENERATION_STAGE.name
     sim_batch = entry["engine"]["stages"][GENERATION_STAGE.name]["mean_batch"]
     real_batch = baseline["engine"]["stages"][stage]["mean_batch"]
