@@ -186,6 +186,14 @@ class WorkerNotProven(ConnectionError):
     one expected there): nothing was sent to it but a nonce."""
 
 
+class HandshakeDropped(ConnectionError):
+    """The peer closed the connection before it answered the hello: what a worker does to a pending
+    connection it drops for another (pending.py), so the Dialer tries again."""
+
+
+DIAL_ATTEMPTS = 3  # handshakes tried per open() while the worker drops them (HandshakeDropped)
+
+
 @dataclass(frozen=True)
 class Dialer:
     """Opens authenticated connections to workers: one per request, as the framing wants (closing it is the
@@ -199,7 +207,18 @@ class Dialer:
                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection on which the request may be written at once. With a token, the worker has proved that
         it holds it (and, given `expect_id`, that it is that worker) before this returns; otherwise
-        WorkerNotProven."""
+        WorkerNotProven. A handshake the worker dropped unanswered is tried again, on a new connection (the
+        newest is the last a worker drops), up to DIAL_ATTEMPTS times in all."""
+        for attempt in range(1, DIAL_ATTEMPTS + 1):
+            try:
+                return await self._open_once(address, expect_id)
+            except HandshakeDropped:
+                if attempt == DIAL_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _open_once(self, address: WorkerAddress, expect_id: str | None,
+                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if address.scheme == "unix":
             opening = asyncio.open_unix_connection(address.path, limit=framing.READ_LIMIT)
         elif address.scheme == "tcp":
@@ -236,10 +255,18 @@ class Dialer:
         dialled = str(address if address.scheme == "unix" else
                       reached_address(address.scheme, writer.get_extra_info("peername")))
         writer.write(framing.encode_json({"op": "hello", "nonce": client_nonce.hex(), "to": dialled}))
-        await writer.drain()
         try:
+            await writer.drain()
             frame = await framing.read_frame(reader, framing.MAX_AUTH_FRAME)
-            answer = framing.decode_json(frame[1]) if frame is not None and frame[0] == framing.JSON else {}
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise HandshakeDropped(f"{address} closed the connection in the handshake: {exc or type(exc).__name__}") \
+                from None
+        except framing.ProtocolError as exc:
+            raise WorkerNotProven(f"{address} did not answer the handshake: {exc}") from None
+        if frame is None:
+            raise HandshakeDropped(f"{address} closed the connection in the handshake")
+        try:
+            answer = framing.decode_json(frame[1]) if frame[0] == framing.JSON else {}
             if answer.get("op") == "error" and answer.get("code") == "wrong_address":
                 raise WorkerNotProven(f"{address}: the worker there is not reachable as {dialled} (a relay, or a "
                                       "forwarder the worker was not told of with --reachable-at)")
@@ -248,7 +275,7 @@ class Dialer:
             if answer.get("op") != "hello" or not isinstance(answer.get("id"), str):
                 raise WorkerNotProven(f"{address} did not answer the handshake")
             worker_nonce = framing.parse_nonce(answer.get("nonce"))
-        except (framing.ProtocolError, asyncio.IncompleteReadError) as exc:
+        except framing.ProtocolError as exc:
             raise WorkerNotProven(f"{address} did not answer the handshake: {exc}") from None
         worker_id = answer["id"]
         if not framing.proof_matches(answer.get("proof"),

@@ -303,10 +303,14 @@ class WorkerClient:
                 await writer.wait_closed()
 
     async def refresh(self, timeout_s: float) -> None:
-        """Read its info; any failure, whatever the worker sent, marks it down (logged once) and never
-        raises."""
+        """Read its info; never raises. A query whose connection failed is tried once more before the worker
+        counts as down (one lost connection, a handshake a worker under a flood of connections dropped, is no
+        sign of death); any other failure, whatever the worker sent, marks it down at once (logged once)."""
         try:
-            info = await self.query("info", timeout_s)
+            try:
+                info = await self.query("info", timeout_s)
+            except WorkerLost:
+                info = await self.query("info", timeout_s)
             if info.get("op") == "error":
                 raise WorkerLost(f"worker {self.id}: {str(info.get('message', info.get('code')))[:200]}")
             if info.get("op") != "info":

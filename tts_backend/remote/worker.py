@@ -25,9 +25,11 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import ipaddress
 import json
 import logging
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -50,15 +52,25 @@ from .connection import (
 )
 from .discovery import WorkerRegistry, registry_key
 from .health import HealthServer
+from .pending import PendingHandshakes
 
 log = logging.getLogger(__name__)
 
 # Connections that have not finished the handshake (framing.py) count apart from the authenticated ones
-# (max_connections), at most MAX_UNAUTHENTICATED at once, the oldest dropped for a newer one, each given
-# AUTH_TIMEOUT_S from its accept (a TLS handshake included): idle or slow peers cannot hold the worker's
-# connection cap, and a gateway's handshake, one round trip, gets through a flood of them.
-MAX_UNAUTHENTICATED = 64
+# (max_connections): at most MAX_UNAUTHENTICATED at once (fewer where the process may open few descriptors)
+# and a quarter of those from one source (an IPv4 address, an IPv6 /64), past which one is dropped as
+# pending.py chooses, an idle one before any that sent its hello, so that idle or slow peers, from anywhere,
+# never keep a gateway's handshake, one round trip, out. Each is given AUTH_TIMEOUT_S from its accept (a
+# TLS handshake included).
+MAX_UNAUTHENTICATED = 2048
 AUTH_TIMEOUT_S = 3.0
+# Read-ahead per connection (a StreamReader's limit; readexactly reads past it): small, since a worker reads
+# small frames but for a request's, and thousands of peers that proved nothing may be connected at once.
+SERVER_READ_LIMIT = 16 * 1024
+# Connections the kernel completes before the worker accepts them (capped by net.core.somaxconn): past it a
+# new connection's SYN is dropped and retried a second later, a gateway's as anyone's, so room for a flood's
+# connections in flight, which the worker accepts and then drops (pending.py), keeps gateways' connects prompt.
+LISTEN_BACKLOG = 1024
 REQUEST_TIMEOUT_S = 10.0  # the request frame must have arrived this long after the handshake (or the accept)
 # Request frames larger than LARGE_REQUEST are counted against one budget for the whole worker while they
 # are read and served, so that many connections sending large frames (clones carry megabytes) cannot take
@@ -142,7 +154,9 @@ class WorkerServer:
         self.drain_linger_s = drain_linger_s
         self.max_connections = max_connections  # authenticated connections (all, without a token)
         self.max_text_chars = max_text_chars
-        self._unauthenticated: collections.OrderedDict[asyncio.StreamWriter, None] = collections.OrderedDict()
+        # Each pending connection, and each authenticated one, is a descriptor (with room for the rest).
+        cap = max(64, min(MAX_UNAUTHENTICATED, descriptor_limit() // 4))
+        self._pending = PendingHandshakes(cap, per_source=cap // 4)
         self._large_request_bytes = 0
         self._server: asyncio.AbstractServer | None = None
         self.streams_in_flight = 0
@@ -253,12 +267,12 @@ class WorkerServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.listen.path)
             self._server = await asyncio.start_unix_server(self._handle, path=self.listen.path,
-                                                           limit=framing.READ_LIMIT)
+                                                           limit=SERVER_READ_LIMIT, backlog=LISTEN_BACKLOG)
             os.chmod(self.listen.path, 0o660)
         else:
             tls = {"ssl": self.tls, "ssl_handshake_timeout": AUTH_TIMEOUT_S} if self.tls else {}
             self._server = await asyncio.start_server(self._handle, self.listen.host, self.listen.port,
-                                                      limit=framing.READ_LIMIT, **tls)
+                                                      limit=SERVER_READ_LIMIT, backlog=LISTEN_BACKLOG, **tls)
         if self.listen.is_network and self.listen.port == 0:  # port 0: name the one the OS chose
             if self.advertise.port == 0:
                 self.advertise = self.advertise.with_port(self.bound_port)
@@ -338,11 +352,9 @@ class WorkerServer:
 
     # ---- connections -------------------------------------------------------------------------------
     async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """The handshake (framing.py), within AUTH_TIMEOUT_S, as one of at most MAX_UNAUTHENTICATED."""
-        self._unauthenticated[writer] = None
-        while len(self._unauthenticated) > MAX_UNAUTHENTICATED:
-            oldest, _ = self._unauthenticated.popitem(last=False)
-            oldest.transport.abort()  # its handler ends on the broken read
+        """The handshake (framing.py), within AUTH_TIMEOUT_S, as one of the pending connections (pending.py)."""
+        for dropped in self._pending.add(writer, _source(writer)):
+            dropped.transport.abort()  # its handler ends on the broken read
             self.handshakes_dropped += 1
         try:
             return await asyncio.wait_for(self._handshake(reader, writer), AUTH_TIMEOUT_S)
@@ -350,7 +362,7 @@ class WorkerServer:
             self.handshakes_dropped += 1
             return False
         finally:
-            self._unauthenticated.pop(writer, None)
+            self._pending.remove(writer)
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         frame = await framing.read_frame(reader, framing.MAX_AUTH_FRAME)
@@ -362,6 +374,7 @@ class WorkerServer:
             await _refuse(writer, "unauthorized", "this worker wants the hello handshake first (a gateway of this version)")
             return False
         client_nonce = framing.parse_nonce(hello.get("nonce"))
+        self._pending.greet(writer)
         if "proof" in hello:  # the one-way hello of a gateway of this user, on a Unix socket only (framing.py)
             if self.listen.scheme == "unix" and framing.proof_matches(hello["proof"],
                                                                       framing.local_proof(self.token, client_nonce)):
@@ -586,6 +599,33 @@ class WorkerServer:
                     await pending
 
 
+def _source(writer: asyncio.StreamWriter) -> str:
+    """Where a connection comes from, as pending.py counts sources: its IPv4 address, its IPv6 /64 (a host
+    commonly has a whole one), one source for a Unix socket's peers."""
+    peer = writer.get_extra_info("peername")
+    if not isinstance(peer, tuple):
+        return ""
+    address = reached_address("tcp", peer)
+    if ":" in address.host:
+        return str(ipaddress.ip_network(f"{address.host}/64", strict=False))
+    return address.host
+
+
+def descriptor_limit() -> int:
+    """How many descriptors this process may open (its soft limit)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_descriptor_limit() -> None:
+    """The soft limit on descriptors up to the hard one: each connection is one, and a worker serves thousands."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def default_advertise(listen: WorkerAddress) -> WorkerAddress:
     """The listen address, with a wildcard host (0.0.0.0, ::) replaced by this host's address."""
     if listen.scheme == "unix" or listen.host not in ("0.0.0.0", "::", ""):
@@ -728,6 +768,7 @@ async def keep_registered(server: WorkerServer, registry: WorkerRegistry, heartb
 
 
 async def serve(args: argparse.Namespace) -> None:
+    raise_descriptor_limit()
     backend = create_backend(args.backend, **backend_options(args))
     server = server_from_args(args, backend)  # refuses bad flags before the model loads
     await backend.start()
@@ -752,7 +793,9 @@ async def serve(args: argparse.Namespace) -> None:
         heartbeat = asyncio.create_task(keep_registered(server, registry, args.heartbeat_s))
     listen = server.listen.with_port(server.bound_port) if server.listen.is_network else server.listen
     log.info("voxgate worker %s: %s backend ready on %s", server.worker_id, backend.name, listen)
-    print(f"voxgate worker ready: backend={backend.name} listen={listen} id={server.worker_id}", flush=True)
+    # One write, line and newline together: the workers of one --gpus launcher share its output, and print's
+    # two writes let their lines run into each other.
+    print(f"voxgate worker ready: backend={backend.name} listen={listen} id={server.worker_id}\n", end="", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
