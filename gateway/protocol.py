@@ -59,6 +59,7 @@ class ErrorCode(str, enum.Enum):
     pronunciation_invalid = "pronunciation_invalid"
     pronunciation_limit_reached = "pronunciation_limit_reached"
     pronunciation_not_found = "pronunciation_not_found"
+    store_unavailable = "store_unavailable"
     internal = "internal"
 
 
@@ -84,6 +85,7 @@ RETRYABLE = {
     ErrorCode.overloaded,
     ErrorCode.slow_consumer,  # resume the session (session.resume) and read faster
     ErrorCode.synthesis_failed,
+    ErrorCode.store_unavailable,
     ErrorCode.internal,
 }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 
 import httpx
 import redis
@@ -131,3 +132,27 @@ async def test_limit_counters_delivered_twice_count_once(redis_prefix):  # noqa:
             assert "x" * 59 in spoken and "y" * 29 in spoken and "z" not in spoken, spoken
     finally:
         proxy.close()
+
+
+async def test_a_store_lost_mid_session_is_store_unavailable_in_one_log_line(caplog):
+    # Redis stops while a session is open: the client hears store_unavailable (retryable, close 1013), naming
+    # the store, and the log has one line for the session, not a traceback (nor a detach warning after it).
+    with private_redis() as redis_server:
+        with running_gateway(backend="synthetic", store="redis", redis_url=redis_server.url) as server:
+            listener = Listener()
+            with caplog.at_level(logging.INFO):
+                async with websockets.connect(server.ws_url, max_size=None) as ws:
+                    await ws.send(config_message())
+                    started = await listener.receive(ws, "session.started")
+                    redis_server.stop()
+                    await ws.send(json.dumps({"type": "input.text", "text": "Spoken without a store."}))
+                    await ws.send(json.dumps({"type": "input.done"}))
+                    error = await listener.receive(ws, "error")
+                    closed = await listener.receive_until_closed(ws)
+    assert error["code"] == "store_unavailable" and error["retryable"] is True, error
+    assert "Redis session store" in error["message"], error
+    assert closed.rcvd is not None and closed.rcvd.code == 1013
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("voxgate")]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert lines[0].exc_info is None
+    assert started["session_id"] in lines[0].getMessage() and "Redis session store" in lines[0].getMessage()

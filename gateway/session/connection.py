@@ -167,6 +167,7 @@ class StreamingSession:
         self._input_recorded = False  # the message being handled was already counted (input.cancel)
         self._lease: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
+        self._store_lost = False  # the session stopped because its store cannot be reached
 
     @property
     def session_id(self) -> str | None:
@@ -216,8 +217,15 @@ class StreamingSession:
         except (ClientGone, WebSocketDisconnect):
             pass
         except Exception:
-            log.exception("session %s failed", self.session_id)
-            await self._fail(ProtocolError(ErrorCode.internal, "internal error", close=CloseCode.internal))
+            lost = await self.store.unavailable()  # the commonest cause: Redis gone (bounded wait)
+            if lost is None:
+                log.exception("session %s failed", self.session_id)
+                await self._fail(ProtocolError(ErrorCode.internal, "internal error", close=CloseCode.internal))
+            else:  # one line, no traceback: the same cause would fill the log once per open session
+                self._store_lost = True
+                log.error("session %s stopped: %s", self.session_id, lost)
+                await self._fail(ProtocolError(ErrorCode.store_unavailable, f"{lost}; retry shortly",
+                                               close=CloseCode.try_again_later))
         finally:
             await self._shutdown()
             self.metrics.sessions_active.dec()
@@ -233,11 +241,11 @@ class StreamingSession:
             with contextlib.suppress(BaseException):
                 await task
         await self.pipeline.close()
-        if self._sender is not None and self._sender.done() and not self._sender.cancelled():
+        if self._sender is not None and self._sender.done() and not self._sender.cancelled() and not self._store_lost:
             error = self._sender.exception()
             if error is not None and not isinstance(error, (ClientGone, WebSocketDisconnect)):
                 log.error("sender of session %s failed: %r", self.session_id, error)
-        if self.session_id is not None:
+        if self.session_id is not None and not self._store_lost:
             try:
                 await self.store.detach(self.session_id, owner=self.info.owner)
             except Exception as exc:  # the store is unreachable: the session expires there on its own
