@@ -67,10 +67,6 @@ AUTH_TIMEOUT_S = 3.0
 # Read-ahead per connection (a StreamReader's limit; readexactly reads past it): small, since a worker reads
 # small frames but for a request's, and thousands of peers that proved nothing may be connected at once.
 SERVER_READ_LIMIT = 16 * 1024
-# Connections the kernel completes before the worker accepts them (capped by net.core.somaxconn): past it a
-# new connection's SYN is dropped and retried a second later, a gateway's as anyone's, so room for a flood's
-# connections in flight, which the worker accepts and then drops (pending.py), keeps gateways' connects prompt.
-LISTEN_BACKLOG = 1024
 REQUEST_TIMEOUT_S = 10.0  # the request frame must have arrived this long after the handshake (or the accept)
 # Request frames larger than LARGE_REQUEST are counted against one budget for the whole worker while they
 # are read and served, so that many connections sending large frames (clones carry megabytes) cannot take
@@ -267,12 +263,12 @@ class WorkerServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.listen.path)
             self._server = await asyncio.start_unix_server(self._handle, path=self.listen.path,
-                                                           limit=SERVER_READ_LIMIT, backlog=LISTEN_BACKLOG)
+                                                           limit=SERVER_READ_LIMIT)
             os.chmod(self.listen.path, 0o660)
         else:
             tls = {"ssl": self.tls, "ssl_handshake_timeout": AUTH_TIMEOUT_S} if self.tls else {}
             self._server = await asyncio.start_server(self._handle, self.listen.host, self.listen.port,
-                                                      limit=SERVER_READ_LIMIT, backlog=LISTEN_BACKLOG, **tls)
+                                                      limit=SERVER_READ_LIMIT, **tls)
         if self.listen.is_network and self.listen.port == 0:  # port 0: name the one the OS chose
             if self.advertise.port == 0:
                 self.advertise = self.advertise.with_port(self.bound_port)
