@@ -108,7 +108,8 @@ from tts_backend.engine import engine as engine_module
 from tts_backend.engine.engine import Engine, EngineConfig
 from tts_backend.engine.request import Phase, RequestState, Stage
 from tts_backend.engine.runner import CodecHandle, ModelRunner, Qwen3RunnerConfig
-from tts_backend.engine.scheduler import SchedulerConfig
+from tts_backend.qwen3.config import GenerationConfig
+from tts_backend.qwen3_backend import frame_cap, scheduler_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_COST_TABLE = ROOT / "bench" / "results" / "engine_step_h100.json"
@@ -131,6 +132,7 @@ GENERATION_STAGE = Stage.FRAME  # the stage whose batches carry the streams' ste
 # Streams that could step, per frame decision: slot holders whose generation is not finished (a Talker step or,
 # just prefilled, the predictor pending) and that are not waiting for text.
 GENERATION_PHASES = (Phase.NEED_DECODE, Phase.NEED_CODE_PREDICT)
+MAX_NEW_TOKENS = GenerationConfig().max_new_tokens  # the checkpoint's generation default (random checkpoints)
 PROMPT_OVERHEAD_POSITIONS = 10  # chat template + codec prefix (tts_backend/qwen3/prompt.py _layout), text aside
 
 
@@ -371,27 +373,6 @@ class SimRunner(ModelRunner):
 # -- the engine under simulation -------------------------------------------------------------------------
 
 
-def scheduler_config(runner: SimRunner, max_active: int, chunk_schedule: tuple[int, ...]) -> SchedulerConfig:
-    """What Qwen3Synthesizer._build gives the scheduler (tts_backend/qwen3_backend.py): prefill and codec
-    batches up to the runner's largest captured bucket, generation batches up to every slot."""
-    max_batch = {stage: max_active for stage in Stage}
-    max_batch[Stage.PREFILL] = max(runner.prefill_buckets)
-    max_batch[Stage.CODEC] = max(runner.codec_buckets)
-    return SchedulerConfig(max_active=max_active, max_batch=max_batch,
-                           max_pending_frames=runner.config.frame_ring - max(chunk_schedule),
-                           max_codec_frames=max(runner.config.codec_frames))
-
-
-def frame_cap(text: str, prompt_len: int, chars_per_second: float | None, max_len: int,
-              max_new_tokens: int = 2048) -> int:
-    """The frame cap the qwen3 backend gives a request (Qwen3Synthesizer._max_frames; max_new_tokens is the
-    checkpoint's generation default)."""
-    frames = max(1, max_new_tokens - 1)
-    if chars_per_second:
-        frames = min(frames, max(2, math.ceil(len(text.strip()) / chars_per_second * 12.5)))
-    return min(frames, max_len - prompt_len - 1)
-
-
 def token_count(text: str) -> int:
     """About one byte-level BPE token per English word or punctuation mark."""
     return len(re.findall(r"\w+|[^\w\s]", text))
@@ -545,8 +526,8 @@ class AgentSession:
 
     def cap(self, words: int) -> int:
         options = self.options
-        return frame_cap("".join(self.words[:words]), self.positions, options.frame_cap_chars_per_second,
-                         options.max_len)
+        return frame_cap("".join(self.words[:words]), self.positions, MAX_NEW_TOKENS,
+                         options.frame_cap_chars_per_second, options.max_len)
 
     def word(self, i: int) -> None:
         """Word i has been sent; with the last one the text is done (input.done follows it at once)."""
@@ -611,7 +592,8 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
                 at(planned + i / options.words_per_s, functools.partial(session.word, i))
         else:
             positions = prompt_positions(spec.text)
-            frames = frame_cap(spec.text, positions, options.frame_cap_chars_per_second, options.max_len)
+            frames = frame_cap(spec.text, positions, MAX_NEW_TOKENS, options.frame_cap_chars_per_second,
+                               options.max_len)
             consumer.stream = engine.submit(SimPrompt(positions), seed=index, max_frames=frames, loop=consumer)
         consumers.append((spec, consumer, planned >= measure_start, planned, frames))
         if measure_start <= planned <= measure_end:

@@ -75,6 +75,32 @@ def _checkpoint_type(model: str) -> str | None:
         return None
 
 
+def scheduler_config(runner, max_active: int, chunk_schedule: tuple[int, ...]):
+    """The engine's scheduler settings for `runner` (a Qwen3ModelRunner, or a stand-in with its buckets and
+    config: bench/engine_sim.py): prefill and codec batches up to the largest captured bucket, frames up to every
+    slot, generation held back before it outruns the frame ring, codec calls up to the captured frame counts."""
+    from .engine.request import Stage
+    from .engine.scheduler import SchedulerConfig
+
+    return SchedulerConfig(
+        max_active=max_active,
+        max_batch={Stage.PREFILL: max(runner.prefill_buckets), Stage.FRAME: max_active,
+                   Stage.CODEC: max(runner.codec_buckets)},
+        max_pending_frames=runner.config.frame_ring - max(chunk_schedule),
+        max_codec_frames=max(runner.config.codec_frames),
+    )
+
+
+def frame_cap(text: str, prompt_len: int, max_new_tokens: int, chars_per_second: float | None, max_len: int) -> int:
+    """A request's frame cap: max_new_tokens sampled codebook-0 tokens give max_new_tokens - 1 frames (the last
+    is EOS or the cap); with `chars_per_second` no more than the text takes at that speaking rate (random
+    weights never sample EOS); and what the slot's max_len positions leave after the prompt."""
+    frames = max(1, max_new_tokens - 1)
+    if chars_per_second:
+        frames = min(frames, max(2, math.ceil(len(text.strip()) / chars_per_second * 12.5)))
+    return min(frames, max_len - prompt_len - 1)
+
+
 class Qwen3Synthesizer(Synthesizer):
     """Qwen3-TTS 12 Hz (CustomVoice, VoiceDesign or Base) served by the batched engine.
 
@@ -172,24 +198,14 @@ class Qwen3Synthesizer(Synthesizer):
 
     def _build(self) -> None:
         from .engine.engine import Engine, EngineConfig
-        from .engine.request import Stage
         from .engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
-        from .engine.scheduler import SchedulerConfig
 
         runner = Qwen3ModelRunner(self.model, Qwen3RunnerConfig(
             max_slots=self.max_active, max_len=self.max_len, cuda_graphs=self.cuda_graphs, sampler=self.sampler,
             greedy=self.greedy, **self.runner_options,
         ))
-        codec_cap = max(runner.codec_buckets)
-        scheduler = SchedulerConfig(
-            max_active=self.max_active,
-            max_batch={Stage.PREFILL: max(runner.prefill_buckets), Stage.FRAME: self.max_active,
-                       Stage.CODEC: codec_cap},
-            max_pending_frames=runner.config.frame_ring - max(self.chunk_schedule),
-            max_codec_frames=max(runner.config.codec_frames),
-        )
         self.engine = Engine(runner, EngineConfig(
-            scheduler=scheduler, max_queued=self.max_queued, chunk_schedule=self.chunk_schedule,
+            scheduler=scheduler_config(runner, self.max_active, self.chunk_schedule), max_queued=self.max_queued, chunk_schedule=self.chunk_schedule,
             trim_leading_silence=self.trim_leading_silence,
         ))
         config = self.model.config
@@ -360,11 +376,7 @@ class Qwen3Synthesizer(Synthesizer):
 
     def _max_frames(self, request: SynthesisRequest, prompt_len: int, text: str) -> int:
         max_new = request.max_new_tokens or self.max_new_tokens or self.model.generation_config.max_new_tokens
-        frames = max(1, max_new - 1)  # N sampled codebook-0 tokens give N-1 frames (the last is EOS or the cap)
-        if self.frame_cap_chars_per_second:
-            spoken = len(text.strip()) / self.frame_cap_chars_per_second
-            frames = min(frames, max(2, math.ceil(spoken * 12.5)))
-        return min(frames, self.max_len - prompt_len - 1)
+        return frame_cap(text, prompt_len, max_new, self.frame_cap_chars_per_second, self.max_len)
 
     async def synthesize(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         from .qwen3.prompt import PromptError
