@@ -111,9 +111,12 @@ class ProtocolError(Exception):
         context_id: str | None = None,
         sentence_index: int | None = None,
         message_type: str | None = None,
+        retryable: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
+        # Whether the same message may succeed later: the code's (RETRYABLE) unless this instance knows better.
+        self.retryable = code in RETRYABLE if retryable is None else retryable
         self.message = message
         self.close = close
         self.context_id = context_id
@@ -124,7 +127,7 @@ class ProtocolError(Exception):
         return ErrorMessage(
             message=self.message,
             code=self.code.value,
-            retryable=self.code in RETRYABLE,
+            retryable=self.retryable,
             context_id=self.context_id,
             sentence_index=self.sentence_index,
         )

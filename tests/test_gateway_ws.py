@@ -413,6 +413,11 @@ async def test_text_over_the_buffer_limit_is_refused_not_dropped():
             await send(ws, type="input.text", context_id="c", text=" and thirty more characters here")
             error = await expect_error(ws, "text_too_long")
             assert error["context_id"] == "c" and "not accepted" in error["message"]
+            # It fits once the buffered text is spoken: the error says so, and so does `retryable`.
+            assert error["retryable"] is True and "send it again" in error["message"]
+            await send(ws, type="input.text", context_id="c", text="x" * 61)  # can never fit
+            never = await expect_error(ws, "text_too_long")
+            assert never["retryable"] is False and "smaller pieces" in never["message"]
             await send(ws, type="input.done", context_id="c")
             messages = await receive_until(ws, "utterance.done")
     # The accepted text is spoken; the refused text was reported.

@@ -705,12 +705,22 @@ class StreamingSession:
         if self._closing:
             raise ProtocolError(ErrorCode.invalid_message, "the session is closing", context_id=message.context_id)
         limit = self.settings.max_buffered_chars
+        if len(message.text) > limit:
+            raise ProtocolError(
+                ErrorCode.text_too_long,
+                f"this input.text ({len(message.text)} characters) was not accepted: it is longer than the"
+                f" {limit} characters a session may hold not yet spoken; send it in smaller pieces",
+                context_id=message.context_id,
+            )
         if self._buffered_chars() + len(message.text) > limit:
+            # The same text fits once audio has gone out (or a flush has released what waits for a
+            # sentence end): retryable, unlike the text_too_long of a message that can never fit.
             raise ProtocolError(
                 ErrorCode.text_too_long,
                 f"this input.text ({len(message.text)} characters) was not accepted: the session would hold more"
-                f" than {limit} characters not yet spoken; wait for audio or send input.flush",
-                context_id=message.context_id,
+                f" than {limit} characters not yet spoken; send it again after audio has gone out or after"
+                " input.flush",
+                context_id=message.context_id, retryable=True,
             )
         if message.context_id not in self._open and len(self._open) >= self.settings.max_open_contexts:
             raise ProtocolError(
