@@ -208,3 +208,12 @@ async def test_an_expression_becomes_the_instructions_of_the_words_after_it_wher
         pass
     assert [r.text for r in plain.records] == ["Good news!  You won.  Really."]
     assert [w.code for w in pronouncer.warnings(text, plain)] == ["expression_ignored"]
+
+
+def test_where_a_sentence_may_not_end():
+    for inside in ('Call <sub alias="Doctor Who.', "Spell <spell>A.", "<say-as interpret-as='digits'>1.",
+                   "Hi <emphasis>now."):
+        assert markup.ends_inside_markup(inside), inside
+    for outside in ("Spell <spell>A. B</spell> now.", "a < b.", "Hi <break time='1s'/> there.", "<speak>Hi.",
+                    "plain text.", "<spell>" + "x" * markup.MAX_CONTENT_CHARS):
+        assert not markup.ends_inside_markup(outside), outside

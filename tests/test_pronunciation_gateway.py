@@ -379,3 +379,22 @@ async def test_token_streaming_holds_back_only_what_a_rule_still_needs():
     [start], [done] = of_type(messages, "audio.start"), of_type(messages, "audio.done")
     assert "warnings" not in start
     assert [w["code"] for w in done["warnings"]] == ["markup_ignored"]
+
+
+async def test_no_sentence_ends_inside_markup(synthetic):
+    """A sentence end inside a tag or its content would cut the markup in two (each half read as text):
+    with markup on, the splitter takes no boundary there, over the WebSocket, in token mode and over HTTP."""
+    server, backend = synthetic
+    text = ('Call <sub alias="Doctor Who. The show">DW</sub> today. Spell <spell>A. B</spell> now. '
+            'And a < b. Done.')
+    said_whole = ["Call Doctor Who. The show today.", "Spell A, B now.", "And a < b.", "Done."]
+    for granularity in ("sentence", "token"):
+        backend.records.clear()
+        messages = await session(server.ws_url, [text], KEY_A, text_markup="ssml", split_granularity=granularity)
+        assert said(backend) == said_whole, granularity
+        assert [words_of(d) for d in of_type(messages, "audio.done")][:2] == [
+            ["Call", "DW", "today."], ["Spell", "A. B", "now."]]
+    backend.records.clear()
+    response = httpx.post(server.url + "/v1/audio/speech", headers=auth(KEY_A), timeout=30, json={
+        "input": text, "voice": VOICE, "response_format": "pcm", "text_markup": "ssml"})
+    assert response.status_code == 200 and said(backend) == said_whole

@@ -52,6 +52,7 @@ from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_tran
 from ..gateway import Gateway
 from ..language import voices_for_sentences
 from ..limits import AdmissionClaim, LimitExceeded, StreamMeter, SynthesisMonitor
+from ..pronunciation.markup import ends_inside_markup
 from ..pronunciation.pronouncer import Pronouncer
 from ..protocol import ErrorCode, PronunciationEntry, Pronunciations, ProtocolError, backend_error_code, loads_client_json
 from ..session.segmenter import SLICE_S, SentenceSegmenter, push_in_slices
@@ -295,8 +296,9 @@ async def pipelined_synthesis(
             await producer
 
 
-async def _sentences(text: str, language: str, max_chars: int) -> list[str]:
-    segmenter = SentenceSegmenter("sentence", language=language, max_unit_chars=max_chars)
+async def _sentences(text: str, language: str, max_chars: int, markup_on: bool = False) -> list[str]:
+    segmenter = SentenceSegmenter("sentence", language=language, max_unit_chars=max_chars,
+                                  keeps_together=ends_inside_markup if markup_on else None)
     units = await push_in_slices(segmenter, text) + segmenter.flush()
     return [u for u in units if u.strip()]
 
@@ -415,7 +417,7 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                 )
         # Each sentence's voice: one of its language where the client left that to the server
         # (gateway/language.py), and a warning per language the voice cannot read.
-        sentences = await _sentences(body.input, body.language, settings.max_synthesis_chars)
+        sentences = await _sentences(body.input, body.language, settings.max_synthesis_chars, body.text_markup is not None)
         auto_voice = (body.voice_id is None and body.ref_audio is None and cloned is None
                       and body.language.lower() == "auto")
         spoken_by = await _in_slices(voices_for_sentences(backend, voice, sentences, auto=auto_voice))

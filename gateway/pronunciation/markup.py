@@ -72,6 +72,24 @@ def _pause_ms(attrs: dict[str, str]) -> int | None:
     return BREAK_STRENGTHS.get(attrs.get("strength", "medium").lower())
 
 
+_TAG_START = re.compile(r"</?[A-Za-z]")
+_NOT_CONTAINERS = ("speak", "break", *EXPRESSION_TAGS)
+
+
+def ends_inside_markup(text: str) -> bool:
+    """Whether `text` ends inside a tag or inside a container's content (a sentence must not end there: its
+    markup would be cut in two). Looks at the end of the text only, as far as a tag and its content reach."""
+    window = text[-(MAX_TAG_CHARS + MAX_CONTENT_CHARS + 16):]
+    lt, gt = window.rfind("<"), window.rfind(">")
+    if lt < 0:
+        return False
+    if lt > gt:  # a tag being written: "<sub alias='Dr. Who" (not "a < b": no tag starts so)
+        return _TAG_START.match(window, lt) is not None and len(window) - lt < MAX_TAG_CHARS
+    tag = _TAG.fullmatch(window, lt, gt + 1)
+    return (tag is not None and not tag.group(1) and not tag.group(4)
+            and tag.group(2).lower() not in _NOT_CONTAINERS and len(window) - gt - 1 < MAX_CONTENT_CHARS)
+
+
 def read_tag(text: str, i: int, *, final: bool) -> Tag | None | object:
     """The tag at text[i] ("<"): a Tag, None (malformed: read "<" as text) or UNDECIDED."""
     close = text.find(">", i, i + MAX_TAG_CHARS)

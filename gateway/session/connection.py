@@ -50,6 +50,7 @@ from ..compat import VoiceChoice, option_warnings, resolve_voice, timestamp_tran
 from ..limits import Admission, AdmissionClaim
 from ..logs import session_id_var
 from ..metrics import GatewayMetrics
+from ..pronunciation.markup import ends_inside_markup
 from ..pronunciation.registry import PronunciationRegistry
 from ..protocol import (
     DEFAULT_SAMPLE_RATE,
@@ -695,7 +696,9 @@ class StreamingSession:
         if granularity == "token" and not self.config.text_streaming:
             # The backend needs whole units: sentences, the first one cut short to start speaking sooner.
             granularity, first_unit_words = "sentence", FIRST_UNIT_WORDS
+        markup_on = self.config.message.text_markup is not None
         return SentenceSegmenter(granularity, language=self.config.message.language,
+                                 keeps_together=ends_inside_markup if markup_on else None,
                                  max_unit_chars=self.settings.max_synthesis_chars, first_unit_words=first_unit_words)
 
     def _buffered_chars(self) -> int:

@@ -34,6 +34,10 @@ moment each is certainly complete, never later:
   whitespace; flushed text over the limit is cut into pieces after the last sentence end that fits, else
   the last clause mark, else the last whitespace. Only a single word longer than the limit is cut inside.
 
+- ``keeps_together`` (a predicate on the text before a boundary): where it holds, no boundary is taken
+  but the forced cut at ``max_unit_chars``. A session with markup passes one (no unit ends inside a tag or
+  its content, gateway/pronunciation/markup.py).
+
 Units keep their text exactly; only the whitespace between units is dropped, and whitespace-only units
 are never emitted. pysbd only ever sees the unreleased tail (at most ``PYSBD_WINDOW`` characters of it,
 ending at the decision point), so cost stays proportional to the text, not to its square.
@@ -50,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import pysbd
@@ -135,7 +140,8 @@ class SentenceSegmenter:
     """Turns a stream of text pieces into speakable units. One instance per utterance (or context)."""
 
     def __init__(self, granularity: Granularity = "sentence", language: str = "en",
-                 max_unit_chars: int = MAX_UNIT_CHARS, first_unit_words: int = 0) -> None:
+                 max_unit_chars: int = MAX_UNIT_CHARS, first_unit_words: int = 0,
+                 keeps_together: Callable[[str], bool] | None = None) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, not {granularity!r}")
         if max_unit_chars < 1:
@@ -145,6 +151,9 @@ class SentenceSegmenter:
         self.granularity = granularity
         self.max_unit_chars = max_unit_chars
         self.first_unit_words = first_unit_words
+        # Whether a unit's text would end inside something that must stay whole (markup: a tag and its
+        # content, gateway/pronunciation/markup.py); no boundary is taken there but the forced cut.
+        self.keeps_together = keeps_together
         self._released_any = False  # a unit was released (first_unit_words applies to the first only)
         self.language = pysbd_language(language)
         self._pysbd = pysbd.Segmenter(language=self.language, clean=False)
@@ -274,9 +283,10 @@ class SentenceSegmenter:
             if prev and not prev.isspace():
                 token = tail[self._token_start : i]
                 self._words += 1
-                if self.granularity == "clause" and self._clause_ends_with(token, i):
+                if self.granularity == "clause" and self._clause_ends_with(token, i) and self._may_end(tail, i):
                     return i, i
-                if self.first_unit_words and not self._released_any and self._first_unit_ends_with(token):
+                if (self.first_unit_words and not self._released_any and self._first_unit_ends_with(token)
+                        and self._may_end(tail, i)):
                     return i, i
                 if self._pending is None and (char == "\n" or any(c in SENTENCE_TERMINATORS for c in token)):
                     self._pending = (i, self._token_start)
@@ -287,21 +297,27 @@ class SentenceSegmenter:
         if self._pending is not None:
             run_start, token_start = self._pending
             self._pending = None
-            if not _is_list_marker(tail, token_start, run_start, i) and self._pysbd_splits(tail, token_start, i):
+            if (not _is_list_marker(tail, token_start, run_start, i) and self._may_end(tail, run_start)
+                    and self._pysbd_splits(tail, token_start, i)):
                 return run_start, i
         if not prev or prev.isspace():
             self._token_start = i
         if char.isalnum():
             self._has_word_char = True
-        elif char in CJK_TERMINATORS and self._has_word_char:
+        elif char in CJK_TERMINATORS and self._has_word_char and self._may_end(tail, i + 1):
             return i + 1, i + 1
         if self.granularity == "clause":
-            if char in CJK_CLAUSE_MARKS and i + 1 >= CJK_CLAUSE_MIN_CHARS:
+            if char in CJK_CLAUSE_MARKS and i + 1 >= CJK_CLAUSE_MIN_CHARS and self._may_end(tail, i + 1):
                 return i + 1, i + 1
             # An em/en dash inside a word ("now—then") ends a clause once the next word starts.
-            if prev in DASHES and char not in DASHES and i >= CLAUSE_MIN_CHARS and tail[self._token_start] not in DASHES:
+            if (prev in DASHES and char not in DASHES and i >= CLAUSE_MIN_CHARS and tail[self._token_start] not in DASHES
+                    and self._may_end(tail, i)):
                 return i, i
         return None
+
+    def _may_end(self, tail: str, end: int) -> bool:
+        """Whether a unit may end at `end` (keeps_together: not inside markup)."""
+        return self.keeps_together is None or not self.keeps_together(tail[:end])
 
     def _first_unit_ends_with(self, token: str) -> bool:
         """first_unit_words: whether the first unit ends early after `token`, its latest whole word."""
