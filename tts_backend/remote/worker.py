@@ -143,6 +143,7 @@ class WorkerServer:
         self.advertise = advertise or self.listen
         self.reachable_at = reachable_at
         self._answers_to: frozenset[WorkerAddress] = frozenset()  # set by start() (connection.py)
+        self._resolving: asyncio.Task | None = None
         self._given_id = worker_id
         self.worker_id = worker_id or default_worker_id(self.listen)
         self._capacity = capacity
@@ -274,29 +275,33 @@ class WorkerServer:
                 self.advertise = self.advertise.with_port(self.bound_port)
             if self._given_id is None:
                 self.worker_id = default_worker_id(self.listen.with_port(self.bound_port))
-        self._answers_to = await self._addresses_answered()
+        self._answer_to_addresses()
 
-    async def _addresses_answered(self) -> frozenset[WorkerAddress]:
-        """The addresses of the advertise and --reachable-at addresses, host names resolved now, that this
-        worker proves itself for besides the one a connection reaches on its side (connection.py)."""
-        answered = set()
-        loop = asyncio.get_running_loop()
+    def _answer_to_addresses(self) -> None:
+        """Besides the address a connection reaches on its side, this worker proves itself for its advertise
+        and --reachable-at addresses (connection.py): those with an IP at once, those with a host name once it
+        is resolved, in the background (a DNS slow to answer must not hold the worker's start)."""
+        given = []
         for address in (self.advertise, *self.reachable_at):
             if address.scheme != self.listen.scheme:
                 log.warning("%s is not a %s address: this worker does not answer to it", address, self.listen.scheme)
-                continue
-            address = normalized(address)
-            answered.add(address)
-            if address.scheme == "unix" or address.host_is_ip:
-                continue
+            else:
+                given.append(normalized(address))
+        self._answers_to = frozenset(a for a in given if a.scheme == "unix" or a.host_is_ip)
+        names = [a for a in given if a.scheme != "unix" and not a.host_is_ip]
+        if names:
+            self._resolving = asyncio.create_task(self._resolve(names))
+
+    async def _resolve(self, names: list[WorkerAddress]) -> None:
+        loop = asyncio.get_running_loop()
+        for address in names:
             try:
                 found = await loop.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
             except OSError as exc:
-                log.warning("cannot resolve %s: %s; this worker answers to it only where it is dialled by IP",
-                            address, exc)
+                log.warning("cannot resolve %s (%s): gateways that reach this worker through it are refused; "
+                            "direct connections are not affected", address, exc)
                 continue
-            answered.update(reached_address(address.scheme, sockaddr) for *_, sockaddr in found)
-        return frozenset(answered)
+            self._answers_to |= {reached_address(address.scheme, sockaddr) for *_, sockaddr in found}
 
     def answers_to(self, dialled: object, writer: asyncio.StreamWriter) -> bool:
         """Whether `dialled`, the address a gateway's hello says its connection reached, is this worker's."""
@@ -315,6 +320,8 @@ class WorkerServer:
             or address in self._answers_to
 
     async def close(self) -> None:
+        if self._resolving is not None:
+            self._resolving.cancel()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
