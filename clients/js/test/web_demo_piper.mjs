@@ -2,14 +2,15 @@
 // Chromium: at phone width (390 px) the page is measured with Piper's long voice name in the voice select
 // and its sentences in the timing table; short replies are spoken one after another, each snapshot taken
 // the moment the page says "playback finished"; a sentence in which Piper times a word with zero length is
-// spoken to the end (every word must be highlighted); and a desktop screenshot of the page is saved for
-// the README. tests/test_web_demo.py checks the numbers.
-// Usage: node web_demo_piper.mjs <gateway base url> <screenshot dir> <README screenshot path> <short text> <runs> <text>
+// spoken to the end (every word must be highlighted); and the page is drawn at desktop size as README's
+// picture shows it (into a file the test names; docs/web_demo_screenshot.py takes the committed one).
+// tests/test_web_demo.py checks the numbers.
+// Usage: node web_demo_piper.mjs <gateway base url> <screenshot dir> <README view path> <short text> <runs> <text>
 
 import { runBrowserCheck } from "./chromium.mjs";
 import { checkLayout } from "./layout.mjs";
 
-const [baseUrl, screenshotDir, readmeShot, shortText, runs, text] = process.argv.slice(2);
+const [baseUrl, screenshotDir, readmeView, shortText, runs, text] = process.argv.slice(2);
 
 await runBrowserCheck(async (browser, output) => {
   const page = await browser.newPage({ viewport: { width: 390, height: 844 }, deviceScaleFactor: 1 });
@@ -51,7 +52,7 @@ await runBrowserCheck(async (browser, output) => {
   }, null, 60000);
   await page.waitForTimeout(1500);
   output.desktopLayout = await checkLayout(page, { width: 1280, height: 900, screenshot: `${screenshotDir}/web-demo-piper-1280.png` });
-  await page.screenshot({ path: readmeShot });
+  await page.screenshot({ path: readmeView });  // README's view of the page; the test checks its size
   await page.click("#interrupt");
   await waitFor(() => window.voxgateDemo.snapshot().utterance?.heardText !== null, null, 10000);
   output.interrupted = (await snapshot()).utterance;
