@@ -5,7 +5,10 @@ sentence texts are the ones written. A real gateway on loopback with the synthet
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import httpx
 import pytest
 import voxgate_client as vg
 
@@ -59,3 +62,18 @@ def test_js_client_passes_pronunciations(gateway):
     assert heard(backend) == SAID
     assert observed["words"] == WRITTEN
     assert observed["sentenceTexts"] == SENTENCES
+
+
+def test_voxgate_say_passes_entries_dictionaries_and_markup(gateway, tmp_path):
+    url, backend = gateway
+    assert httpx.post(url + "/v1/audio/pronunciations",
+                      json={"name": "units", "entries": [{"text": "km", "say": "kilometres"}]}).is_success
+    script = [sys.executable, "-c", "import sys; from voxgate_client.cli import main; sys.exit(main())"]
+    result = subprocess.run(
+        [*script, "--url", url, "--voice", VOICE, "-o", str(tmp_path / "out.wav"), "--say", "Voxgate=vox gate",
+         "--dictionary", "units", "--ssml"],
+        input="Voxgate drove 5 km with <spell>AB</spell>.", capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert heard(backend) == ["vox gate drove 5 kilometres with A B."]
+    # Its progress line names the written words (token splitting: those known when synthesis began).
+    assert "sentence 0: Voxgate drove 5 km with" in result.stderr

@@ -174,6 +174,21 @@ async def test_the_backend_gets_the_rewrite_and_the_words_come_back_written():
     assert all(a.end <= b.start for a, b in zip(words, words[1:]))
 
 
+STREAMED = "Voxgate's code is <spell>AB-12</spell>. <break time='500ms'/> Bye now in New York."
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=len(STREAMED) - 1), max_size=12).map(sorted))
+def test_audio_and_words_do_not_depend_on_where_the_stream_breaks(cuts):
+    """Through the real synthetic backend: the sentence's audio and its written words' timings are the same
+    for every way of cutting its text into pushes."""
+    pronouncer = Pronouncer(RULES, True)
+    bounds = [0, *cuts, len(STREAMED)]
+    _, whole_pcm, whole_words = asyncio.run(speak(pronouncer, pieces=[STREAMED]))
+    _, pcm, words = asyncio.run(speak(pronouncer, pieces=[STREAMED[a:b] for a, b in zip(bounds, bounds[1:])]))
+    assert pcm == whole_pcm and words == whole_words
+
+
 async def test_a_text_streamed_in_pieces_is_said_and_timed_as_the_whole_text():
     pronouncer = Pronouncer(RULES, True)
     text = "Voxgate's code is <spell>AB-12</spell>. <break time='500ms'/> Bye now in New York."

@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", choices=("token", "sentence", "clause", "none"), default="token",
                         help="split granularity (default token: synthesis starts at each sentence's first words "
                              "where the backend can)")
+    parser.add_argument("--say", action="append", default=[], metavar="WRITTEN=SPOKEN",
+                        help="say WRITTEN as SPOKEN (a pronunciation entry; repeatable), e.g. --say Voxgate='vox gate'")
+    parser.add_argument("--dictionary", action="append", default=[], metavar="NAME",
+                        help="a pronunciation dictionary registered with the key (repeatable)")
+    parser.add_argument("--ssml", action="store_true", help="read the text as markup: <spell>, <say-as>, <sub>, <break>")
     parser.add_argument("--api-key", default=os.environ.get("VOXGATE_API_KEY"), help="or VOXGATE_API_KEY")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-sentence progress on stderr")
     return parser
@@ -47,6 +52,8 @@ async def say(args: argparse.Namespace, text: str) -> int:
         instructions=args.instructions,
         seed=args.seed,
         split_granularity=args.split,
+        pronunciations=_pronunciations(args) or None,
+        text_markup="ssml" if args.ssml else None,
     )
     play = args.play or not args.output
     if play and not SoundCardPlayer.available():
@@ -101,6 +108,16 @@ def _print_warnings(warnings: list[dict], where: str = "") -> None:
     always shown, even with --quiet."""
     for warning in warnings:
         print(f"voxgate-say: warning: {where}{warning.get('code')}: {warning.get('message')}", file=sys.stderr)
+
+
+def _pronunciations(args: argparse.Namespace) -> list:
+    entries: list = []
+    for rule in args.say:
+        written, sep, spoken = rule.partition("=")
+        if not sep or not written.strip() or not spoken.strip():
+            raise SystemExit(f"voxgate-say: --say takes WRITTEN=SPOKEN, not {rule!r}")
+        entries.append({"text": written, "say": spoken})
+    return entries + list(args.dictionary)
 
 
 def main(argv: list[str] | None = None) -> int:
