@@ -542,3 +542,24 @@ def test_first_chunks_keep_every_codec_turn_while_the_codec_keeps_up():
     second.frames_generated = 2
     batch = scheduler.decide(now=100.001)
     assert batch.rule == "startup" and batch.requests == [second]
+
+
+def test_fresh_arrivals_are_gathered_for_one_prefill_only_while_many_streams_step():
+    from tts_backend.engine.request import RequestState
+
+    def scheduler_with(stepping):
+        scheduler, _ = _scheduler_with_playing_streams([(8, 8, 2, 5.0)] * stepping,
+                                                       prefill_gather_s=0.010, prefill_gather_streams=4)
+        r = RequestState(request_id=99, prompt=None, seed=1, max_frames=1000, chunk_schedule=(2, 4, 8, 12),
+                         arrival=100.0, sample_rate=24000, samples_per_frame=SPF)
+        scheduler.add(r)
+        return scheduler, r
+
+    busy, fresh = scheduler_with(stepping=6)
+    batch = busy.decide(now=100.002)  # 2 ms old, 6 streams can step: they step, the arrival waits for company
+    assert batch.stage is Stage.FRAME and fresh not in batch.requests
+    batch = busy.decide(now=100.011)  # older than the gathering time: admitted
+    assert batch.stage is Stage.PREFILL and batch.requests == [fresh]
+    light, fresh = scheduler_with(stepping=2)  # light load: admitted at once
+    batch = light.decide(now=100.002)
+    assert batch.stage is Stage.PREFILL and batch.requests == [fresh]

@@ -60,6 +60,9 @@ class SchedulerConfig:
     # Streams in a codec call nothing urgent waits for. A first chunk waits for the call in flight, so the
     # call's length is first-audio latency: 8 streams x 12 frames is 9.2 ms on the H100, 16 x 12 is 16.9.
     bulk_codec_streams: int = 16
+    # A fresh arrival's prefill may wait this long for others while at least prefill_gather_streams step.
+    prefill_gather_s: float = 0.010
+    prefill_gather_streams: int = 24
     initial_stage_cost_s: float = 0.005  # per-batch cost guess until the engine has measured each stage
 
 
@@ -246,6 +249,7 @@ class Scheduler:
         ready = self._ready(now, codec_in_flight)
         if not ready.by_stage:
             return None
+        self._gather_arrivals(ready, now)
         if ready.urgent_codec:
             anchor = min(ready.urgent_codec, key=lambda it: (it.deadline, it.arrival))
             batch = self._fill(anchor, ready, ready.urgent_codec, "urgent_codec")
@@ -273,6 +277,20 @@ class Scheduler:
         self._decisions += 1
         self._served_at[batch.stage] = self._decisions
         return batch
+
+    def _gather_arrivals(self, ready: _Ready, now: float) -> None:
+        """Hold a prefill of a few fresh arrivals back for one frame while other streams can step, so that
+        arrivals are admitted in groups: a prefill costs about the same for 1 prompt as for 8 (H100: 2.8 ms
+        for 2 x 32 positions, 3.6 ms for 8 x 32), and each is an engine step of its own."""
+        gather = self.config.prefill_gather_s
+        items = ready.by_stage.get(Stage.PREFILL)
+        stepping = ready.by_stage.get(Stage.FRAME, ())
+        if not gather or not items or len(stepping) < self.config.prefill_gather_streams:
+            return  # at light load a prefill's device time is not what limits anyone: admit at once
+        if len(items) >= self.config.max_batch[Stage.PREFILL] or any(now - it.arrival >= gather for it in items):
+            return
+        del ready.by_stage[Stage.PREFILL]
+        ready.startup = [it for it in ready.startup if it.stage is not Stage.PREFILL]
 
     def _bulk_codec_anchor(self, ready: _Ready) -> _Item | None:
         """The playing stream whose codec work is due first, if the codec is falling behind: some stream
