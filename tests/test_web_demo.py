@@ -12,8 +12,8 @@ The page is measured and screenshotted at desktop, small-laptop and phone (390 p
 at phone width (web_demo_errors.mjs). The screenshots go to pytest's temporary folder (their path is in
 each report).
 
-The page on the default gateway (Piper: its long voice name, its zero-length words, audio sent faster than
-real time) runs web_demo_piper.mjs: short replies must finish only once played, every word be highlighted,
+The page on the default gateway (Piper: its long voice name, words espeak runs together, audio sent
+faster than real time) runs web_demo_piper.mjs: short replies must finish only once played, every word be highlighted,
 a barge-in report the words heard, the clone panel say what cloning needs; it also draws the page as
 README's picture shows it, into the temporary folder too. A test run changes nothing in the checkout: the
 committed picture, docs/web_demo.png, is refreshed by its own command, `python docs/web_demo_screenshot.py`.
@@ -411,8 +411,8 @@ def test_the_page_offers_no_cloning_where_the_backend_cannot_clone(run):
 
 PIPER_SHORT = "Hi."
 SHORT_RUNS = 6
-# Piper times "an" here with zero length (start == end).
-ZERO_LENGTH_WORD_TEXT = "For an instant he saw Pierre drawn like a silhouette against the sky."
+# espeak runs "For an" together as one spoken word; Piper once timed "an" with zero length here.
+MERGED_WORDS_TEXT = "For an instant he saw Pierre drawn like a silhouette against the sky."
 README_SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "web_demo.png"
 
 
@@ -428,7 +428,7 @@ def piper_run(browser_tools, screenshots) -> dict:
     before = file_digest(README_SCREENSHOT)
     with running_gateway("piper") as server:
         result = run_node_json(JS_CLIENT_DIR / "test" / "web_demo_piper.mjs", server.url, str(screenshots),
-                               str(readme_view), PIPER_SHORT, str(SHORT_RUNS), ZERO_LENGTH_WORD_TEXT,
+                               str(readme_view), PIPER_SHORT, str(SHORT_RUNS), MERGED_WORDS_TEXT,
                                timeout=150)
     assert result.get("failure") is None, result.get("failure")
     assert result["pageErrors"] == []
@@ -451,11 +451,11 @@ def test_a_short_reply_finishes_only_once_it_has_played(piper_run):
         assert end["framesPlayed"] == end["framesQueued"] and end["bufferedFrames"] == 0, "finished while playing"
 
 
-def test_a_zero_length_word_is_highlighted_too(piper_run):
+def test_words_run_together_are_each_timed_and_highlighted(piper_run):
     utterance = piper_run["words"]
     words = utterance["words"]
-    assert [w["word"] for w in words] == ZERO_LENGTH_WORD_TEXT.split()
-    assert any(w["start"] == w["end"] for w in words), "Piper no longer times a word with zero length here"
+    assert [w["word"] for w in words] == MERGED_WORDS_TEXT.split()
+    assert all(w["start"] < w["end"] for w in words), words  # each has its share of the merged sound
     assert [h["word"] for h in utterance["highlights"]] == [w["word"] for w in words]
 
 

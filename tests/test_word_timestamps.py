@@ -19,6 +19,7 @@ import websockets
 
 from tests.gateway_server import running_gateway
 from tts_backend.base import SynthesisRequest, split_words
+from tts_backend.piper import PiperSynthesizer
 from tts_backend.synthetic import SyntheticSynthesizer
 
 VOICE = "tone-mid"
@@ -438,12 +439,36 @@ async def test_piper_times_every_written_word():
     lengths = {w["word"]: w["end"] - w["start"] for w in words}
     # "$3.50" is spoken as five words, "10:30" as two: far longer than "so" or "it".
     assert lengths["$3.50 -"] > 3 * lengths["so"] and lengths["10:30"] > 2 * lengths["It"]
-    # "in the" is one spoken word: one of the two has it all, and "1990s," right after keeps its own
-    # audio (speech, not a pause: the words after a merge are not shifted).
+    # "in the" is one spoken word: each of the two has its share of it, and "1990s," right after keeps its
+    # own audio (speech, not a pause: the words after a merge are not shifted).
     pcm = np.frombuffer(bytes(client.audio[0]), dtype="<i2").astype(float)
     nineties = next(w for w in words if w["word"] == "1990s,")
     inside = pcm[int(nineties["start"] * 22050) : int(nineties["end"] * 22050)]
     assert np.sqrt(np.mean(inside**2)) > 1000
+    assert lengths["in"] > 0.04 and lengths["the"] > 0.04, lengths
+
+
+@pytest.mark.parametrize("text, merged", [
+    ("For an instant he saw Pierre drawn like a silhouette against the sky.", ("For", "an")),
+    ("He sat in the car and looked at the house.", ("in", "the")),
+])
+async def test_piper_gives_words_run_together_their_share(text, merged):
+    """espeak runs some words together ("for an" as one spoken word): before, one of them had it all and the
+    other zero length. Each now spans its own sounds: no word has zero length, the two are contiguous
+    and each is shorter than the merged word."""
+    backend = PiperSynthesizer()
+    await backend.start()
+    try:
+        timings = [w async for chunk in backend.synthesize(SynthesisRequest(text=text, voice=backend.default_voice,
+                                                                            word_timestamps=True))
+                   for w in chunk.words]
+    finally:
+        await backend.stop()
+    assert [w.word for w in timings] == text.split()
+    assert all(w.end > w.start for w in timings), [(w.word, w.start, w.end) for w in timings]
+    first, second = (next(w for w in timings if w.word == m) for m in merged)
+    assert first.end == second.start
+    assert all(w.end - w.start >= 0.03 * backend.sample_rate for w in (first, second))
 
 
 # ------------------------------------------------------------------------------------------ HTTP

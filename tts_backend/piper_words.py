@@ -13,8 +13,10 @@ the phonemes alone, before synthesis:
 3. The written words take the spoken words in order, each as many as it makes alone. Where context
    changes the count (espeak runs "in the" together as one spoken word "ɪnðə"), a small dynamic
    programme finds the in-order assignment whose sounds per word depart least from the expected ones,
-   so the merged word goes to one of its written words and the words after it stay right. A written
-   word that gets no spoken word has zero length at the boundary where it would have been.
+   so the merged word goes to one of its written words and the words after it stay right.
+4. A written word that got no spoken word (its sounds run into a neighbour's) takes its share of that
+   spoken word: as many of its sounds as it makes alone, so no word has zero length ("in" and "the" of
+   "ɪnðə" get "ɪn" and "ðə").
 
 A written word spans from the start of its first spoken word's first sound to the end of its last sound:
 stress marks belong to the word, punctuation phonemes (the pause after a comma) do not, and neither does
@@ -117,10 +119,51 @@ class WordTimer:
             mine = groups[taken : taken + count]
             self._planned.append(_Planned(word, mine[0][0] if mine else -1, mine))
             taken += count
+        self._share_merged([sounds for _, sounds in expected])
         self._bounds: list[list[tuple[int, int]]] = []  # per sentence fed: each phoneme's [start, end)
         self._offset = 0  # samples of the sentences fed so far
         self._told = 0
         self._last_end = 0
+
+    def _share_merged(self, expected_sounds: list[int]) -> None:
+        """A written word that got no spoken word of its own was run together with a neighbour ("in the" as
+        "ɪnðə"): it takes its share of that spoken word, as many of its sounds as it makes alone (the
+        neighbour keeps at least one), from the neighbour that got more sounds than it makes alone (the one
+        before it on a tie). A word that finds none keeps zero length where it would have been."""
+        planned = self._planned
+        for i, word in enumerate(planned):
+            if word.groups or expected_sounds[i] == 0:
+                continue
+            surplus = {}
+            for j, side in ((i - 1, -1), (i + 1, 0)):
+                if 0 <= j < len(planned) and planned[j].groups:
+                    sentence, indices = planned[j].groups[side]
+                    sounds = _sounds(self._sentences[sentence], indices)
+                    mine = sum(_sounds(self._sentences[s], g) for s, g in planned[j].groups)
+                    if sounds > 1:
+                        surplus[j] = mine - expected_sounds[j]
+            if not surplus:
+                continue
+            donor = max(surplus, key=lambda j: (surplus[j], -j))
+            side = -1 if donor < i else 0
+            sentence, indices = planned[donor].groups[side]
+            phonemes = self._sentences[sentence]
+            total = _sounds(phonemes, indices)
+            take = max(1, min(expected_sounds[i], total - 1))
+            keep = total - take if donor < i else take  # sounds before the cut
+            cut, counted = 0, 0
+            while counted < keep or (cut < len(indices) and phonemes[indices[cut]] in _MARKS
+                                     and phonemes[indices[cut]] not in "ˈˌ"):
+                counted += phonemes[indices[cut]] not in _MARKS
+                cut += 1
+            head, tail = indices[:cut], indices[cut:]
+            if donor < i:
+                planned[donor].groups[side] = (sentence, head)
+                word.groups = [(sentence, tail)]
+            else:
+                planned[donor].groups[side] = (sentence, tail)
+                word.groups = [(sentence, head)]
+            word.sentence = sentence
 
     def feed(self, phonemes: list[str], durations: list[int] | None, num_samples: int) -> tuple[WordTiming, ...]:
         """One synthesized sentence: its phonemes, each phoneme's samples (BOS first, EOS last, as Piper's

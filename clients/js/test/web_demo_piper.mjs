@@ -1,7 +1,7 @@
 // The web demo on the default gateway (Piper, `voxgate serve`), as a new user first sees it, in headless
 // Chromium: at phone width (390 px) the page is measured with Piper's long voice name in the voice select
 // and its sentences in the timing table; short replies are spoken one after another, each snapshot taken
-// the moment the page says "playback finished"; a sentence in which Piper times a word with zero length is
+// the moment the page says "playback finished"; a sentence with words espeak runs together ("For an") is
 // spoken to the end (every word must be highlighted); and the page is drawn at desktop size as README's
 // picture shows it (into a file the test names; docs/web_demo_screenshot.py takes the committed one).
 // tests/test_web_demo.py checks the numbers.
@@ -33,7 +33,7 @@ await runBrowserCheck(async (browser, output) => {
     output.short.push({ ...(await snapshot()).utterance, ...at });
   }
 
-  // A sentence with a zero-length word, to the end, then the page at phone width with its row.
+  // A sentence with words run together, to the end, then the page at phone width with its row.
   await page.fill("#text", text);
   await page.click("#speak");
   await waitFor((id) => window.voxgateDemo.snapshot().utterance?.contextId === id && window.voxgateDemo.snapshot().utterance.outcome === "played", `utt-${Number(runs) + 1}`);
