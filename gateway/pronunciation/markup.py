@@ -94,7 +94,7 @@ def read_tag(text: str, i: int, *, final: bool) -> Tag | None | object:
     """The tag at text[i] ("<"): a Tag, None (malformed: read "<" as text) or UNDECIDED."""
     close = text.find(">", i, i + MAX_TAG_CHARS)
     if close < 0:
-        return UNDECIDED if not final and len(text) < i + MAX_TAG_CHARS and "<" not in text[i + 1:] else None
+        return UNDECIDED if not final and len(text) < i + MAX_TAG_CHARS and text.find("<", i + 1) < 0 else None
     match = _TAG.fullmatch(text, i, close + 1)
     if match is None:
         return None
