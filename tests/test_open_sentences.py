@@ -256,13 +256,16 @@ def covered_words(messages: list) -> tuple[list[str], list[str]]:
     return spoken, named
 
 
-@pytest.mark.parametrize("failure", ["max_text_chars", "worker_killed"])
-async def test_text_pushed_after_an_open_sentence_failed_is_spoken_or_named_in_an_error(tmp_path, failure):
+@pytest.mark.parametrize("failure, then", [("max_text_chars", "text"), ("worker_killed", "text"),
+                                           ("max_text_chars", "done")])
+async def test_text_pushed_after_an_open_sentence_failed_is_spoken_or_named_in_an_error(tmp_path, failure, then):
+    # then "text": more words come after the failure; "done": a word still being written when it failed
+    # ("thirteen", given to no synthesis yet), then input.done.
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     extra = ("--max-text-chars", "40") if failure == "max_text_chars" else ()
     before = "one two three four five six seven eight nine ten eleven twelve "
-    after = "thirteen fourteen. Fifteen sixteen."
+    after = "thirteen fourteen. Fifteen sixteen." if then == "text" else "thirteen"
     with workers(synthetic_worker_args("--token-file", str(token_file), *extra, speed=4.0)) as (worker,):
         remote = RemoteSynthesizer(workers=worker.address, token=TOKEN, connect_timeout_s=20, info_refresh_s=0.1)
         with running_gateway(remote) as server:
@@ -280,18 +283,19 @@ async def test_text_pushed_after_an_open_sentence_failed_is_spoken_or_named_in_a
                     rest = before
                 for word in words_of(rest.rstrip()):
                     await send(ws, type="input.text", text=word)
-                await send(ws, type="input.text", text=" ")
+                await send(ws, type="input.text", text=" " if then == "text" else " thirteen")
                 messages += await receive_until(ws, "error")  # the sentence being written failed
-                for word in words_of(after):
-                    await send(ws, type="input.text", text=word)
+                if then == "text":
+                    for word in words_of(after):
+                        await send(ws, type="input.text", text=word)
                 await send(ws, type="input.done")
                 messages += await receive_until(ws, "session.done")
     spoken, named = covered_words(messages)
-    print(f"{failure}: {len(spoken)} words spoken, {len(named)} named in errors, of"
+    print(f"{failure}, then {then}: {len(spoken)} words spoken, {len(named)} named in errors, of"
           f" {len((before + after).split())} accepted")
     # Every word accepted is in a sentence that was spoken or named in an error, once, in order.
     texts = [d["sentence_text"] for d in of_type(messages, "audio.done")]
     assert " ".join(texts).split() == (before + after).split()
     assert named and of_type(messages, "session.done")[0]["total_sentences"] == len(texts)
     if failure == "max_text_chars":  # the worker is fine: what follows the failed sentence is spoken
-        assert spoken and " ".join(spoken).endswith("Fifteen sixteen.")
+        assert spoken and " ".join(spoken).endswith(after.split(". ")[-1])

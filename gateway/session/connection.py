@@ -594,7 +594,7 @@ class StreamingSession:
 
     async def _read_loop(self) -> None:
         while not self._closing:
-            await self._end_sentences_waiting_too_long()  # (messages that are not text do not delay it)
+            await self._end_open_sentences()  # (after every message: those that are not text do not delay it)
             now = time.monotonic()
             idle_until = self._last_active() + self.settings.idle_timeout_s
             waits = [deadline for _, deadline, _ in self._sentences_waiting_for_text()]
@@ -734,7 +734,6 @@ class StreamingSession:
             )
         if self.admission is not None and message.text:
             await self.admission.charge_chars(self.principal, len(message.text), context_id=message.context_id)
-        await self._after_failed_sentence(message.context_id)
         utterance = self._utterance(message.context_id)
         # In slices: splitting a large input can take seconds, and other sessions share this loop. This
         # session's next message waits (the reader handles one at a time), so its texts stay in order.
@@ -751,7 +750,6 @@ class StreamingSession:
         )
 
     async def _on_flush(self, context_id: str | None) -> None:
-        await self._after_failed_sentence(context_id)
         utterance = self._open.get(context_id)
         if utterance is not None:
             self._release(utterance, utterance.segmenter.flush())
@@ -767,7 +765,6 @@ class StreamingSession:
                 " once audio has gone out",
                 context_id=context_id,
             )
-        await self._after_failed_sentence(context_id)
         utterance = self._open.pop(context_id, None)
         if utterance is None:
             # input.done with no text: the utterance is empty, but the client still gets its answer.
@@ -812,14 +809,18 @@ class StreamingSession:
         for text in sentences:
             if not text.strip():
                 continue
-            job = utterance.open_job
+            job, rest = utterance.open_job, ""
             if job is not None:
                 utterance.open_job = None
+                if job.synthesis_failed:  # it takes no more text: its error names the words it has
+                    text, rest = text[: len(job.text)], text[len(job.text):].strip()
                 self._grow(job, text, finish=True)
             else:
                 job = self._new_sentence(utterance, text)
             if not job.finished:  # (a sentence that failed while open owes nothing more)
                 self.pipeline.count_text(job, len(text))
+            if rest:  # the text after a failed sentence: a sentence of its own, spoken or named in an error
+                self.pipeline.count_text(self._new_sentence(utterance, rest), len(rest))
 
     def _new_sentence(self, utterance: Utterance, text: str, *, open_text: bool = False) -> SentenceJob:
         """A sentence of `utterance`, recorded and queued by `_commit`. `open_text`: still being written (text
@@ -854,6 +855,8 @@ class StreamingSession:
             return
         if utterance.open_job is None:
             utterance.open_job = self._new_sentence(utterance, text, open_text=True)
+        elif utterance.open_job.synthesis_failed:
+            return  # it takes no more text: the read loop ends it at its words (_end_open_sentences)
         elif len(text) > len(utterance.open_job.text):
             self._grow(utterance.open_job, text)
 
@@ -884,10 +887,15 @@ class StreamingSession:
             wait = self.settings.idle_timeout_s
             yield utterance, job.progress_at + (min(wait, OPEN_SENTENCE_YIELD_S) if blocking else wait), blocking
 
-    async def _end_sentences_waiting_too_long(self) -> None:
-        """A sentence may not hold a backend slot (nor the session's other contexts) while no text comes: past
-        its wait it is finished at the words it has, with a warning; text that comes later starts the next."""
-        now, ended = time.monotonic(), False
+    async def _end_open_sentences(self) -> None:
+        """End sentences still being written at the words they have, the text after them starting the next
+        sentence: those whose synthesis failed (their error names their words; what follows is spoken or
+        named in an error of its own), and those that waited for text too long: a sentence may not hold a
+        backend slot (nor the session's other contexts) while no text comes; they get a warning."""
+        failed = [u for u in self._open.values() if u.open_job is not None and u.open_job.synthesis_failed]
+        for utterance in failed:
+            await self._end_open_sentence(utterance)
+        now, ended = time.monotonic(), bool(failed)
         for utterance, deadline, blocking in list(self._sentences_waiting_for_text()):
             if deadline > now:
                 continue
@@ -912,13 +920,6 @@ class StreamingSession:
         self._release(utterance, [unit, *await push_in_slices(segmenter, "")])
         self._grow_open_sentence(utterance)
         self._record_open_text(utterance)
-
-    async def _after_failed_sentence(self, context_id: str | None) -> None:
-        """A sentence still being written whose synthesis failed takes no more text (its error names the words
-        it has): the context's text after them starts the next sentence, spoken or named in an error of its own."""
-        utterance = self._open.get(context_id)
-        if utterance is not None and utterance.open_job is not None and utterance.open_job.synthesis_failed:
-            await self._end_open_sentence(utterance)
 
     # -------------------------------------------------------------- cancel
 
