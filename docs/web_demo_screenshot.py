@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -57,6 +58,9 @@ def main() -> int:
     parser.add_argument("--accept-busy", action="store_true",
                         help="keep the picture whatever the listener heard (for testing this script)")
     args = parser.parse_args()
+    # The browser closes while the page's later sentences still stream: asyncio warns once per frame sent to
+    # the gone socket, which says nothing about the picture.
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
     load = os.getloadavg()[0]
     print(f"load average {load:.1f} on {os.cpu_count()} cores")
     with running_gateway("piper") as server, tempfile.TemporaryDirectory() as folder:
