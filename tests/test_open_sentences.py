@@ -185,6 +185,26 @@ async def test_a_context_waiting_for_text_does_not_hold_back_another_contexts_se
     assert [(u["context_id"], u["total_sentences"]) for u in of_type(messages, "utterance.done")] == [("b", 1), ("a", 2)]
 
 
+async def test_the_python_client_hands_on_the_early_ends_warning():
+    import voxgate_client as vg
+
+    with running_gateway("synthetic") as server:
+        url = server.url.replace("http://", "ws://", 1)
+        async with vg.connect(url, vg.SessionConfig(voice=VOICE, split_granularity="token")) as session:
+            a, b = session.context("a"), session.context("b")
+            await a.send_text("Hello there my ")
+            spoken_b = await asyncio.wait_for(b.speak("Good morning to you."), 10)
+            a_events = []
+            async for event in a.events():
+                a_events.append(event)
+                if isinstance(event, vg.AudioDone):
+                    break
+    (done,) = [e for e in a_events if isinstance(e, vg.AudioDone)]
+    assert done.sentence_text == "Hello there my"
+    assert [w["code"] for w in done.warnings] == ["sentence_finished_early"]
+    assert spoken_b == rendered("Good morning to you.")
+
+
 # ------------------------------------------------------------------------------- item 8: resume, smaller cap
 
 

@@ -94,6 +94,9 @@ class AudioDone(Event):
     # when its synthesis started; the gateway sends the rest here (the client fills in audio.start's
     # otherwise).
     sentence_text: str | None = None
+    # What this sentence got differently than asked, known once it is whole: {code, message, field} (e.g.
+    # sentence_finished_early: a sentence still being written was ended at the words it had)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,7 @@ def parse_server_message(data: dict[str, Any]) -> Event:
         timestamp_info = data.get("timestamp_info") or {}
         return AudioDone(
             **_pick(data, "sentence_index", "total_bytes", "error", "context_id", "duration_ms", "cancelled",
-                    "sentence_text"),
+                    "sentence_text", "warnings"),
             words=_words_of_alignment(timestamp_info.get("word_alignment"), data.get("sentence_index")),
         )
     if kind == "audio.words":
