@@ -1,7 +1,8 @@
 """Smoke check of docker/haproxy.cfg without Docker: the same HAProxy config in front of two local
 `voxgate serve --store redis` replicas (only the server addresses and the DNS resolver differ).
 
-    python docker/lb_smoke.py          # needs haproxy on PATH and Redis on 127.0.0.1:6379
+    python docker/lb_smoke.py          # needs haproxy on PATH and Redis (VOXGATE_TEST_REDIS_URL, as the
+                                       # tests: 127.0.0.1:6379/0 unless set); its keys are deleted at the end
 
 (and maxconn, lowered to fit a small open-file limit). A voxgate_client session through the load balancer speaks a turn; the replica serving it gets SIGTERM
 mid-utterance. Checked: the utterance finishes, the balancer takes the draining replica out of rotation,
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import voxgate_client as vg  # noqa: E402
 from tests.gateway_server import free_port  # noqa: E402
+from tests.redis_fixtures import REDIS_URL, delete_prefix  # noqa: E402
 from tests.resume_fixtures import PACED, gateways, uninterrupted_pcm  # noqa: E402
 
 TURN_1 = "The first turn is being spoken when its replica is told to stop. It still finishes completely."
@@ -52,7 +54,14 @@ def active_sessions(url: str) -> float:
 
 async def main() -> int:
     prefix = f"voxgate-lb-smoke-{int(time.time())}:"
-    with gateways("redis://127.0.0.1:6379/0", prefix, 2, *PACED, "--drain-timeout", "10") as replicas:
+    try:
+        return await smoke(prefix)
+    finally:
+        delete_prefix(prefix)  # the replicas' keys (voices and limits have no TTL)
+
+
+async def smoke(prefix: str) -> int:
+    with gateways(REDIS_URL, prefix, 2, *PACED, "--drain-timeout", "10") as replicas:
         lb_port = free_port()
         config = tempfile.NamedTemporaryFile("w", suffix=".cfg", delete=False)
         config.write(local_config([r.port for r in replicas], lb_port))

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
@@ -37,16 +38,21 @@ def require_redis() -> None:
     pytest.skip(f"no Redis at {REDIS_URL}")
 
 
+def delete_prefix(prefix: str) -> None:
+    """Delete every key under `prefix` in the configured Redis."""
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
 @pytest.fixture
 def redis_prefix():
     """A unique key prefix; the test's keys are deleted afterwards."""
     require_redis()
     prefix = f"voxgate-test-{uuid.uuid4().hex[:12]}:"
     yield prefix
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-    if keys:
-        client.delete(*keys)
+    delete_prefix(prefix)
 
 
 class PrivateRedis:
@@ -102,11 +108,13 @@ class RedisProxy:
 
     def __init__(self, upstream_url: str = REDIS_URL) -> None:
         self.from_redis = 0
-        host, port = upstream_url.split("//")[1].split("/")[0].split(":")
-        self.upstream = (host, int(port))
+        upstream = urlsplit(upstream_url)
+        self.upstream = (upstream.hostname or "127.0.0.1", upstream.port or 6379)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        # The upstream's URL with the proxy's address: its database, password and options kept.
+        credentials = upstream.netloc.rpartition("@")[0]
+        self.url = urlunsplit(upstream._replace(netloc=f"{credentials + '@' if credentials else ''}127.0.0.1:{self.port}"))
         self.sockets: list[socket.socket] = [self.listener]
         self._break_on: bytes | None = None
         self.broken = threading.Event()

@@ -23,7 +23,7 @@ import websockets
 from gateway.voices import PromptCache
 from tests.cloning_fixtures import PitchCloneSynthesizer, auth, b64, clip, dominant_hz
 from tests.gateway_server import audio_by_sentence, open_session, receive_until, running_gateway
-from tests.redis_fixtures import redis_cluster, redis_prefix, redis_target  # noqa: F401 - fixture
+from tests.redis_fixtures import REDIS_URL, redis_cluster, redis_prefix, redis_target  # noqa: F401 - fixture
 
 KEY_A, KEY_B = "key-a-" + "a" * 20, "key-b-" + "b" * 20
 PRESET_HZ = 150.0  # the test backend's one preset voice
@@ -325,7 +325,7 @@ def test_reference_urls_are_fetched_only_where_allowed_and_within_limits(tmp_pat
 
 
 def test_a_session_resumed_on_another_replica_keeps_its_cloned_voice(redis_prefix):  # noqa: F811 - fixture
-    options = dict(api_keys=[KEY_A], store="redis", redis_key_prefix=redis_prefix)
+    options = dict(api_keys=[KEY_A], store="redis", redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
     with running_gateway(PitchCloneSynthesizer(), **options) as first, \
             running_gateway(second_backend := PitchCloneSynthesizer(), **options) as second:
         assert upload(first.url, KEY_A, "dave", clip(265.0), ref_text="hi").status_code == 200
