@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from gateway.session.connection import FIRST_UNIT_WORDS
 from gateway.session.segmenter import CJK_TERMINATORS, SentenceSegmenter
 
 # (name, granularity, text, expected units)
@@ -165,3 +166,33 @@ def test_released_the_moment_it_is_certain(name: str, granularity: str, text: st
         if k + 1 < len(spans):
             next_start = spans[k + 1][0]
             assert released_at[k] <= next_start, f"{units[k]!r} held back past the start of {units[k + 1]!r}"
+
+
+# The first unit on a backend that synthesizes whole units (Piper, split_granularity "token"): at most four
+# words, ending at a clause mark or before a word that starts a phrase when one comes first (issue 31): (text,
+# first unit, whether the cut is inside the sentence, where the unit's trailing silence is dropped).
+FIRST_UNIT_CASES = [
+    ("Hello there, this is a test of the first unit.", "Hello there,", False),
+    ("He turned sharply, and faced Gregson across the table.", "He turned sharply,", False),
+    ("Please call Stella and ask her to bring these things.", "Please call Stella", True),
+    ("I was so glad because you came.", "I was so glad", True),
+    ("We went home because it rained.", "We went home", True),
+    ("Gregson shoved back his chair and rose to his feet.", "Gregson shoved back his", True),
+    ("Will we ever forget it.", "Will we ever forget", True),
+    # A clause mark after one word, or a phrase word after one, is too soon.
+    ("Sure, I can help with that.", "Sure, I can help", True),
+    ("Cats and dogs play together in the yard.", "Cats and dogs play", True),
+    ("Stop.", "Stop.", False),
+]
+
+
+@pytest.mark.parametrize("text,first,in_sentence", FIRST_UNIT_CASES)
+def test_the_first_unit_ends_where_a_speaker_may_pause(text: str, first: str, in_sentence: bool) -> None:
+    for pieces in (list(text), random_pieces(text, 3), [text]):
+        segmenter = SentenceSegmenter("sentence", first_unit_words=FIRST_UNIT_WORDS)
+        units: list[str] = []
+        for piece in pieces:
+            units += segmenter.push(piece)
+        units += segmenter.flush()
+        assert units[0] == first and " ".join(units) == text
+        assert segmenter.first_unit_in_sentence is in_sentence

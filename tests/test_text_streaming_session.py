@@ -10,9 +10,11 @@ import json
 import time
 
 import httpx
+import numpy as np
 import pytest
 import websockets
 
+from bench.first_unit_pause import silent_run
 from gateway.session.segmenter import SentenceSegmenter
 from tests.gateway_server import RecordingBackend, audio_by_sentence, receive_until, running_gateway
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
@@ -334,3 +336,23 @@ def test_the_stable_prefix_always_starts_the_unit_it_belongs_to(seed: int):
     for unit in segmenter.flush():
         assert unit.startswith(promised)
         promised = ""
+
+
+async def test_on_piper_the_first_units_cut_is_not_heard_as_a_break():
+    """Token mode on Piper (the clients' default) cuts the first sentence after a few words to speak sooner;
+    the unit's sentence-end silence made a pause of about 200 ms inside the sentence there (spoken whole:
+    none; bench/first_unit_pause.py). A cut inside the sentence now drops that silence; a cut at a comma
+    keeps the pause a speaker makes there."""
+    cases = {"Gregson shoved back his chair and rose to his feet.": "Gregson shoved back his",
+             "He turned sharply, and faced Gregson across the table.": "He turned sharply,"}
+    pauses = {}
+    with running_gateway("piper") as server:
+        for text, first in cases.items():
+            messages = await speak(server.ws_url, words_of(text), split_granularity="token")
+            starts = of_type(messages, "audio.start")
+            assert [s["sentence_text"] for s in starts][0] == first
+            audio = audio_by_sentence(messages)
+            joined = np.frombuffer(audio[0] + audio[1], dtype="<i2")
+            pauses[first] = silent_run(joined, 24000, len(audio[0]) // 2)  # as the bench measures it
+    assert pauses["Gregson shoved back his"] <= 0.100, pauses
+    assert pauses["He turned sharply,"] >= 0.150, pauses

@@ -107,8 +107,10 @@ from .writer import SocketWriter
 log = logging.getLogger("voxgate.session")
 
 # split_granularity "token" on a backend that synthesizes whole units only (Piper): an utterance's first unit
-# ends after this many words (or at a clause mark after two), so its first audio waits for a few words, not a
-# whole sentence (Piper on a CPU: 74 ms for 9 characters, 436 ms for 57; docs/protocol.md, "Text streaming").
+# ends at a clause mark, before a word that starts a phrase, or after this many words, whichever comes first
+# (gateway/session/segmenter.py), so its first audio waits for a few words, not a whole sentence (Piper on a
+# CPU: 74 ms for 9 characters, 436 ms for 57). A cut inside the sentence drops the first unit's trailing
+# silence (audio/silence.py), so the join is not heard as a break (bench/first_unit_pause.py).
 FIRST_UNIT_WORDS = 4
 # A sentence still being written (text streaming) that holds back another context's audio (which goes out
 # only once the sentence is sent) is ended at its words after waiting this long for text: an LLM writes a
@@ -833,6 +835,7 @@ class StreamingSession:
             config=self.config,
             released_at=time.monotonic(),
             first_of_utterance=utterance.sentences == 0,
+            trim_tail=utterance.sentences == 0 and utterance.segmenter.first_unit_in_sentence,
             text_stream=TextStream(text) if open_text else None,
         )
         self.info.sentences_released += 1

@@ -146,6 +146,10 @@ class SentenceJob:
     config: ResolvedConfig
     released_at: float
     first_of_utterance: bool
+    # The utterance's first unit, cut early inside its sentence (segmenter.first_unit_in_sentence): its
+    # trailing silence is dropped, so that the sentence's two units join as spoken whole (audio/silence.py).
+    # A resume makes it again whole: the same bytes, with the silence after them.
+    trim_tail: bool = False
     # Resumed sentences: logged bytes to replay first, and how many bytes of freshly synthesized audio to
     # drop because the client already has them or they were replayed. No synthesis if fully recorded.
     replay: list[bytes] = field(default_factory=list)

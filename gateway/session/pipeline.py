@@ -33,6 +33,7 @@ from tts_backend.base import SynthesisRequest, Synthesizer, TextStream
 
 from ..audio import encoders
 from ..audio import pcm as audio
+from ..audio.silence import TrailingSilence
 from ..language import SentenceVoice, voice_for_sentence
 from ..limits import AdmissionClaim, SynthesisMonitor
 from ..metrics import GatewayMetrics
@@ -272,6 +273,12 @@ class SpeechPipeline:
         )
         monitor = self.monitor
         bytes_per_second = 2 * self.backend.sample_rate
+        trailing = TrailingSilence(self.backend.sample_rate) if job.trim_tail else None
+
+        def queue(pcm: bytes) -> None:
+            job.queued_bytes += len(pcm)
+            self.queued_audio += len(pcm)
+            job.chunks.put_nowait(pcm)
         try:
             pronouncer = config.pronouncer
             audio_chunks = (self.backend.synthesize(request) if pronouncer is None
@@ -298,9 +305,13 @@ class SpeechPipeline:
                         if chunk.pcm and not job.finished:
                             if measured:
                                 meter.produced(len(chunk.pcm) / bytes_per_second, time.monotonic() - pulled_at)
-                            job.queued_bytes += len(chunk.pcm)
-                            self.queued_audio += len(chunk.pcm)
-                            job.chunks.put_nowait(chunk.pcm)
+                            pcm = chunk.pcm if trailing is None else trailing.feed(chunk.pcm)
+                            if pcm:
+                                queue(pcm)
+            if trailing is not None and not job.finished:
+                tail = trailing.end(at_least=job.words[-1].end if job.words else 0)
+                if tail:
+                    queue(tail)
             job.chunks.put_nowait(END)
         except asyncio.CancelledError:
             raise

@@ -21,10 +21,14 @@ moment each is certainly complete, never later:
   words on (the session pushes the words of the unit still open, ``stable_chars``, as they arrive). What has
   been pushed must stay the start of the unit, so a unit that grows too long is cut at its last whitespace,
   never back at an earlier clause mark.
-- ``first_unit_words`` (N > 0): the first unit is released early, at its first clause mark after two words
-  or after N whole words, whichever comes first; later units are whole sentences. For a backend that
-  synthesizes only whole units and takes longer the longer the unit (Piper on a CPU), the first audio then
-  waits for a few words instead of a whole sentence; the words after the cut are spoken as their own unit.
+- ``first_unit_words`` (N > 0): the first unit is released early where a speaker may pause: after its first
+  clause mark (``, ; :`` or a dash) after two words, before a word that starts a phrase ("and", "but",
+  "because", "which", ... ``PHRASE_STARTS``) after two, or after N whole words, whichever comes first;
+  later units are whole sentences. For a backend that synthesizes only whole units and takes longer the
+  longer the unit (Piper on a CPU), the first audio then waits for a few words instead of a whole sentence;
+  the words after the cut are spoken as their own unit. ``first_unit_in_sentence`` says whether that cut fell
+  inside a phrase or sentence (not at a clause mark), where the unit's trailing silence would be heard
+  as a break.
 - No unit is longer than ``max_unit_chars`` (``MAX_UNIT_CHARS`` by default; the gateway passes its
   ``max_synthesis_chars``): each unit is one synthesis call, and a backend's cost and memory grow with it.
   Length is counted as spoken (``spoken_length``): a digit counts DIGIT_SPOKEN_CHARS characters, since a
@@ -71,8 +75,13 @@ CJK_CLAUSE_MARKS = frozenset("，、；：")
 DASHES = frozenset("—–")  # em dash, en dash
 CLOSING_QUOTES = "\"')]}”’»"
 CLAUSE_MIN_CHARS = 24
-# first_unit_words: a clause mark ends the first unit early once it has this many words.
+# first_unit_words: a clause mark ends the first unit early once it has this many words; a word that starts
+# a phrase (a conjunction, a relative pronoun) once the unit before it has FIRST_PHRASE_MIN_WORDS. Those are
+# where a speaker may pause (bench/first_unit_pause.py measures the pause at the cut).
 FIRST_CLAUSE_MIN_WORDS = 2
+FIRST_PHRASE_MIN_WORDS = 2
+PHRASE_STARTS = frozenset("and but or nor because although though unless until while whereas when where "
+                          "whenever wherever which who whom whose if".split())
 CJK_CLAUSE_MIN_CHARS = 12
 # pysbd's decisions are local (a few words either side, plus quote/bracket pairing within the sentence);
 # a sentence longer than this is judged on its last PYSBD_WINDOW characters only.
@@ -155,6 +164,7 @@ class SentenceSegmenter:
         # content, gateway/pronunciation/markup.py); no boundary is taken there but the forced cut.
         self.keeps_together = keeps_together
         self._released_any = False  # a unit was released (first_unit_words applies to the first only)
+        self.first_unit_in_sentence = False  # the first unit was cut early, not at a clause mark
         self.language = pysbd_language(language)
         self._pysbd = pysbd.Segmenter(language=self.language, clean=False)
         self._tail = ""  # text not yet released; never starts with whitespace
@@ -285,9 +295,12 @@ class SentenceSegmenter:
                 self._words += 1
                 if self.granularity == "clause" and self._clause_ends_with(token, i) and self._may_end(tail, i):
                     return i, i
-                if (self.first_unit_words and not self._released_any and self._first_unit_ends_with(token)
-                        and self._may_end(tail, i)):
-                    return i, i
+                if self.first_unit_words and not self._released_any:
+                    cut = self._first_unit_cut(token, i)
+                    if cut is not None and self._may_end(tail, cut[0]):
+                        end, in_sentence = cut
+                        self.first_unit_in_sentence = in_sentence
+                        return end, end
                 if self._pending is None and (char == "\n" or any(c in SENTENCE_TERMINATORS for c in token)):
                     self._pending = (i, self._token_start)
             elif char == "\n" and self._pending is None and self._token_start < i:
@@ -319,12 +332,18 @@ class SentenceSegmenter:
         """Whether a unit may end at `end` (keeps_together: not inside markup)."""
         return self.keeps_together is None or not self.keeps_together(tail[:end])
 
-    def _first_unit_ends_with(self, token: str) -> bool:
-        """first_unit_words: whether the first unit ends early after `token`, its latest whole word."""
+    def _first_unit_cut(self, token: str, end: int) -> tuple[int, bool] | None:
+        """first_unit_words: where the first unit ends early, now that `token` (ending at `end`) is its latest
+        whole word: after it at a clause mark, before it when it starts a phrase, after it at the word limit;
+        and whether that is inside the sentence (not at a clause mark)."""
+        bare = token.rstrip(CLOSING_QUOTES)
+        if self._words >= FIRST_CLAUSE_MIN_WORDS and bare and (bare[-1] in CLAUSE_MARKS or bare[-1] in DASHES):
+            return end, False
+        if self._words - 1 >= FIRST_PHRASE_MIN_WORDS and token.lower() in PHRASE_STARTS:
+            return self._token_start, True
         if self._words >= self.first_unit_words:
-            return True
-        token = token.rstrip(CLOSING_QUOTES)
-        return self._words >= FIRST_CLAUSE_MIN_WORDS and bool(token) and token[-1] in CLAUSE_MARKS
+            return end, True
+        return None
 
     def _clause_ends_with(self, token: str, end: int) -> bool:
         """Whether `token`, followed by whitespace at `end`, closes a clause long enough to speak alone."""
