@@ -82,6 +82,13 @@ def http_protocol(header_timeout_s: float, max_request_line_bytes: int, max_head
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(_LingeringCloseTransport(transport, self))
             sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                # asyncio sets TCP_NODELAY only on sockets created with proto IPPROTO_TCP, and a listener made
+                # with socket.socket(family, SOCK_STREAM) (ours, uvicorn's) has proto 0: with Nagle on, a
+                # small message written after audio (a pong, an acknowledgement, audio.start) waited for the
+                # client's delayed ACK, 40 ms.
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if send_buffer_bytes and sock is not None:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)

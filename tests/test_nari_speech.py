@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
+import time
 
 import pytest
 import websockets
@@ -165,3 +167,25 @@ async def test_response_cancel_ends_the_response(server):
             await ws.recv()
     assert events[-1]["stop_reason"] == "cancelled"
     assert events[-1]["audio_chunks"] == sum("binary" in e for e in events)
+
+
+async def test_an_acknowledgement_does_not_wait_for_the_clients_delayed_ack(server):
+    """With audio going out, each input_text.ack took 40-50 ms: the gateway's sockets had Nagle on, so the
+    ack, written after an audio frame not yet acknowledged, waited for the client's delayed ACK (40 ms).
+    The harness sends a word every 10 ms and the next only after its ack, so its input took 4-5 times as long
+    as the text's cadence. Now each ack goes out at once."""
+    async with websockets.connect(nari_url(server), subprotocols=[PROTOCOL]) as ws:
+        await ws.recv()
+        await ws.send(json.dumps({"type": "request.start"}))
+        await until(ws, "request.configured")
+        waits = []
+        words = ("Please call Stella and ask her to bring these things with her from the store today if she can"
+                 " manage it").split()
+        for sequence, word in enumerate(words):
+            sent = time.perf_counter()
+            await ws.send(json.dumps({"type": "input_text.append", "sequence": sequence, "text": word + " "}))
+            await until(ws, "input_text.ack")
+            waits.append(time.perf_counter() - sent)
+        await ws.send(json.dumps({"type": "response.cancel"}))
+        await until(ws, "response.done")
+    assert statistics.median(waits) < 0.025, [round(w * 1000) for w in waits]
