@@ -338,11 +338,15 @@ class Scheduler:
             return stage is not Stage.CODEC or it.frames <= frames <= it.request.pending_frames
 
         cap = self.config.max_batch[stage]
+        everyone = ready.by_stage[stage]
+        if stage is Stage.FRAME and len(everyone) <= cap:
+            # Every stream that can step fits: no order to decide (the anchor first, as always).
+            return Batch(stage, [anchor.request] + [it.request for it in everyone if it is not anchor], rule=rule)
         chosen = [anchor.request]
         urgent = [it for it in priority if compatible(it)]
         if len(urgent) + 1 < cap:
             marked = {id(it) for it in urgent}
-            rest = [it for it in ready.by_stage[stage] if compatible(it) and id(it) not in marked]
+            rest = [it for it in everyone if compatible(it) and id(it) not in marked]
             rest.sort(key=_fill_order)
         else:
             rest = []
