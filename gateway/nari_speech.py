@@ -109,6 +109,13 @@ class ResponseCancel(_Strict):
     type: Literal["response.cancel"]
 
 
+# The close code after a session's error: 1009 for text over a limit (as Nari's input_too_large), 1011 for
+# a failure of the server's, 1013 for a refusal that may pass later; 1008 for the rest.
+_ERROR_CLOSE = {"text_too_long": CloseCode.too_big, "message_too_large": CloseCode.too_big,
+                "internal": CloseCode.internal, "synthesis_failed": CloseCode.internal,
+                "overloaded": CloseCode.try_again_later, "rate_limited": CloseCode.try_again_later,
+                "too_many_sessions": CloseCode.try_again_later, "slow_consumer": CloseCode.try_again_later}
+
 _EVENTS = {"request.start": RequestStart, "input_text.append": TextAppend, "input_text.end": TextEnd,
            "response.cancel": ResponseCancel}
 
@@ -157,7 +164,8 @@ class NariSocket:
         await self.ws.send_text(json.dumps({"type": "session.created", "protocol": NARI_PROTOCOL, "audio": AUDIO}))
 
     async def close(self, code: int = CloseCode.normal, reason: str | None = None) -> None:
-        await self.ws.close(code, reason=reason)
+        if self.ws.application_state == WebSocketState.CONNECTED:  # an error may have closed it already
+            await self.ws.close(code, reason=reason)
 
     async def receive(self) -> dict[str, Any]:
         """The session's next message: what the last client event still owes it, else the next event's."""
@@ -175,8 +183,14 @@ class NariSocket:
     async def send_text(self, text: str) -> None:
         if self._done:
             return
-        for event in self._events(json.loads(text)):
+        message = json.loads(text)
+        for event in self._events(message):
             await self.ws.send_text(json.dumps(event))
+        if message.get("type") == "error":
+            # Every error ends a Nari connection, as Nari's server does: the event it refused (text over a
+            # limit, say) is never acknowledged, and nothing the client sends after it is taken.
+            self._done = True
+            await self.close(_ERROR_CLOSE.get(message.get("code"), CloseCode.policy), reason=message.get("code"))
 
     async def send_bytes(self, data: bytes) -> None:
         if self._done:

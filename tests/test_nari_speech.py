@@ -189,3 +189,21 @@ async def test_an_acknowledgement_does_not_wait_for_the_clients_delayed_ack(serv
         await ws.send(json.dumps({"type": "response.cancel"}))
         await until(ws, "response.done")
     assert statistics.median(waits) < 0.025, [round(w * 1000) for w in waits]
+
+
+async def test_text_over_the_sessions_limit_is_refused_and_never_acknowledged():
+    """A session error ends a Nari connection, as Nari's server does: the append it refused gets the error
+    and no input_text.ack."""
+    with running_gateway("synthetic", max_buffered_chars=40) as small:
+        async with websockets.connect(nari_url(small), subprotocols=[PROTOCOL]) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "request.start"}))
+            await until(ws, "request.configured")
+            await ws.send(json.dumps({"type": "input_text.append", "sequence": 0, "text": "x" * 60}))
+            events = []
+            with pytest.raises(websockets.ConnectionClosedError):
+                while True:
+                    events.append(read(await asyncio.wait_for(ws.recv(), 20)))
+    assert [e.get("type") for e in events] == ["error"], events
+    assert events[0]["error"]["code"] == "text_too_long"
+    assert ws.close_code == 1009
