@@ -1,11 +1,11 @@
 """A cloning gateway in a process of its own, for the tests whose attack could take the process down
 (a decoder crash) or whose measure is the process's own (RSS, event-loop stalls).
 
-    python -m tests.cloning_server PORT '{"api_keys": ["k"], "sessions_per_minute": 5}'
+    python -m tests.cloning_server '{"api_keys": ["k"], "sessions_per_minute": 5}'
 
 serves the gateway with `GatewaySettings(**settings)` and the test backend of tests/cloning_fixtures.py
-(which really clones) on 127.0.0.1:PORT the way `voxgate serve` does (gateway.cli.serve: its listening
-socket, its uvicorn options, its drain).
+(which really clones) on a free loopback port, named in its startup line, the way `voxgate serve` does
+(gateway.cli.serve: its listening socket, its uvicorn options, its drain).
 `cloning_gateway_process(**settings)` starts one and waits until it is ready.
 """
 
@@ -14,28 +14,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 
-from tests.gateway_server import free_port
-from tests.resume_fixtures import GatewayProcess, wait_ready
+from tests.resume_fixtures import GatewayProcess, start_process, wait_ready
 
 
 @contextlib.contextmanager
 def cloning_gateway_process(**settings) -> Iterator[GatewayProcess]:
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix=f"voxgate-clone-{port}-", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "tests.cloning_server", str(port), json.dumps(settings)]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    gateway = GatewayProcess(port, process, log.name)
+    gateway = start_process([sys.executable, "-m", "tests.cloning_server", json.dumps(settings)])
     try:
         wait_ready(gateway)
         yield gateway
     finally:
-        if process.poll() is None:
+        if gateway.process.poll() is None:
             gateway.kill()
         with contextlib.suppress(OSError):
             os.unlink(gateway.log_path)
@@ -46,9 +38,9 @@ def main() -> None:
     from gateway.settings import GatewaySettings
     from tests.cloning_fixtures import PitchCloneSynthesizer
 
-    port, overrides = int(sys.argv[1]), json.loads(sys.argv[2])
-    settings = GatewaySettings(host="127.0.0.1", port=port, backend="pitch-clone-test", log_level="warning",
-                               **overrides)
+    overrides = json.loads(sys.argv[1])
+    # Port 0: the process binds a free port and names it in its startup line (an info line).
+    settings = GatewaySettings(host="127.0.0.1", port=0, backend="pitch-clone-test", log_level="info", **overrides)
     serve(settings, PitchCloneSynthesizer())
 
 

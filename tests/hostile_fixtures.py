@@ -16,9 +16,7 @@ import json
 import os
 import socket
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,8 +25,8 @@ from typing import Any
 import httpx
 import websockets
 
-from tests.gateway_server import audio_by_sentence, free_port, receive_until
-from tests.resume_fixtures import GatewayProcess, wait_ready
+from tests.gateway_server import audio_by_sentence, receive_until
+from tests.resume_fixtures import GatewayProcess, start_process, wait_ready
 
 OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 
@@ -194,12 +192,8 @@ async def good_session(ws_url: str, rounds: int = 1) -> list[tuple[list[str], di
 def served_gateway(*flags: str, env: dict[str, str] | None = None) -> Iterator[GatewayProcess]:
     """`voxgate serve --backend synthetic` in a process of its own (so that its RSS is the gateway's
     alone), with `flags` and `env` (VOXGATE_* settings); stopped on exit."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix=f"voxgate-{port}-", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--backend", "synthetic",
-               "--log-level", "warning", *flags]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    gateway = GatewayProcess(port, process, log.name)
+    gateway = start_process([sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--backend", "synthetic",
+                             "--log-level", "info", *flags], env)
     try:
         wait_ready(gateway)
         yield gateway

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,17 +20,23 @@ from typing import Any
 import httpx
 import websockets
 
-from tests.gateway_server import free_port
-
 VOICE = "tone-mid"
 # 8x faster than real time in 40 ms chunks: a 50-character sentence takes ~0.4 s to stream, long enough
 # to act in the middle of it.
 PACED = ("-o", "speed=8", "-o", "chunk_ms=40")
 
 
+# The startup line names the WebSocket: the port a process started with --port 0 bound (gateway/drain.py).
+BOUND_PORT = re.compile(r"WebSocket ws://127\.0\.0\.1:(\d+)/")
+
+
 @dataclass
 class GatewayProcess:
-    port: int
+    """A gateway in a process of its own. Started with --port 0 (a port picked here and bound there could be
+    taken in between), it binds a free port itself; `port` is None until `wait_ready` has read it from the
+    process's startup line."""
+
+    port: int | None
     process: subprocess.Popen
     log_path: str
 
@@ -52,29 +59,51 @@ class GatewayProcess:
         self.process.wait(10)
 
 
+async def until_draining(gateway: GatewayProcess, timeout_s: float) -> None:
+    """Until the gateway's /ready answers 503: it has taken the signal sent to it and begun to drain (its
+    signal handler only sets a flag, which the server polls: on a loaded machine that takes a while, so a
+    fixed pause before looking raced). `timeout_s`: the drain's length - a drain not begun by then never
+    will."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while (await client.get(gateway.url + "/ready")).status_code != 503:
+            assert gateway.process.poll() is None, f"the gateway exited before draining:\n{gateway.log()}"
+            assert time.monotonic() < deadline, f"no drain within {timeout_s} s of the signal:\n{gateway.log()}"
+            await asyncio.sleep(0.02)
+
+
+def start_process(command: list[str], env: dict[str, str] | None = None) -> GatewayProcess:
+    """Run `command`, a gateway told --port 0 and a log level that shows its startup line (info or lower),
+    its output in a temporary log file."""
+    log = tempfile.NamedTemporaryFile(prefix="voxgate-", suffix=".log", delete=False)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return GatewayProcess(None, process, log.name)
+
+
 def start_gateway(redis_url: str, prefix: str, *extra: str) -> GatewayProcess:
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix=f"voxgate-{port}-", suffix=".log", delete=False)
-    command = [
-        sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--backend", "synthetic",
-        "--store", "redis", "--redis-url", redis_url, "--redis-key-prefix", prefix, "--log-level", "warning",
+    return start_process([
+        sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--backend", "synthetic",
+        "--store", "redis", "--redis-url", redis_url, "--redis-key-prefix", prefix, "--log-level", "info",
         *extra,
-    ]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    return GatewayProcess(port, process, log.name)
+    ])
 
 
 def wait_ready(*gateways: GatewayProcess, timeout_s: float = 30.0) -> None:
+    """Until each gateway has said which port it bound and its /ready answers 200."""
     deadline = time.monotonic() + timeout_s
     for gateway in gateways:
         while True:
             if gateway.process.poll() is not None:
-                raise RuntimeError(f"gateway on port {gateway.port} exited:\n{gateway.log()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(gateway.url + "/ready", timeout=1.0).status_code == 200:
-                    break
+                raise RuntimeError(f"gateway process {gateway.process.pid} exited:\n{gateway.log()}")
+            if gateway.port is None and (bound := BOUND_PORT.search(gateway.log())):
+                gateway.port = int(bound.group(1))
+            if gateway.port is not None:
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(gateway.url + "/ready", timeout=1.0).status_code == 200:
+                        break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"gateway on port {gateway.port} not ready:\n{gateway.log()}")
+                raise TimeoutError(f"gateway process {gateway.process.pid} not ready:\n{gateway.log()}")
             time.sleep(0.05)
 
 

@@ -10,11 +10,10 @@ import json
 import signal
 import time
 
-import httpx
 import websockets
 
 from tests.hostile_fixtures import served_gateway
-from tests.resume_fixtures import PACED, Listener, config_message
+from tests.resume_fixtures import PACED, Listener, config_message, until_draining
 
 TWO_SENTENCES = "This utterance is finished before the gateway goes away. It has two whole sentences in it."
 
@@ -31,8 +30,7 @@ async def test_the_first_ctrl_c_lets_the_open_utterance_finish():
             listener.feed(await asyncio.wait_for(ws.recv(), 20))
         gateway.process.send_signal(signal.SIGINT)
 
-        await asyncio.sleep(0.2)
-        assert httpx.get(gateway.url + "/ready", timeout=5).status_code == 503  # draining: no new sessions
+        await until_draining(gateway, 20)  # draining: no new sessions
         async with websockets.connect(gateway.ws_url) as refused:
             error = json.loads(await refused.recv())
         assert (error["code"], error["retryable"]) == ("overloaded", True)
@@ -58,8 +56,8 @@ async def test_a_second_ctrl_c_stops_at_once():
         while listener.first_audio_at is None:  # no input.done: the utterance stays open for the whole drain
             listener.feed(await asyncio.wait_for(ws.recv(), 20))
         gateway.process.send_signal(signal.SIGINT)
-        await asyncio.sleep(0.5)
-        assert gateway.process.poll() is None  # draining, the session still open
+        await until_draining(gateway, 30)  # the first Ctrl-C taken: draining, the session still open
+        assert gateway.process.poll() is None
         gateway.process.send_signal(signal.SIGINT)
         stopped = time.monotonic()
         assert gateway.process.wait(10) == 128 + signal.SIGINT

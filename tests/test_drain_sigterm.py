@@ -9,11 +9,10 @@ import json
 import signal
 import time
 
-import httpx
 import websockets
 
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
-from tests.resume_fixtures import PACED, Listener, config_message, gateways, uninterrupted_pcm
+from tests.resume_fixtures import PACED, Listener, config_message, gateways, uninterrupted_pcm, until_draining
 
 DRAIN_S = 3.0
 
@@ -39,9 +38,8 @@ async def test_sigterm_finishes_the_utterance_refuses_new_sessions_and_hands_ove
         a.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
 
-        # New sessions are refused at once, clearly and retryably; /ready says no.
-        await asyncio.sleep(0.2)
-        assert httpx.get(a.url + "/ready", timeout=5).status_code == 503
+        # Once the drain has begun (/ready says no), new sessions are refused, clearly and retryably.
+        await until_draining(a, DRAIN_S)
         async with websockets.connect(a.ws_url) as refused:
             error = json.loads(await refused.recv())
             await refused.wait_closed()
