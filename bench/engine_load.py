@@ -72,6 +72,7 @@ from bench.loadgen import (
     ClientOptions,
     RunPlan,
     Workload,
+    accelerator,
     across_seeds,
     add_agent_arguments,
     check_agent_arguments,
@@ -551,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"tool": "bench/engine_load.py", "command": " ".join(["python", "bench/engine_load.py", *(argv or sys.argv[1:])]),
               "gateway_command": " ".join(command),
               "worker_command": " ".join(layout["workers"][0]["command"]) if args.worker else None,
-              "rates": []}
+              **accelerator(), "rates": []}
     if args.tcp_workers:
         report["worker_commands"] = [" ".join(w["command"]) for w in layout["workers"]]
         report["workers"] = [{"worker": i, "address": w["address"], "health": w["health"],

@@ -43,6 +43,7 @@ from bench.loadgen import (
     RequestResult,
     RequestSpec,
     Workload,
+    accelerator,
     distribution,
     json_safe,
     load_prompts,
@@ -355,13 +356,14 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
     backend = Qwen3Synthesizer(model=args.model, device=args.device, max_active=args.max_active,
                                max_len=args.max_len, frame_cap_chars_per_second=cap if cap and cap > 0 else None,
                                runner_options=args.runner_options)
+    card = accelerator()  # before start(): whether the compile cache held anything
     started = time.perf_counter()
     await backend.start()
     runner = backend.engine.runner
     report: dict[str, Any] = {
         "tool": "bench/engine_profile.py",
         "command": " ".join(["python", "bench/engine_profile.py", *args.argv]),
-        "device": str(runner.device), "fused": runner.fused, "cuda_graphs": runner.graphs.enabled,
+        **card, "device": str(runner.device), "fused": runner.fused, "cuda_graphs": runner.graphs.enabled,
         "sampler": runner.sampler, "startup_s": time.perf_counter() - started, "rates": [],
     }
     print(f"engine ready in {report['startup_s']:.1f} s on {report['device']} (fused {runner.fused}, "

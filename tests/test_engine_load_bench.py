@@ -121,3 +121,16 @@ def test_the_agent_workload_runs_through_a_worker_with_token_splitting(tiny_cust
     (rate,) = variant["rates"]
     assert rate["summary"]["failed"] == 0 and rate["summary"]["audible_ttfa_after_sentence_s"]["n"] > 0
     assert "2 sentences per session, 100 words/s, split_granularity sentence" in table
+
+
+def test_a_result_says_whether_start_up_found_a_compile_cache(tmp_path, monkeypatch):
+    from bench.loadgen import accelerator
+
+    cache = tmp_path / "inductor"
+    cache.mkdir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    facts = accelerator()
+    assert facts["compile_cache"] == "cold" and "gpu" in facts
+    (cache / "fxgraph").mkdir()
+    assert accelerator()["compile_cache"] == "warm"
