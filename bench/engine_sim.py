@@ -257,12 +257,12 @@ class SimCodecHandle(CodecHandle):
 
 
 # Runner calls that queue generation work: method -> (cost-table key, when the host waits for the device). The
-# real runner's decode reads its EOS flags back ("after"); its prefill first copies pageable host tensors to the
-# device (torch.tensor(...).to(device)), which waits for the work already queued ("before": on the H100 a
-# prefill right after a frame took 4.4 ms, ~1 ms of its own host work plus the frame's predictor); the code
-# predictor only launches. A call costs its key's figure at the bucket of its streams (CostTable.call_ms).
+# real runner's decode reads its EOS flags back ("after"); the code predictor and the prefill only launch.
+# (Until 241273f the prefill's uploads were synchronous copies that waited for the work already queued: on
+# the H100 a prefill right after a frame took 4.4 ms, ~1 ms of its own host work plus the frame's predictor;
+# "before" models that.) A call costs its key's figure at the bucket of its streams (CostTable.call_ms).
 GENERATION_CALLS = {
-    "prefill": ("prefill_ms", "before"),
+    "prefill": ("prefill_ms", None),
     "code_predict": ("code_predictor_ms", None),
     "decode": ("talker_ms", "after"),
 }
