@@ -453,7 +453,7 @@ class ConfigWarning(BaseModel):
     default one, an option this backend cannot honour); the request goes ahead."""
 
     code: str  # stable: voice_fallback, voice_cloning_unsupported, timestamps_unsupported, option_ignored,
-    # language_unsupported, markup_ignored, expression_ignored, sentence_finished_early
+    # language_unsupported, markup_ignored, expression_ignored, sentence_finished_early, timestamps_late
     message: str
     field: str | None = None  # the request field it concerns
 

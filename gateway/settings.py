@@ -91,6 +91,10 @@ class GatewaySettings(BaseSettings):
         1, ge=1, description="sentences of one session synthesized at the same time (1: in order, head first)"
     )
     max_frame_ms: int = Field(200, ge=10, description="longest audio per binary frame; bigger chunks are split")
+    word_timestamps_wait_s: float = Field(
+        1.0, gt=0, le=30, description="longest wait for a sentence's word timings after its audio (a forced"
+        " aligner's); past it the sentence ends without them, warning timestamps_late"
+    )
 
     # --- session store (resume, issue 5)
     store: Literal["memory", "redis"] = Field("memory", description="where session state lives")

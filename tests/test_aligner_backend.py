@@ -26,7 +26,7 @@ from tts_backend.aligner import AlignRequest, load_aligner
 from tts_backend.aligner.batcher import AlignmentBatcher
 from tts_backend.aligner.testing.checkpoint import write_aligner_checkpoint
 from tts_backend.aligner.words import times_of_spans
-from tts_backend.base import SynthesisRequest, split_words
+from tts_backend.base import AudioChunk, SynthesisRequest, split_words
 from tts_backend.registry import create_backend
 from tts_backend.remote import RemoteSynthesizer
 
@@ -54,9 +54,11 @@ async def test_words_follow_the_audio_with_the_aligners_times(tiny_custom_voice,
     finally:
         await backend.stop()
 
-    *audio_chunks, last = chunks
+    *audio_chunks, ended, last = chunks
     assert audio_chunks and all(c.pcm and not c.words for c in audio_chunks)
     assert aligned_before[0] == 0  # the first audio went out before any alignment ran
+    # Said before the aligner's wait, which the caller bounds (issue 32), and before it runs.
+    assert ended == AudioChunk(b"", audio_ended=True) and aligned_before[-2] == 0
     assert last.pcm == b"" and last.words
     pcm = b"".join(c.pcm for c in audio_chunks)
     assert pcm == b"".join(c.pcm for c in plain) and not any(c.words for c in plain)  # off: no timing work

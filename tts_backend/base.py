@@ -14,6 +14,10 @@ after the sentence's last one (an aligner that needs the whole sentence). Times 
 the request's own audio (sample 0 is the first sample it yields), at the backend's `sample_rate`; the
 gateway maps them to the audio as shipped. Each word of the request's text appears once, in text order,
 with start <= end and times that never go back. Without the flag a backend does no timing work at all.
+A backend whose timings come after the audio yields a chunk with `audio_ended` set (and nothing else) once
+its last audio is out and before it waits for them: from then on only words may come, so the gateway bounds
+that wait (issue 32: timings that are late never hold back a sentence's end, its audio.done or the next
+sentence) and stops the request at its bound; the words then go untold, with a warning.
 
 Voice cloning (issue 15) is optional too: a backend that can clone has "voice_cloning" in `honours`
 (`can_clone`). `clone_voice` turns a `ReferenceAudio` (float32 mono samples at 24 kHz, decoded and
@@ -311,6 +315,8 @@ class AudioChunk:
     # Word timings that became known with this chunk (only when the request asked for them); they may
     # concern audio of earlier chunks or of chunks still to come.
     words: tuple[WordTiming, ...] = ()
+    # No audio follows in this request: only its word timings may (see the module doc).
+    audio_ended: bool = False
 
     @property
     def num_samples(self) -> int:

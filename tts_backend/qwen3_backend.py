@@ -442,6 +442,7 @@ class Qwen3Synthesizer(Synthesizer):
             if feeder is not None:
                 feeder.cancel()
         if timed:
+            yield AudioChunk(b"", audio_ended=True)  # the aligner's wait is the caller's to bound (base.py)
             yield AudioChunk(b"", words=await self._word_timings(request.full_text, bytes(audio)))
 
     # ---- text streaming -----------------------------------------------------------------------------

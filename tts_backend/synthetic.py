@@ -55,8 +55,8 @@ class SyntheticSynthesizer(Synthesizer):
     A slot is held from the first chunk's preparation (first_chunk_delay_s included) until the stream
     ends, is closed (aclose) or its task is cancelled.
     words_delay_s: with word_timestamps, send a (whole, not streamed) text's word timings in one chunk of
-    their own this long after its last audio, as a backend whose timings come from a forced aligner does
-    (qwen3 with `aligner`), instead of with the first audio chunk.
+    their own this long after its last audio (and after an `audio_ended` chunk), as a backend whose timings
+    come from a forced aligner does (qwen3 with `aligner`), instead of with the first audio chunk.
     """
 
     name = "synthetic"
@@ -198,6 +198,7 @@ class SyntheticSynthesizer(Synthesizer):
                     await asyncio.sleep(0)  # a cancellation point between chunks, like a real engine
                 yield AudioChunk(piece.tobytes(), words if start == 0 and self.words_delay_s is None else ())
             if words and self.words_delay_s is not None:
+                yield AudioChunk(b"", audio_ended=True)
                 await asyncio.sleep(self.words_delay_s)
                 yield AudioChunk(b"", words)
         finally:

@@ -54,9 +54,17 @@ from ..language import voices_for_sentences
 from ..limits import AdmissionClaim, LimitExceeded, StreamMeter, SynthesisMonitor
 from ..pronunciation.markup import ends_inside_markup
 from ..pronunciation.pronouncer import Pronouncer
-from ..protocol import ErrorCode, PronunciationEntry, Pronunciations, ProtocolError, backend_error_code, loads_client_json
+from ..protocol import (
+    ConfigWarning,
+    ErrorCode,
+    PronunciationEntry,
+    Pronunciations,
+    ProtocolError,
+    backend_error_code,
+    loads_client_json,
+)
 from ..session.segmenter import SLICE_S, SentenceSegmenter, push_in_slices
-from ..session.word_times import append_monotonic, count_reached, in_seconds
+from ..session.word_times import WordsWait, append_monotonic, count_reached, in_seconds
 
 
 class _StrictJsonRequest(Request):
@@ -230,13 +238,17 @@ async def pipelined_synthesis(
     backend: Synthesizer, requests: list[SynthesisRequest], lookahead: int,
     monitor: SynthesisMonitor | None = None, claim: AdmissionClaim | None = None,
     pronouncer: Pronouncer | None = None,
+    words_wait_s: float = 1.0, late: list[ConfigWarning] | None = None,
 ) -> AsyncIterator[AudioChunk]:
     """The chunks of each request in order, their word timings moved onto the timeline of all the requests'
     audio (a request's sample 0 follows the previous requests' last). One producer synthesizes the requests
     one after another, running up to `lookahead` requests ahead of the one being read, so the next sentence is made while this one
     is sent and the head sentence never competes with its successors for the backend. While it runs it
     is one stream of `monitor` (with each pull's audio and time), replacing the request's admission
-    `claim`. With a `pronouncer`, each request's text is the client's and the backend is given its rewrite."""
+    `claim`. With a `pronouncer`, each request's text is the client's and the backend is given its rewrite.
+    A request's word timings that come after its audio are waited for at most `words_wait_s`
+    (session/word_times.WordsWait): past it the request ends with all its audio and without its words, and
+    its warning goes into `late`."""
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
     end = object()
     reading = 0
@@ -252,7 +264,8 @@ async def pipelined_synthesis(
                 await advanced.wait()
             try:
                 chunks = backend.synthesize(request) if pronouncer is None else pronouncer.synthesize(backend, request)
-                async with contextlib.aclosing(chunks) as stream:
+                async with contextlib.aclosing(chunks):
+                    stream = WordsWait(chunks, words_wait_s)
                     while True:
                         pulled_at = time.monotonic()
                         try:
@@ -267,6 +280,8 @@ async def pipelined_synthesis(
                         if chunk.pcm or chunk.words:
                             made += len(chunk.pcm) // 2
                             queues[j].put_nowait(chunk)
+                    if stream.late and late is not None:
+                        late.append(stream.late_warning("timestamp_type"))
             except Exception as exc:
                 queues[j].put_nowait(exc)
                 return
@@ -464,8 +479,14 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
     ]
     metrics = gateway.metrics
     encoder = encoders.AudioFileEncoder(fmt, backend.sample_rate, rate)
+    late: list[ConfigWarning] = []  # timestamps_late, once per sentence whose words came too late
     synthesis = pipelined_synthesis(backend, requests, settings.lookahead_sentences, gateway.admission.monitor, claim,
-                                    pronouncer)
+                                    pronouncer, settings.word_timestamps_wait_s, late)
+
+    def with_late(told: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`told` and, once, the warning of late word timings."""
+        warning = [late[0].model_dump(exclude_none=True)] if late else []
+        return told + [w for w in warning if w not in told]
 
     async def encoded() -> AsyncIterator[tuple[bytes, list[dict[str, Any]]]]:
         """The response's audio file, piece by piece as it is made, recording time to first audio; with
@@ -508,7 +529,10 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
                 return
             tokens = len(body.input.split())
             usage = {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}
-            yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n".encode()
+            done: dict[str, Any] = {"type": "speech.audio.done", "usage": usage}
+            if late:  # the headers went long before: the warning comes with the end
+                done["warnings"] = with_late([])
+            yield f"data: {json.dumps(done)}\n\n".encode()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **warning_headers})
@@ -530,8 +554,10 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         data = encoder.with_length(data)
         alignment = {"words": [w["word"] for w in words], "word_start_times_seconds": [w["start"] for w in words],
                      "word_end_times_seconds": [w["end"] for w in words]}
+        told = with_late(warnings)
         return Response(data, media_type=encoders.content_type(fmt, rate),
-                        headers={"X-Sample-Rate": str(rate), WORDS_HEADER: json.dumps(alignment), **warning_headers})
+                        headers={"X-Sample-Rate": str(rate), WORDS_HEADER: json.dumps(alignment),
+                                 **({WARNINGS_HEADER: json.dumps(told)} if told else {})})
 
     # Fail before the status line if the first sentence cannot be made (e.g. the backend refuses it); a
     # file whose header states its length is held until it is whole (or too large to hold: then streamed).

@@ -133,6 +133,8 @@ async def speak(backend: Synthesizer, request: SynthesisRequest, rewriter: Rewri
                     made += len(chunk.pcm) // 2
                     if chunk.pcm or words:
                         yield AudioChunk(chunk.pcm, tuple(words))
+                    elif chunk.audio_ended and parts.final and index >= len(parts.parts):
+                        yield chunk  # only the last part's: no audio follows then (base.py)
         if request.word_timestamps:
             last = parts.words.finish()
             if last:

@@ -178,6 +178,7 @@ class SentenceJob:
     # audio.words, and for compressed formats the audio (output samples) the bytes sent so far decode to.
     words: list[WordTiming] = field(default_factory=list)
     words_told: int = 0
+    words_late: bool = False  # its timings did not come within word_timestamps_wait_s: its words go untold
     coded_samples_sent: int = 0
     time_offset_samples: int = 0  # output samples a decoder plays before the audio (mp3/aac priming)
 

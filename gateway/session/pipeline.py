@@ -15,8 +15,10 @@ recorded before it goes out), the session's `SessionInfo`, the backend, settings
   interleave. Resumed sentences replay logged bytes first and drop re-synthesized bytes already delivered.
 - Word timestamps (session.config `timestamp_type`): the backend's timings are kept on the sentence as
   they arrive; a word is told (`audio.words`, "async") once the bytes sent of its sentence decode past its
-  end, and all of a sentence's words go in its `audio.done` ("sync"). Each utterance keeps the words sent
-  in full, which `context.cancelled` reports as `spoken_text`/`spoken_words`.
+  end, and all of a sentence's words go in its `audio.done` ("sync"). Timings that come after the audio
+  are waited for at most `word_timestamps_wait_s` (word_times.WordsWait): past it the sentence ends
+  without them, `timestamps_late` in its `audio.done`. Each utterance keeps the words sent in full, which
+  `context.cancelled` reports as `spoken_text`/`spoken_words`.
 - `cut` takes a cancelled context out of the queue (input.cancel), under the writer's lock.
 """
 
@@ -54,7 +56,7 @@ from ..protocol import (
 from ..settings import GatewaySettings
 from ..store.base import SessionStore
 from .data import SentenceJob, SessionEnd, SessionInfo, Utterance, UtteranceEnd, sent_marker
-from .word_times import append_monotonic
+from .word_times import WordsWait, append_monotonic
 from .writer import SocketWriter
 
 log = logging.getLogger("voxgate.session")
@@ -283,7 +285,8 @@ class SpeechPipeline:
             pronouncer = config.pronouncer
             audio_chunks = (self.backend.synthesize(request) if pronouncer is None
                             else pronouncer.synthesize(self.backend, request))
-            async with contextlib.aclosing(audio_chunks) as audio:
+            async with contextlib.aclosing(audio_chunks):
+                audio = WordsWait(audio_chunks, self.settings.word_timestamps_wait_s)
                 if self.admission_claim is not None:  # from now on the session's streams count, not its claim
                     self.admission_claim.release()
                 with monitor.stream() if monitor is not None else contextlib.nullcontext() as meter:
@@ -308,6 +311,9 @@ class SpeechPipeline:
                             pcm = chunk.pcm if trailing is None else trailing.feed(chunk.pcm)
                             if pcm:
                                 queue(pcm)
+            if audio.late and not job.finished:
+                job.words_late = True
+                job.warnings.append(audio.late_warning("timestamp_type"))
             if trailing is not None and not job.finished:
                 tail = trailing.end(at_least=job.words[-1].end if job.words else 0)
                 if tail:
@@ -548,9 +554,10 @@ def markup_warnings(job: SentenceJob, backend: Synthesizer) -> list[ConfigWarnin
 
 def audio_done(job: SentenceJob, *, error: bool, cancelled: bool = False,
                warnings: list[ConfigWarning] | None = None) -> AudioDone:
-    """A sentence's audio.done: the bytes sent of it, its duration, and ("sync" timestamps) its words."""
+    """A sentence's audio.done: the bytes sent of it, its duration, and ("sync" timestamps) its words, unless
+    they came too late (a warning in `warnings` then)."""
     timestamp_info = None
-    if job.config.timestamps == "sync" and not error:
+    if job.config.timestamps == "sync" and not error and not job.words_late:
         words = job.spoken_words(everything=not cancelled)
         timestamp_info = TimestampInfo(word_alignment=WordAlignment(
             words=[w.word for w in words], word_start_times_seconds=[w.start for w in words],

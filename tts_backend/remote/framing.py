@@ -54,7 +54,10 @@ gateway's pool takes in place of a frame for its inter-frame deadline (pool.py).
 gateway, which would take the frame for a bad one) none is sent; a worker too old to send them is held to
 the deadlines as before.
 With "word_timestamps" in the request, {"op": "words", "words": [[word, start, end], ...]} frames (a
-chunk's WordTimings, in the backend's samples) come before that chunk's A frame.
+chunk's WordTimings, in the backend's samples) come before that chunk's A frame. A synthesize with
+"audio_ended": true also gets {"op": "audio_ended"} where its backend says the audio is all out and only words
+may follow (base.AudioChunk.audio_ended), so that the gateway can bound its wait for them; an older gateway,
+which would take that frame for a bad one, does not ask and gets none.
 
 Text streaming (base.TextStream): a synthesize with "text_stream": true opens a request whose text goes on
 after the request's "text"; the client sends the rest on the same connection while the audio comes back:

@@ -46,7 +46,9 @@ audio, words or nothing) by first_audio_timeout_s plus as long as the most audio
 as before, and the waits ended by keep-alives by a further KEEPALIVE_WAIT_S (60 s) per sentence, past which
 they count as silence. A sentence kept waiting longer than that is no use to a live caller; the cap is
 separate and larger because a slow backend under load is not a misbehaving one. (A text stream's waits
-for its text are the caller's and count nowhere.)
+for its text are the caller's and count nowhere.) Word timings that come after a sentence's audio (the
+worker's "audio_ended" frame says so) are waited for by the gateway for far less than these deadlines
+(gateway/session/word_times.py), and then it closes the stream: late timings are never a worker's fault.
 A deadline miss proves the worker slow or stuck, not hostile: its sentence goes to another worker, or, with
 none, fails with a retryable error, but the worker stays in the pool (its info queries say whether it is
 alive) and is set aside only while another worker is ready, so that a slow worker under load sheds its
@@ -350,8 +352,10 @@ class WorkerClient:
         forward = None
         opening = True
         try:
-            # keepalive: this gateway takes {"op": "wait"} frames (module doc); a worker sends them only then.
-            message = {"op": "synthesize", "request": framing.request_to_json(request), "keepalive": True}
+            # keepalive: this gateway takes {"op": "wait"} frames (module doc), and audio_ended the frame that
+            # says only words may follow (framing.py); a worker sends them only then.
+            message = {"op": "synthesize", "request": framing.request_to_json(request), "keepalive": True,
+                       "audio_ended": True}
             if place:
                 message["place"] = True
             if request.text_stream is not None:
@@ -399,6 +403,8 @@ class WorkerClient:
                     op = message["op"]
                     if op == "wait":  # a keep-alive: proof of life, nothing to deliver
                         alive_s += waited
+                    elif op == "audio_ended":
+                        yield AudioChunk(b"", audio_ended=True)
                     elif op == "words":
                         words = _words(message.get("words"), self.id)
                         words_sent += len(words)
@@ -731,7 +737,7 @@ class RemoteSynthesizer(Synthesizer):
                     pcm = chunk.pcm
                     if pcm and skip_bytes:
                         pcm, skip_bytes = pcm[skip_bytes:], max(0, skip_bytes - len(pcm))
-                    if not pcm and not words:
+                    if not pcm and not words and not chunk.audio_ended:
                         continue
                     if lost_at is not None and pcm:
                         pause_ms = (time.monotonic() - lost_at) * 1000
@@ -740,7 +746,7 @@ class RemoteSynthesizer(Synthesizer):
                         lost_at = None
                     delivered += len(pcm)
                     words_delivered += len(words)
-                    yield AudioChunk(pcm, words)
+                    yield AudioChunk(pcm, words, chunk.audio_ended)
                 return
             except WorkerDraining:
                 worker.draining = True

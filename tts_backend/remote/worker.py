@@ -471,7 +471,7 @@ class WorkerServer:
                     await _refuse(writer, "full", "this worker's capacity is in use")
                     return
                 await self._synthesize(data, reader, writer, bool(message.get("text_stream")),
-                                       message.get("keepalive") is True)
+                                       message.get("keepalive") is True, message.get("audio_ended") is True)
             else:
                 raise framing.ProtocolError(f"unknown op {str(message['op'])[:64]!r}")
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
@@ -493,9 +493,9 @@ class WorkerServer:
                 await writer.wait_closed()
 
     async def _synthesize(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                          text_stream: bool = False, keepalive: bool = False) -> None:
+                          text_stream: bool = False, keepalive: bool = False, audio_ended: bool = False) -> None:
         text = TextStream(data.get("text") if isinstance(data.get("text"), str) else "") if text_stream else None
-        produce = asyncio.create_task(self._stream(data, writer, text, keepalive))
+        produce = asyncio.create_task(self._stream(data, writer, text, keepalive, audio_ended))
         # Any frame or end-of-file from the client while we stream means "stop" (but the text of a text stream).
         hangup = asyncio.create_task(self._read_text(reader, text) if text is not None else reader.read(1))
         try:
@@ -531,16 +531,17 @@ class WorkerServer:
         await reader.read(1)
 
     async def _stream(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None = None,
-                      keepalive: bool = False) -> None:
+                      keepalive: bool = False, audio_ended: bool = False) -> None:
         self.streams_in_flight += 1
         try:
-            await self._stream_inner(data, writer, text, keepalive)
+            await self._stream_inner(data, writer, text, keepalive, audio_ended)
         finally:
             self.streams_in_flight -= 1
             self._last_stream_at = time.monotonic()
 
     async def _stream_inner(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None,
-                            keepalive: bool) -> None:
+                            keepalive: bool, audio_ended: bool) -> None:
+        """audio_ended: the client takes {"op": "audio_ended"} frames (framing.py)."""
         seconds_per_byte = 1.0 / (2 * self.backend.sample_rate)
         try:
             request = framing.request_from_json(data)
@@ -555,6 +556,8 @@ class WorkerServer:
                         chunk = await (self._next_chunk(stream, writer) if keepalive else anext(stream))
                     except StopAsyncIteration:
                         break
+                    if chunk.audio_ended and audio_ended:
+                        writer.write(framing.encode_json({"op": "audio_ended"}))
                     if chunk.pcm:
                         # A text stream's waits are its text's, not this worker's speed: not metered.
                         if not first_audio and text is None:
