@@ -60,6 +60,11 @@ class GatewayMetrics:
             registry=r,
         )
         self.errors_total = Counter("voxgate_errors_total", "Errors reported to clients, by code", ["code"], registry=r)
+        self.word_timestamps_late_total = Counter(
+            "voxgate_word_timestamps_late_total", "Sentences sent without their word timings, which came later than"
+            " word_timestamps_wait_s after the audio (warning timestamps_late): the aligner is behind", ["transport"],
+            registry=r,
+        )
         self.http_requests_total = Counter(
             "voxgate_speech_requests_total", "POST /v1/audio/speech requests", ["stream"], registry=r
         )

@@ -508,6 +508,8 @@ async def create_speech(body: SpeechRequest, request: Request, principal: Princi
         tail = await encoder.finish()
         if tail:
             metrics.audio_bytes_total.labels("http").inc(len(tail))
+        if late:
+            metrics.word_timestamps_late_total.labels("http").inc(len(late))
         words = clock.complete(everything=True)
         if tail or words:
             yield tail, words

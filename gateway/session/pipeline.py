@@ -314,6 +314,7 @@ class SpeechPipeline:
             if audio.late and not job.finished:
                 job.words_late = True
                 job.warnings.append(audio.late_warning("timestamp_type"))
+                self.metrics.word_timestamps_late_total.labels("websocket").inc()
             if trailing is not None and not job.finished:
                 tail = trailing.end(at_least=job.words[-1].end if job.words else 0)
                 if tail:
