@@ -20,7 +20,7 @@ import pytest
 import websockets
 
 from tests.gateway_server import running_gateway
-from tests.worker_fixtures import synthetic_worker_args, workers
+from tests.worker_fixtures import synthetic_worker_args, wait_for_async, workers
 from tts_backend.base import SynthesisRequest
 from tts_backend.remote import RemoteSynthesizer
 from tts_backend.synthetic import SyntheticSynthesizer
@@ -118,6 +118,9 @@ async def test_late_word_timings_cost_neither_audio_nor_audio_done(where, timest
         if pool is not None:  # a late aligner is no fault of the worker's
             (member,) = pool.members.values()
             assert pool.quarantined == 0 and pool.failovers == 0 and member.routable
+            # ...and it stopped waiting for the late words (the stream was closed), long before they came.
+            await wait_for_async(lambda: member.info["streams"] == 0, MESSAGE_TIMEOUT_S / 2,
+                                 "the worker ending its late sentences")
             received = await speak(gateway.ws_url, timestamps)  # and it serves the next session
             without_words(received)
 
