@@ -57,15 +57,15 @@ def gateway_with_a_slow_aligner(where: str, words_delay_s: float = WORDS_LATE_S,
             yield gateway, pool
 
 
-async def speak(url: str, timestamps: str) -> list[dict | int]:
-    """A session in `timestamps` mode that says SENTENCES: every text message received, and for the audio
-    the byte count of each run of binary frames."""
+async def speak(url: str, timestamps: str, text: str = " ".join(SENTENCES), **config) -> list[dict | int]:
+    """A session in `timestamps` mode that says `text`: every text message received, and for the audio the
+    byte count of each run of binary frames."""
     received: list[dict | int] = []
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps({"type": "session.config", "voice": VOICE, "response_format": "pcm",
                                   "stream_audio": True, "timestamp_type": "word",
-                                  "timestamp_transport_strategy": timestamps}))
-        await ws.send(json.dumps({"type": "input.text", "text": " ".join(SENTENCES)}))
+                                  "timestamp_transport_strategy": timestamps, **config}))
+        await ws.send(json.dumps({"type": "input.text", "text": text}))
         await ws.send(json.dumps({"type": "input.done"}))
         while True:
             frame = await asyncio.wait_for(ws.recv(), MESSAGE_TIMEOUT_S)
@@ -123,6 +123,25 @@ async def test_late_word_timings_cost_neither_audio_nor_audio_done(where, timest
                                  "the worker ending its late sentences")
             received = await speak(gateway.ws_url, timestamps)  # and it serves the next session
             without_words(received)
+
+
+async def test_a_sentence_cut_by_markup_is_bounded_in_each_part():
+    """A <break> cuts the sentence into two backend requests, each with its own late words: each part's
+    wait is bounded, the second part and the pause are spoken, and the sentence warns once."""
+    text = "The quick brown fox <break time='300ms'/> jumps over the lazy dog."
+    with gateway_with_a_slow_aligner("in-process", words_delay_s=0.3, wait_s=10.0) as (gateway, _):
+        on_time = await speak(gateway.ws_url, "sync", text, text_markup="ssml")
+    with gateway_with_a_slow_aligner("in-process") as (gateway, _):
+        started = time.monotonic()
+        late = await speak(gateway.ws_url, "sync", text, text_markup="ssml")
+        took = time.monotonic() - started
+    (done_on_time,) = [m for m in on_time if not isinstance(m, int) and m["type"] == "audio.done"]
+    (done,) = [m for m in late if not isinstance(m, int) and m["type"] == "audio.done"]
+    assert done_on_time["timestamp_info"]["word_alignment"]["words"] == text.replace("<break time='300ms'/> ", "").split()
+    assert took < WORDS_LATE_S / 2, took
+    assert done["total_bytes"] == done_on_time["total_bytes"] == sum(m for m in late if isinstance(m, int))
+    assert "timestamp_info" not in done and [w["code"] for w in done["warnings"]] == ["timestamps_late"], done
+    assert "error" not in [m["type"] for m in late if not isinstance(m, int)]
 
 
 @pytest.mark.parametrize("where", ["in-process", "worker"])

@@ -247,8 +247,8 @@ async def pipelined_synthesis(
     is one stream of `monitor` (with each pull's audio and time), replacing the request's admission
     `claim`. With a `pronouncer`, each request's text is the client's and the backend is given its rewrite.
     A request's word timings that come after its audio are waited for at most `words_wait_s`
-    (session/word_times.WordsWait): past it the request ends with all its audio and without its words, and
-    its warning goes into `late`."""
+    (session/word_times.WordsWait): past it the request goes on with all its audio and without those words,
+    and its warning goes into `late`."""
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
     end = object()
     reading = 0
@@ -263,9 +263,10 @@ async def pipelined_synthesis(
                 advanced.clear()
                 await advanced.wait()
             try:
-                chunks = backend.synthesize(request) if pronouncer is None else pronouncer.synthesize(backend, request)
-                async with contextlib.aclosing(chunks):
-                    stream = WordsWait(chunks, words_wait_s)
+                words_wait = WordsWait(words_wait_s)
+                chunks = (words_wait.bound(backend.synthesize(request)) if pronouncer is None
+                          else pronouncer.synthesize(backend, request, words_wait))
+                async with contextlib.aclosing(chunks) as stream:
                     while True:
                         pulled_at = time.monotonic()
                         try:
@@ -280,8 +281,8 @@ async def pipelined_synthesis(
                         if chunk.pcm or chunk.words:
                             made += len(chunk.pcm) // 2
                             queues[j].put_nowait(chunk)
-                    if stream.late and late is not None:
-                        late.append(stream.late_warning("timestamp_type"))
+                if words_wait.late and late is not None:
+                    late.append(words_wait.late_warning("timestamp_type"))
             except Exception as exc:
                 queues[j].put_nowait(exc)
                 return

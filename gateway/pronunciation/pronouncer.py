@@ -14,6 +14,7 @@ from typing import Any
 from tts_backend.base import AudioChunk, SynthesisRequest, Synthesizer
 
 from ..protocol import ConfigWarning
+from ..session.word_times import WordsWait
 from .matcher import Matcher
 from .rewrite import Expression, Rewriter, rewrite_whole, written_of
 from .rules import Rule
@@ -26,10 +27,12 @@ class Pronouncer:
         self.markup_on = markup_on
         self.matcher = Matcher(rules)
 
-    def synthesize(self, backend: Synthesizer, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+    def synthesize(self, backend: Synthesizer, request: SynthesisRequest,
+                   words_wait: WordsWait | None = None) -> AsyncIterator[AudioChunk]:
         """`backend.synthesize(request)` with the request's text (or text stream) rewritten; word timings
-        refer to the written words."""
-        return speak(backend, request, Rewriter(self.matcher, self.markup_on))
+        refer to the written words. `words_wait` bounds each backend request's wait for word timings that
+        come after its audio."""
+        return speak(backend, request, Rewriter(self.matcher, self.markup_on), words_wait)
 
     def written(self, text: str) -> str:
         """The client's words of `text`: as written, markup removed."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tts_backend.base import AudioChunk, SynthesisRequest, Synthesizer, TextStream, WordTiming, split_words
 
+from ..session.word_times import WordsWait
 from .rewrite import Expression, Pause, Piece, Rewriter, WordMap
 
 SILENCE_CHUNK_S = 0.1  # a pause is yielded in chunks of at most this much audio
@@ -89,9 +90,11 @@ class _Parts:
         return self.words.map(placed)
 
 
-async def speak(backend: Synthesizer, request: SynthesisRequest, rewriter: Rewriter) -> AsyncIterator[AudioChunk]:
+async def speak(backend: Synthesizer, request: SynthesisRequest, rewriter: Rewriter,
+                words_wait: WordsWait | None = None) -> AsyncIterator[AudioChunk]:
     """The sentence's audio (see the module doc): `request` as the client's text gives it, through
-    `rewriter`."""
+    `rewriter`. `words_wait` bounds each part's wait for its word timings: a part whose words are late
+    goes on without them (the written words they would have timed are left out) and the next part follows."""
     source = request.text_stream
     parts = _Parts(rewriter, request.instructions, "instructions" in backend.honours)
     unsubscribe = None
@@ -127,14 +130,15 @@ async def speak(backend: Synthesizer, request: SynthesisRequest, rewriter: Rewri
             part_request = dataclasses.replace(request, text=stream.text, instructions=part.instructions,
                                                text_stream=stream if source is not None else None)
             start = made
-            async with contextlib.aclosing(backend.synthesize(part_request)) as chunks:
+            part_chunks = backend.synthesize(part_request)
+            if words_wait is not None:
+                part_chunks = words_wait.bound(part_chunks)
+            async with contextlib.aclosing(part_chunks) as chunks:
                 async for chunk in chunks:
                     words = parts.written_words(part, chunk.words, start) if chunk.words else []
                     made += len(chunk.pcm) // 2
                     if chunk.pcm or words:
                         yield AudioChunk(chunk.pcm, tuple(words))
-                    elif chunk.audio_ended and parts.final and index >= len(parts.parts):
-                        yield chunk  # only the last part's: no audio follows then (base.py)
         if request.word_timestamps:
             last = parts.words.finish()
             if last:

@@ -283,10 +283,10 @@ class SpeechPipeline:
             job.chunks.put_nowait(pcm)
         try:
             pronouncer = config.pronouncer
-            audio_chunks = (self.backend.synthesize(request) if pronouncer is None
-                            else pronouncer.synthesize(self.backend, request))
-            async with contextlib.aclosing(audio_chunks):
-                audio = WordsWait(audio_chunks, self.settings.word_timestamps_wait_s)
+            words_wait = WordsWait(self.settings.word_timestamps_wait_s)
+            audio_chunks = (words_wait.bound(self.backend.synthesize(request)) if pronouncer is None
+                            else pronouncer.synthesize(self.backend, request, words_wait))
+            async with contextlib.aclosing(audio_chunks) as audio:
                 if self.admission_claim is not None:  # from now on the session's streams count, not its claim
                     self.admission_claim.release()
                 with monitor.stream() if monitor is not None else contextlib.nullcontext() as meter:
@@ -311,9 +311,9 @@ class SpeechPipeline:
                             pcm = chunk.pcm if trailing is None else trailing.feed(chunk.pcm)
                             if pcm:
                                 queue(pcm)
-            if audio.late and not job.finished:
+            if words_wait.late and not job.finished:
                 job.words_late = True
-                job.warnings.append(audio.late_warning("timestamp_type"))
+                job.warnings.append(words_wait.late_warning("timestamp_type"))
                 self.metrics.word_timestamps_late_total.labels("websocket").inc()
             if trailing is not None and not job.finished:
                 tail = trailing.end(at_least=job.words[-1].end if job.words else 0)

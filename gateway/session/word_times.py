@@ -8,6 +8,7 @@ And never wait long for them (issue 32): `WordsWait` bounds the wait for timings
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -52,40 +53,53 @@ def keep_spoken(spoken: list[SpokenWord], words: list[SpokenWord]) -> None:
 
 
 class WordsWait:
-    """A backend's chunks for one request, its wait for word timings after its audio bounded: once a chunk
-    says `audio_ended` (base.py: a forced aligner's timings come after the whole sentence), the chunks
-    after it get `wait_s` in all. Past that the iteration ends as if the backend had (the caller's
-    aclose stops the request, and the aligner's work for it) and `late` is set: the sentence ends with
-    all its audio and without its words, a warning (`late_warning`) instead. Only the time spent waiting
-    for the backend counts, not the caller's own pauses between chunks (back-pressure)."""
+    """One sentence's wait for word timings that come after its audio, bounded: `bound` wraps each backend
+    stream of the sentence (one, or one per part of a markup-cut sentence). Once a stream's chunk says
+    `audio_ended` (base.py: a forced aligner's timings come after the whole audio), the chunks after it get
+    `wait_s` in all. Past that the stream ends as if the backend had ended it (it is closed, which stops the
+    request and the aligner's work for it) and `late` is set: the sentence goes on with all its audio and
+    without those words, a warning (`late_warning`) instead. Only the time spent waiting for the backend
+    counts, not the caller's own pauses between chunks (back-pressure)."""
 
-    def __init__(self, chunks: AsyncIterator[AudioChunk], wait_s: float) -> None:
-        self._chunks = chunks
+    def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
-        self._left: float | None = None  # seconds of the wait left, from audio_ended on
         self.late = False
 
-    def __aiter__(self) -> "WordsWait":
-        return self
-
-    async def __anext__(self) -> AudioChunk:
-        if self.late:
-            raise StopAsyncIteration
-        if self._left is None:
-            chunk = await anext(self._chunks)
-        else:
-            started = time.monotonic()
-            try:
-                chunk = await asyncio.wait_for(anext(self._chunks), max(0.0, self._left))
-            except asyncio.TimeoutError:
-                self.late = True
-                raise StopAsyncIteration from None
-            self._left -= time.monotonic() - started
-        if chunk.audio_ended and self._left is None:
-            self._left = self.wait_s
-        return chunk
+    async def bound(self, chunks: AsyncIterator[AudioChunk]) -> AsyncIterator[AudioChunk]:
+        left: float | None = None  # seconds of the wait left, from audio_ended on
+        async with contextlib.aclosing(chunks):
+            while True:
+                started = time.monotonic()
+                try:
+                    if left is None:
+                        chunk = await anext(chunks)
+                    else:
+                        chunk = await _next_within(chunks, max(0.0, left))
+                        left -= time.monotonic() - started
+                except StopAsyncIteration:
+                    return
+                if chunk is None:
+                    self.late = True
+                    return
+                if chunk.audio_ended and left is None:
+                    left = self.wait_s
+                yield chunk
 
     def late_warning(self, field: str) -> ConfigWarning:
         return ConfigWarning(code="timestamps_late", field=field,
                              message=f"the word timings did not come within {self.wait_s:g} s of the audio's end;"
                                      " they are left out")
+
+
+async def _next_within(chunks: AsyncIterator[AudioChunk], timeout_s: float) -> AudioChunk | None:
+    """The next chunk, or None when it does not come within `timeout_s` (the pull is cancelled then). A
+    backend's own error, a TimeoutError included, is raised as it is."""
+    pending = asyncio.ensure_future(anext(chunks))
+    try:
+        done, _ = await asyncio.wait({pending}, timeout=timeout_s)
+    finally:
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pending
+    return pending.result() if done else None
