@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "deploy.md"
 STEPS = ("## The walkthrough's settings", "## 1.", "## 2.", "## 3.", "## 4.")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.third_party]  # kubectl from the cached kube-tools venv
 
 # The stand-ins. kubectl's: a server's calls are logged; `apply -f -` keeps the YAML it is fed, `apply -k DIR`
 # keeps what the real kubectl renders from DIR; everything else (create --dry-run, kustomize) is the real one.
