@@ -4,7 +4,8 @@
 #   bash bench/h200.sh setup step reference load:1,10,20,40 profile:"--rates 10,20 --duration 20" savecache
 #
 # with the device call carrying ".carry" (wheels in .carry/whl and .carry/refwhl, the tokenizer cache in
-# .carry/voxgate_cache, and optionally an earlier call's compile_cache.txz as .carry/compile_cache.txz).
+# .carry/voxgate_cache, and optionally an earlier call's compile_cache.txz as .carry/compile_cache.txz);
+# bench/carry.sh builds .carry/whl, .carry/optwhl and .carry/voxgate_cache.
 # Steps run in the order given; a failing step is reported and the next one still runs, and the script exits
 # non-zero if any failed.
 #
