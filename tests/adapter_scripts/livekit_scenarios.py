@@ -58,8 +58,9 @@ async def read_stream(stream, frames: list, events: list, first_audio: asyncio.E
             first_audio.set()
 
 
-async def speak(tts: TTS, tokens: list[str], token_delay_s: float = 0.0) -> dict:
-    """One reply as the agent speaks it: a stream pushed `tokens`, then ended, and read to its end."""
+async def stream_reply(tts: TTS, tokens: list[str], token_delay_s: float = 0.0) -> tuple[list, list]:
+    """One reply as the agent speaks it: a stream pushed `tokens`, then ended, and read to its end; its
+    frames and events."""
     frames, events = [], []
     async with tts.stream() as stream:
         reader = asyncio.create_task(read_stream(stream, frames, events))
@@ -69,7 +70,11 @@ async def speak(tts: TTS, tokens: list[str], token_delay_s: float = 0.0) -> dict
                 await asyncio.sleep(token_delay_s)
         stream.end_input()
         await asyncio.wait_for(reader, 30)
-    return describe(frames, events)
+    return frames, events
+
+
+async def speak(tts: TTS, tokens: list[str], token_delay_s: float = 0.0) -> dict:
+    return describe(*await stream_reply(tts, tokens, token_delay_s))
 
 
 async def refusal(tts: TTS, request: str, conn_options: APIConnectOptions) -> dict:
@@ -234,13 +239,7 @@ async def scenario_word_timestamps(url: str, reply: str, long_reply: str, interr
     framework."""
     tts = TTS(url=url, voice="tone-mid")
     try:
-        frames, events = [], []
-        async with tts.stream() as stream:
-            reader = asyncio.create_task(read_stream(stream, frames, events))
-            for token in llm_tokens(reply):
-                stream.push_text(token)
-            stream.end_input()
-            await asyncio.wait_for(reader, 30)
+        frames, events = await stream_reply(tts, llm_tokens(reply))
         whole = {**describe(frames, events), "words": timed_words(events)}
 
         frames, events = [], []
@@ -267,13 +266,7 @@ async def scenario_pronunciation(url: str, reply: str, chunked: str, pronunciati
     TTS: the aligned transcript names the reply's written words."""
     tts = TTS(url=url, voice="tone-mid", pronunciations=pronunciations, text_markup=text_markup)
     try:
-        frames, events = [], []
-        async with tts.stream() as stream:
-            reader = asyncio.create_task(read_stream(stream, frames, events))
-            for token in llm_tokens(reply):
-                stream.push_text(token)
-            stream.end_input()
-            await asyncio.wait_for(reader, 30)
+        _, events = await stream_reply(tts, llm_tokens(reply))
         words = [w["text"] for w in timed_words(events)]
         chunked_frames = []
         async with tts.synthesize(chunked) as synthesis:

@@ -421,6 +421,15 @@ async def scenario_word_timestamps(url: str, turn: str, long_turn: str, interrup
         }
 
 
+async def assistant_spoke(context: LLMContext, timeout_s: float = 20.0) -> None:
+    """Until the assistant aggregator has recorded a message in `context`."""
+    deadline = time.monotonic() + timeout_s
+    while not assistant_messages(context):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no assistant message")
+        await asyncio.sleep(0.01)
+
+
 async def scenario_untimed_backend(url: str, turn: str) -> dict:
     """The service's default (word timestamps asked for) on a gateway whose backend gives none: its
     session.started warns timestamps_unsupported, and the text goes out per sentence instead."""
@@ -428,11 +437,7 @@ async def scenario_untimed_backend(url: str, turn: str) -> dict:
     async with Harness(url, assistant=LLMAssistantAggregator(context)) as h:
         await h.speak_turn(turn)
         spoken = await h.spoken_turn(0)
-        deadline = time.monotonic() + 20
-        while not assistant_messages(context):
-            if time.monotonic() > deadline:
-                raise TimeoutError("no assistant message")
-            await asyncio.sleep(0.01)
+        await assistant_spoke(context)
         return {
             "warnings": [w.get("code") for w in h.tts.session.started.warnings],
             "text_frames": [w["word"] for w in words_of(h, spoken["context_id"])],
@@ -449,11 +454,7 @@ async def scenario_pronunciation(url: str, turn: str, pronunciations: list, text
                        pronunciations=pronunciations, text_markup=text_markup) as h:
         await h.speak_turn(turn)
         spoken = await h.spoken_turn(0)
-        deadline = time.monotonic() + 20
-        while not assistant_messages(context):
-            if time.monotonic() > deadline:
-                raise TimeoutError("no assistant message")
-            await asyncio.sleep(0.01)
+        await assistant_spoke(context)
         return {"words": [w["word"] for w in words_of(h, spoken["context_id"])],
                 "assistant_messages": assistant_messages(context), "errors": h.errors}
 

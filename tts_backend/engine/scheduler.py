@@ -57,9 +57,6 @@ class SchedulerConfig:
     max_buffered_s: float = 10.0  # audio a consumer may leave unread before its stream pauses
     max_pending_frames: int = 48  # generated but not yet decoded; bounded by the runner's frame ring
     max_codec_frames: int = 12  # the most frames per stream one codec call decodes (the runner's captured counts)
-    # Streams in a codec call nothing urgent waits for. A first chunk waits for the call in flight, so the
-    # call's length is first-audio latency: 8 streams x 12 frames is 9.2 ms on the H100, 16 x 12 is 16.9.
-    bulk_codec_streams: int = 16
     # A fresh arrival's prefill may wait this long for others while at least prefill_gather_streams step.
     prefill_gather_s: float = 0.010
     prefill_gather_streams: int = 24
@@ -256,15 +253,17 @@ class Scheduler:
         elif ready.urgent_generation:
             anchor = min(ready.urgent_generation, key=lambda it: (it.deadline, int(it.stage), it.arrival))
             batch = self._fill(anchor, ready, ready.urgent_generation, "urgent_generation")
-        elif ready.startup and not (self._bulk_codec_due and self._bulk_codec_anchor(ready) is not None):
-            anchor = min(ready.startup, key=lambda it: (int(it.stage), it.arrival))
-            batch = self._fill(anchor, ready, ready.startup, "startup")
         elif ready.startup:
             # The codec stream takes one batch at a time, and a first chunk is a small call (2 frames, most
             # often of one stream): at 60 RPS new streams came often enough that first chunks took nearly
             # every codec turn, the other streams' frames piled up undecoded to max_pending_frames and they
-            # dropped out of the frames. So after a first-chunk call, the next codec turn decodes in bulk.
-            batch = self._fill(self._bulk_codec_anchor(ready), ready, ready.pressing, "bulk_codec", bulk=True)
+            # dropped out of the frames. So after a first-chunk call, a lagging codec's next turn is in bulk.
+            bulk_anchor = self._bulk_codec_anchor(ready) if self._bulk_codec_due else None
+            if bulk_anchor is not None:
+                batch = self._fill(bulk_anchor, ready, ready.pressing, "bulk_codec", bulk=True)
+            else:
+                anchor = min(ready.startup, key=lambda it: (int(it.stage), it.arrival))
+                batch = self._fill(anchor, ready, ready.startup, "startup")
         elif ready.pressing:
             anchor = min(ready.pressing, key=lambda it: (it.deadline, int(it.stage), it.arrival))
             batch = self._fill(anchor, ready, ready.pressing, "pressing", bulk=True)
@@ -309,7 +308,7 @@ class Scheduler:
         boundary, so a call's volume is the codec's throughput: on the H100 a call of 16 streams x 12
         frames costs 88 us per stream-frame, one of 1 x 2 over 1 ms (bench/results/engine_step_h100.json).
         Streams whose audio is about to run out are not left to this: rule 1 decodes them first."""
-        cap = min(self.config.max_batch[Stage.CODEC], self.config.bulk_codec_streams)
+        cap = self.config.max_batch[Stage.CODEC]
         candidates = {min(self.config.max_codec_frames, it.request.pending_frames) for it in items}
         best, best_takers, best_volume = 0, [], 0
         for frames in sorted(candidates):
