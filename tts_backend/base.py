@@ -52,6 +52,32 @@ The model's text mode is a per-request choice too (`SynthesisRequest.streaming_t
 None leaves the server's default (`-o streaming_text`). A backend that acts on it has "text_mode" in
 `honours`. A text stream always runs in streaming-text mode.
 
+Resume from codes (issue 33) is optional: a backend that has "resume_codes" in `honours` tells its codec
+codes with its audio and continues a sentence from them. Why: on a GPU a request's sampled frames depend on
+its batch company, so a sentence made again from its text on another worker (failover, a draining worker)
+or on another replica (`session.resume`) is another take, and making the delivered part again is most of
+the pause. Continuing from the codes keeps the take and costs one prefill. The contract:
+- A backend with codes has `codebooks` > 0 (and `frame_rate`, its codec frames a second of audio). Each
+  chunk it yields carries in `AudioChunk.codes` the codes of the frames it generated since its previous
+  chunk, those whose audio was trimmed or is silent included: little-endian uint16, frame-major (each frame
+  its `codebooks` codes in codebook order), whole frames only. A chunk's codes never belong to audio it has
+  not yet yielded: the audio of the frames it names is in that chunk or an earlier one.
+- `SynthesisRequest.resume_codes` (whole frames, the concatenation of the codes of the chunks delivered so
+  far, in order) continues the same request (same text, voice, seed, options) after those frames: the
+  backend yields exactly the audio that the uninterrupted request yields after the chunk that carried the
+  last of those codes, and its first new sample joins the last delivered one (the codec decodes its left
+  context again from the codes, so there is no click). Its chunks carry only the codes of new frames. Where
+  numerics do not vary (the CPU, the synthetic backend), the resumed audio equals the uninterrupted run's,
+  byte for byte. Word timings keep the uninterrupted request's time base (sample 0 is the sentence's first
+  sample, before the resume point); a backend may tell again words it told before, and the caller drops
+  those it has.
+- A caller that has audio past the last chunk that carried codes (a pool that had part of a chunk) resumes
+  from the codes it has and drops the audio it already delivered from the start of the resumed stream.
+- `max_code_bytes` bounds a request's codes (what a caller keeps, what a worker may send); a backend refuses,
+  with SynthesisError, resume codes that are not whole frames, exceed that bound or do not continue this
+  request. A backend without the ability (`codebooks` 0: Piper) yields no codes and refuses resume_codes
+  rather than speaking the sentence again from its start.
+
 What a "word" is: `split_words` below, the one definition every backend uses, so that the gateway and
 clients can rebuild the text from the words (joined by single spaces).
 """
@@ -229,6 +255,9 @@ class SynthesisRequest:
     # The model's text mode (backends with "text_mode"): True one token per frame, False all in the
     # prompt (vLLM-Omni's non_streaming_mode), None the server's default.
     streaming_text: bool | None = None
+    # Continue after these frames (backends with "resume_codes", see the module doc): the codes the chunks
+    # delivered so far carried, whole frames; empty: from the start.
+    resume_codes: bytes = b""
 
     @property
     def full_text(self) -> str:
@@ -317,10 +346,43 @@ class AudioChunk:
     words: tuple[WordTiming, ...] = ()
     # No audio follows in this request: only its word timings may (see the module doc).
     audio_ended: bool = False
+    # The codec codes of the frames generated since the previous chunk (backends with "resume_codes", see
+    # the module doc): little-endian uint16, frame-major, whole frames.
+    codes: bytes = b""
 
     @property
     def num_samples(self) -> int:
         return len(self.pcm) // 2
+
+
+# What a request's audio may last, at most: MIN_SENTENCE_S for any text (a short "Hmm." with a pause
+# around it) and MAX_SECONDS_PER_CHAR a character (natural speech is ~0.07 s). A pool bounds a worker's audio
+# by it, and a request's codes follow from it.
+MAX_SECONDS_PER_CHAR = 0.5
+MIN_SENTENCE_S = 10.0
+MAX_CODEBOOKS = 64
+MAX_FRAME_RATE = 100.0
+
+
+def max_code_bytes(codebooks: int, frame_rate: float, text_chars: int) -> int:
+    """The most code bytes a request of `text_chars` characters may produce: frames for as long as its audio
+    may last, plus one a character (a text stream's chunks cut short while it waits for text), each
+    `codebooks` uint16s. 0 for a backend without codes."""
+    if codebooks <= 0:
+        return 0
+    seconds = MIN_SENTENCE_S + MAX_SECONDS_PER_CHAR * text_chars
+    frames = int(seconds * frame_rate) + 1 + text_chars
+    return frames * codebooks * 2
+
+
+def check_codes(codes: bytes, codebooks: int, bound: int, what: str = "codes") -> None:
+    """Raise SynthesisError unless `codes` are whole frames of `codebooks` codes within `bound` bytes."""
+    if codes and codebooks <= 0:
+        raise SynthesisError(f"{what}: this backend has no codes")
+    if codebooks > 0 and len(codes) % (2 * codebooks):
+        raise SynthesisError(f"{what}: {len(codes)} bytes are not whole frames of {codebooks} uint16 codes")
+    if len(codes) > bound:
+        raise SynthesisError(f"{what}: {len(codes)} bytes, more than the text can produce ({bound})")
 
 
 class Synthesizer(abc.ABC):
@@ -332,12 +394,17 @@ class Synthesizer(abc.ABC):
     # "max_new_tokens", "chunk_schedule", "seed", "speed", "voice_design" (a voice made from the
     # instructions), "voice_cloning" (a voice from reference audio), "word_timestamps" (WordTimings when
     # the request asks, see the module doc), "text_streaming" (text pushed while it speaks, `text_stream`),
-    # "text_mode" (the per-request `streaming_text`). The gateway tells a client which of
+    # "text_mode" (the per-request `streaming_text`), "resume_codes" (codes with the audio, and
+    # `resume_codes` continued from, see the module doc). The gateway tells a client which of
     # its options take no effect here, instead of ignoring them silently.
     honours: frozenset[str] = frozenset()
     # Speaks only with a voice_prompt (a Qwen3 Base checkpoint): its voices() are placeholders, so the gateway
     # answers a name that is no cloned voice with voice_not_found instead of falling back to one of them.
     speaks_only_clones: bool = False
+    # Codes per codec frame (Qwen3 12 Hz: 16) and codec frames per second of audio (12.5), for a backend with
+    # "resume_codes"; 0 for one without codes.
+    codebooks: int = 0
+    frame_rate: float = 0.0
 
     async def start(self) -> None:
         """Load models, warm up. `ready` is true once this returns."""
@@ -397,6 +464,16 @@ class Synthesizer(abc.ABC):
         with another voice."""
         if request.voice_prompt is not None and not self.can_clone:
             raise VoiceCloningUnsupportedError(f"the {self.name} backend cannot speak with a cloned voice")
+
+    def refuse_resume_codes(self, request: SynthesisRequest) -> None:
+        """For backends without "resume_codes": a request that continues from codes fails rather than
+        speaking the delivered part again."""
+        if request.resume_codes and "resume_codes" not in self.honours:
+            raise SynthesisError(f"the {self.name} backend cannot continue a sentence from codes")
+
+    def max_code_bytes(self, text_chars: int) -> int:
+        """The most code bytes a request of `text_chars` characters may produce (module doc); 0 without codes."""
+        return max_code_bytes(self.codebooks, self.frame_rate, text_chars)
 
     def refuse_text_stream(self, request: SynthesisRequest) -> None:
         """For backends without "text_streaming": a request whose text is still coming fails rather than

@@ -73,6 +73,7 @@ class PiperSynthesizer(Synthesizer):
 
     name = "piper"
     honours = frozenset({"speed"})  # and "word_timestamps" once every voice loaded can align
+    codebooks = 0  # a VITS voice has no codec codes: no "resume_codes" (base.py)
 
     def __init__(
         self,
@@ -240,6 +241,7 @@ class PiperSynthesizer(Synthesizer):
             raise SynthesisError("the Piper backend is not started")
         self.refuse_voice_prompt(request)
         self.refuse_text_stream(request)
+        self.refuse_resume_codes(request)
         loaded = self._find(request.voice)
         if not request.text.strip():
             return

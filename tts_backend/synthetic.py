@@ -14,6 +14,14 @@ and the samples before it (the pitch's phase runs on from them), never on the te
 a text pushed in pieces is, byte for byte, the audio of the same text sent whole, whatever the pieces and
 their timing. A stream speaks its text as far as it has it and waits for more; a word's timing goes out once
 the word is complete (a later word has begun, or the text is finished).
+
+Resume from codes (`resume_codes`, see base.py) is exact by construction as well. Each chunk is one "frame"
+of CODEBOOKS codes: the sample where the chunk ends (two uint16s) and a digest of (voice, seed, where it
+starts, its samples). A request resumed from the codes of the chunks delivered so far checks that every
+frame is one this request made (the same samples at the same place, for this voice and seed) and goes on
+from where the last one ends: the rest of the uninterrupted run's audio, byte for byte. Codes that are not
+this request's are refused (SynthesisError), as a real engine's codes of another sentence would be no
+continuation of it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import numpy as np
 
 from .base import (
     AudioChunk,
+    SynthesisError,
     SynthesisRequest,
     Synthesizer,
     TextStream,
@@ -42,6 +51,8 @@ _VOICES = {
     "tone-mid": 200.0,
     "tone-high": 260.0,
 }
+CODEBOOKS = 16  # as the Qwen3 12 Hz codec has: 32 bytes a frame
+_FRAME = np.dtype("<u2")
 
 
 class SyntheticSynthesizer(Synthesizer):
@@ -60,7 +71,8 @@ class SyntheticSynthesizer(Synthesizer):
     """
 
     name = "synthetic"
-    honours = frozenset({"seed", "word_timestamps", "text_streaming"})
+    honours = frozenset({"seed", "word_timestamps", "text_streaming", "resume_codes"})
+    codebooks = CODEBOOKS
 
     def __init__(
         self,
@@ -77,6 +89,7 @@ class SyntheticSynthesizer(Synthesizer):
         self.sample_rate = sample_rate
         self.chars_per_second = chars_per_second
         self.chunk_samples = max(1, sample_rate * chunk_ms // 1000)
+        self.frame_rate = sample_rate / self.chunk_samples  # one frame of codes a chunk
         # A whole number of samples per character, so a text's audio grows by the same amount with every
         # character and the audio of a prefix is a prefix of the audio (text streaming).
         self.samples_per_char = max(1, round(sample_rate / chars_per_second))
@@ -167,6 +180,40 @@ class SyntheticSynthesizer(Synthesizer):
         digest = hashlib.sha256(f"{voice}|{seed}|{position}|{char}".encode()).digest()
         return int.from_bytes(digest[:4], "little") / 2**32
 
+    @staticmethod
+    def frame_codes(voice: str, seed: int | None, start: int, samples: np.ndarray) -> bytes:
+        """The codes of one chunk: where it ends, then a digest of what it is (see the module doc)."""
+        end = start + len(samples)
+        digest = hashlib.sha256(f"{voice}|{seed}|{start}|".encode() + samples.tobytes()).digest()
+        words = [end >> 16 & 0xFFFF, end & 0xFFFF, *np.frombuffer(digest[: 2 * (CODEBOOKS - 2)], dtype=_FRAME)]
+        return np.array(words, dtype=_FRAME).tobytes()
+
+    def _resume_point(self, request: SynthesisRequest, samples: np.ndarray) -> int:
+        """Where a request resumed from `request.resume_codes` goes on: the end of their last frame, once each
+        frame is checked to be this request's own within `samples` (module doc). 0 without codes."""
+        codes = request.resume_codes
+        if not codes:
+            return 0
+        if len(codes) % (2 * CODEBOOKS):
+            raise SynthesisError(f"resume codes: {len(codes)} bytes are not whole frames of {CODEBOOKS} codes")
+        frames = np.frombuffer(codes, dtype=_FRAME).reshape(-1, CODEBOOKS)
+        start = 0
+        for frame in frames:
+            end = int(frame[0]) << 16 | int(frame[1])
+            if not start < end <= len(samples) or \
+                    self.frame_codes(request.voice, request.seed, start, samples[start:end]) != frame.tobytes():
+                raise SynthesisError("resume codes: they do not continue this sentence (another text, voice or seed)")
+            start = end
+        return start
+
+    @staticmethod
+    def resume_end(codes: bytes) -> int:
+        """The sample where the last frame of `codes` ends (0 for none): how far a stream must have text for."""
+        if len(codes) < 2 * CODEBOOKS:
+            return 0
+        last = np.frombuffer(codes[-2 * CODEBOOKS:], dtype=_FRAME)
+        return int(last[0]) << 16 | int(last[1])
+
     def word_timings(self, text: str, num_samples: int) -> tuple[WordTiming, ...]:
         """Where each word of `text` (as rendered: stripped) lies in its `num_samples` of audio."""
         text = text.strip()
@@ -185,18 +232,23 @@ class SyntheticSynthesizer(Synthesizer):
         # loop, which every other stream shares.
         samples = await asyncio.to_thread(self.render, request) if len(request.text) > 500 else self.render(request)
         words = self.word_timings(request.text, len(samples)) if request.word_timestamps else ()
+        resume_at = self._resume_point(request, samples)
         if self._capacity is not None:
             await self._take_slot()
         try:
             if self.first_chunk_delay_s:
                 await asyncio.sleep(self.first_chunk_delay_s)
-            for start in range(0, len(samples), self.chunk_samples):
+            for start in range(resume_at, len(samples), self.chunk_samples):
                 piece = samples[start : start + self.chunk_samples]
-                if start and self.speed:
+                if start > resume_at and self.speed:
                     await asyncio.sleep(len(piece) / self.sample_rate / self.speed)
                 else:
                     await asyncio.sleep(0)  # a cancellation point between chunks, like a real engine
-                yield AudioChunk(piece.tobytes(), words if start == 0 and self.words_delay_s is None else ())
+                first = start == resume_at and self.words_delay_s is None
+                yield AudioChunk(piece.tobytes(), words if first else (),
+                                 codes=self.frame_codes(request.voice, request.seed, start, piece))
+            if words and self.words_delay_s is None and resume_at >= len(samples):  # resumed at the very end
+                yield AudioChunk(b"", words)
             if words and self.words_delay_s is not None:
                 yield AudioChunk(b"", audio_ended=True)
                 await asyncio.sleep(self.words_delay_s)
@@ -219,11 +271,18 @@ class SyntheticSynthesizer(Synthesizer):
             sent = 0  # samples yielded
             words_sent = 0
             first = True
+            resume_end = self.resume_end(request.resume_codes)  # resumed: the text must reach it first
             while True:
                 finished = stream.finished  # read before the text: text pushed in between is spoken next turn
                 text = stream.text
                 spoken = text.strip()
                 samples = self._render(request.voice, request.seed, spoken, keep=finished)
+                if resume_end:
+                    if len(samples) < resume_end and not finished:
+                        await stream.wait_beyond(len(text))
+                        continue
+                    sent = self._resume_point(request, samples)
+                    resume_end = 0
                 words: tuple[WordTiming, ...] = ()
                 if request.word_timestamps:
                     # A word is complete once a later word has begun, or the text is finished: until then
@@ -239,9 +298,10 @@ class SyntheticSynthesizer(Synthesizer):
                         await asyncio.sleep(len(piece) / self.sample_rate / self.speed)
                     else:
                         await asyncio.sleep(0)  # a cancellation point between chunks, like a real engine
+                    codes = self.frame_codes(request.voice, request.seed, sent, piece)
                     sent += len(piece)
                     first = False
-                    yield AudioChunk(piece.tobytes(), words)
+                    yield AudioChunk(piece.tobytes(), words, codes=codes)
                     words = ()
                 if words:
                     yield AudioChunk(b"", words)

@@ -253,6 +253,10 @@ def request_to_json(request: SynthesisRequest) -> dict:
         data["voice_prompt"] = base64.b64encode(data["voice_prompt"]).decode()
     if data["chunk_schedule"] is not None:
         data["chunk_schedule"] = list(data["chunk_schedule"])
+    if not data["resume_codes"]:  # left out unless resuming, so that a worker older than the field serves
+        del data["resume_codes"]
+    else:
+        data["resume_codes"] = base64.b64encode(data["resume_codes"]).decode()
     return data
 
 
@@ -265,6 +269,8 @@ def request_from_json(data: dict) -> SynthesisRequest:
         data = {**data, "chunk_schedule": tuple(data["chunk_schedule"])}
     if data.get("voice_prompt") is not None:
         data = {**data, "voice_prompt": decode_base64(data["voice_prompt"], "voice_prompt")}
+    if data.get("resume_codes") is not None:
+        data = {**data, "resume_codes": decode_base64(data["resume_codes"], "resume_codes")}
     return SynthesisRequest(**data)
 
 

@@ -75,6 +75,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ..base import (
+    MAX_SECONDS_PER_CHAR,
+    MIN_SENTENCE_S,
     AudioChunk,
     BackendMetric,
     BackendOverloadedError,
@@ -102,8 +104,6 @@ _TEXT_PIECE_CHARS = 4096
 RTF_LIMIT = 0.9
 # What a gateway believes of a worker (see the module doc).
 SAMPLE_RATES = (8000, 48000)  # the lowest and highest sample rate a worker may say it has
-MAX_SECONDS_PER_CHAR = 0.5  # audio per character of text, at most: natural speech is ~0.07 s
-MIN_SENTENCE_S = 10.0  # ...and at least this much for any text (a short "Hmm." with a pause around it)
 MAX_VOICES = 10_000
 QUARANTINE_S = 30.0  # a worker that broke a bound gets no stream for this long
 KEEPALIVE_WAIT_S = 60.0  # per sentence, waits a worker's keep-alives cover, on top of the silent ones (module doc)
