@@ -7,7 +7,8 @@ involved, a real gateway on loopback with real WebSocket clients.
 - routing: each session to the worker with the most headroom, and kept there; `overloaded` only when every
   worker is full;
 - worker death: a SIGKILLed worker's sentence goes on on another worker byte for byte;
-- drain: SIGTERM finishes the open utterance where it is, sends new sessions elsewhere, exits 0.
+- drain: SIGTERM hands the open stream over (it goes on from its codes elsewhere), sends new sessions
+  elsewhere, exits 0 without waiting for the stream.
 """
 
 from __future__ import annotations
@@ -300,10 +301,8 @@ async def test_a_killed_workers_sentence_goes_on_elsewhere_byte_for_byte(token_f
 # ---------------------------------------------------------------------------------------- drain
 
 
-async def test_a_draining_worker_finishes_its_utterance_takes_no_new_session_and_exits(token_file):
-    health = [free_port(), free_port()]
-    procs_args = [synthetic_worker_args("--token-file", token_file, "--health-port", str(port), speed=2.0)
-                  for port in health]
+async def test_a_draining_worker_hands_its_stream_over_takes_no_new_session_and_exits(token_file):
+    procs_args = [synthetic_worker_args("--token-file", token_file, speed=2.0) for _ in range(2)]
     with workers(*procs_args) as procs:
         by_id = {w.worker_id: w for w in procs}
         remote = pool(*(w.address for w in procs))
@@ -314,38 +313,27 @@ async def test_a_draining_worker_finishes_its_utterance_takes_no_new_session_and
             serving = next(m for m in remote.members.values() if m.streams)
             draining = by_id[serving.id]
             draining.terminate()
-            await wait_for_async(lambda: serving.draining, what="the pool seeing the drain")
-            # Its /ready turns 503 at once (Kubernetes takes it out of rotation).
-            port = health[procs.index(draining)]
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET /ready HTTP/1.0\r\n\r\n")
-            assert (await reader.read()).startswith(b"HTTP/1.0 503")
-            writer.close()
-            # A new session goes to the other worker; the open utterance's next sentence stays.
+            # It hands the open stream over and exits without waiting for it: the stream goes on, from its
+            # codes, on the other worker, and the audio is the uninterrupted run's.
+            assert draining.wait(30) == 0
+            audio = first.pcm + b"".join([c.pcm async for c in stream])
+            assert audio == SyntheticSynthesizer().render(request("d1")).tobytes()
+            assert remote.handovers == 1 and remote.failovers == 0
+            assert remote._bindings["d1"].worker is not serving
+            # New sessions go to the other worker.
             other = remote.synthesize(request("d2", "A new session."))
             await anext(other)
             assert remote._bindings["d2"].worker is not serving
             await other.aclose()
-            same = remote.synthesize(request("d1", "The same utterance."))
-            await anext(same)
-            assert remote._bindings["d1"].worker is serving
-            await same.aclose()
-            # The utterance in progress finishes whole.
-            audio = first.pcm + b"".join([c.pcm async for c in stream])
-            assert audio == SyntheticSynthesizer().render(request("d1")).tobytes()
-            assert draining.wait(30) == 0
-            # Its next utterance moves.
-            later = remote.synthesize(request("d1", "The next utterance.", utterance=1))
-            await anext(later)
-            assert remote._bindings["d1"].worker is not serving
-            await later.aclose()
         finally:
             await remote.stop()
 
 
 def test_a_worker_that_drains_is_asked_for_no_new_utterance():
-    """Without a pool: the worker answers `draining` to an utterance it has not served (the raw protocol)."""
-    with workers(synthetic_worker_args(speed=1.0)) as (worker,):
+    """Without a pool (the raw protocol of a gateway that takes no hand-over): the worker answers `draining`
+    to an utterance it has not served, its /ready turns 503 at once, and it exits once the stream is done."""
+    health = free_port()
+    with workers(synthetic_worker_args("--health-port", str(health), speed=1.0)) as (worker,):
         async def scenario():
             target = WorkerAddress.parse(worker.address)
             reader, writer = await asyncio.open_connection(target.host, target.port)
@@ -356,6 +344,11 @@ def test_a_worker_that_drains_is_asked_for_no_new_utterance():
             await asyncio.sleep(0.3)
             fresh = framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request("y"))})
             assert (await raw_exchange(worker.address, fresh))["code"] == "draining"
+            probe_reader, probe = await asyncio.open_connection("127.0.0.1", health)
+            probe.write(b"GET /ready HTTP/1.0\r\n\r\n")
+            assert (await probe_reader.read()).startswith(b"HTTP/1.0 503")
+            probe.close()
+            assert worker.proc.poll() is None  # its stream is not handed over: it waits for it
             writer.close()
 
         asyncio.run(scenario())

@@ -3,6 +3,7 @@
 Each frame: a 4-byte big-endian length of what follows, one type byte, the payload.
   b"J"  a JSON object (control: info, synthesize, words, done, error)
   b"A"  s16le PCM audio of the request in flight
+  b"C"  codec codes of the request in flight (base.AudioChunk.codes: uint16 LE, frame-major, whole frames)
 One connection carries one request (or one info query). Closing the connection cancels the request: the
 worker notices end-of-file and stops its stream within one chunk, which frees the engine slot.
 
@@ -59,6 +60,17 @@ chunk's WordTimings, in the backend's samples) come before that chunk's A frame.
 may follow (base.AudioChunk.audio_ended), so that the gateway can bound its wait for them; an older gateway,
 which would take that frame for a bad one, does not ask and gets none.
 
+Codes (issue 33, base.py's "resume_codes"): a synthesize with "codes": true gets each chunk's codes in C
+frames after the chunk's A frames (so a chunk is whole once its codes are in: the audio before the last C
+frame is what those codes resume after), at most AUDIO_FRAME_BYTES each, cut at whole frames of the
+`codebooks` the worker's info names (with its `frame_rate`). A request's "resume_codes" (base64) continues
+it after those frames; codes that are not whole frames, or more than the text could make, are answered
+{"op": "error", "code": "synthesis_failed"}. A synthesize with
+"handover": true as well may be ended, when the worker drains, by
+  worker -> client   {"op": "handover"}                     the chunks before it are whole; go on elsewhere
+after which the gateway continues the request from the codes it has on another worker (worker.py), and is
+answered `draining` to new requests meanwhile.
+
 Text streaming (base.TextStream): a synthesize with "text_stream": true opens a request whose text goes on
 after the request's "text"; the client sends the rest on the same connection while the audio comes back:
   client -> worker   {"op": "text", "text": str}            more text (appended as it is)
@@ -92,6 +104,7 @@ from ..base import (
 
 JSON = b"J"
 AUDIO = b"A"
+CODES = b"C"
 # Frame size limits, each checked on the header, before any of the payload is read. Every frame type has
 # the smallest limit that what it carries allows, so that a peer cannot make the other side buffer more.
 # A handshake frame, from a peer that has proved nothing yet:
@@ -120,6 +133,13 @@ class ProtocolError(RuntimeError):
 
 def encode(kind: bytes, payload: bytes | memoryview) -> bytes:
     return _HEADER.pack(len(payload) + 1, kind[0]) + payload
+
+
+def encode_codes(codes: bytes, codebooks: int) -> bytes:
+    """A chunk's codes as C frames of at most AUDIO_FRAME_BYTES, each whole frames of `codebooks` codes."""
+    step = max(1, AUDIO_FRAME_BYTES // (2 * codebooks)) * 2 * codebooks
+    view = memoryview(codes)
+    return b"".join(encode(CODES, view[at:at + step]) for at in range(0, len(codes), step))
 
 
 def encode_json(message: dict) -> bytes:

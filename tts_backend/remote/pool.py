@@ -18,10 +18,15 @@ an admitted session is never refused for load: it goes to the worker with the mo
 that is none, where it waits for a place (text already accepted is never dropped).
 
 Worker death. A stream whose connection breaks before "done" (the worker was killed, its host went away)
-is sent again, whole, to the worker with the most headroom that has not failed it, and the bytes (and
-word timings) already delivered are dropped from the new stream, as a session resume does: with a seeded
-request the audio goes on byte for byte, and the client sees only a pause. The failed worker counts as
-down until it answers an info query again, and the session is bound to its new worker.
+goes on on the worker with the most headroom that has not failed it. Where the workers have codes
+("resume_codes", base.py), it goes on from the codes of the chunks delivered whole (each chunk's C frames
+follow its audio, framing.py): the new worker continues the same take after those frames, and only the
+audio delivered past them (part of a chunk) is dropped from its start, so the pause is one prefill, not the
+delivered part made again (issue 33). Otherwise it is sent again whole and the bytes already delivered are
+dropped from the new stream, as a session resume does: with a seeded request the audio goes on byte for
+byte where numerics do not depend on the batch (the CPU). Either way word timings already delivered are
+dropped, and the client sees only a pause. The failed worker counts as down until it answers an info
+query again, and the session is bound to its new worker.
 
 Trust. A worker is used only once it has proved, on every connection and before any text is sent, that it
 holds the shared token and answers at the address the connection reached (connection.py: a relay at
@@ -55,9 +60,11 @@ alive) and is set aside only while another worker is ready, so that a slow worke
 sessions to the others but overload of the only worker never turns into a QUARANTINE_S outage of new
 sessions.
 
-Drain. A worker that drains takes no new session; a session bound to it stays there for the utterance in
-progress (the worker still serves it) and moves with its next utterance. A worker that answers
-`draining` anyway (it started draining since the last refresh) is left for the next one at once.
+Drain. A worker that drains takes no new session. It hands this gateway's open streams over
+({"op": "handover"} after a chunk, framing.py): each goes on from its codes on another worker, as after a
+death but without counting the worker down, and the worker exits once they are all handed over. A worker
+without codes keeps serving the utterance in progress, which moves with its next utterance. A worker
+that answers `draining` (it started draining since the last refresh) is left for the next one at once.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ import asyncio
 import base64
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -75,12 +83,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ..base import (
+    MAX_CODEBOOKS,
+    MAX_FRAME_RATE,
     MAX_SECONDS_PER_CHAR,
     MIN_SENTENCE_S,
     AudioChunk,
     BackendMetric,
     BackendOverloadedError,
     ReferenceAudio,
+    max_code_bytes,
     SynthesisError,
     SynthesisRequest,
     Synthesizer,
@@ -120,6 +131,10 @@ class WorkerMisbehaved(WorkerLost):
     work goes elsewhere."""
 
 
+class WorkerHandedOver(WorkerLost):
+    """The worker drains and handed the stream over after its last whole chunk: it goes on elsewhere."""
+
+
 class WorkerTimedOut(WorkerLost):
     """The worker kept a sentence waiting past its deadline (module doc): slow or stuck, not proved hostile;
     its work goes elsewhere."""
@@ -156,6 +171,12 @@ def checked_info(info: dict) -> dict:
     honours = info.get("honours", [])
     if not isinstance(honours, list) or not all(isinstance(h, str) for h in honours):
         raise framing.ProtocolError("info.honours is not a list of strings")
+    codebooks = info.get("codebooks", 0)
+    if isinstance(codebooks, bool) or not isinstance(codebooks, int) or not 0 <= codebooks <= MAX_CODEBOOKS:
+        raise framing.ProtocolError(f"info.codebooks is {str(codebooks)[:40]!r}, not a whole number of 0-{MAX_CODEBOOKS}")
+    frame_rate = _number(info, "frame_rate")
+    if frame_rate > MAX_FRAME_RATE or (codebooks and not frame_rate):
+        raise framing.ProtocolError(f"info.frame_rate is {frame_rate!r}, not a rate of 0-{MAX_FRAME_RATE:g} frames a second")
     for name in ("id", "name", "default_voice"):
         if info.get(name) is not None and not isinstance(info[name], str):
             raise framing.ProtocolError(f"info.{name} is not a string")
@@ -164,7 +185,7 @@ def checked_info(info: dict) -> dict:
         "ready": info.get("ready") is True, "draining": info.get("draining") is True,
         "speaks_only_clones": info.get("speaks_only_clones") is True,
         "streams": _number(info, "streams"), "queued": _number(info, "queued"), "rtf": _number(info, "rtf"),
-        "load": _number(info, "load"),
+        "load": _number(info, "load"), "codebooks": codebooks, "frame_rate": frame_rate,
     }
 
 
@@ -230,6 +251,11 @@ class WorkerClient:
     def ready(self) -> bool:
         return bool(self.info and self.info.get("ready")) and not self.down and not self.wrong_rate \
             and time.monotonic() >= self.quarantined_until
+
+    @property
+    def resumes(self) -> bool:
+        """It tells codes and continues from them (base.py's "resume_codes")."""
+        return bool(self.info and "resume_codes" in self.info["honours"] and self.info["codebooks"])
 
     def quarantine(self, why: str) -> None:
         log.warning("worker %s (%s) set aside for %g s: %s", self.id, self.address, QUARANTINE_S, why)
@@ -354,8 +380,12 @@ class WorkerClient:
         try:
             # keepalive: this gateway takes {"op": "wait"} frames (module doc), and audio_ended the frame that
             # says only words may follow (framing.py); a worker sends them only then.
+            # codes and handover: C frames, and {"op": "handover"} when it drains (framing.py).
             message = {"op": "synthesize", "request": framing.request_to_json(request), "keepalive": True,
-                       "audio_ended": True}
+                       "audio_ended": True, "codes": True, "handover": True}
+            codebooks = self.info["codebooks"] if self.info else 0
+            frame_rate = self.info["frame_rate"] if self.info else 0.0
+            codes_sent = 0
             if place:
                 message["place"] = True
             if request.text_stream is not None:
@@ -395,6 +425,14 @@ class WorkerClient:
                         raise WorkerMisbehaved(f"worker {self.id} sent more audio than {len(request.full_text)} "
                                                "characters can hold, or a partial sample")
                     yield AudioChunk(payload)
+                elif kind == framing.CODES:
+                    codes_sent += len(payload)
+                    if not codebooks or len(payload) % (2 * codebooks) or \
+                            codes_sent > max_code_bytes(codebooks, frame_rate, len(request.full_text)):
+                        raise WorkerMisbehaved(f"worker {self.id} sent codes that are not whole frames of its "
+                                               f"{codebooks} codebooks, or more than {len(request.full_text)} "
+                                               "characters can make")
+                    yield AudioChunk(b"", codes=payload)
                 else:
                     try:
                         message = framing.decode_json(payload)
@@ -414,6 +452,8 @@ class WorkerClient:
                         yield AudioChunk(b"", words)
                     elif op == "done":
                         return
+                    elif op == "handover":
+                        raise WorkerHandedOver(f"worker {self.id} drains and handed the stream over")
                     elif op == "error":
                         raise _worker_error(message, self.id)
                     else:
@@ -546,6 +586,11 @@ class RemoteSynthesizer(Synthesizer):
         self._tasks: list[asyncio.Task] = []
         self._first: dict | None = None  # the info the pool's voices and rate come from
         self.failovers = 0
+        self.handovers = 0
+        self.resumed_from_codes = 0  # streams gone on from their codes after a failover or a hand-over
+        # The pauses failovers and hand-overs cost a listener (lost to the next audio), the last few, for
+        # benchmarks and tests.
+        self.pauses_ms: collections.deque[float] = collections.deque(maxlen=1024)
         self.moved_for_drain = 0
         self.placements_refused = 0
         self.quarantined = 0
@@ -599,6 +644,8 @@ class RemoteSynthesizer(Synthesizer):
         self.sample_rate = self._rate
         self._voices = [Voice(**v) for v in info.get("voices", [])]
         self.honours = frozenset(info.get("honours", ()))  # a worker too old to say honours nothing
+        self.codebooks = info["codebooks"]
+        self.frame_rate = info["frame_rate"]
         self.speaks_only_clones = bool(info.get("speaks_only_clones", False))
         self.name = f"remote:{info.get('name', '?')}"
 
@@ -722,31 +769,49 @@ class RemoteSynthesizer(Synthesizer):
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
         delivered = 0  # audio bytes yielded so far
         words_delivered = 0
+        codes = bytearray()  # codes yielded so far (after the request's own resume_codes)
+        past_codes = 0  # audio bytes yielded after the chunk that carried the last of them
         failed: set[WorkerClient] = set()
         full: set[WorkerClient] = set()
         lost_at: float | None = None
         lost_from: WorkerClient | None = None
         while True:
             worker, placing = self._worker_for(request, failed, full)
-            skip_bytes, skip_words = delivered, words_delivered
+            attempt = request
+            if codes and worker.resumes:  # the same take goes on after the delivered frames (module doc)
+                attempt = dataclasses.replace(request, resume_codes=request.resume_codes + bytes(codes))
+                skip_bytes, skip_codes = past_codes, 0
+                self.resumed_from_codes += 1
+            else:  # made again from the start (or from the request's own codes): what was delivered is dropped
+                skip_bytes, skip_codes = delivered, len(codes)
+            skip_words = words_delivered
             try:
-                async for chunk in worker.stream(request, place=placing):
+                async for chunk in worker.stream(attempt, place=placing):
                     words = chunk.words
                     if words and skip_words:
                         words, skip_words = words[skip_words:], max(0, skip_words - len(words))
                     pcm = chunk.pcm
                     if pcm and skip_bytes:
                         pcm, skip_bytes = pcm[skip_bytes:], max(0, skip_bytes - len(pcm))
-                    if not pcm and not words and not chunk.audio_ended:
+                    new_codes = chunk.codes
+                    if new_codes and skip_codes:
+                        new_codes, skip_codes = new_codes[skip_codes:], max(0, skip_codes - len(new_codes))
+                    if not pcm and not words and not new_codes and not chunk.audio_ended:
                         continue
                     if lost_at is not None and pcm:
                         pause_ms = (time.monotonic() - lost_at) * 1000
-                        log.info("failover session=%s sentence=%s from=%s to=%s pause_ms=%.1f", request.session_key,
-                                 request.request_id.rpartition("/")[2], lost_from.id, worker.id, pause_ms)
+                        self.pauses_ms.append(pause_ms)
+                        log.info("failover session=%s sentence=%s from=%s to=%s pause_ms=%.1f resumed=%s",
+                                 request.session_key, request.request_id.rpartition("/")[2], lost_from.id, worker.id,
+                                 pause_ms, attempt is not request)
                         lost_at = None
                     delivered += len(pcm)
                     words_delivered += len(words)
-                    yield AudioChunk(pcm, words, chunk.audio_ended)
+                    if new_codes:
+                        codes += new_codes
+                        past_codes = 0
+                    past_codes += len(pcm)
+                    yield AudioChunk(pcm, words, chunk.audio_ended, new_codes)
                 return
             except WorkerDraining:
                 worker.draining = True
@@ -755,6 +820,12 @@ class RemoteSynthesizer(Synthesizer):
                 worker.mark_full()
                 full.add(worker)
                 self.placements_refused += 1
+            except WorkerHandedOver:
+                worker.draining = True
+                failed.add(worker)
+                self.handovers += 1
+                if lost_at is None:
+                    lost_at, lost_from = time.monotonic(), worker
             except WorkerLost as exc:
                 if isinstance(exc, WorkerTimedOut):
                     # Slow, not proved hostile (module doc): set aside only while another worker can take over.
@@ -830,6 +901,10 @@ class RemoteSynthesizer(Synthesizer):
                           tuple(((m.id,), float(m.streams)) for m in members)),
             BackendMetric("pool_failovers", "counter", "Streams sent again to another worker after theirs failed",
                           samples=(((), float(self.failovers)),)),
+            BackendMetric("pool_handovers", "counter", "Streams a draining worker handed over, gone on elsewhere "
+                          "from their codes", samples=(((), float(self.handovers)),)),
+            BackendMetric("pool_resumed_from_codes", "counter", "Streams gone on from their codes on another "
+                          "worker (not made again)", samples=(((), float(self.resumed_from_codes)),)),
             BackendMetric("pool_drain_moves", "counter", "Sessions moved off a draining worker at a new utterance",
                           samples=(((), float(self.moved_for_drain)),)),
             BackendMetric("pool_placements_refused", "counter", "Session placements a worker refused as full "

@@ -9,11 +9,16 @@ serves at once at full speed: the engine's KV slots, or `--capacity`), the strea
 requests queued for a place, and its measured real-time factor (wall seconds spent producing a second of
 audio, over the last few seconds, first chunks left out). A pool routes each new session by what is left.
 
-Drain (SIGTERM): the worker keeps serving the utterances it has served a sentence of, so those finish
-where they started; any other request is answered `draining`, which a pool sends to another worker at
-once. It says `draining` in its info and registry record, so gateways stop routing new sessions to it
-within a heartbeat. Once no stream has run for `drain_linger_s` (an open utterance's next sentence comes
-within that, as a talking client's do) or at `--drain-timeout-s`, it withdraws from the registry and exits.
+Drain (SIGTERM): it says `draining` in its info and registry record, so gateways stop routing new
+sessions to it within a heartbeat. A stream whose gateway takes hand-overs ("handover": true, framing.py) on
+a backend with codes ("resume_codes") is handed over at once: after the last chunk it wrote whole (its audio
+and its codes), the worker ends it with {"op": "handover"}, and the gateway's pool goes on with it from the
+codes on another worker (a rolling upgrade cuts no sentence and waits for none); such a gateway's new
+requests are answered `draining`, which sends them to another worker at once. Any other stream finishes
+where it started, and the utterances of those gateways that it has served a sentence of are still served;
+their other requests are answered `draining`. Once no stream runs and none of the second kind has run for
+`drain_linger_s` (an open utterance's next sentence comes within that, as a talking client's do), or at
+`--drain-timeout-s`, it withdraws from the registry and exits.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..base import AudioChunk, BackendMetric, ReferenceAudio, SynthesisError, Synthesizer, TextStream
+from ..base import AudioChunk, BackendMetric, ReferenceAudio, SynthesisError, Synthesizer, TextStream, check_codes
 from ..log_format import TextFormatter, redact
 from ..registry import create_backend
 from . import framing
@@ -84,6 +89,23 @@ def error_code(exc: BaseException) -> str:
     if isinstance(exc, SynthesisError):
         return "synthesis_failed"
     return "internal"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Takes:
+    """The frames a synthesize's gateway takes besides audio, words, done and error (framing.py): an older
+    gateway, which would take them for bad frames, asks for none."""
+
+    keepalive: bool = False  # {"op": "wait"}
+    audio_ended: bool = False  # {"op": "audio_ended"}
+    codes: bool = False  # C frames
+    handover: bool = False  # {"op": "handover"} (needs codes)
+
+    @classmethod
+    def of(cls, message: dict) -> "_Takes":
+        codes = message.get("codes") is True
+        return cls(message.get("keepalive") is True, message.get("audio_ended") is True, codes,
+                   codes and message.get("handover") is True)
 
 
 class _Busy(Exception):
@@ -162,7 +184,10 @@ class WorkerServer:
         self.started_at = time.time()
         self.meter = RealTimeMeter()
         self._utterances: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._last_stream_at = time.monotonic()
+        # When a stream that is not handed over at a drain last ran (module doc): None while none has.
+        self._last_stream_at: float | None = None
+        self.handing_over = asyncio.Event()  # set by drain(): streams that can be are handed over
+        self.handed_over = 0
         self.refused_unauthorized = 0
         self.handshakes_dropped = 0  # unfinished in time, or dropped for a newer one past the cap
         self.bad_requests = 0
@@ -204,6 +229,8 @@ class WorkerServer:
             "voices": [dataclasses.asdict(v) for v in self.backend.voices()],
             "honours": sorted(self.backend.honours),
             "speaks_only_clones": self.backend.speaks_only_clones,
+            "codebooks": self.backend.codebooks,
+            "frame_rate": self.backend.frame_rate,
         }
 
     def record(self) -> dict:
@@ -233,6 +260,8 @@ class WorkerServer:
                           "(too slow, or the oldest past the cap)", samples=(((), float(self.handshakes_dropped)),)),
             BackendMetric("worker_bad_requests", "counter", "Connections refused for a malformed frame or request",
                           samples=(((), float(self.bad_requests)),)),
+            BackendMetric("worker_streams_handed_over", "counter", "Streams handed over to the gateway's pool at a "
+                          "drain, to go on from their codes on another worker", samples=(((), float(self.handed_over)),)),
         ]
 
     async def all_metrics(self) -> list[BackendMetric]:
@@ -330,10 +359,17 @@ class WorkerServer:
                 os.unlink(self.listen.path)
 
     # ---- drain -------------------------------------------------------------------------------------
-    def _admit(self, request_data: dict) -> bool:
-        """May this request start? Always, unless draining: then only for an utterance already served."""
+    @property
+    def can_hand_over(self) -> bool:
+        return "resume_codes" in self.backend.honours and self.backend.codebooks > 0
+
+    def _admit(self, request_data: dict, takes: _Takes) -> bool:
+        """May this request start? Always, unless draining: then only for an utterance already served, of a
+        gateway that takes no hand-over (module doc)."""
         key = request_data.get("utterance_key") or request_data.get("session_key")
         if self.draining:
+            if takes.handover and self.can_hand_over:
+                return False
             return isinstance(key, str) and key in self._utterances
         if isinstance(key, str):
             self._utterances[key] = None
@@ -345,10 +381,11 @@ class WorkerServer:
     async def drain(self, timeout_s: float) -> None:
         """Stop taking new work and wait until the open utterances are done (see the module doc)."""
         self.draining = True
+        self.handing_over.set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            idle = time.monotonic() - self._last_stream_at
-            if self.streams_in_flight == 0 and idle >= self.drain_linger_s:
+            lingering = self._last_stream_at is not None and time.monotonic() - self._last_stream_at < self.drain_linger_s
+            if self.streams_in_flight == 0 and not lingering:
                 return
             await asyncio.sleep(0.05)
         log.warning("drain timeout (%g s): %d streams still running are cut", timeout_s, self.streams_in_flight)
@@ -464,14 +501,14 @@ class WorkerServer:
                 text = data.get("text")
                 if not isinstance(text, str) or len(text) > self.max_text_chars:
                     raise framing.ProtocolError(f"text must be a string of at most {self.max_text_chars} characters")
-                if not self._admit(data):
+                takes = _Takes.of(message)
+                if not self._admit(data, takes):
                     await _refuse(writer, "draining", "this worker is draining")
                     return
                 if message.get("place") and self.full():
                     await _refuse(writer, "full", "this worker's capacity is in use")
                     return
-                await self._synthesize(data, reader, writer, bool(message.get("text_stream")),
-                                       message.get("keepalive") is True, message.get("audio_ended") is True)
+                await self._synthesize(data, reader, writer, bool(message.get("text_stream")), takes)
             else:
                 raise framing.ProtocolError(f"unknown op {str(message['op'])[:64]!r}")
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
@@ -493,9 +530,9 @@ class WorkerServer:
                 await writer.wait_closed()
 
     async def _synthesize(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                          text_stream: bool = False, keepalive: bool = False, audio_ended: bool = False) -> None:
+                          text_stream: bool = False, takes: _Takes = _Takes()) -> None:
         text = TextStream(data.get("text") if isinstance(data.get("text"), str) else "") if text_stream else None
-        produce = asyncio.create_task(self._stream(data, writer, text, keepalive, audio_ended))
+        produce = asyncio.create_task(self._stream(data, writer, text, takes))
         # Any frame or end-of-file from the client while we stream means "stop" (but the text of a text stream).
         hangup = asyncio.create_task(self._read_text(reader, text) if text is not None else reader.read(1))
         try:
@@ -531,32 +568,53 @@ class WorkerServer:
         await reader.read(1)
 
     async def _stream(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None = None,
-                      keepalive: bool = False, audio_ended: bool = False) -> None:
+                      takes: _Takes = _Takes()) -> None:
         self.streams_in_flight += 1
+        hands_over = takes.handover and self.can_hand_over
         try:
-            await self._stream_inner(data, writer, text, keepalive, audio_ended)
+            await self._stream_inner(data, writer, text, takes, hands_over)
         finally:
             self.streams_in_flight -= 1
-            self._last_stream_at = time.monotonic()
+            if not hands_over:
+                self._last_stream_at = time.monotonic()
+
+    def _checked_request(self, data: dict, text: TextStream | None):
+        request = framing.request_from_json(data)
+        if request.resume_codes:
+            # A gateway is a peer: its codes must be whole frames and no more than the text could make (a
+            # text stream's text is bounded by max_text_chars). The backend checks that they are its own.
+            if "resume_codes" not in self.backend.honours:
+                raise SynthesisError(f"the {self.backend.name} backend cannot continue a sentence from codes")
+            chars = self.max_text_chars if text is not None else len(request.text)
+            check_codes(request.resume_codes, self.backend.codebooks, self.backend.max_code_bytes(chars),
+                        "resume_codes")
+        if text is not None:  # its initial text was bounded with any request's (_handle)
+            request = dataclasses.replace(request, text_stream=text)
+        return request
 
     async def _stream_inner(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None,
-                            keepalive: bool, audio_ended: bool) -> None:
-        """audio_ended: the client takes {"op": "audio_ended"} frames (framing.py)."""
+                            takes: _Takes, hands_over: bool) -> None:
+        """takes: the frames the client takes besides the basic ones (framing.py). hands_over: at a drain,
+        end the stream with {"op": "handover"} after the last chunk written whole (module doc)."""
         seconds_per_byte = 1.0 / (2 * self.backend.sample_rate)
         try:
-            request = framing.request_from_json(data)
-            if text is not None:  # its initial text was bounded with any request's (_handle)
-                request = dataclasses.replace(request, text_stream=text)
+            request = self._checked_request(data, text)
             stream = self.backend.synthesize(request)
             try:
                 first_audio = True
                 while True:
                     asked = time.monotonic()
                     try:
-                        chunk = await (self._next_chunk(stream, writer) if keepalive else anext(stream))
+                        chunk = await self._next_chunk(stream, writer, takes.keepalive,
+                                                       self.handing_over if hands_over else None)
                     except StopAsyncIteration:
                         break
-                    if chunk.audio_ended and audio_ended:
+                    if chunk is None:  # draining: the chunks written so far are whole, with their codes
+                        self.handed_over += 1
+                        writer.write(framing.encode_json({"op": "handover"}))
+                        await writer.drain()
+                        return
+                    if chunk.audio_ended and takes.audio_ended:
                         writer.write(framing.encode_json({"op": "audio_ended"}))
                     if chunk.pcm:
                         # A text stream's waits are its text's, not this worker's speed: not metered.
@@ -571,6 +629,8 @@ class WorkerServer:
                     pcm = memoryview(chunk.pcm)
                     for at in range(0, len(pcm), framing.AUDIO_FRAME_BYTES):
                         writer.write(framing.encode(framing.AUDIO, pcm[at:at + framing.AUDIO_FRAME_BYTES]))
+                    if chunk.codes and takes.codes:  # after its audio: the chunk is whole once its codes are in
+                        writer.write(framing.encode_codes(chunk.codes, self.backend.codebooks))
                     await writer.drain()  # a slow reader slows the stream: back-pressure reaches the engine
             finally:
                 await stream.aclose()
@@ -586,19 +646,32 @@ class WorkerServer:
 
 
     @staticmethod
-    async def _next_chunk(stream: AsyncIterator[AudioChunk], writer: asyncio.StreamWriter) -> AudioChunk:
-        """The backend's next chunk; while it takes longer than framing.KEEPALIVE_S (queued for a slot, the
-        aligner's queue), a {"op": "wait"} every KEEPALIVE_S tells the gateway this stream is alive, so that
-        its deadline catches only a worker that is truly silent."""
+    async def _next_chunk(stream: AsyncIterator[AudioChunk], writer: asyncio.StreamWriter, keepalive: bool,
+                          handover: asyncio.Event | None) -> AudioChunk | None:
+        """The backend's next chunk, or None once `handover` is set (the chunk in the making is dropped: the
+        gateway goes on from the codes of those written). keepalive: while it takes longer than
+        framing.KEEPALIVE_S (queued for a slot, the aligner's queue), a {"op": "wait"} every KEEPALIVE_S
+        tells the gateway this stream is alive, so that its deadline catches only a worker that is truly
+        silent."""
+        if handover is not None and handover.is_set():
+            return None
+        if not keepalive and handover is None:
+            return await anext(stream)
         pending = asyncio.ensure_future(anext(stream))
+        stop = asyncio.ensure_future(handover.wait()) if handover is not None else None
         try:
             while True:
-                done, _ = await asyncio.wait({pending}, timeout=framing.KEEPALIVE_S)
-                if done:
+                done, _ = await asyncio.wait({pending, stop} - {None}, return_when=asyncio.FIRST_COMPLETED,
+                                             timeout=framing.KEEPALIVE_S if keepalive else None)
+                if pending in done:
                     return pending.result()
+                if stop in done:
+                    return None
                 writer.write(framing.encode_json({"op": "wait"}))
                 await writer.drain()
         finally:
+            if stop is not None:
+                stop.cancel()
             if not pending.done():
                 pending.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
@@ -810,7 +883,8 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
         stop.clear()
-        log.info("draining: open utterances finish (at most %g s)", args.drain_timeout_s)
+        log.info("draining: open streams handed over where the gateway takes it, the others finish (at most %g s)",
+                 args.drain_timeout_s)
         if registry is not None:  # tell the gateways now, not at the next beat
             server.draining = True
             with contextlib.suppress(Exception):

@@ -1,0 +1,175 @@
+"""Resume from codes through the worker pool (issue 33), against real `voxgate worker` processes (the synthetic
+backend, named as such: deterministic, one frame of codes a chunk) and a real gateway on loopback:
+
+- a worker killed at a random frame: the sentence goes on from the delivered codes on the other worker (not
+  made again), and the client's audio is the uninterrupted run's, byte for byte;
+- a draining worker (SIGTERM) with 100 open streams hands them all over and exits without waiting for them:
+  none is cut, every one is byte-exact;
+- a worker is a peer: codes that are not whole frames, or more than the text can make, set it aside; a
+  gateway's resume codes that are not whole frames or too many are refused by the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import pytest
+
+from tests.gateway_server import audio_by_sentence, open_session, running_gateway
+from tests.worker_fakes import FakeWorker
+from tests.worker_fixtures import synthetic_worker_args, wait_for_async, workers
+from tts_backend.base import SynthesisError, SynthesisRequest
+from tts_backend.remote import RemoteSynthesizer, framing
+from tts_backend.remote.connection import Dialer, WorkerAddress
+from tts_backend.synthetic import CODEBOOKS, SyntheticSynthesizer
+
+TOKEN = "resume-codes-token-77a1"
+TEXT = ("This sentence runs long enough that its audio takes several seconds to stream, so that a worker can be "
+        "stopped while it is speaking.")
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return str(path)
+
+
+def pool(*addresses: str, **options) -> RemoteSynthesizer:
+    return RemoteSynthesizer(workers=",".join(addresses), token=TOKEN, connect_timeout_s=20, info_refresh_s=0.1,
+                             **options)
+
+
+def uninterrupted(text: str = TEXT, seed: int = 11) -> bytes:
+    return SyntheticSynthesizer().render(SynthesisRequest(text=text, voice="tone-mid", seed=seed)).tobytes()
+
+
+async def test_a_worker_killed_at_a_random_frame_goes_on_from_its_codes_through_a_gateway(token_file):
+    cut_at = random.Random().randrange(2, 40)  # audio frames of the client's before the kill
+    print(f"killing the worker after {cut_at} audio frames")
+    args = synthetic_worker_args("--token-file", token_file, speed=2.0)
+    with workers(args, args) as procs:
+        by_id = {w.worker_id: w for w in procs}
+        remote = pool(*(w.address for w in procs))
+        with running_gateway(remote) as gateway:
+            config = {"type": "session.config", "voice": "tone-mid", "response_format": "pcm", "seed": 11,
+                      "stream_audio": True}
+            ws, started, _ = await open_session(gateway.ws_url, config)
+            assert ws is not None, started
+            await ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            messages, frames = [], 0
+            while True:
+                frame = await asyncio.wait_for(ws.recv(), 30)
+                if isinstance(frame, bytes):
+                    messages.append(frame)
+                    frames += 1
+                    if frames == cut_at:
+                        serving = [m for m in remote.members.values() if m.streams]
+                        assert len(serving) == 1
+                        by_id[serving[0].id].kill()
+                    continue
+                message = json.loads(frame)
+                assert message["type"] != "error", message
+                messages.append(message)
+                if message["type"] == "session.done":
+                    break
+            await ws.close()
+            assert audio_by_sentence(messages)[0] == uninterrupted()
+            assert remote.failovers == 1 and remote.resumed_from_codes == 1
+            assert len(remote.pauses_ms) == 1
+
+
+async def test_draining_a_worker_with_100_open_streams_cuts_none(token_file):
+    args = synthetic_worker_args("--token-file", token_file, speed=2.0)
+    with workers(args, args) as procs:
+        by_id = {w.worker_id: w for w in procs}
+        remote = pool(*(w.address for w in procs))
+        await remote.start()
+        try:
+            streams = 100
+            received = [bytearray() for _ in range(streams)]
+            started = [asyncio.Event() for _ in range(streams)]
+
+            async def listen(i: int) -> float:
+                request = SynthesisRequest(text=TEXT, voice="tone-mid", seed=11, session_key=f"s{i}",
+                                           utterance_key=f"s{i}/0", request_id=f"s{i}/0")
+                async for chunk in remote.synthesize(request):
+                    received[i] += chunk.pcm
+                    started[i].set()
+                return time.monotonic()
+
+            tasks = [asyncio.create_task(listen(i)) for i in range(streams)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            loads = {m.id: m.streams for m in remote.members.values()}
+            draining_id = max(loads, key=loads.get)
+            assert loads[draining_id] >= 10, loads
+            draining = by_id[draining_id]
+            draining.terminate()
+            exit_code = await asyncio.to_thread(draining.wait, 30)
+            exited_at = time.monotonic()
+            ended = await asyncio.gather(*tasks)
+            assert exit_code == 0
+            # It did not wait for its streams: they were all still running on the other worker when it exited.
+            assert sum(1 for t in ended if t > exited_at) >= loads[draining_id]
+            want = uninterrupted()
+            assert [bytes(r) == want for r in received] == [True] * streams
+            assert remote.handovers == loads[draining_id] == remote.resumed_from_codes
+            assert remote.failovers == 0
+        finally:
+            await remote.stop()
+
+
+async def _serve_with_codes(codes_frame: bytes):
+    async def synthesize(_message, _reader, writer):
+        writer.write(framing.encode(framing.AUDIO, b"\0\0" * 1920) + codes_frame + framing.encode_json({"op": "done"}))
+        await writer.drain()
+    return synthesize
+
+
+@pytest.mark.parametrize("codes", [b"\1" * 33, b"\1" * 32 * 100_000], ids=["partial frame", "too many"])
+async def test_a_worker_whose_codes_break_the_bounds_is_set_aside(codes):
+    frames = framing.encode_codes(codes, 16) if len(codes) % 32 == 0 else framing.encode(framing.CODES, codes)
+    info = {"honours": ["seed", "resume_codes"], "codebooks": 16, "frame_rate": 12.5}
+    async with FakeWorker(TOKEN, await _serve_with_codes(frames)) as fake:
+        fake.info.update(info)
+        remote = pool(fake.address)
+        await remote.start()
+        try:
+            with pytest.raises(SynthesisError, match="no other worker"):
+                async for _ in remote.synthesize(SynthesisRequest(text="Hello.", voice="tone-mid")):
+                    pass
+            assert remote.quarantined == 1
+        finally:
+            await remote.stop()
+
+
+async def test_a_worker_refuses_resume_codes_that_are_not_whole_frames_or_too_many(token_file):
+    with workers(synthetic_worker_args("--token-file", token_file)) as (worker,):
+        target = WorkerAddress.parse(worker.address)
+
+        async def answer(codes: bytes) -> dict:
+            reader, writer = await Dialer(token=TOKEN).open(target)
+            request = SynthesisRequest(text="Hello there.", voice="tone-mid", seed=1, resume_codes=codes)
+            writer.write(framing.encode_json({"op": "synthesize", "request": framing.request_to_json(request),
+                                              "codes": True}))
+            try:
+                while True:
+                    kind, payload = await asyncio.wait_for(framing.read_frame(reader, framing.MAX_STREAM_FRAME), 10)
+                    if kind == framing.JSON:
+                        return framing.decode_json(payload)
+            finally:
+                writer.close()
+
+        refused = await answer(b"\0" * (2 * CODEBOOKS + 1))
+        assert refused["op"] == "error" and "whole frames" in refused["message"]
+        refused = await answer(b"\0" * (2 * CODEBOOKS * 10_000))
+        assert refused["op"] == "error" and "more than the text" in refused["message"]
+        refused = await answer(b"\0" * (2 * CODEBOOKS))  # whole, few, but not this sentence's
+        assert refused["op"] == "error" and "do not continue" in refused["message"]
+        first = SyntheticSynthesizer()
+        chunks = [c async for c in first.synthesize(SynthesisRequest(text="Hello there.", voice="tone-mid", seed=1))]
+        assert (await answer(chunks[0].codes))["op"] == "done"
