@@ -247,15 +247,15 @@ async def test_cloned_voices_take_text_in_pieces_too(tiny_base, mode):  # noqa: 
         text = LONG if mode != "icl_short" else "Short, and done before the prefill is full."
         frames = record_codes(backend)
         runner = backend.engine.runner
-        push_text = runner.push_text
+        push_texts = runner.push_texts
         pushed_after_prefill = []
 
-        def recording(request, tokens):
-            pushed_after_prefill.append(request.slot is not None and request.phase.name not in ("WAITING",
-                                                                                                 "NEED_PREFILL"))
-            push_text(request, tokens)
+        def recording(pushes):
+            pushed_after_prefill.extend(request.slot is not None and request.phase.name not in (
+                "WAITING", "NEED_PREFILL") for request, _ in pushes)
+            return push_texts(pushes)
 
-        runner.push_text = recording
+        runner.push_texts = recording
         rng = random.Random(len(mode))
         pieces = random_pieces(text, rng)
         stream = TextStream(pieces[0])

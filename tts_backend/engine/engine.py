@@ -278,7 +278,7 @@ class Engine:
 
     def push_text(self, request_id: int, tokens: list, final: bool = False, max_frames: int | None = None) -> None:
         """More text tokens for a request submitted with `text_tokens` (opaque to the engine: the runner
-        takes them, ModelRunner.push_text); `final`: the text is complete with these (the tokens then carry
+        takes them, ModelRunner.push_texts); `final`: the text is complete with these (the tokens then carry
         whatever marks its end). max_frames: the request's frame cap, grown with its text. Any thread."""
         self._commands.append(("text", (request_id, list(tokens), bool(final), max_frames)))
         self._wake.set()
@@ -342,6 +342,7 @@ class Engine:
         return self.clock() if now is None else now
 
     def _drain_commands(self) -> None:
+        texts: dict[int, list] = {}  # request id -> [tokens, final, max_frames], this turn's text merged
         while self._commands:
             kind, arg = self._commands.popleft()
             if kind == "submit":
@@ -350,36 +351,49 @@ class Engine:
                 ) if self.config.trim_leading_silence else None
                 self.scheduler.add(arg)
             elif kind == "text":
-                self._take_text(*arg)
+                request_id, tokens, final, max_frames = arg
+                merged = texts.setdefault(request_id, [[], False, None])
+                if merged[1]:
+                    continue  # text after the final push is ignored, as it is when it comes a turn later
+                merged[0].extend(tokens)
+                merged[1] = final
+                if max_frames is not None:
+                    merged[2] = max(merged[2] or 0, int(max_frames))
             elif kind == "cancel":
                 request = self.scheduler.get(arg)
                 if request is not None and not request.done:  # done: already left, its slot held for a codec batch
                     request.cancelled = True
                     self.stats.cancelled += 1
                     self._finish(request, None)
+        if texts:
+            self._take_texts(texts)
 
-    def _take_text(self, request_id: int, tokens: list, final: bool, max_frames: int | None) -> None:
-        request = self.scheduler.get(request_id)
-        if request is None or request.done or not request.text_open:
-            return
-        try:
-            if tokens:
-                self.runner.push_text(request, tokens)
-        except Exception as exc:  # e.g. more text than the runner holds: this request fails, no other
-            self.stats.failed += 1
-            self._finish(request, SynthesisError(str(exc)))
-            return
-        request.text_ready += len(tokens)
-        if max_frames is not None:
-            request.max_frames = max(request.max_frames, int(max_frames))
-        if final:
-            request.text_open = False
-        if request.text_wait_since is not None and not request.waiting_for_text:
-            self._end_text_wait(request)
-        if not request.text_open and request.phase is Phase.NEED_DECODE \
-                and request.frames_generated >= request.max_frames:
-            request.phase = Phase.FINISHED  # it reached its cap while the text was open
-            self._complete_finished([request])
+    def _take_texts(self, texts: dict[int, list]) -> None:
+        """Every push of the turn, one runner call for all (ModelRunner.push_texts)."""
+        taking: list[tuple[RequestState, list, bool, int | None]] = []
+        for request_id, (tokens, final, max_frames) in texts.items():
+            request = self.scheduler.get(request_id)
+            if request is not None and not request.done and request.text_open:
+                taking.append((request, tokens, final, max_frames))
+        pushes = [(request, tokens) for request, tokens, _, _ in taking if tokens]
+        errors = iter(self.runner.push_texts(pushes) if pushes else ())
+        for request, tokens, final, max_frames in taking:
+            error = next(errors) if tokens else None
+            if error is not None:  # e.g. more text than the runner holds: this request fails, no other
+                self.stats.failed += 1
+                self._finish(request, SynthesisError(str(error)))
+                continue
+            request.text_ready += len(tokens)
+            if max_frames is not None:
+                request.max_frames = max(request.max_frames, max_frames)
+            if final:
+                request.text_open = False
+            if request.text_wait_since is not None and not request.waiting_for_text:
+                self._end_text_wait(request)
+            if not request.text_open and request.phase is Phase.NEED_DECODE \
+                    and request.frames_generated >= request.max_frames:
+                request.phase = Phase.FINISHED  # it reached its cap while the text was open
+                self._complete_finished([request])
 
     def _note_text_waits(self, requests: list[RequestState]) -> None:
         """After a frame: the streams whose next step must wait for text start waiting."""
