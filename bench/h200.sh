@@ -26,6 +26,8 @@
 #   textstream[:ARGS] bench/text_stream_check.py ARGS    -> $OUT/text_stream.json: text pushed word by word
 #                    says exactly what the whole text says (CUDA graphs, Triton), and its first-audio times
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
+#   codecprofile     bench/codec_profile.py              -> $OUT/codec_profile.json: a codec call's top kernels,
+#                    and its captured cost in fp32 / fp32 + cuDNN benchmark / bf16 per batch x frames
 #   use:TYPE         build (once) the random 1.7B checkpoint of TYPE (custom_voice, base, voice_design) in
 #                    /tmp/ckpt-TYPE and point the later steps at it (setup's /tmp/ckpt is custom_voice), e.g.
 #                      LOAD_ARGS="--worker --clone icl" bash bench/h200.sh setup use:base load:1,10,20
@@ -259,6 +261,7 @@ for arg in "$@"; do
         aligner) step_aligner ;;
         alignercost) step_alignercost "$value" ;;
         tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
+        codecprofile) run "$PY" bench/codec_profile.py --output "$OUT/codec_profile.json" ;;
         savecache) step_savecache ;;
         *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, textstream:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
     esac
