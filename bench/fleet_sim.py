@@ -11,13 +11,16 @@ sentences whole, reads until `session.done`, and its audio is checked byte for b
 synthetic backend run here (per sentence, by the `sentence_text` of each `audio.start`).
 
 Timeline: warm-up, then at --kill-at the worker with the most streams is SIGKILLed, at --drain-at the
-next most loaded gets SIGTERM (it finishes its streams and exits), at --add-at a new worker is started.
+next most loaded gets SIGTERM (it hands its streams over and exits), at --add-at a new worker is started.
+A failed-over or handed-over sentence goes on from the codes of its delivered chunks on another worker
+(issue 33, tts_backend/remote/pool.py): the delivered part is not made again.
 Every 250 ms each worker's /metrics (its health port) is read; every second the gateways' /metrics.
 
 Reported (bench/results/fleet_sim.{json,md,png}): streams per worker over time; load balance (max/min of
 the workers' mean streams) per phase; sessions admitted / completed / lost (admitted but not ending with
 the full expected audio: must be 0); the pause at the kill (client side: the session's gap across the kill
-minus its usual inter-frame gap, for the sessions the gateways logged as failed over); refusals and the
+minus its usual inter-frame gap, for the sessions the gateways logged as failed over), and the same at the
+drain's hand-over, each with its p50 and p99 against issue 33's targets; refusals and the
 fleet's utilisation when each happened; CPU of the machine and of each process; the commands.
 
     python bench/fleet_sim.py --output-dir bench/results
@@ -71,7 +74,10 @@ VOICE = "tone-mid"
 SAMPLE_INTERVAL_S = 0.25
 FAILOVER_LINE = re.compile(
     r"failover session=(?P<session>\S+) sentence=(?P<sentence>\d+) from=(?P<src>\S+) to=(?P<dst>\S+)"
-    r" pause_ms=(?P<pause>[\d.]+)")
+    r" pause_ms=(?P<pause>[\d.]+)(?: resumed=(?P<resumed>\w+))?")
+# Issue 33's targets for the pause a failover costs a listener (client side).
+PAUSE_TARGET_P50_MS = 50.0
+PAUSE_TARGET_P99_MS = 150.0
 
 
 # -- processes -----------------------------------------------------------------------------------------
@@ -716,7 +722,8 @@ def dist(values: list[float], scale: float = 1.0, digits: int = 1) -> dict[str, 
     if not clean:
         return {"n": 0}
     return {"n": len(clean), "min": round(clean[0], digits), "median": round(statistics.median(clean), digits),
-            "p95": round(nearest_rank(clean, 95), digits), "max": round(clean[-1], digits)}
+            "p95": round(nearest_rank(clean, 95), digits), "p99": round(nearest_rank(clean, 99), digits),
+            "max": round(clean[-1], digits)}
 
 
 def phases(raw: dict) -> list[dict]:
@@ -830,16 +837,22 @@ def utilisation_at(raw: dict, t: float) -> dict | None:
 
 
 def pauses_at_kill(raw: dict) -> dict:
-    """Per session live at the kill: the gap between its last frame before the kill and its first after,
-    minus its usual gap (median inter-frame gap of the session). 'failed over' = the gateways logged a
-    failover of the session; 'control' = the other sessions live at the kill."""
-    kill = raw["events"].get("kill")
-    if not kill:
+    return pauses_at(raw, "kill")
+
+
+def pauses_at(raw: dict, event_name: str) -> dict:
+    """Per session live at the event (the kill, the drain): the gap between its last frame before the event
+    and its first after, minus its usual gap (median inter-frame gap of the session). 'failed over' = the
+    gateways logged a failover (or hand-over) of the session from the event's worker; 'control' = the other
+    sessions live at the event."""
+    event = raw["events"].get(event_name)
+    if not event:
         return {}
-    k = kill["t"]
+    k = event["t"]
     logged: dict[str, list[dict]] = {}
     for f in raw["failover_log"]:
-        logged.setdefault(f["session"], []).append(f)
+        if f.get("src") == event["worker"]:
+            logged.setdefault(f["session"], []).append(f)
     affected, control = [], []
     for s in raw["sessions"]:
         frames = s["frames"]
@@ -852,34 +865,41 @@ def pauses_at_kill(raw: dict) -> dict:
         gaps = [b[0] - a[0] for a, b in zip(frames, frames[1:])]
         usual = statistics.median(gaps)
         gap = after[0][0] - before[-1][0]
-        # The largest gap within 10 s after the kill: a failover may happen a little later than the kill
+        # The largest gap within 10 s after the event: a failover may happen a little later than the kill
         # (the stream's read returns an error when the gateway notices the dead socket).
         window = [b[0] - a[0] for a, b in zip(frames, frames[1:]) if k - 0.5 <= b[0] <= k + 10]
         largest = max(window) if window else gap
-        # The failed-over sentence is made again from its start on the new worker, and the bytes already
-        # delivered dropped: at --speed x real time, those of it the client had cost delivered / speed. (It
-        # may be the sentence playing, or the next one, being made ahead.)
+        # The sentence goes on from the codes of its delivered chunks (issue 33): how much of it had been
+        # delivered no longer adds to the pause, as it did when the sentence was made again from its start
+        # (at --speed x real time, delivered / speed). It may be the sentence playing, or the next one.
         lines = logged.get(s["session_id"], [])
         cut = int(lines[0]["sentence"]) if lines else before[-1][2]
         delivered_s = sum(f[1] for f in before if f[2] == cut) / 2 / 24000
         row = {"session_id": s["session_id"], "gateway": s["gateway"], "gap_ms": round(gap * 1000, 1),
                "playing_sentence": before[-1][2], "failed_over_sentence": int(lines[0]["sentence"]) if lines else None,
                "pool_pause_ms": float(lines[0]["pause"]) if lines else None,
+               "resumed_from_codes": lines[0].get("resumed") == "True" if lines else None,
                "failed_over_audio_delivered_s": round(delivered_s, 3),
                "largest_gap_ms": round(largest * 1000, 1), "usual_gap_ms": round(usual * 1000, 1),
                "pause_ms": round((largest - usual) * 1000, 1), "lost": bool(s["session_id"] and not
                                                                               (s["completed"] and s["audio_ok"]))}
         (affected if s["session_id"] in logged else control).append(row)
     near = [c for c in raw["cpu_samples"] if k - 2 <= c["t"] <= k + 4 and c.get("busy_cores") is not None]
+    client = dist([r["pause_ms"] for r in affected])
+    lines_here = [f for fs in logged.values() for f in fs]
     return {
-        "kill_t_s": round(k - raw["load_start_s"], 3),
-        "machine_busy_cores_around": [round(c["busy_cores"], 2) for c in near],  # per second, kill-2 .. kill+4 s
-        "worker": kill["worker"],
+        f"{event_name}_t_s": round(k - raw["load_start_s"], 3),
+        "machine_busy_cores_around": [round(c["busy_cores"], 2) for c in near],  # per second, event-2 .. event+4 s
+        "worker": event["worker"],
         "failed_over_sessions": len(affected),
-        "failover_log_lines": len(raw["failover_log"]),
+        "failover_log_lines": len(lines_here),
+        "resumed_from_codes": sum(1 for f in lines_here if f.get("resumed") == "True"),
         "logged_sessions_without_client_record": sorted(set(logged) - {r["session_id"] for r in affected}),
-        "client_pause_ms": dist([r["pause_ms"] for r in affected]),
-        "pool_logged_pause_ms": dist([float(f["pause"]) for f in raw["failover_log"]]),
+        "client_pause_ms": client,
+        "target": {"p50_ms": PAUSE_TARGET_P50_MS, "p99_ms": PAUSE_TARGET_P99_MS,
+                   "met": bool(client.get("n")) and client["median"] <= PAUSE_TARGET_P50_MS
+                   and client["p99"] <= PAUSE_TARGET_P99_MS},
+        "pool_logged_pause_ms": dist([float(f["pause"]) for f in lines_here]),
         "control_pause_ms": dist([r["pause_ms"] for r in control]),
         "failed_over": affected,
     }
@@ -914,6 +934,7 @@ def analyse(raw: dict) -> dict:
         },
         "balance": [balance(raw, p) for p in phases(raw)],
         "kill": pauses_at_kill(raw),
+        "handover": pauses_at(raw, "drain"),
         "queueing": queueing(raw),
         "drain": {**drain, "exit_after_s": round(drain["exit_t"] - drain["t"], 2) if drain.get("exit_t") else None,
                   "sessions_admitted_to_it_after": None},
@@ -1052,10 +1073,14 @@ def markdown(raw: dict, report: dict) -> str:
     for b in report["balance"]:
         lines.append(f"| balance max/min, {b['name']} ({b['from_s']:.0f}-{b['to_s']:.0f} s, fleet"
                      f" {_pct(b['fleet_utilisation_mean'])}) | {b['max_over_min']} |")
-    if kill:
-        p = kill["client_pause_ms"]
-        lines.append(f"| pause at the kill, client side (ms, n={p.get('n', 0)}) | min {p.get('min')}, median"
-                     f" {p.get('median')}, p95 {p.get('p95')}, max {p.get('max')} |")
+    for label, pauses in (("at the kill", kill), ("at the drain's hand-over", report.get("handover"))):
+        if pauses:
+            p = pauses["client_pause_ms"]
+            met = "met" if pauses["target"]["met"] else "**not met**"
+            lines.append(f"| pause {label}, client side (ms, n={p.get('n', 0)}; target p50 <="
+                         f" {PAUSE_TARGET_P50_MS:g}, p99 <= {PAUSE_TARGET_P99_MS:g}: {met}) | min {p.get('min')}, p50"
+                         f" {p.get('median')}, p99 {p.get('p99')}, max {p.get('max')}; resumed from codes"
+                         f" {pauses['resumed_from_codes']} of {pauses['failover_log_lines']} |")
     r = report["refusals"]
     u = r["utilisation"]
     lines.append(f"| fleet utilisation (streams producing / slots) at the refusals (%, n={u.get('n', 0)}) | min {u.get('min')}, median"
@@ -1074,29 +1099,31 @@ def markdown(raw: dict, report: dict) -> str:
         means = ", ".join(f"{w} {v:.2f}" for w, v in b["mean_streams"].items())
         lines.append(f"| {b['name']} | {b['from_s']:.0f}-{b['to_s']:.0f} | {means} | {b['max_over_min']} |"
                      f" {_pct(b['fleet_utilisation_mean'])} |")
-    if kill:
-        lines += ["", "## The kill", "",
-                  f"{kill['worker']} SIGKILLed at {kill['kill_t_s']:.1f} s. Failover lines logged by the gateways:"
-                  f" {kill['failover_log_lines']}, for {kill['failed_over_sessions']} sessions the client saw live"
-                  f" at the kill. Machine busy cores per second from 2 s before to 4 s after:"
-                  f" {kill.get('machine_busy_cores_around')}.", "",
-                  "| pause (ms) | n | min | median | p95 | max |", "|---|---|---|---|---|---|"]
-        for label, key in (("client: largest gap after the kill - usual gap, failed-over sessions", "client_pause_ms"),
+    for title, pauses, verb in (("The kill", kill, "SIGKILLed"), ("The drain", report.get("handover"), "SIGTERMed")):
+        if not pauses:
+            continue
+        at = pauses.get("kill_t_s", pauses.get("drain_t_s"))
+        lines += ["", f"## {title}", "",
+                  f"{pauses['worker']} {verb} at {at:.1f} s. Failover (or hand-over) lines logged by the gateways"
+                  f" for it: {pauses['failover_log_lines']} ({pauses['resumed_from_codes']} gone on from their codes),"
+                  f" for {pauses['failed_over_sessions']} sessions the client saw live then. Machine busy cores per"
+                  f" second from 2 s before to 4 s after: {pauses.get('machine_busy_cores_around')}.", "",
+                  "| pause (ms) | n | min | p50 | p95 | p99 | max |", "|---|---|---|---|---|---|---|"]
+        for label, key in (("client: largest gap after it - usual gap, failed-over sessions", "client_pause_ms"),
                            ("pool's pause_ms (log line)", "pool_logged_pause_ms"),
-                           ("client, other sessions live at the kill (control)", "control_pause_ms")):
-            d = kill[key]
+                           ("client, other sessions live then (control)", "control_pause_ms")):
+            d = pauses[key]
             lines.append(f"| {label} | {d.get('n', 0)} | {d.get('min', '-')} | {d.get('median', '-')} |"
-                         f" {d.get('p95', '-')} | {d.get('max', '-')} |")
-        lines += ["", "The pool makes a failed-over sentence again from its start and drops the bytes already"
-                  f" delivered, so the pause grows with what had been delivered of it (at {cfg['speed']:g}x real"
-                  " time: delivered / speed, plus noticing the dead socket and waiting for a slot on the new"
-                  " worker).", "",
-                  "| session | gateway | sentence playing / failed over | its audio delivered (s) | client pause (ms) |"
-                  " pool pause_ms |", "|---|---|---|---|---|---|"]
-        for row in sorted(kill["failed_over"], key=lambda r: r["pause_ms"]):
+                         f" {d.get('p95', '-')} | {d.get('p99', '-')} | {d.get('max', '-')} |")
+        lines += ["", "The pool goes on with a failed-over sentence from the codes of its delivered chunks (issue 33):"
+                  " the new worker makes only the rest, so the pause is noticing the loss, dialling the next worker"
+                  f" and its first chunk ({cfg['first_chunk_delay']:g} s here), whatever had been delivered.", "",
+                  "| session | gateway | sentence playing / failed over | its audio delivered (s) | from codes |"
+                  " client pause (ms) | pool pause_ms |", "|---|---|---|---|---|---|---|"]
+        for row in sorted(pauses["failed_over"], key=lambda r: r["pause_ms"]):
             lines.append(f"| {row['session_id'][:8]} | {row['gateway']} | {row['playing_sentence']} /"
                          f" {row['failed_over_sentence']} | {row['failed_over_audio_delivered_s']:.2f} |"
-                         f" {row['pause_ms']:.0f} | {_num(row['pool_pause_ms'])} |")
+                         f" {row.get('resumed_from_codes')} | {row['pause_ms']:.0f} | {_num(row['pool_pause_ms'])} |")
     q = report["queueing"]
     lines += ["", "## Waiting for a slot", "",
               f"Of {q['samples']} samples (250 ms, {cfg['warmup']:g} s to the end of the arrivals),"

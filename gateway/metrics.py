@@ -48,6 +48,10 @@ class GatewayMetrics:
         self.sentences_total = Counter(
             "voxgate_sentences_total", "Sentences finished, by outcome (done, failed, cancelled)", ["outcome"], registry=r
         )
+        self.sentences_resumed_from_codes_total = Counter(
+            "voxgate_sentences_resumed_from_codes_total", "Sentences a session.resume continued from their codes "
+            "(the same take) instead of making them again", registry=r
+        )
         self.audio_bytes_total = Counter(
             "voxgate_audio_bytes_total", "Encoded audio bytes sent to clients", ["transport"], registry=r
         )

@@ -215,3 +215,30 @@ async def test_a_resume_check_reads_the_log_as_its_record_saw_it(redis_prefix): 
         assert [(p.sentence_index, p.offset, len(p.data)) for p in pieces] == [(2, 200, 100)]
     finally:
         await store.stop()
+
+
+async def test_a_spoken_sentence_keeps_its_codes_bounded_until_it_ends(make_store):
+    """Issue 33: the codes of a sentence's delivered audio, with the byte they resume at, kept while it is
+    spoken, idempotent and bounded like the audio, and dropped when it ends (the same in every store)."""
+    store = await make_store()
+    await store.create("s1", {"voice": "v"}, owner="a")
+    await store.add_sentence("s1", 0, "Zero and more.", None, owner="a")
+    await store.set_sentence_state("s1", 0, "speaking", owner="a")
+    frame = bytes(range(32))
+    await store.append_audio("s1", 0, b"\1" * 400, offset=0, owner="a")
+    await store.append_codes("s1", 0, frame, offset=0, at=300, limit=128, owner="a")
+    await store.append_codes("s1", 0, frame, offset=0, at=300, limit=128, owner="a")  # delivered twice
+    await store.append_codes("s1", 0, frame[::-1] * 2, offset=32, at=400, limit=128, owner="a")
+    sentence = (await store.get("s1")).sentences[0]
+    assert (sentence.codes, sentence.codes_at) == (frame + frame[::-1] * 2, 400)
+    for offset, at, limit in ((128, 400, 256), (96, 401, 256), (96, 400, 100)):  # a gap, past the audio, the bound
+        with pytest.raises(AppendMismatch):
+            await store.append_codes("s1", 0, frame, offset=offset, at=at, limit=limit, owner="a")
+    with pytest.raises(LeaseLost):
+        await store.append_codes("s1", 0, frame, offset=96, at=400, limit=256, owner="b")
+    await store.append_codes("s1", 7, frame, offset=0, at=0, limit=256, owner="a")  # no such sentence: nothing
+    await store.set_sentence_state("s1", 0, "done", owner="a")
+    sentence = (await store.get("s1")).sentences[0]
+    assert (sentence.codes, sentence.codes_at, sentence.bytes_sent) == (b"", 0, 400)
+    await store.append_codes("s1", 0, frame, offset=0, at=0, limit=256, owner="a")  # finished: keeps none
+    assert (await store.get("s1")).sentences[0].codes == b""

@@ -155,6 +155,13 @@ class SentenceJob:
     replay: list[bytes] = field(default_factory=list)
     skip_bytes: int = 0
     needs_synthesis: bool = True
+    # Codes (issue 33; the backend has "resume_codes" and the audio goes out as made, see
+    # SpeechPipeline.keeps_codes): a resumed sentence's recorded codes and the byte of its audio they resume
+    # at; its synthesis goes on from them, and only the bytes past that byte are dropped.
+    resume_codes: bytes = b""
+    resume_at: int = 0
+    codes_recorded: int = 0  # bytes of codes the store holds for it; -1: past the bound, no more are kept
+    made_bytes: int = 0  # encoded bytes of it made so far, from its start (those dropped included)
     # Text streaming: the text given to synthesis so far (`text` is the same), finished once the sentence
     # has ended; None for a sentence whose text was whole from the start.
     text_stream: TextStream | None = None

@@ -13,6 +13,11 @@ recorded before it goes out), the session's `SessionInfo`, the backend, settings
   frames (each recorded in the store before it goes out), `audio.done`; for an utterance end
   `utterance.done`/`session.done`. Only one sentence is ever being sent, so two sentences' frames never
   interleave. Resumed sentences replay logged bytes first and drop re-synthesized bytes already delivered.
+- Codes (issue 33): where the backend tells codes and the audio goes out as it is made (`keeps_codes`),
+  each chunk's codes follow its audio through the sentence's queue, and the sender records them in the
+  store once that audio is recorded, with the byte they resume at. A resume elsewhere then continues the
+  sentence from them (the same take on a GPU, where a sentence made again is another) and drops only the
+  bytes past that byte.
 - Word timestamps (session.config `timestamp_type`): the backend's timings are kept on the sentence as
   they arrive; a word is told (`audio.words`, "async") once the bytes sent of its sentence decode past its
   end, and all of a sentence's words go in its `audio.done` ("sync"). Timings that come after the audio
@@ -29,7 +34,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tts_backend.base import SynthesisRequest, Synthesizer, TextStream
 
@@ -65,6 +70,15 @@ log = logging.getLogger("voxgate.session")
 # max_size of 1 MiB, which vLLM-Omni's client keeps; a whole number of samples for every raw format.
 MAX_WHOLE_FRAME_BYTES = 1_000_000
 END = object()  # a sentence's synthesis finished
+
+
+@dataclass(frozen=True)
+class Codes:
+    """A chunk's codes, in a sentence's queue after the chunk's audio."""
+
+    codes: bytes
+
+
 CANCELLED = object()  # a sentence was cancelled; wakes a sender waiting on its chunks
 FINISHED_KEPT = 64  # contexts whose latest finished utterance is kept for a late barge-in (Cut.finished)
 
@@ -243,6 +257,17 @@ class SpeechPipeline:
             self._previous_voice = job.spoken_by.voice
         return job.spoken_by
 
+    def keeps_codes(self, job: SentenceJob) -> bool:
+        """Whether `job`'s codes are kept for a resume (module doc): the backend has them, one request makes
+        the sentence (no pronunciation parts, no trimmed tail) and its audio goes out as raw PCM at the
+        backend's rate as it is made, so that a byte of the sentence's audio is a byte the client got. Another
+        format's encoder (a resampler, a codec) has state that a resume cannot rebuild: such a sentence is
+        made again from its start, as before."""
+        config = job.config
+        return ("resume_codes" in self.backend.honours and self.backend.codebooks > 0 and config.pronouncer is None
+                and not job.trim_tail and config.stream_audio and config.response_format == "pcm"
+                and config.output_rate == config.source_rate)
+
     def _synthesis_ended(self, task: asyncio.Task) -> None:
         self._synthesis.discard(task)
         self._fill_pipeline()
@@ -273,6 +298,13 @@ class SpeechPipeline:
             text_stream=stream,
             streaming_text=config.streaming_text,
         )
+        keeps_codes = self.keeps_codes(job)
+        if job.resume_codes and keeps_codes:  # goes on after the recorded codes: the client has what is before
+            request = replace(request, resume_codes=job.resume_codes)
+            job.skip_bytes -= job.resume_at
+            job.made_bytes = job.resume_at
+            job.source_samples = job.resume_at // 2
+            self.metrics.sentences_resumed_from_codes_total.inc()
         monitor = self.monitor
         bytes_per_second = 2 * self.backend.sample_rate
         trailing = TrailingSilence(self.backend.sample_rate) if job.trim_tail else None
@@ -311,6 +343,8 @@ class SpeechPipeline:
                             pcm = chunk.pcm if trailing is None else trailing.feed(chunk.pcm)
                             if pcm:
                                 queue(pcm)
+                        if chunk.codes and keeps_codes and not job.finished:
+                            job.chunks.put_nowait(Codes(chunk.codes))
             if words_wait.late and not job.finished:
                 job.words_late = True
                 job.warnings.append(words_wait.late_warning("timestamp_type"))
@@ -474,9 +508,13 @@ class SpeechPipeline:
             if isinstance(item, BaseException):
                 failure = item
                 break
+            if isinstance(item, Codes):  # the audio before them is recorded: they resume after it
+                await self._record_codes(job, item.codes)
+                continue
             self._take_audio(job, len(item))
             job.source_samples += len(item) // 2
             encoded = await encoder.encode(item)
+            job.made_bytes += len(encoded)
             if config.stream_audio:
                 if encoded and not await self._send_new_audio(job, encoded, frame_bytes, encoder):
                     return
@@ -518,6 +556,22 @@ class SpeechPipeline:
         outcome = "failed" if failure is not None else "done"
         self.metrics.sentences_total.labels(outcome).inc()
         await self.store.set_sentence_state(self.info.session_id, job.index, outcome, owner=self.info.owner)
+
+    async def _record_codes(self, job: SentenceJob, codes: bytes) -> None:
+        """Record a chunk's codes with the byte of the sentence they resume at (its audio made so far, all of
+        it recorded by now: sent, or dropped as the client has it). Bounded by the sentence's text: past that
+        (a backend that tells more than it could make) none is recorded any more, and a resume goes on from
+        the codes recorded before, which still hold."""
+        limit = self.backend.max_code_bytes(len(job.text))
+        if job.codes_recorded < 0:  # past the bound before
+            return
+        if job.codes_recorded + len(codes) > limit:
+            log.warning("sentence %d: the backend told more codes than its text can make; no more are kept", job.index)
+            job.codes_recorded = -1
+            return
+        await self.store.append_codes(self.info.session_id, job.index, codes, offset=job.codes_recorded,
+                                      at=job.made_bytes, limit=limit, owner=self.info.owner)
+        job.codes_recorded += len(codes)
 
     async def _send_utterance_end(self, marker: UtteranceEnd) -> None:
         async with self.writer.lock:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tts_backend.base import TextStream
 
 from ..protocol import ErrorCode, ProtocolError, SessionResume
-from ..store.base import MarkerRecord, ReplayOutOfRange, SessionRecord, SessionStore, replay_owed
+from ..store.base import FINISHED, MarkerRecord, ReplayOutOfRange, SessionRecord, SessionStore, replay_owed
 from .data import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
 from .segmenter import SentenceSegmenter
 
@@ -188,6 +188,8 @@ def rebuild(resumed: Resumed, position: SessionResume, new_segmenter: Callable[[
             needs_synthesis=sentence.state != "done" or config.timestamps is not None,
         )
         job.bytes_sent = delivered
+        if sentence.codes and sentence.state not in FINISHED:  # it goes on from them where the backend can
+            job.resume_codes, job.resume_at, job.codes_recorded = sentence.codes, sentence.codes_at, len(sentence.codes)
         if sentence.index in still_open and config.text_streaming:
             job.text_stream = TextStream(job.text)
             job.utterance.open_job = job

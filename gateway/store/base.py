@@ -30,6 +30,13 @@ lacks. Ends without audio between them (empty utterances) never leave the log th
 `ends_received`, or by a position before it) is out of range. A cancelled end is never sent: its record
 goes at once. `last_marker` and `last_utterance` keep the numbering going when every record that carried
 the newest numbers is gone.
+
+Codes (issue 33): a sentence being spoken by a backend with codes ("resume_codes", tts_backend/base.py) keeps
+the codec codes of its audio delivered so far (`SentenceRecord.codes`, whole frames, uint16 LE) and the byte of
+its recorded audio they resume at (`codes_at`, at most `bytes_sent`): a resume elsewhere in the middle of the
+sentence continues it from them (the same take) instead of making it again. They are bounded by the
+sentence's length (the caller's `limit`, tts_backend/base.py's max_code_bytes of its text) and dropped as soon
+as the sentence is done, failed or cancelled; a session keeps codes for its open sentences only.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class SentenceRecord:
     state: SentenceState = "pending"
     bytes_sent: int = 0  # audio recorded for this sentence (recorded before it goes on the socket)
     utterance: int = 0  # the session's utterance number (SynthesisRequest.utterance_key)
+    codes: bytes = b""  # while it is spoken: the codes of its audio delivered so far (module doc)
+    codes_at: int = 0  # the byte of its recorded audio those codes resume at
 
 
 @dataclass
@@ -285,6 +294,16 @@ class SessionStore(abc.ABC):
         """Record `data`, the sentence's audio from byte `offset`, as sent for sentence `index` (adds to
         bytes_sent and to the replay log). Idempotent: an append whose bytes are recorded already (a
         write delivered twice) changes nothing; AppendMismatch if `offset` is past the recorded bytes."""
+
+    @abc.abstractmethod
+    async def append_codes(
+        self, session_id: str, index: int, codes: bytes, *, offset: int, at: int, limit: int,
+        owner: str | None = None,
+    ) -> None:
+        """Add `codes` (whole frames) to sentence `index`'s from byte `offset` of them: with them, the sentence
+        resumes at byte `at` of its recorded audio (module doc). Idempotent as append_audio; AppendMismatch
+        if `offset` is not the end of the recorded codes, if they would pass `limit` bytes, or if `at` is
+        past the recorded audio. A sentence not recorded, or finished, keeps none: nothing changes."""
 
     # One change at a time, for the sender and for tests:
 

@@ -12,6 +12,7 @@ from collections import deque
 from typing import Any
 
 from .base import (
+    FINISHED,
     AppendMismatch,
     LeaseLost,
     OpenUtterance,
@@ -147,6 +148,19 @@ class MemorySessionStore(SessionStore):
         if trimmed:
             prune_sentences(record, log[0][1].sentence_index)
 
+    async def append_codes(
+        self, session_id: str, index: int, codes: bytes, *, offset: int, at: int, limit: int,
+        owner: str | None = None,
+    ) -> None:
+        record = self._owned(session_id, owner)
+        sentence = record.sentences.get(index) if record is not None else None
+        if sentence is None or sentence.state in FINISHED or len(sentence.codes) >= offset + len(codes):
+            return
+        if len(sentence.codes) != offset or offset + len(codes) > limit or at > sentence.bytes_sent:
+            raise AppendMismatch(session_id, index, offset)
+        sentence.codes += codes
+        sentence.codes_at = at
+
     async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
         record = self._owned(session_id, owner)
         if record is None:
@@ -165,6 +179,8 @@ class MemorySessionStore(SessionStore):
                 del record.sentences[index]  # never spoken, never replayed: nothing to keep
             elif sentence is not None:
                 sentence.state = state
+                if state in FINISHED:  # its codes resume nothing any more
+                    sentence.codes, sentence.codes_at = b"", 0
         for marker in changes.markers:
             record_marker(record, marker)
         for context_id, opened in changes.open_text.items():

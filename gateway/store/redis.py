@@ -21,6 +21,10 @@ one slot and Lua scripts may touch them all):
     log       stream  the replay log: entries (i: sentence, o: byte offset in it, t: unix ms, d: audio), with
                       ids `<position>-1`, position = bytes appended to the log before the entry
     logend    string  bytes ever appended to the log (the next entry's position)
+    codes     hash    sentence index -> the codes of its audio delivered so far (binary), and
+                      "<index>:at" -> the byte of its recorded audio they resume at; only while it is
+                      spoken (dropped when it is done, failed or cancelled), bounded by its length
+                      (gateway/store/base.py, issue 33)
 
 Cloned voices, per owner (the API key's fingerprint, '' without keys), under `{prefix}{voices:<owner>}:`:
 
@@ -80,7 +84,7 @@ from .redis_connection import close, connect
 
 UNAVAILABLE_AFTER_S = 2.0  # /ready: a store that does not answer a PING this fast is reported unreachable
 
-KEY_NAMES = ("meta", "lease", "text", "state", "bytes", "markers", "open", "log", "logend")
+KEY_NAMES = ("meta", "lease", "text", "state", "bytes", "markers", "open", "log", "logend", "codes")
 KEY = {name: position for position, name in enumerate(KEY_NAMES, start=1)}  # Lua KEYS[] positions
 
 # Shared by every script: KEYS in KEY_NAMES order; ARGV[1] owner ('' = unfenced), ARGV[2] lease ms,
@@ -107,10 +111,17 @@ local function now_ms()
   local now = redis.call('TIME')
   return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 end
+local function drop_codes(index)
+  redis.call('HDEL', KEYS[10], index, index .. ':at')
+end
+local function finished(state)
+  return state == 'done' or state == 'cancelled' or state == 'failed'
+end
 local function drop_sentence(index)
   redis.call('HDEL', KEYS[3], index)
   redis.call('HDEL', KEYS[4], index)
   redis.call('HDEL', KEYS[5], index)
+  drop_codes(index)
 end
 -- The utterance ends sent before sentence meta 'trimmed', and the oldest sent ones past MAX_ENDS_KEPT (see
 -- gateway/store/base.py, prune_markers); they are numbered in send order, so the walk from meta 'markerpruned'
@@ -154,8 +165,7 @@ local function prune()
   if index >= oldest then return end
   local trimmed = nil
   while index < oldest do
-    local state = redis.call('HGET', KEYS[4], index)
-    if state == 'done' or state == 'cancelled' or state == 'failed' then
+    if finished(redis.call('HGET', KEYS[4], index)) then
       drop_sentence(index)
       trimmed = index
     end
@@ -200,6 +210,7 @@ while i <= #ARGV do
       drop_sentence(field)
     else
       redis.call('HSET', key, field, ARGV[i + 3])
+      if key == KEYS[4] and finished(ARGV[i + 3]) then drop_codes(field) end  -- they resume nothing any more
     end
   end
   i = i + 4
@@ -228,6 +239,24 @@ if keep_from > 0 and redis.call('XTRIM', KEYS[8], 'MINID', string.format('%d-1',
 redis.call('PEXPIRE', KEYS[5], ARGV[3])
 redis.call('PEXPIRE', KEYS[8], ARGV[3])
 redis.call('PEXPIRE', KEYS[9], ARGV[3])
+return 1
+"""
+
+# ARGV[4] sentence index, ARGV[5] codes, ARGV[6] their offset in the sentence's codes, ARGV[7] the byte of its
+# recorded audio they resume at, ARGV[8] the most codes it may keep. Idempotent as the audio append; -1 when
+# the offset is not the recorded codes' end, the limit would be passed or the audio is not recorded that far.
+_CODES = _PRELUDE + """
+if not fence() then return 0 end
+if redis.call('HEXISTS', KEYS[3], ARGV[4]) == 0 or finished(redis.call('HGET', KEYS[4], ARGV[4])) then return 1 end
+local codes = redis.call('HGET', KEYS[10], ARGV[4]) or ''
+local offset, length = tonumber(ARGV[6]), string.len(ARGV[5])
+if string.len(codes) >= offset + length then return 1 end
+if string.len(codes) ~= offset or offset + length > tonumber(ARGV[8])
+    or tonumber(ARGV[7]) > tonumber(redis.call('HGET', KEYS[5], ARGV[4]) or '0') then
+  return -1
+end
+redis.call('HSET', KEYS[10], ARGV[4], codes .. ARGV[5], ARGV[4] .. ':at', ARGV[7])
+redis.call('PEXPIRE', KEYS[10], ARGV[3])
 return 1
 """
 
@@ -385,12 +414,13 @@ class RedisSessionStore(SessionStore):
             raise RuntimeError(redact(f"the Redis session store at {self.redis_url} does not answer: {exc}")) from exc
         self._write = self._redis.register_script(_WRITE)
         self._append = self._redis.register_script(_APPEND)
+        self._codes = self._redis.register_script(_CODES)
         self._renew = self._redis.register_script(_RENEW)
         self._claim = self._redis.register_script(_CLAIM)
         self._detach = self._redis.register_script(_DETACH)
         self._delete = self._redis.register_script(_DELETE)
         self._log_head = self._redis.register_script(_LOG_HEAD)
-        for script in (self._write, self._append, self._renew, self._log_head):  # called by hash in pipelines
+        for script in (self._write, self._append, self._codes, self._renew, self._log_head):  # called by hash in pipelines
             await self._redis.script_load(script.script)
         self._batcher = _Batcher(self)
 
@@ -452,12 +482,12 @@ class RedisSessionStore(SessionStore):
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(keys[0])
             pipe.get(keys[1])
-            for name in ("text", "state", "bytes", "markers", "open"):
+            for name in ("text", "state", "bytes", "markers", "open", "codes"):
                 pipe.hgetall(keys[KEY[name] - 1])
             pipe.get(keys[KEY["logend"] - 1])
             pipe.execute_command("EVALSHA", self._log_head.sha, 1, keys[KEY["log"] - 1])
             try:
-                meta, lease, texts, states, sizes, markers, opened, log_end, log_head = await pipe.execute()
+                meta, lease, texts, states, sizes, markers, opened, codes, log_end, log_head = await pipe.execute()
             except NoScriptError:  # Redis restarted and lost its scripts
                 await self.redis.script_load(_LOG_HEAD)
                 return await self.get(session_id)
@@ -492,6 +522,8 @@ class RedisSessionStore(SessionStore):
                 state=_text(states.get(field, b"pending")),  # type: ignore[arg-type]
                 bytes_sent=int(sizes.get(field, 0)),
                 utterance=data["u"],
+                codes=codes.get(field, b""),
+                codes_at=int(codes.get(field + b":at", 0)),
             )
         record.sentences = dict(sorted(record.sentences.items()))
         for value in markers.values():
@@ -522,6 +554,13 @@ class RedisSessionStore(SessionStore):
         self, session_id: str, index: int, data: bytes, *, offset: int, owner: str | None = None
     ) -> None:
         if await self._fenced(self._append, session_id, owner, index, data, self.replay_log_bytes, offset) < 0:
+            raise AppendMismatch(session_id, index, offset)
+
+    async def append_codes(
+        self, session_id: str, index: int, codes: bytes, *, offset: int, at: int, limit: int,
+        owner: str | None = None,
+    ) -> None:
+        if await self._fenced(self._codes, session_id, owner, index, codes, offset, at, limit) < 0:
             raise AppendMismatch(session_id, index, offset)
 
     async def apply(self, session_id: str, changes: SessionChanges, *, owner: str | None = None) -> None:
