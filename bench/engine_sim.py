@@ -279,6 +279,7 @@ class SimRunner(ModelRunner):
         self.max_slots = runner_config.max_slots
         self.prefill_buckets = costs.prefill_batches
         self.codec_buckets = costs.codec_batches
+        self.codec_depth = max(1, runner_config.codec_in_flight)  # batches queued on the codec stream at once
         self.slow = 1.0 + contention
         self.launch_s = launch_us / 1e6
         self.device_free = 0.0  # when the generation queue is empty
@@ -346,7 +347,8 @@ class SimRunner(ModelRunner):
         now = self._launch("codec_launch")
         work = self.costs.codec_ms(len(requests), frames) / 1000.0
         self.codec_device_s += work
-        start = max(now, self.device_free)  # the codec stream waits for the frames queued before it
+        # The codec stream waits for the frames queued before it, and runs its batches one after the other.
+        start = max(now, self.device_free, self.codec_busy_until)
         handle = SimCodecHandle(count=len(requests), frames=frames, device_s=work, done_at=start + work)
         self.codec_busy_until = handle.done_at
         self.clock.resume()
@@ -503,6 +505,7 @@ class SimOptions:
     prompts: Path = DEFAULT_PROMPTS
     agent_sentences: int = 0  # > 0: the agent workload, each reply that many sentences pushed word by word
     words_per_s: float = 40.0
+    codec_in_flight: int = Qwen3RunnerConfig.codec_in_flight  # codec batches queued at once (the runner's)
 
 
 class AgentSession:
@@ -552,7 +555,8 @@ class AgentSession:
 def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | None = None,
              costs: CostTable | None = None) -> dict[str, Any]:
     """One rate: warm-up, measured phase, drain; the engine_profile-shaped entry plus the simulator's own."""
-    runner_config = Qwen3RunnerConfig(max_slots=options.max_active, max_len=options.max_len, **BENCH_RUNNER_OPTIONS)
+    runner_config = Qwen3RunnerConfig(max_slots=options.max_active, max_len=options.max_len,
+                                      codec_in_flight=options.codec_in_flight, **BENCH_RUNNER_OPTIONS)
     costs = costs or CostTable.from_file(options.cost_table, runner_config)
     if options.cost_scale != 1.0:
         costs = costs.scaled(options.cost_scale)
@@ -837,6 +841,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the agent workload (bench/README.md): each reply this many sentences, its words "
                              "pushed into one engine request as they settle (the qwen3 backend's streaming text)")
     parser.add_argument("--words-per-s", type=float, default=40.0, help="the agent workload's words per second")
+    parser.add_argument("--codec-in-flight", type=int, default=Qwen3RunnerConfig.codec_in_flight,
+                        help="codec batches the runner queues on its codec stream at once")
     parser.add_argument("--granularity", choices=["token"], default="token",
                         help="the sessions' split_granularity: only token (text streamed into one request) "
                              "is simulated")
@@ -857,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
                          launch_us=args.launch_us, warmup=args.warmup, duration=args.duration, seed=args.seed,
                          frame_cap_chars_per_second=args.frame_cap_chars_per_second, max_active=args.max_active,
                          cost_scale=args.cost_scale, prompts=args.prompts, agent_sentences=args.agent_sentences,
-                         words_per_s=args.words_per_s)
+                         words_per_s=args.words_per_s, codec_in_flight=args.codec_in_flight)
     if args.calibrate and args.agent_sentences:
         build_parser().error("--calibrate fits against the one-sentence baseline: leave --agent-sentences out")
     prompts = load_prompts(args.prompts)

@@ -183,9 +183,14 @@ class Engine:
         self._startup_error: BaseException | None = None
         self._paused_waiting = False
         self._inline = False
-        self._codec: _CodecInFlight | None = None
-        # When the codec batch now being launched or in flight began its launch (None: none is), so that a
-        # snapshot counts its time in flight up to now, as it counts the open section's seconds.
+        # The codec batches in flight, oldest first: the runner takes up to `codec_depth` of them and runs
+        # them in order, so the codec stream has the next batch queued when one ends instead of idling until
+        # the engine's next step boundary (H100, 60 RPS with one at a time: in flight 77 % of the wall time,
+        # on the device 40 %).
+        self._codecs: collections.deque[_CodecInFlight] = collections.deque()
+        self._codec_depth = max(1, int(getattr(runner, "codec_depth", 1)))
+        # When the codec batch now being launched or the oldest in flight began its launch (None: none is), so
+        # that a snapshot counts the time the codec had work up to now, as it counts the open section's seconds.
         self._codec_since: float | None = None
         # Streams waiting for text now: request id -> engine clock when the wait began. Written by the
         # engine thread under the stats lock, so a snapshot sees open waits too.
@@ -309,7 +314,7 @@ class Engine:
 
     def _shutdown(self) -> None:
         # The device must be done with the in-flight codec batch before its slots are freed for good.
-        if self._codec is not None:
+        while self._codecs:
             self._collect_codec(block=True)
             self._enter(_OUTSIDE)
         self._fail_all(SynthesisError("engine stopped"))
@@ -320,19 +325,20 @@ class Engine:
         Called by the engine thread; tests drive it directly (with a chosen clock) instead of the thread."""
         self._enter(_SCHEDULE)
         self._drain_commands()
-        if self._codec is not None:
+        if self._codecs:
             # Not waiting here even when a stream is about to run dry: its codec is in flight (the audio comes
-            # no sooner by waiting) or has to wait for the in-flight batch anyway, and rule 1 picks it in the
-            # step that collects that batch; a generation batch launched meanwhile overlaps the codec.
-            self._collect_codec(block=False)
+            # no sooner by waiting) or has to wait for the in-flight batches anyway, and rule 1 picks it in
+            # the step that collects them; a generation batch launched meanwhile overlaps the codec.
+            while self._codecs and self._collect_codec(block=False):
+                pass
             self._enter(_SCHEDULE)
-        batch = self.scheduler.decide(self._now(now), codec_in_flight=self._codec is not None)
-        if batch is None and self._codec is not None:
-            # Only the in-flight codec batch is left: wait for it rather than spin; its audio may make work
-            # ready (the next chunk's codec, or streams that were paused).
+        batch = self.scheduler.decide(self._now(now), codec_in_flight=len(self._codecs) >= self._codec_depth)
+        if batch is None and self._codecs:
+            # Only codec batches in flight are left: wait for the oldest rather than spin; its audio may make
+            # work ready (the next chunk's codec, or streams that were paused).
             self._collect_codec(block=True)
             self._enter(_SCHEDULE)
-            batch = self.scheduler.decide(self._now(now))
+            batch = self.scheduler.decide(self._now(now), codec_in_flight=len(self._codecs) >= self._codec_depth)
         if batch is not None:
             self._execute(batch)
         self._enter(_OUTSIDE)
@@ -469,11 +475,13 @@ class Engine:
         synchronously (CPU, or codec_stream off) has the audio ready at once, and it is collected right here,
         exactly as a synchronous codec call was handled."""
         started = self._enter(_RUNNER[Stage.CODEC])
-        self._codec_since = started
+        if not self._codecs:
+            self._codec_since = started
         try:
             handle = self.runner.codec_launch(batch.requests, batch.frames)
         except Exception as exc:
-            self._codec_since = None
+            if not self._codecs:
+                self._codec_since = None
             self._enter(_POST[Stage.CODEC])
             self._fail_batch(batch, exc)
             elapsed = time.perf_counter() - started
@@ -481,30 +489,38 @@ class Engine:
             self._count_batch(batch, elapsed)
             return
         self._count_batch(batch, time.perf_counter() - started)
-        self._codec = _CodecInFlight(batch, handle, started)
-        self._collect_codec(block=False)
+        for r in batch.requests:
+            r.codec_busy = True
+        self._codecs.append(_CodecInFlight(batch, handle, started))
+        # A runner that decodes synchronously has the audio at once; collected in launch order.
+        while self._codecs and self._collect_codec(block=False):
+            pass
 
-    def _collect_codec(self, block: bool) -> None:
-        """Take the in-flight codec batch's audio if the device has finished it (or wait for it): emit the
-        PCM, advance frames_decoded and chunks_decoded, finish requests that are done, and free the slots
-        of requests that left while the batch was in flight."""
-        flight = self._codec
+    def _collect_codec(self, block: bool) -> bool:
+        """Take the oldest in-flight codec batch's audio if the device has finished it (or wait for it):
+        emit the PCM, advance frames_decoded and chunks_decoded, finish requests that are done, and free the
+        slots of requests that left while the batch was in flight. Returns whether it was collected."""
+        flight = self._codecs[0]
         stage = Stage.CODEC
         started = self._enter(_RUNNER[stage])
         batch, requests = flight.batch, flight.batch.requests
         try:
             pieces = self.runner.codec_wait(flight.handle) if block else self.runner.codec_collect(flight.handle)
         except Exception as exc:
-            self._codec = None
+            self._codecs.popleft()
+            for r in requests:
+                r.codec_busy = False
             self._enter(_POST[stage])
             self._fail_batch(batch, exc)
             self._release_slots(requests)
             self._codec_done(flight, started)
-            return
+            return True
         if pieces is None:
             self._add_busy(time.perf_counter() - started)
-            return
-        self._codec = None
+            return False
+        self._codecs.popleft()
+        for r in requests:
+            r.codec_busy = False
         self._enter(_POST[stage])
         for r, pcm in zip(requests, pieces):
             if r.done:  # cancelled or failed while in flight; its slot is freed below
@@ -516,6 +532,7 @@ class Engine:
         self._release_slots(requests)
         self._complete_finished(requests)
         self._codec_done(flight, started)
+        return True
 
     def _release_slots(self, requests: list[RequestState]) -> None:
         """Free the slots `_finish` kept for a codec batch that has now been collected."""
@@ -532,8 +549,9 @@ class Engine:
             stats = self.stats
             stats.busy_s += finished - collect_started
             stats.codec_collected += 1
-            stats.codec_in_flight_s += finished - flight.launched
-            self._codec_since = None
+            # The wall time the codec had work: batches in flight together count once.
+            stats.codec_in_flight_s += finished - max(self._codec_since or flight.launched, flight.launched)
+            self._codec_since = finished if self._codecs else None
             if device_s is not None:
                 stats.codec_timed += 1
                 stats.codec_device_s += device_s
@@ -675,8 +693,7 @@ class Engine:
         trimmer = self._trimmers.pop(request.request_id, None)
         if error is None and not request.cancelled and trimmer is not None and not trimmer.started:
             self._send_audio(request, trimmer.flush())
-        in_flight = self._codec is not None and any(r is request for r in self._codec.batch.requests)
-        if not in_flight:
+        if not request.codec_busy:
             self._release_slot(request)
         stream = self._streams.pop(request.request_id, None)
         if stream is not None and not request.cancelled:

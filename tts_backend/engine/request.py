@@ -81,6 +81,7 @@ class RequestState:
     chunks_decoded: int = 0  # codec calls that shipped audio, for the chunk schedule
     playback_start: float | None = None  # when the first audio left the engine (moved on after a text wait)
     done: bool = False
+    codec_busy: bool = False  # in a codec batch launched and not yet collected (its slot is held until then)
     # Text streaming: the text is still being written. Each Talker decode step takes one text token (the
     # runner holds them); `text_ready` counts those it holds, `text_fed` those the steps took. While the text
     # is open the step after the last ready token cannot run: the request waits for text.

@@ -224,7 +224,8 @@ class Scheduler:
                         ready.pressing.append(item)
             # Codec work is ready once the next chunk's frames are there, or whatever is left once generation
             # has finished or waits for text; it decodes the chunk's frames (or the rest).
-            if not codec_in_flight and pending > 0 and (pending >= want or phase is Phase.FINISHED or waiting):
+            if not codec_in_flight and pending > 0 and not request.codec_busy \
+                    and (pending >= want or phase is Phase.FINISHED or waiting):
                 item = _Item(request, Stage.CODEC, deadline, min(pending, want))
                 codec_items.append(item)
                 if deadline is None:
@@ -239,10 +240,11 @@ class Scheduler:
 
     # ---- the decision -----------------------------------------------------------------------------
     def decide(self, now: float, codec_in_flight: bool = False) -> Batch | None:
-        """The next batch, or None when nothing is ready. While a codec batch is in flight (the runner takes
-        one at a time) no codec work is ready: its requests' frames_decoded has not advanced yet, and a
-        stream whose audio is about to run out either is in that batch or is picked by rule 1 as soon as
-        the engine has collected it (at the start of a step, before it decides)."""
+        """The next batch, or None when nothing is ready. `codec_in_flight`: the runner takes no more codec
+        batches now (as many are in flight as it queues), so no codec work is ready. A stream in a codec
+        batch in flight (`codec_busy`) has no codec work either: its frames_decoded has not advanced yet, and
+        if its audio is about to run out, rule 1 picks it as soon as the engine has collected that batch
+        (at the start of a step, before it decides)."""
         ready = self._ready(now, codec_in_flight)
         if not ready.by_stage:
             return None
