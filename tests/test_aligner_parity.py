@@ -138,18 +138,15 @@ def test_timestamp_classes_and_word_times_match_reference(aligners, reference, c
 
 
 def _slot_logits(aligner, audio, words) -> list[torch.Tensor]:
-    """The head's logits at each row's timestamp slots, captured on the way through timestamp_classes."""
+    """The head's logits at each row's timestamp slots, captured on the way through the aligner's padded pass."""
     captured = {}
     handle = aligner.thinker.lm_head.register_forward_hook(lambda m, i, o: captured.setdefault("logits", o))
     try:
-        classes = aligner.timestamp_classes(audio, words)
+        batch = aligner.prepare(audio, words)
+        aligner.run(batch)
     finally:
         handle.remove()
-    rows, start = [], 0
-    for row in classes:
-        rows.append(captured["logits"][start:start + len(row)])
-        start += len(row)
-    return rows
+    return [captured["logits"][b, slots] for b, slots in enumerate(batch.slots)]
 
 
 @pytest.mark.third_party
@@ -238,3 +235,39 @@ def test_resampled_audio_and_int16_align(aligners, clips):
     got = aligners["tiny"].align([AlignRequest(pcm, 24000, "Resampled audio still aligns.", "English")])
     assert [w for w, _, _ in got[0]] == ["Resampled", "audio", "still", "aligns"]
     assert all(0 <= s <= e for _, s, e in got[0])
+
+
+def test_padding_to_any_bucket_leaves_the_times_alone(aligners, clips):
+    """The padded passes (rows, audio chunks and prompt positions rounded up to fixed buckets, as the captured
+    graphs take them on a GPU) give each sentence the times it gets at the tightest fit and at much larger
+    padding, for clips of one chunk (whose convolutions must not see the padding), several chunks and windows."""
+    from tts_backend.aligner.model import Buckets
+
+    requests = [AlignRequest(clips[k][0], 16000, text, "English") for k, text in
+                (("short", "Short one."), ("long", "The longest clip of the batch, with more words."),
+                 ("one_second", "Exactly a second."), ("odd", "A third, odd length."))]
+    for size, aligner in aligners.items():
+        default = aligner.buckets
+        try:
+            results = {}
+            for name, buckets in (("tight", Buckets(rows=(1,), chunks=(1,), lengths=(1,))),
+                                  ("default", default),
+                                  ("wide", Buckets(rows=(16,), chunks=(12,), lengths=(512,)))):
+                aligner.buckets = buckets
+                results[name] = (aligner.align(requests), [aligner.align([r])[0] for r in requests])
+            assert results["default"][0] == results["default"][1], size
+            assert results["tight"] == results["default"] == results["wide"], size
+            assert all(row for row in results["default"][0])
+        finally:
+            aligner.buckets = default
+
+
+def test_prompt_ids_are_the_prompt_text_encoded(aligners):
+    """The prompt's ids are built from its parts (each word encoded once): the same as encoding prompt_text."""
+    from tts_backend.aligner.words import prompt_text
+
+    aligner = aligners["tiny"]
+    for text, lang in WORD_TEXTS:
+        words = split_words(text, lang)
+        for audio_tokens in (1, 13, 40):
+            assert aligner.prompt_ids(words, audio_tokens) == aligner.tokenizer.encode(prompt_text(words, audio_tokens))

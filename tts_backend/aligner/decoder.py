@@ -2,8 +2,7 @@
 
 A Qwen3 decoder run once over the whole prompt (no KV cache: nothing is generated). Its causal attention sees, at
 each `<timestamp>` slot, the audio and the words up to that slot (the timestamp head, model.Thinker.lm_head,
-reads the slot's hidden state). Rows of a batch are left-padded; a padded row's positions count from its first
-real token, as the reference's do.
+reads the slot's hidden state). Rows of a batch are right-padded to a fixed length (model.py's buckets).
 
 Shapes: B = rows, S = prompt length (padded to the longest), D = hidden size, H = query heads, Hkv = key/value
 heads, Dh = head dim.
@@ -30,19 +29,18 @@ class TextDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """embeds [B, S, D], attention_mask [B, S] bool (False = left padding) -> final-norm hidden [B, S, D]."""
-        S = embeds.shape[1]
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, S]
+    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+        """embeds [B, S, D], each row's prompt from position 0 (right padding) -> final-norm hidden [B, S, D].
+
+        Attention is causal, so a prompt's tokens never see the padding after them and their positions are
+        0, 1, ... as in the reference's batch of one: no mask of padding is needed, and the shapes are fixed."""
+        B, S, _ = embeds.shape
+        positions = torch.arange(S, device=embeds.device).expand(B, S)
         cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, embeds.dtype)
-        causal = torch.ones(S, S, dtype=torch.bool, device=embeds.device).tril()
-        mask = causal[None] & attention_mask[:, None, :]  # [B, S(query), S(key)]
-        # A padding query sees no key; let it see itself so its (discarded) output stays finite.
-        mask = mask | torch.eye(S, dtype=torch.bool, device=embeds.device)
-        mask = mask[:, None]  # [B, 1, S, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=embeds.device).tril()[None, None]  # [1, 1, S, S]
         x = embeds
         for layer in self.layers:
             attention = layer.self_attn
-            x = x + attention.attend(*attention.project(layer.input_layernorm(x), cos, sin), mask)
+            x = x + attention.attend(*attention.project(layer.input_layernorm(x), cos, sin), causal)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

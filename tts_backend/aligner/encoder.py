@@ -7,17 +7,16 @@ embedding that restarts at every chunk is added. The valid outputs of all chunks
 pre-norm transformer layers (bidirectional, biased projections) that attend within windows of n_window_infer
 mel frames (8 s), then a final LayerNorm and a two-layer GELU projection to the decoder width.
 
-Clips are batched through the transformer: each row is one clip, padded to the longest, and a block-diagonal mask
-keeps every window to itself. The convolution front end runs per clip, because the padding of a tail chunk
-reaches its last outputs and must be exactly the clip's own.
+Clips are batched with fixed shapes (model.py's buckets), so the pass can be captured as one CUDA graph: row b
+holds clip b's frames from frame 0, cut into C chunks of 2 * n_window frames, zeros after. All chunks of all
+clips go through the convolutions at once (conv_limits keeps a short clip's outputs those of the reference's
+unpadded run), then each row through the transformer, a mask keeping every window to itself and off the padding.
 
 Shapes: B = clips, N = encoder outputs of a clip (padded to the longest), C = downsample channels,
 D = d_model, H = heads, Dh = head dim.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -90,45 +89,57 @@ class AudioEncoder(nn.Module):
         self.register_buffer(
             "positional_embedding", sinusoid_positions(cfg.max_source_positions, cfg.d_model), persistent=False)
 
-    def front_end(self, mel: torch.Tensor) -> torch.Tensor:
-        """One clip's mel [M, T] -> conv outputs with positions [N, D]."""
+    def forward(self, mel: torch.Tensor, conv_limits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """mel [B, M, C * chunk_frames] (each row's clip from frame 0, zeros after), conv_limits [B, C, 2] long
+        (the valid outputs of conv2d1 and conv2d2 in each chunk, `conv_limits`), tokens [B] long (each clip's
+        encoder outputs, features.encoder_tokens) -> [B, C * conv_len(chunk_frames), output_dim]; row b's
+        first tokens[b] outputs are its clip's, the rest padding. Fixed shapes, no host sync: capturable."""
+        B, M, T = mel.shape
         chunk = self.cfg.chunk_frames
-        lengths = [chunk] * (mel.shape[1] // chunk) + ([mel.shape[1] % chunk] if mel.shape[1] % chunk else [])
-        width = max(lengths)
-        chunks = torch.zeros(len(lengths), 1, mel.shape[0], width, dtype=mel.dtype, device=mel.device)
-        for i, piece in enumerate(mel.split(chunk, dim=1)):
-            chunks[i, 0, :, : piece.shape[1]] = piece
+        C = T // chunk
+        chunks = mel.view(B, M, C, chunk).transpose(1, 2).reshape(B * C, 1, M, chunk)
+        limits = conv_limits.view(B * C, 2, 1, 1, 1)
         h = F.gelu(self.conv2d1(chunks))
+        h = h * (torch.arange(h.shape[-1], device=h.device) < limits[:, 0]).to(h.dtype)
         h = F.gelu(self.conv2d2(h))
-        h = F.gelu(self.conv2d3(h))  # [chunks, C, bins', t']
+        h = h * (torch.arange(h.shape[-1], device=h.device) < limits[:, 1]).to(h.dtype)
+        h = F.gelu(self.conv2d3(h))  # [B * C, channels, bins', t']
         n, c, f, t = h.shape
-        h = self.conv_out(h.permute(0, 3, 1, 2).reshape(n, t, c * f))  # [chunks, t', D]
+        h = self.conv_out(h.permute(0, 3, 1, 2).reshape(n, t, c * f))  # [B * C, t', D]
         h = h + self.positional_embedding[:t].to(h.dtype)
-        return torch.cat([h[i, : conv_len(length)] for i, length in enumerate(lengths)])
-
-    def window_tokens(self, clip_frames: int) -> int:
-        """Encoder outputs per attention window: n_window_infer frames' worth of full chunks (104 in the release).
-        A clip of one chunk is one window."""
-        if clip_frames <= self.cfg.chunk_frames:
-            return conv_len(clip_frames)
-        return conv_len(self.cfg.chunk_frames) * (self.cfg.n_window_infer // self.cfg.chunk_frames)
-
-    def forward(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each clip's log-mel [M, T_b] (features.log_mel) -> its encoder outputs [N_b, output_dim]."""
-        fronts = [self.front_end(mel) for mel in mels]
-        frames = [mel.shape[1] for mel in mels]
-        lengths = [f.shape[0] for f in fronts]
-        N = max(lengths)
-        x = torch.zeros(len(fronts), N, self.cfg.d_model, dtype=fronts[0].dtype, device=fronts[0].device)
-        window_id = torch.full((len(fronts), N), -1, dtype=torch.long, device=x.device)  # -1 = padding
-        for b, (front, n) in enumerate(zip(fronts, frames)):
-            x[b, : front.shape[0]] = front
-            window_id[b, : front.shape[0]] = torch.arange(front.shape[0], device=x.device) // self.window_tokens(n)
-        same = window_id[:, :, None] == window_id[:, None, :]
+        # A clip's valid outputs are contiguous: every chunk but its last is full, so they are its first tokens.
+        x = h.reshape(B, C * t, -1)
+        N = C * t
+        position = torch.arange(N, device=x.device)
+        window = position // self.window_tokens
+        valid = position[None, :] < tokens[:, None]  # [B, N]
+        same = window[:, None] == window[None, :]
         # Padding rows attend to themselves only, so no row is fully masked (their outputs are dropped).
-        mask = (same & (window_id[:, :, None] >= 0)) | torch.eye(N, dtype=torch.bool, device=x.device)
+        mask = (same[None] & valid[:, None, :]) | torch.eye(N, dtype=torch.bool, device=x.device)
         mask = mask[:, None]  # [B, 1, N, N]
         for layer in self.layers:
             x = layer(x, mask)
-        x = self.proj2(F.gelu(self.proj1(self.ln_post(x))))
-        return [x[b, :n] for b, n in enumerate(lengths)]
+        return self.proj2(F.gelu(self.proj1(self.ln_post(x))))
+
+    @property
+    def window_tokens(self) -> int:
+        """Encoder outputs per attention window: n_window_infer frames' worth of full chunks (104 in the
+        release). A clip of one chunk has fewer outputs than that, so it is one window, as the reference's."""
+        return conv_len(self.cfg.chunk_frames) * (self.cfg.n_window_infer // self.cfg.chunk_frames)
+
+
+def conv_limits(frames: list[int], chunks: int, chunk_frames: int) -> np.ndarray:
+    """[B, chunks, 2]: the valid outputs of the first two convolutions in each chunk of each clip.
+
+    The reference pads a clip's tail chunk with zeros to the clip's longest chunk, which is a full one when the
+    clip has several, and runs a one-chunk clip unpadded. Here every chunk is padded to chunk_frames, so a
+    one-chunk clip's convolution outputs past its own length are zeroed after each layer: the next
+    convolution's window then sees the zeros the reference's own padding gives it. (The third's outputs past
+    the length are dropped.) A full limit masks nothing."""
+    full = conv_len(chunk_frames, 1), conv_len(chunk_frames, 2)
+    limits = np.empty((len(frames), chunks, 2), np.int64)
+    limits[:] = full
+    for b, n in enumerate(frames):
+        if 0 < n < chunk_frames:
+            limits[b, 0] = conv_len(n, 1), conv_len(n, 2)
+    return limits

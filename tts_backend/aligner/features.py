@@ -62,13 +62,39 @@ def mel_filters(num_mel_bins: int) -> torch.Tensor:
 
 def log_mel(clip: np.ndarray, num_mel_bins: int) -> torch.Tensor:
     """A 16 kHz float clip -> features [num_mel_bins, n // HOP] float32."""
-    if len(clip) < MIN_SAMPLES:
-        raise ValueError(f"audio too short to align: {len(clip)} samples at {SAMPLE_RATE} Hz")
-    wave = torch.from_numpy(np.asarray(clip, dtype=np.float32))
-    spec = torch.stft(wave, N_FFT, HOP, window=torch.hann_window(N_FFT), return_complex=True)  # [freq, n//HOP + 1]
-    power = spec[..., :-1].abs() ** 2
-    log = torch.clamp(mel_filters(num_mel_bins).T @ power, min=1e-10).log10()  # [mels, frames]
-    return (torch.maximum(log, log.max() - 8.0) + 4.0) / 4.0
+    features, frames = batch_log_mel([clip], num_mel_bins)
+    return features[0, :, : frames[0]]
+
+
+def batch_log_mel(clips: list[np.ndarray], num_mel_bins: int, width: int | None = None
+                  ) -> tuple[torch.Tensor, list[int]]:
+    """16 kHz float clips -> features [B, num_mel_bins, width] float32 (zeros past each clip's n // HOP
+    frames) and those frame counts; width defaults to the longest clip's.
+
+    One STFT for the batch: each clip gets its own reflected edges first, then zeros to the common length, so
+    every frame it keeps lies within its own samples and edges (a centred frame i spans padded samples
+    [i * HOP, i * HOP + N_FFT)), and its floor is its own maximum: a clip's features are the ones it has
+    alone."""
+    frames = []
+    for clip in clips:
+        if len(clip) < MIN_SAMPLES:
+            raise ValueError(f"audio too short to align: {len(clip)} samples at {SAMPLE_RATE} Hz")
+        frames.append(len(clip) // HOP)
+    width = max(frames) if width is None else width
+    if width < max(frames):
+        raise ValueError(f"width {width} is less than the longest clip's {max(frames)} frames")
+    edge = N_FFT // 2
+    waves = np.zeros((len(clips), (width - 1) * HOP + N_FFT), np.float32)
+    for row, clip in zip(waves, clips):
+        padded = np.pad(np.asarray(clip, dtype=np.float32), edge, mode="reflect")
+        row[: min(len(padded), len(row))] = padded[: len(row)]
+    spec = torch.stft(torch.from_numpy(waves), N_FFT, HOP, window=torch.hann_window(N_FFT), center=False,
+                      return_complex=True)  # [B, freq, width]
+    log = torch.clamp(mel_filters(num_mel_bins).T @ spec.abs().square(), min=1e-10).log10()  # [B, mels, width]
+    valid = torch.arange(width)[None, :] < torch.tensor(frames)[:, None]  # [B, width]
+    peak = torch.where(valid[:, None, :], log, -torch.inf).amax(dim=(1, 2), keepdim=True)
+    features = (torch.maximum(log, peak - 8.0) + 4.0) / 4.0
+    return features.masked_fill(~valid[:, None, :], 0.0), frames
 
 
 def to_16k(pcm: np.ndarray, sample_rate: int) -> np.ndarray:
@@ -97,7 +123,8 @@ def encoder_tokens(frames: int, chunk_frames: int) -> int:
     return full * conv_len(chunk_frames) + (conv_len(tail) if tail else 0)
 
 
-def conv_len(n: int) -> int:
-    for _ in range(3):
+def conv_len(n: int, layers: int = 3) -> int:
+    """Outputs of `layers` of the stride-2 convolutions over n inputs."""
+    for _ in range(layers):
         n = (n - 1) // 2 + 1
     return n
