@@ -4,6 +4,10 @@
 every request queued at that moment (up to `max_batch`) and aligns them in one forward pass, so sentences that
 finish together share one pass and none waits for a batch to fill. The event loop never runs the model.
 
+Its thread and the speech engine's share the interpreter: on a GPU the aligner should be captured
+(ForcedAligner.capture), so that a batch is a few graph replays, launched with the interpreter released, rather
+than two thousand ops that each wait for it. process.py runs the same batching in a process of its own instead.
+
 On a CUDA device the aligner runs on a CUDA stream of its own, so its kernels queue beside the speech engine's
 instead of behind them on the default stream; the engine's first audio of a new sentence is never ordered after
 an alignment.
@@ -32,9 +36,10 @@ class _Job:
     loop: asyncio.AbstractEventLoop
 
 
-def _post(job: _Job, result=None, error: BaseException | None = None) -> None:
+def post(waiter, result=None, error: BaseException | None = None) -> None:
+    """From another thread: settle `waiter.future` (an asyncio future) on `waiter.loop` with a result or error."""
     try:
-        job.loop.call_soon_threadsafe(_settle, job.future, result, error)
+        waiter.loop.call_soon_threadsafe(_settle, waiter.future, result, error)
     except RuntimeError:  # its event loop has closed: nobody is waiting any more
         pass
 
@@ -46,6 +51,25 @@ def _settle(future: asyncio.Future, result=None, error: BaseException | None = N
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def align_each(align, requests: list[AlignRequest]) -> list[list[WordTime] | Exception]:
+    """`align(requests)`'s results, each sentence's own error in its place: one sentence that fails must not fail
+    the others of its batch, so a failed batch is aligned again one sentence at a time to find it."""
+    try:
+        return align(requests)
+    except Exception as exc:
+        if len(requests) == 1:
+            log.exception("alignment failed")
+            return [exc]
+    results: list[list[WordTime] | Exception] = []
+    for request in requests:
+        try:
+            results.append(align([request])[0])
+        except Exception as single:
+            log.exception("alignment failed")
+            results.append(single)
+    return results
 
 
 class AlignmentBatcher:
@@ -93,29 +117,15 @@ class AlignmentBatcher:
             if not jobs:
                 continue
             started = time.perf_counter()
-            try:
-                results = self._align([j.request for j in jobs])
-            except Exception as exc:
-                if len(jobs) == 1:
-                    log.exception("alignment failed")
-                    _post(jobs[0], error=exc)
-                    continue
-                # One sentence must not fail the others: align each on its own to find it.
-                results = []
-                for j in jobs:
-                    try:
-                        results.append(self._align([j.request])[0])
-                    except Exception as single:
-                        log.exception("alignment failed")
-                        results.append(single)
+            results = align_each(self._align, [j.request for j in jobs])
             self.seconds += time.perf_counter() - started
             self.batches += 1
             self.sentences += len(jobs)
             for j, result in zip(jobs, results):
                 if isinstance(result, Exception):
-                    _post(j, error=result)
+                    post(j, error=result)
                 else:
-                    _post(j, result)
+                    post(j, result)
 
     def _align(self, requests: list[AlignRequest]) -> list[list[WordTime]]:
         if self._stream is None:
