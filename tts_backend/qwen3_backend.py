@@ -6,8 +6,8 @@ that (and a warm-up request) are done.
 
 With `-o aligner=PATH` (a Qwen3-ForcedAligner checkpoint folder) it also times the words of a request that asks
 for them (`word_timestamps`): the audio streams out as usual, and once the sentence's last chunk has gone, the
-sentence is aligned (batched with the other sentences finishing then, on a thread of its own, see
-tts_backend/aligner/batcher.py) and the words come in one more chunk with no audio. The first audio is never
+sentence is aligned (batched with the other sentences finishing then, in a process of its own, see
+tts_backend/aligner/process.py) and the words come in one more chunk with no audio. The first audio is never
 held for them.
 
 A Base checkpoint (Qwen3-TTS-12Hz-1.7B-Base, 0.6B-Base) speaks only in cloned voices: `clone_voice` turns
@@ -116,6 +116,9 @@ class Qwen3Synthesizer(Synthesizer):
     warmup: run one request through every stage before reporting ready.
     aligner: a Qwen3-ForcedAligner checkpoint folder; when given, requests may ask for word timestamps.
     aligner_max_batch: sentences aligned in one forward pass at most.
+    aligner_process: run the aligner in a process of its own (aligner/process.py), so that it never holds the
+      interpreter the engine thread needs; false: on a thread of this process (aligner/batcher.py). Either way
+      it is captured in CUDA graphs on a GPU.
     """
 
     name = "qwen3"
@@ -142,6 +145,7 @@ class Qwen3Synthesizer(Synthesizer):
         runner_options: dict | None = None,
         aligner: str | None = None,
         aligner_max_batch: int = 16,
+        aligner_process: bool = True,
     ) -> None:
         if not model:
             raise SynthesisError("the qwen3 backend needs --model PATH (a Qwen3-TTS checkpoint folder)")
@@ -166,6 +170,7 @@ class Qwen3Synthesizer(Synthesizer):
         self.runner_options = dict(runner_options or {})
         self.aligner_path = aligner
         self.aligner_max_batch = int(aligner_max_batch)
+        self.aligner_process = bool(aligner_process)
         self.aligner_batcher = None
         if aligner:
             self.honours = self.honours | {"word_timestamps"}
@@ -188,12 +193,27 @@ class Qwen3Synthesizer(Synthesizer):
         from .qwen3.generate import Qwen3TTS
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = Qwen3TTS.from_pretrained(self.model_path, device=device, dtype=getattr(torch, self.dtype))
-        if self.aligner_path:
+        aligner_process = None
+        if self.aligner_path and self.aligner_process:
+            from .aligner.process import AlignerProcess
+
+            # Started first: it loads and captures its model while this process loads the speech model.
+            aligner_process = AlignerProcess(self.aligner_path, device, self.dtype, self.aligner_max_batch)
+        try:
+            self.model = Qwen3TTS.from_pretrained(self.model_path, device=device, dtype=getattr(torch, self.dtype))
+            if aligner_process is not None:
+                aligner_process.wait_ready()
+        except BaseException:
+            if aligner_process is not None:
+                aligner_process.close()
+            raise
+        self.aligner_batcher = aligner_process
+        if self.aligner_path and not self.aligner_process:
             from .aligner.batcher import AlignmentBatcher
             from .aligner.loader import load_aligner
 
             aligner = load_aligner(self.aligner_path, device=device, dtype=getattr(torch, self.dtype))
+            aligner.capture(self.aligner_max_batch)  # before the engine runs: nothing else is on the device yet
             self.aligner_batcher = AlignmentBatcher(aligner, self.aligner_max_batch)
 
     def _build(self) -> None:
@@ -506,7 +526,13 @@ class Qwen3Synthesizer(Synthesizer):
             return tuple(WordTiming(word, 0, 0) for word, _, _ in spans)
         # No language: the gateway's words are whitespace tokens, and the aligner's own split (spaces, CJK
         # characters) serves every language for them, Japanese and Korean included.
-        times = await self.aligner_batcher.align(AlignRequest(np.frombuffer(pcm, "<i2"), self.sample_rate, text))
+        try:
+            times = await self.aligner_batcher.align(AlignRequest(np.frombuffer(pcm, "<i2"), self.sample_rate, text))
+        except Exception as exc:  # the aligner is down, too far behind, or failed on this sentence
+            log.debug("no word timings for a sentence: %s", exc)
+            # Its words will not come. Timestamps never cost audio (issue 32): this is what words that are late
+            # look like to the caller, whose bound on the wait for them (base.py) ends the sentence without them.
+            await asyncio.get_running_loop().create_future()
         # The aligner's times are non-decreasing (its monotonic repair); its last classes may pass the audio's end.
         return tuple(
             WordTiming(word, min(round(start_s * self.sample_rate), samples),
