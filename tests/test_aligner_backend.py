@@ -39,9 +39,10 @@ def tiny_aligner(tmp_path_factory):
     return write_aligner_checkpoint(tmp_path_factory.mktemp("aligner-tiny-windowed"), "tiny-windowed", seed=2)
 
 
-async def test_words_follow_the_audio_with_the_aligners_times(tiny_custom_voice, tiny_aligner):
+@pytest.mark.parametrize("aligner_process", [True, False], ids=["process", "thread"])
+async def test_words_follow_the_audio_with_the_aligners_times(tiny_custom_voice, tiny_aligner, aligner_process):
     backend = create_backend("qwen3", model=str(tiny_custom_voice), device="cpu", dtype="float32",
-                             aligner=str(tiny_aligner), **OPTIONS)
+                             aligner=str(tiny_aligner), aligner_process=aligner_process, **OPTIONS)
     assert "word_timestamps" in backend.honours
     await backend.start()
     try:
