@@ -3,6 +3,10 @@
     python bench/aligner_cost.py --size tiny                           # CPU, a tiny random checkpoint
     python bench/aligner_cost.py --model /tmp/aligner --device cuda    # the full-size random one on a GPU
     python bench/aligner_cost.py --model /tmp/aligner --device cuda --contend-ms 2 --output aligner_cost.json
+    python bench/aligner_cost.py --size tiny --process --contend-ms 2   # the hand-over to an aligner process
+
+On CUDA every batch size is measured captured (CUDA graphs of the bucketed passes, ForcedAligner.capture) and
+eagerly (the same padded passes, op by op); --capture on|off picks one.
 
 Each batch holds --batches sentences of --seconds of speech-like audio (int16 at the TTS rate, 24 kHz, as the
 Qwen3 backend hands it over) with about 2.7 words per second of text. Per batch size: the median wall time of
@@ -17,6 +21,11 @@ the GIL N ms at a time, then a short sleep that releases it, as a step loop does
 the aligner's time under that contention, and the share of the stand-in's work lost while the aligner ran. An
 aligner thread that launches thousands of ops per batch waits for the GIL at each, and takes it from the
 engine's thread as often.
+
+--process: also the same batches through an aligner process (tts_backend/aligner/process.py), as the server
+hands them over: the wall time per batch from hand-over to words back, and what the hand-over costs the
+serving process (its CPU time per sentence: the event loop's put, the queue's feeder thread pickling the
+audio into the pipe, the reader thread taking the words back), with --contend-ms the stand-in's work lost.
 """
 
 from __future__ import annotations
@@ -142,7 +151,8 @@ def host_syncs(aligner, batch: list[AlignRequest]) -> int:
     return sum(1 for w in caught if "synchroniz" in str(w.message))
 
 
-def measure(aligner, size: int, seconds: float, repeats: int, device: torch.device, contend_ms: float | None) -> dict:
+def measure(aligner, size: int, seconds: float, repeats: int, device: torch.device, contend_ms: float | None,
+            captured: bool = False) -> dict:
     batch = requests(size, seconds)
     timed_runs(aligner, batch, 2, device)  # warm-up: allocator, kernels chosen, graphs replayed once
     times = timed_runs(aligner, batch, repeats, device)
@@ -152,9 +162,16 @@ def measure(aligner, size: int, seconds: float, repeats: int, device: torch.devi
     ops = sum(counter.ops.values())
     syncs = sum(n for name, n in counter.ops.items() if name in SYNC_OPS)
     ms = 1000 * statistics.median(times)
-    row = {"batch": size, "ms_per_batch": round(ms, 2), "ms_per_sentence": round(ms / size, 2),
+    row = {"batch": size, "captured": captured, "ms_per_batch": round(ms, 2), "ms_per_sentence": round(ms / size, 2),
            "ops_per_batch": ops, "ops_per_sentence": round(ops / size, 1), "sync_ops_per_batch": syncs,
            "top_ops": dict(counter.ops.most_common(8))}
+    if captured:  # the graphs' words against the same padded passes run op by op
+        graphs, aligner.graphs = aligner.graphs, None
+        try:
+            eager = aligner.align(batch)
+        finally:
+            aligner.graphs = graphs
+        row["same_words_as_eager"] = aligner.align(batch) == eager
     if device.type == "cuda":
         row["kernels_per_batch"] = kernel_count(aligner, batch)
         row["host_syncs_per_batch"] = host_syncs(aligner, batch)
@@ -173,6 +190,51 @@ def measure(aligner, size: int, seconds: float, repeats: int, device: torch.devi
     return row
 
 
+def handover(folder: Path, args, sizes: list[int], dtype: str, device: torch.device) -> list[dict]:
+    """Each batch size through an AlignerProcess: `size` sentences handed over at once, awaited together."""
+    import asyncio
+    import resource
+
+    from tts_backend.aligner.process import AlignerProcess
+
+    def cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    async def run_batches(process: AlignerProcess, batch: list[AlignRequest], count: int) -> list[float]:
+        times = []
+        for _ in range(count):
+            started = time.perf_counter()
+            await asyncio.gather(*(process.align(r) for r in batch))
+            times.append(time.perf_counter() - started)
+        return times
+
+    process = AlignerProcess(str(folder), str(device), dtype, max_batch=max(sizes), torch_threads=args.threads or 2)
+    rows = []
+    try:
+        process.wait_ready()
+        for size in sizes:
+            batch = requests(size, args.seconds)
+            asyncio.run(run_batches(process, batch, 2))  # warm-up
+            before = cpu_s()
+            times = asyncio.run(run_batches(process, batch, args.repeats))
+            cpu = cpu_s() - before
+            ms = 1000 * statistics.median(times)
+            row = {"batch": size, "ms_per_batch": round(ms, 2), "ms_per_sentence": round(ms / size, 2),
+                   "serving_cpu_ms_per_sentence": round(1000 * cpu / (size * args.repeats), 3)}
+            if args.contend_ms is not None:
+                with EngineStandIn(args.contend_ms) as engine:
+                    alone = engine.rate(0.5)
+                    before_work, started = engine.work, time.perf_counter()
+                    asyncio.run(run_batches(process, batch, args.repeats))
+                    rate = (engine.work - before_work) / (time.perf_counter() - started)
+                row["engine_work_lost"] = round(max(0.0, 1 - rate / alone), 3)
+            rows.append(row)
+    finally:
+        process.close()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group()
@@ -187,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--contend-ms", type=float, default=None,
                         help="also run beside an engine stand-in holding the GIL this long at a time")
+    parser.add_argument("--capture", choices=["both", "on", "off"], default="both",
+                        help="CUDA graphs: measure with and without (CUDA only; the CPU runs eagerly)")
+    parser.add_argument("--process", action="store_true", help="also through an aligner process (the hand-over)")
     parser.add_argument("--output", type=Path, help="write the report as JSON here")
     args = parser.parse_args(argv)
 
@@ -203,15 +268,28 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         aligner = load_aligner(folder, device, dtype)
         load_s = time.perf_counter() - started
-        rows = [measure(aligner, int(b), args.seconds, args.repeats, device, args.contend_ms)
-                for b in args.batches.split(",")]
+        sizes = [int(b) for b in args.batches.split(",")]
+        modes = [False] if device.type != "cuda" else {"both": [False, True], "on": [True], "off": [False]}[args.capture]
+        rows, capture_s = [], None
+        for captured in modes:
+            if captured:
+                started = time.perf_counter()
+                aligner.capture(max(sizes))
+                capture_s = time.perf_counter() - started
+            rows += [measure(aligner, size, args.seconds, args.repeats, device, args.contend_ms, captured)
+                     for size in sizes]
+        del aligner
+        process_rows = (handover(folder, args, sizes, str(dtype).removeprefix("torch."), device)
+                        if args.process else None)
     report = {
         "command": " ".join(["python", "bench/aligner_cost.py", *(argv if argv is not None else sys.argv[1:])]),
         "checkpoint": str(args.model) if args.model else f"random {args.size}",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "seconds_per_sentence": args.seconds,
-        "load_s": round(load_s, 2), "rows": rows,
+        "load_s": round(load_s, 2), "capture_s": capture_s and round(capture_s, 2), "rows": rows,
     }
+    if process_rows is not None:
+        report["process_rows"] = process_rows
     print(table(report))
     if args.output:
         args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -220,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(report: dict) -> str:
     contended = "contended_ms_per_batch" in report["rows"][0]
-    head = "| batch | ms / batch | ms / sentence | ops / batch | ops / sentence | syncing ops |"
+    head = "| batch | captured | ms / batch | ms / sentence | ops / batch | ops / sentence | syncing ops |"
     if "kernels_per_batch" in report["rows"][0]:
         head += " kernels / batch | host syncs / batch |"
     if contended:
@@ -228,13 +306,21 @@ def table(report: dict) -> str:
     lines = [f"{report['checkpoint']} on {report['device']}, {report['dtype']}, {report['seconds_per_sentence']} s"
              " per sentence", "", head, "|" + "---|" * (head.count("|") - 1)]
     for r in report["rows"]:
-        line = (f"| {r['batch']} | {r['ms_per_batch']} | {r['ms_per_sentence']} | {r['ops_per_batch']} | "
+        line = (f"| {r['batch']} | {'yes' if r.get('captured') else 'no'} | {r['ms_per_batch']} | {r['ms_per_sentence']} | {r['ops_per_batch']} | "
                 f"{r['ops_per_sentence']} | {r['sync_ops_per_batch']} |")
         if "kernels_per_batch" in r:
             line += f" {r['kernels_per_batch']} | {r['host_syncs_per_batch']} |"
         if contended:
             line += f" {r['contended_ms_per_batch']} | {100 * r['engine_work_lost']:.0f} % |"
         lines.append(line)
+    if report.get("process_rows"):
+        lines += ["", "Through an aligner process (hand-over, words back):", "",
+                  "| batch | ms / batch | ms / sentence | serving process CPU ms / sentence | engine work lost |",
+                  "|---|---|---|---|---|"]
+        for r in report["process_rows"]:
+            lost = r.get("engine_work_lost")
+            lines.append(f"| {r['batch']} | {r['ms_per_batch']} | {r['ms_per_sentence']} | "
+                         f"{r['serving_cpu_ms_per_sentence']} | {'-' if lost is None else f'{100 * lost:.0f} %'} |")
     return "\n".join(lines)
 
 
