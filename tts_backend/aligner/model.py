@@ -11,6 +11,7 @@ classes do not depend on that padding: every pass keeps each row, and each row's
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,8 @@ from .decoder import TextDecoder
 from .encoder import AudioEncoder, conv_limits
 from .features import HOP, MIN_SAMPLES, batch_log_mel, conv_len, encoder_tokens, to_16k
 from .words import split_words, word_times
+
+log = logging.getLogger(__name__)
 
 WordTime = tuple[str, float, float]  # (word, start_s, end_s)
 
@@ -107,7 +110,11 @@ class ForcedAligner(nn.Module):
         from .graphs import AlignerGraphs
 
         self.buckets = self.buckets.up_to(max_rows)
-        self.graphs = AlignerGraphs(self, self.buckets)
+        try:
+            self.graphs = AlignerGraphs(self, self.buckets)
+        except Exception:  # slower, never wrong: the same passes, eagerly
+            log.exception("capturing the aligner's CUDA graphs failed; it runs eagerly")
+            self.graphs = None
 
     # ---- host: one batch's inputs ----------------------------------------------------------------------
     def _ids_of(self, word: str) -> list[int]:
