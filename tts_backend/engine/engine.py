@@ -333,7 +333,7 @@ class Engine:
                 pass
             self._enter(_SCHEDULE)
         batch = self.scheduler.decide(self._now(now), codec_in_flight=len(self._codecs) >= self._codec_depth)
-        if batch is None and self._codecs:
+        while batch is None and self._codecs:
             # Only codec batches in flight are left: wait for the oldest rather than spin; its audio may make
             # work ready (the next chunk's codec, or streams that were paused).
             self._collect_codec(block=True)
