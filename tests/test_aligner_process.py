@@ -18,6 +18,7 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -213,5 +214,8 @@ async def test_a_killed_aligner_costs_timestamps_only_behind_a_gateway(tiny_cust
                 if "timestamp_info" in done:
                     break
             assert done["timestamp_info"]["word_alignment"]["words"] == text.split()
+            async with httpx.AsyncClient(timeout=30) as http:
+                metrics = (await http.get(gateway.url + "/metrics")).text
+            assert "voxgate_aligner_restarts_total 1.0" in metrics.splitlines()
     finally:
         worker.kill()

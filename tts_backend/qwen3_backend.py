@@ -315,8 +315,10 @@ class Qwen3Synthesizer(Synthesizer):
                               samples=(((), float(batcher.batches)),)),
                 BackendMetric("aligner_sentences", "counter", "Sentences aligned for word timestamps",
                               samples=(((), float(batcher.sentences)),)),
-                BackendMetric("aligner_seconds", "counter", "Wall seconds of the aligner thread's forward passes",
+                BackendMetric("aligner_seconds", "counter", "Wall seconds of the aligner's forward passes",
                               samples=(((), batcher.seconds),)),
+                BackendMetric("aligner_restarts", "counter", "Aligner processes started again after one died",
+                              samples=(((), float(batcher.restarts)),)),
             ]
         return families
 

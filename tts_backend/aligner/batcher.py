@@ -83,6 +83,7 @@ class AlignmentBatcher:
         # Wall time of the forward passes on this thread, results on the host included: what alignment costs
         # beside the speech engine (its share of the device when both run, with the backend's metrics).
         self.seconds = 0.0
+        self.restarts = 0  # as process.AlignerProcess's: a thread is never started again
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stream = torch.cuda.Stream(aligner.device) if aligner.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="voxgate-aligner", daemon=True)
