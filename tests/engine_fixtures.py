@@ -5,8 +5,9 @@
 silent. It records every call so tests can check ordering, batching, slot use and cancellation.
 
 Its codec is asynchronous when `codec_polls` > 0: `codec_collect` answers None that many times before the
-audio is there, as a GPU runner's does while the codec stream works. It asserts the rules of the codec
-interface: one batch in flight at a time, and no slot of an in-flight batch released or reused. The engine
+audio is there, as a GPU runner's does while the codec stream works; `codec_depth` batches may be in flight,
+finished in launch order. It asserts the rules of the codec interface: at most `codec_depth` batches in flight,
+collected oldest first, a request in at most one, and no slot of an in-flight batch released or reused. The engine
 turns a runner's exception into a failed batch, so a broken rule is also kept in `violations` for the test.
 """
 
@@ -44,13 +45,14 @@ class ManualClock:
 class _ScriptedCodecHandle(CodecHandle):
     audio: list[np.ndarray] | None = None  # what the batch decodes, made at launch
     polls_left: int = 0
+    slots: dict | None = None  # slot -> request id
 
 
 class ScriptedRunnerTestDouble(ModelRunner):
     """Deterministic stand-in for the Qwen3 model runner (test double, named as such)."""
 
     def __init__(self, max_slots: int = 8, samples_per_frame: int = 1920, sample_rate: int = 24000,
-                 step_delay_s: float = 0.0, codec_polls: int = 0) -> None:
+                 step_delay_s: float = 0.0, codec_polls: int = 0, codec_depth: int = 1) -> None:
         self.max_slots = max_slots
         self.samples_per_frame = samples_per_frame
         self.sample_rate = sample_rate
@@ -61,12 +63,18 @@ class ScriptedRunnerTestDouble(ModelRunner):
         self.slots_in_use: dict[int, int] = {}  # slot -> request id
         self.prepared = False
         self.codec_polls = codec_polls
-        self.codec_in_flight: dict[int, int] = {}  # slot -> request id, for the launched, uncollected batch
-        self.codec_handle: _ScriptedCodecHandle | None = None  # that batch (a test may change its polls_left)
+        self.codec_depth = codec_depth
+        self.codec_handles: list[_ScriptedCodecHandle] = []  # launched, uncollected, oldest first
+        self.codec_handle: _ScriptedCodecHandle | None = None  # the newest (a test may change its polls_left)
         self.codec_collected: list[list[int]] = []  # request ids of each collected codec batch
         self.during_codec: list[str] = []  # stages of the calls made while a codec batch was in flight
         self.codec_polled_early = 0  # collects that found the batch unfinished
         self.violations: list[str] = []
+
+    @property
+    def codec_in_flight(self) -> dict[int, int]:
+        """slot -> request id, over the launched, uncollected batches."""
+        return {slot: rid for h in self.codec_handles for slot, rid in h.slots.items()}
 
     def _check(self, ok: bool, message: str) -> None:
         if not ok:
@@ -103,11 +111,15 @@ class ScriptedRunnerTestDouble(ModelRunner):
         self.calls.append(("text", [request.request_id], len(tokens)))
 
     def codec_launch(self, requests, frames):
-        self._check(not self.codec_in_flight, "a codec batch launched while another is in flight")
+        self._check(len(self.codec_handles) < self.codec_depth,
+                    f"a codec batch launched while {self.codec_depth} are in flight")
+        busy = self.codec_in_flight
+        self._check(all(r.slot not in busy for r in requests), "a request in two codec batches in flight")
         self._record("codec", requests, frames)
         audio = [self._audio(r, frames) for r in requests]
-        self.codec_in_flight = {r.slot: r.request_id for r in requests}
-        self.codec_handle = _ScriptedCodecHandle(len(requests), frames, audio=audio, polls_left=self.codec_polls)
+        self.codec_handle = _ScriptedCodecHandle(len(requests), frames, audio=audio, polls_left=self.codec_polls,
+                                                 slots={r.slot: r.request_id for r in requests})
+        self.codec_handles.append(self.codec_handle)
         return self.codec_handle
 
     def codec_collect(self, handle):
@@ -116,10 +128,12 @@ class ScriptedRunnerTestDouble(ModelRunner):
                 handle.polls_left -= 1
                 self.codec_polled_early += 1
                 return None
+            self._check(self.codec_handles[:1] == [handle], "a codec batch collected before an older one")
             handle.pcm = handle.audio
-            self.codec_collected.append(list(self.codec_in_flight.values()))
-            self.codec_in_flight = {}
-            self.codec_handle = None
+            self.codec_collected.append(list(handle.slots.values()))
+            self.codec_handles.remove(handle)
+            if self.codec_handle is handle:
+                self.codec_handle = None
         return handle.pcm
 
     def codec_wait(self, handle):

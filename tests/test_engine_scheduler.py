@@ -21,9 +21,9 @@ from tts_backend.engine.silence import LeadingSilenceTrimmer, find_onset
 SPF = 1920
 
 
-def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, codec_polls=0, **sched):
+def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, codec_polls=0, codec_depth=1, **sched):
     clock = ManualClock()
-    runner = ScriptedRunnerTestDouble(max_slots=max_active, codec_polls=codec_polls)
+    runner = ScriptedRunnerTestDouble(max_slots=max_active, codec_polls=codec_polls, codec_depth=codec_depth)
     config = EngineConfig(
         scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule, max_queued=max_queued
     )
@@ -333,8 +333,8 @@ async def test_generation_runs_while_a_codec_batch_is_in_flight_and_one_codec_ba
     assert engine.stats.completed == 3 and engine.stats.failed == 0
 
 
-async def _audio_of_a_mixed_workload(codec_polls):
-    engine, runner, clock = make_engine(max_active=3, codec_polls=codec_polls)
+async def _audio_of_a_mixed_workload(codec_polls, codec_depth=1):
+    engine, runner, clock = make_engine(max_active=3, codec_polls=codec_polls, codec_depth=codec_depth)
     streams = [submit(engine, frames=n, silent_frames=k) for n, k in ((13, 0), (25, 3), (7, 5), (40, 1), (19, 0))]
     for i in range(10_000):
         if engine.step() is None:
@@ -350,6 +350,31 @@ async def test_asynchronous_codec_audio_is_byte_identical_to_the_synchronous_pat
     asynchronous, async_runner = await _audio_of_a_mixed_workload(codec_polls=4)
     assert sync_runner.during_codec == [] and async_runner.during_codec  # the two paths did differ
     assert all(synchronous) and asynchronous == synchronous
+
+
+async def test_two_codec_batches_in_flight_give_the_same_audio_collected_in_launch_order():
+    synchronous, _ = await _audio_of_a_mixed_workload(codec_polls=0)
+    queued, runner = await _audio_of_a_mixed_workload(codec_polls=4, codec_depth=2)
+    launches = [c for c in runner.calls if c[0] == "codec"]
+    # Two were in flight at once at some point (the second launched before the first was collected).
+    assert runner.during_codec.count("codec") > 0
+    assert runner.codec_collected == [ids for _, ids, _ in launches]  # collected in launch order
+    assert queued == synchronous and runner.violations == []
+
+
+async def test_with_only_codec_batches_in_flight_the_engine_waits_for_them_in_turn_not_idles():
+    """Two batches in flight, and the only work left is the second batch's streams' next codec call: the
+    engine waits for the first, finds nothing ready, then waits for the second -- it does not report idle."""
+    engine, runner, _ = make_engine(max_active=2, codec_polls=1_000_000, codec_depth=2, schedule=(2,))
+    a = submit(engine, frames=2)  # one chunk, then done
+    run_until(engine, lambda: len(runner.codec_handles) == 1)
+    b = submit(engine, frames=4)  # two chunks: its second waits for its first batch to be collected
+    run_until(engine, lambda: len(runner.codec_handles) == 2)
+    assert [list(h.slots.values()) for h in runner.codec_handles] == [[a.request_id], [b.request_id]]
+    run_until_idle(engine)
+    assert engine.stats.completed == 2 and runner.violations == []
+    assert runner.codec_collected == [[a.request_id], [b.request_id], [b.request_id]]
+    assert len(await collect(a)) == 2 * SPF * 2 and len(await collect(b)) == 4 * SPF * 2
 
 
 async def test_a_slot_cancelled_while_its_codec_batch_is_in_flight_is_freed_only_once_collected():

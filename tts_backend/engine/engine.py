@@ -320,7 +320,7 @@ class Engine:
         self._fail_all(SynthesisError("engine stopped"))
 
     def step(self, now: float | None = None) -> Batch | None:
-        """One turn: take commands, collect the in-flight codec batch if the device has finished it, pick
+        """One turn: take commands, collect the codec batches the device has finished (oldest first), pick
         one batch and run (or, for the codec, launch) it. Returns the batch, or None when idle.
         Called by the engine thread; tests drive it directly (with a chosen clock) instead of the thread."""
         self._enter(_SCHEDULE)
