@@ -66,10 +66,10 @@ def log_mel(clip: np.ndarray, num_mel_bins: int) -> torch.Tensor:
     return features[0, :, : frames[0]]
 
 
-def batch_log_mel(clips: list[np.ndarray], num_mel_bins: int, width: int | None = None
-                  ) -> tuple[torch.Tensor, list[int]]:
-    """16 kHz float clips -> features [B, num_mel_bins, width] float32 (zeros past each clip's n // HOP
-    frames) and those frame counts; width defaults to the longest clip's.
+def batch_log_mel(clips: list[np.ndarray], num_mel_bins: int, width: int | None = None,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, list[int]]:
+    """16 kHz float clips -> features [B, num_mel_bins, width] float32 on `device` (zeros past each clip's
+    n // HOP frames) and those frame counts; width defaults to the longest clip's.
 
     One STFT for the batch: each clip gets its own reflected edges first, then zeros to the common length, so
     every frame it keeps lies within its own samples and edges (a centred frame i spans padded samples
@@ -88,10 +88,11 @@ def batch_log_mel(clips: list[np.ndarray], num_mel_bins: int, width: int | None 
     for row, clip in zip(waves, clips):
         padded = np.pad(np.asarray(clip, dtype=np.float32), edge, mode="reflect")
         row[: min(len(padded), len(row))] = padded[: len(row)]
-    spec = torch.stft(torch.from_numpy(waves), N_FFT, HOP, window=torch.hann_window(N_FFT), center=False,
-                      return_complex=True)  # [B, freq, width]
-    log = torch.clamp(mel_filters(num_mel_bins).T @ spec.abs().square(), min=1e-10).log10()  # [B, mels, width]
-    valid = torch.arange(width)[None, :] < torch.tensor(frames)[:, None]  # [B, width]
+    spec = torch.stft(torch.from_numpy(waves).to(device), N_FFT, HOP, window=torch.hann_window(N_FFT, device=device),
+                      center=False, return_complex=True)  # [B, freq, width]
+    filters = mel_filters(num_mel_bins).to(device)
+    log = torch.clamp(filters.T @ spec.abs().square(), min=1e-10).log10()  # [B, mels, width]
+    valid = torch.arange(width, device=device)[None, :] < torch.tensor(frames, device=device)[:, None]
     peak = torch.where(valid[:, None, :], log, -torch.inf).amax(dim=(1, 2), keepdim=True)
     features = (torch.maximum(log, peak - 8.0) + 4.0) / 4.0
     return features.masked_fill(~valid[:, None, :], 0.0), frames

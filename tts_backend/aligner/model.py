@@ -74,11 +74,11 @@ def _bucket(n: int, sizes: tuple[int, ...], step: int) -> int:
 
 @dataclass
 class Batch:
-    """Host tensors of one aligner pass, padded to its buckets. B rows (the first `rows` real), C chunks,
+    """The inputs of one aligner pass, padded to its buckets (host tensors but for the features). B rows (the first `rows` real), C chunks,
     S prompt positions. Padding rows have no audio and no prompt; padding positions hold id 0."""
 
     rows: int
-    mel: torch.Tensor  # [B, M, C * chunk_frames] float32, zeros past each clip
+    mel: torch.Tensor  # [B, M, C * chunk_frames] float32 on the model's device, zeros past each clip
     conv_limits: torch.Tensor  # [B, C, 2] long (encoder.conv_limits)
     tokens: torch.Tensor  # [B] long: encoder outputs of each clip
     ids: torch.Tensor  # [B, S] long: each row's prompt from position 0
@@ -148,8 +148,9 @@ class ForcedAligner(nn.Module):
         prompts = [self.prompt_ids(words, n) for words, n in zip(word_lists, tokens)]
         # The decoder takes the encoder's C * conv_len(chunk) outputs at positions 1.. of its rows.
         S = _bucket(max(max(len(p) for p in prompts), C * conv_len(chunk) + 2), buckets.lengths, 32)
-        mel = torch.zeros(B, cfg.audio.num_mel_bins, C * chunk)
-        mel[:rows], _ = batch_log_mel(clips, cfg.audio.num_mel_bins, C * chunk)
+        # The features on the model's device: on a GPU its STFT and filter bank are the cheap part.
+        mel = torch.zeros(B, cfg.audio.num_mel_bins, C * chunk, device=self.device)
+        mel[:rows], _ = batch_log_mel(clips, cfg.audio.num_mel_bins, C * chunk, self.device)
         ids = np.zeros((B, S), np.int64)
         for row, prompt in zip(ids, prompts):
             row[: len(prompt)] = prompt
