@@ -192,10 +192,13 @@ step_load() {  # step_load RATES
         --output "$OUT/engine_load$suffix.json" --log "$OUT/gateway$suffix.log"
 }
 
-step_profile() {  # step_profile "ARGS"
-    local args=()
+PROFILE_RUNS=0
+step_profile() {  # step_profile "ARGS" (a second profile step writes engine_profile_2.json, and so on)
+    local args=() suffix=""
     read -ra args <<<"$1"
-    run "$PY" bench/engine_profile.py "${args[@]}" --model "$CKPT" --output "$OUT/engine_profile.json"
+    PROFILE_RUNS=$((PROFILE_RUNS + 1))
+    ((PROFILE_RUNS > 1)) && suffix=_$PROFILE_RUNS
+    run "$PY" bench/engine_profile.py "${args[@]}" --model "$CKPT" --output "$OUT/engine_profile$suffix.json"
 }
 
 step_textstream() {  # step_textstream "ARGS" (e.g. "--others 8 --words-per-s 100")

@@ -147,6 +147,10 @@ class Qwen3RunnerConfig:
     # the end of a batch until the engine's next step boundary launched the next, and then waited for the
     # frame in flight (H100, 60 RPS: in flight 77 % of the wall time, on the device 40 %).
     codec_in_flight: int = 2
+    # The codec's precision on CUDA: "float32" (as released; TF32 matmuls and convolutions) or "bfloat16"
+    # (half the activation traffic of a memory-bound decoder; bench/codec_profile.py reports its speed and
+    # its SNR against float32). Elsewhere always float32.
+    codec_dtype: str = "float32"
 
 
 def _bucket(value: int, buckets: Sequence[int]) -> int | None:
@@ -173,6 +177,10 @@ class Qwen3ModelRunner(ModelRunner):
         self.max_slots = cfg.max_slots
         if model.codec is None:
             raise ValueError("the runner needs the codec decoder (load_codec=True)")
+        if cfg.codec_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"codec_dtype must be float32 or bfloat16, not {cfg.codec_dtype!r}")
+        if cfg.codec_dtype == "bfloat16" and self.device.type == "cuda":
+            model.codec.to(torch.bfloat16)
         self.codec_module = model.codec
         self.samples_per_frame = int(self.codec_module.samples_per_frame)
         self.sample_rate = int(getattr(model.codec_config, "output_sample_rate", 24000))
