@@ -276,3 +276,14 @@ class OneWayOutage:
         while self.dropped < at_least:
             assert time.monotonic() < deadline, f"only {self.dropped} of {at_least} client bytes reached the proxy"
             await asyncio.sleep(0.005)
+
+
+async def resume(url: str, listener: Listener):
+    """A new connection that resumes the listener's session from where it is; the session.started checked."""
+    ws = await websockets.connect(url, max_size=None)
+    listener.first_audio_at = None
+    await ws.send(listener.resume_message())
+    started = await listener.receive(ws, ("session.started", "error"))
+    assert started["type"] == "session.started", started
+    assert started["session_id"] == listener.session_id
+    return ws

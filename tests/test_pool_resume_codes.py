@@ -1,8 +1,9 @@
 """Resume from codes through the worker pool (issue 33), against real `voxgate worker` processes (the synthetic
 backend, named as such: deterministic, one frame of codes a chunk) and a real gateway on loopback:
 
-- a worker killed at a random frame: the sentence goes on from the delivered codes on the other worker (not
-  made again), and the client's audio is the uninterrupted run's, byte for byte;
+- a worker killed at a random frame, through a gateway with its sessions in Redis: the sentence goes on from
+  the delivered codes on the other worker (not made again), and the client's audio is the uninterrupted
+  run's, byte for byte;
 - a draining worker (SIGTERM) with 100 open streams hands them all over and exits without waiting for them:
   none is cut, every one is byte-exact;
 - a worker is a peer: codes that are not whole frames, or more than the text can make, set it aside; a
@@ -19,42 +20,34 @@ import time
 import pytest
 
 from tests.gateway_server import audio_by_sentence, open_session, running_gateway
+from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
 from tests.worker_fakes import FakeWorker
-from tests.worker_fixtures import synthetic_worker_args, wait_for_async, workers
+from tests.worker_fixtures import POOL_TOKEN, pool, synthetic_worker_args, token_file, workers  # noqa: F401 (fixture)
+from gateway.store.redis import RedisSessionStore
 from tts_backend.base import SynthesisError, SynthesisRequest
-from tts_backend.remote import RemoteSynthesizer, framing
+from tts_backend.remote import framing
 from tts_backend.remote.connection import Dialer, WorkerAddress
 from tts_backend.synthetic import CODEBOOKS, SyntheticSynthesizer
 
-TOKEN = "resume-codes-token-77a1"
+TOKEN = POOL_TOKEN
 TEXT = ("This sentence runs long enough that its audio takes several seconds to stream, so that a worker can be "
         "stopped while it is speaking.")
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    return str(path)
-
-
-def pool(*addresses: str, **options) -> RemoteSynthesizer:
-    return RemoteSynthesizer(workers=",".join(addresses), token=TOKEN, connect_timeout_s=20, info_refresh_s=0.1,
-                             **options)
 
 
 def uninterrupted(text: str = TEXT, seed: int = 11) -> bytes:
     return SyntheticSynthesizer().render(SynthesisRequest(text=text, voice="tone-mid", seed=seed)).tobytes()
 
 
-async def test_a_worker_killed_at_a_random_frame_goes_on_from_its_codes_through_a_gateway(token_file):
+async def test_a_worker_killed_at_a_random_frame_goes_on_from_its_codes_through_a_gateway(token_file, redis_prefix):  # noqa: F811
+    """Through a real gateway whose sessions are in Redis: the sentence's codes are recorded as they go out,
+    and the pool's failover goes on from the codes it was given."""
     cut_at = random.Random().randrange(2, 40)  # audio frames of the client's before the kill
     print(f"killing the worker after {cut_at} audio frames")
     args = synthetic_worker_args("--token-file", token_file, speed=2.0)
     with workers(args, args) as procs:
         by_id = {w.worker_id: w for w in procs}
         remote = pool(*(w.address for w in procs))
-        with running_gateway(remote) as gateway:
+        with running_gateway(remote, store="redis", redis_url=REDIS_URL, redis_key_prefix=redis_prefix) as gateway:
             config = {"type": "session.config", "voice": "tone-mid", "response_format": "pcm", "seed": 11,
                       "stream_audio": True}
             ws, started, _ = await open_session(gateway.ws_url, config)
@@ -71,6 +64,7 @@ async def test_a_worker_killed_at_a_random_frame_goes_on_from_its_codes_through_
                         serving = [m for m in remote.members.values() if m.streams]
                         assert len(serving) == 1
                         by_id[serving[0].id].kill()
+                        await assert_codes_recorded(started["session_id"], redis_prefix)
                     continue
                 message = json.loads(frame)
                 assert message["type"] != "error", message
@@ -81,6 +75,18 @@ async def test_a_worker_killed_at_a_random_frame_goes_on_from_its_codes_through_
             assert audio_by_sentence(messages)[0] == uninterrupted()
             assert remote.failovers == 1 and remote.resumed_from_codes == 1
             assert len(remote.pauses_ms) == 1
+
+
+async def assert_codes_recorded(session_id: str, prefix: str) -> None:
+    """The store holds the codes of the sentence being spoken, whole frames, resuming at a byte it has."""
+    store = RedisSessionStore(REDIS_URL, key_prefix=prefix)
+    await store.start()
+    try:
+        sentence = (await store.get(session_id)).sentences[0]
+    finally:
+        await store.stop()
+    assert sentence.state == "speaking" and sentence.codes and len(sentence.codes) % (2 * CODEBOOKS) == 0
+    assert 0 < sentence.codes_at <= sentence.bytes_sent
 
 
 async def test_draining_a_worker_with_100_open_streams_cuts_none(token_file):

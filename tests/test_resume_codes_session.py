@@ -7,7 +7,6 @@ the uninterrupted run's, byte for byte."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import httpx
@@ -16,12 +15,13 @@ import websockets
 from gateway.store.memory import MemorySessionStore
 from gateway.store.redis import RedisSessionStore
 from tests.gateway_server import running_gateway
-from tests.redis_fixtures import REDIS_URL, redis_cluster, redis_prefix, redis_target  # noqa: F401 (fixtures)
+from tests.redis_fixtures import redis_cluster, redis_prefix, redis_target  # noqa: F401 (fixtures)
 from tests.resume_fixtures import (
     PACED,
     Listener,
     gateways,
     receive_into_sentence,
+    resume,
     start_session,
     uninterrupted_pcm,
 )
@@ -34,14 +34,6 @@ TEXT = (
     "And the third one closes the turn."
 )
 RESUMED = "voxgate_sentences_resumed_from_codes_total"
-
-
-async def resume(url: str, listener: Listener):
-    ws = await websockets.connect(url, max_size=None)
-    await ws.send(listener.resume_message())
-    started = await listener.receive(ws, ("session.started", "error"))
-    assert started["type"] == "session.started", started
-    return ws
 
 
 def resumed_from_codes(metrics_url: str) -> float:

@@ -17,6 +17,7 @@ from tests.resume_fixtures import (
     config_message,
     gateways,
     receive_into_sentence,
+    resume,
     start_session,
     uninterrupted_pcm,
 )
@@ -27,16 +28,6 @@ TEXT = (
     "A third sentence was probably synthesized ahead already. "
     "And the fourth one closes the turn."
 )
-
-
-async def resume(url: str, listener: Listener):
-    ws = await websockets.connect(url, max_size=None)
-    listener.first_audio_at = None
-    await ws.send(listener.resume_message())
-    started = await listener.receive(ws, ("session.started", "error"))
-    assert started["type"] == "session.started", started
-    assert started["session_id"] == listener.session_id
-    return ws
 
 
 async def test_replica_killed_mid_sentence_resumes_on_the_other_byte_for_byte(redis_target, redis_prefix):  # noqa: F811

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.protocol import ErrorCode, ProtocolError, SessionResume
-from gateway.session.data import SentenceJob, SessionEnd, UtteranceEnd
+from gateway.session.data import SentenceJob, SessionEnd, Utterance, UtteranceEnd
 from gateway.session.resume import Resumer, rebuild
 from gateway.session.segmenter import SentenceSegmenter
 from gateway.store.base import (
@@ -93,14 +93,14 @@ async def test_a_refused_take_over_changes_nothing(refused, code):
     assert (await store.get(SESSION)).owner == "old"
 
 
-def segmenter() -> SentenceSegmenter:
-    return SentenceSegmenter("sentence")
+def utterance(context_id: str | None, number: int) -> Utterance:
+    return Utterance(context_id, number, SentenceSegmenter("sentence"))
 
 
 async def test_rebuild_owes_the_rest_in_send_order_and_reopens_the_open_utterance():
     store = await written_session()
     message = position()
-    rebuilt = rebuild(await resumer(store).take_over(message), message, segmenter)
+    rebuilt = rebuild(await resumer(store).take_over(message), message, utterance)
     assert (rebuilt.inputs_received, rebuilt.sentences_released, rebuilt.utterance_count, rebuilt.marker_count) == (3, 2, 2, 1)
     assert not rebuilt.uses_contexts and not rebuilt.closing
     first, second, end = rebuilt.owed
@@ -118,7 +118,7 @@ async def test_rebuild_owes_the_rest_in_send_order_and_reopens_the_open_utteranc
 async def test_rebuild_after_session_close_owes_its_session_done_and_takes_no_more_text():
     store = await written_session(closed=True)
     message = position(sentence_index=1, bytes_received=300)
-    rebuilt = rebuild(await resumer(store).take_over(message), message, segmenter)
+    rebuilt = rebuild(await resumer(store).take_over(message), message, utterance)
     assert rebuilt.closing
     assert [type(item) for item in rebuilt.owed] == [SentenceJob, UtteranceEnd, SessionEnd]
     assert rebuilt.owed[0].index == 1 and rebuilt.owed[0].replay == []  # the client has all 300 bytes
@@ -130,5 +130,5 @@ async def test_the_client_that_counted_its_ends_is_owed_only_those_it_lacks():
     await store.add_marker(SESSION, MarkerRecord(number=1, after=2, context_id=None, utterance=1, total_sentences=2,
                                                  sent=True), owner="old")
     message = position(sentence_index=2, bytes_received=0, ends_received=1)
-    rebuilt = rebuild(await resumer(store).take_over(message), message, segmenter)
+    rebuilt = rebuild(await resumer(store).take_over(message), message, utterance)
     assert [type(item) for item in rebuilt.owed] == [SessionEnd]

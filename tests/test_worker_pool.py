@@ -23,27 +23,24 @@ import time
 import pytest
 
 from tests.gateway_server import audio_by_sentence, free_port, open_session, receive_until, running_gateway
-from tests.worker_fixtures import WorkerProcess, synthetic_worker_args, wait_for, wait_for_async, workers
+from tests.worker_fixtures import (  # noqa: F401 (token_file: a fixture)
+    POOL_TOKEN,
+    WorkerProcess,
+    pool,
+    synthetic_worker_args,
+    token_file,
+    wait_for,
+    wait_for_async,
+    workers,
+)
 from tts_backend.base import SynthesisError, SynthesisRequest
 from tts_backend.remote import RemoteSynthesizer, framing
 from tts_backend.remote.connection import Dialer, WorkerAddress
 from tts_backend.synthetic import SyntheticSynthesizer
 
-TOKEN = "pool-test-token-5d1e"
+TOKEN = POOL_TOKEN
 LONG_TEXT = ("This sentence runs long enough that its audio takes several seconds to stream, so that a worker "
              "can be stopped while it is speaking")
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    return str(path)
-
-
-def pool(*addresses: str, **options) -> RemoteSynthesizer:
-    options.setdefault("token", TOKEN)
-    return RemoteSynthesizer(workers=",".join(addresses), connect_timeout_s=20, info_refresh_s=0.1, **options)
 
 
 def request(session: str, text: str = LONG_TEXT, utterance: int = 0, seed: int = 7) -> SynthesisRequest:

@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"voxgate worker ready: backend=(\S+) listen=(\S+) id=(\S+)")
 
@@ -105,3 +107,22 @@ async def wait_for_async(condition, timeout_s: float = 15.0, what: str = "the co
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not happen within {timeout_s:g} s")
         await asyncio.sleep(0.02)
+
+
+POOL_TOKEN = "pool-test-token-5d1e"  # the workers' shared token in the pool tests
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    """A file whose first line is POOL_TOKEN (--token-file)."""
+    path = tmp_path / "token"
+    path.write_text(POOL_TOKEN + "\n")
+    return str(path)
+
+
+def pool(*addresses: str, **options):
+    """The gateway's pool of the workers at `addresses`, with POOL_TOKEN, following them closely."""
+    from tts_backend.remote import RemoteSynthesizer
+
+    options.setdefault("token", POOL_TOKEN)
+    return RemoteSynthesizer(workers=",".join(addresses), connect_timeout_s=20, info_refresh_s=0.1, **options)

@@ -1,8 +1,10 @@
 """One streaming session per WebSocket: the protocol's state machine.
 
 `StreamingSession` (this module) is the connection's lifecycle, the handshake and `session.config`, and
-the reading and handling of client messages (text into each context's segmenter, flush, done, cancel,
-close). It holds its parts, each with its own module and its own tests:
+the reading and routing of client messages: text, flush and done go to their context's `Utterance`
+(gateway/session/data.py), which owns what becomes of its text (its segmenter, its sentence still being
+written, the sentences it releases); cancel and close are the session's. It holds its parts, each with its
+own module and its own tests:
 - `SpeechPipeline` (gateway/session/pipeline.py): the send queue, synthesis of queued sentences with
   back-pressure, and the sender that puts audio and utterance ends on the socket in order;
 - `Resumer` (gateway/session/resume.py): `session.resume`, taking a session over from the store and
@@ -12,8 +14,8 @@ The data they share (`SessionInfo`, resolved config, utterances, send-queue item
 gateway/session/data.py.
 
 Ownership of tasks (all created and ended by `StreamingSession.run`): the reader (`_read_loop`) parses
-client messages, feeds each context's segmenter and appends work to the send queue; it never waits on
-synthesis. The sender (`SpeechPipeline.send_loop`), the lease renewal and the slow-consumer watchdog
+client messages, hands each to its utterance and queues the sentences they make once recorded; it never
+waits on synthesis. The sender (`SpeechPipeline.send_loop`), the lease renewal and the slow-consumer watchdog
 (`SocketWriter.watch`); the synthesis tasks belong to the pipeline.
 
 Every write to the socket takes the writer's lock, and a sentence's frames are sent only while it is not
@@ -38,6 +40,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
@@ -57,7 +60,6 @@ from ..protocol import (
     HANDSHAKE_MESSAGES,
     TELEPHONY_SAMPLE_RATE,
     CloseCode,
-    ConfigWarning,
     ContextCancelled,
     ErrorCode,
     InputCancel,
@@ -83,7 +85,7 @@ from ..protocol import (
     parse_client_message,
 )
 from ..settings import GatewaySettings
-from ..store.base import LeaseLost, MarkerRecord, OpenUtterance, SentenceRecord, SessionChanges, SessionStore
+from ..store.base import LeaseLost, MarkerRecord, SentenceRecord, SessionChanges, SessionStore
 from ..voices import VoiceRegistry
 from .data import (
     INLINE_PROMPT_KEY,
@@ -101,7 +103,7 @@ from .data import (
 )
 from .pipeline import SpeechPipeline, audio_done
 from .resume import Resumer, rebuild
-from .segmenter import SentenceSegmenter, push_in_slices, spoken_length
+from .segmenter import SentenceSegmenter
 from .writer import SocketWriter
 
 log = logging.getLogger("voxgate.session")
@@ -112,10 +114,69 @@ log = logging.getLogger("voxgate.session")
 # CPU: 74 ms for 9 characters, 436 ms for 57). A cut inside the sentence drops the first unit's trailing
 # silence (audio/silence.py), so the join is not heard as a break (bench/first_unit_pause.py).
 FIRST_UNIT_WORDS = 4
-# A sentence still being written (text streaming) that holds back another context's audio (which goes out
-# only once the sentence is sent) is ended at its words after waiting this long for text: an LLM writes a
-# word every tens to hundreds of milliseconds, so a second without one is a wait, not writing.
-OPEN_SENTENCE_YIELD_S = 1.0
+
+
+def new_segmenter(config: ResolvedConfig, max_unit_chars: int) -> SentenceSegmenter:
+    """The segmenter of a new utterance: the session's granularity and language, and units no longer than
+    one synthesis call may be (`max_unit_chars`)."""
+    granularity, first_unit_words = config.message.split_granularity, 0
+    if granularity == "token" and not config.text_streaming:
+        # The backend needs whole units: sentences, the first one cut short to start speaking sooner.
+        granularity, first_unit_words = "sentence", FIRST_UNIT_WORDS
+    markup_on = config.message.text_markup is not None
+    return SentenceSegmenter(granularity, language=config.message.language,
+                             keeps_together=ends_inside_markup if markup_on else None,
+                             max_unit_chars=max_unit_chars, first_unit_words=first_unit_words)
+
+
+class StagedInput:
+    """What handling the current client message changed: the store's changes and the items to queue after
+    them, until `StreamingSession._commit` writes the changes in one store call and then queues the items
+    (nothing makes audio or goes out before it is recorded). The session's utterances make their sentences
+    through it: it is their `SentenceSink` (gateway/session/data.py)."""
+
+    def __init__(self, info: SessionInfo, pipeline: SpeechPipeline, config: Callable[[], ResolvedConfig | None]) -> None:
+        self.info = info
+        self.pipeline = pipeline
+        self._config = config  # the session's, when a sentence is made (session.config may change it)
+        self.changes = SessionChanges()
+        self.items: list[SentenceJob | UtteranceEnd | SessionEnd | TextPush] = []
+
+    def take(self) -> tuple[SessionChanges, list[SentenceJob | UtteranceEnd | SessionEnd | TextPush]]:
+        """What is staged, leaving nothing."""
+        changes, items = self.changes, self.items
+        self.changes, self.items = SessionChanges(), []
+        return changes, items
+
+    @property
+    def text_streaming(self) -> bool:
+        config = self._config()
+        return config is not None and config.text_streaming
+
+    def new_sentence(self, utterance: Utterance, text: str, *, first: bool, trim_tail: bool,
+                     open_text: bool) -> SentenceJob:
+        config = self._config()
+        assert config is not None and self.info.session_id is not None
+        job = SentenceJob(index=self.info.sentences_released, text=text, utterance=utterance, config=config,
+                          released_at=time.monotonic(), first_of_utterance=first, trim_tail=trim_tail,
+                          text_stream=TextStream(text) if open_text else None)
+        self.info.sentences_released += 1
+        # Recorded before the sentence can produce audio, so the store always knows what a byte belongs to.
+        self.changes.sentences.append(SentenceRecord(job.index, text, utterance.context_id, utterance=utterance.number))
+        self.items.append(job)
+        return job
+
+    def grew(self, job: SentenceJob, added: str, *, finish: bool) -> None:
+        if added:
+            self.changes.sentence_texts.append(
+                SentenceRecord(job.index, job.text, job.utterance.context_id, utterance=job.utterance.number))
+        self.items.append(TextPush(job, added, finish=finish))
+
+    def count_text(self, job: SentenceJob, chars: int) -> None:
+        self.pipeline.count_text(job, chars)
+
+    def record_open_text(self, utterance: Utterance) -> None:
+        self.changes.open_text[utterance.context_id] = utterance.open_text()
 
 
 # ------------------------------------------------------------------------------------------ session
@@ -165,8 +226,7 @@ class StreamingSession:
         # Client inputs (every message after the handshake but ping) handled and recorded in the store,
         # acknowledged by `inputs_received`; what handling the current one changed, written with its count.
         self._inputs = 0
-        self._staged = SessionChanges()
-        self._staged_items: list[SentenceJob | UtteranceEnd | SessionEnd] = []
+        self.staged = StagedInput(self.info, self.pipeline, lambda: self.config)
         self._input_recorded = False  # the message being handled was already counted (input.cancel)
         self._lease: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
@@ -438,7 +498,7 @@ class StreamingSession:
                 inputs_received=resumed.record.inputs_received,
             )
         )
-        rebuilt = rebuild(resumed, message, self._new_segmenter)
+        rebuilt = rebuild(resumed, message, self._new_utterance)
         self._inputs = rebuilt.inputs_received
         self.info.sentences_released = rebuilt.sentences_released
         self.info.uses_contexts = rebuilt.uses_contexts
@@ -450,16 +510,7 @@ class StreamingSession:
         self.pipeline.enqueue(*rebuilt.owed)
         for utterance, text in rebuilt.reopened:
             self._open[utterance.context_id] = utterance
-            job = utterance.open_job
-            utterance.segmenter.append(text)
-            if job is not None and spoken_length(job.text) >= self.settings.max_synthesis_chars:
-                # Written under a larger max_synthesis_chars (a rolling change of it): this replica's segmenter
-                # would cut the unit inside the words already spoken, so the sentence ends at them.
-                await self._end_open_sentence(utterance)
-            else:
-                self._release(utterance, await push_in_slices(utterance.segmenter, ""))
-                self._grow_open_sentence(utterance)
-                self._record_open_text(utterance)
+            await utterance.resume(text, self.settings.max_synthesis_chars)
         await self._commit(counted=False)
         self.pipeline.refill()
 
@@ -576,7 +627,7 @@ class StreamingSession:
             await self.store.create(self.session_id, resolved.snapshot(), owner=self.info.owner,
                                     key_id=self.principal.key_id)
         else:
-            self._staged.config = resolved.snapshot()
+            self.staged.changes.config = resolved.snapshot()
         await self._send_json(
             SessionStarted(
                 session_id=self.session_id,
@@ -639,8 +690,7 @@ class StreamingSession:
         handled - in one store call, then queue its sentences and utterance ends (nothing makes audio or
         goes out before it is recorded). A crash before the write loses the message and all its effects
         together: the client's resume sees the old count and sends it again."""
-        changes, items = self._staged, self._staged_items
-        self._staged, self._staged_items = SessionChanges(), []
+        changes, items = self.staged.take()
         if counted:
             changes.inputs_received = self._inputs + 1
         if changes:
@@ -657,7 +707,7 @@ class StreamingSession:
         context_id = getattr(message, "context_id", None)
         if context_id is not None and not self.info.uses_contexts:
             self.info.uses_contexts = True
-            self._staged.uses_contexts = True  # decides utterance.done vs session.done after a resume
+            self.staged.changes.uses_contexts = True  # decides utterance.done vs session.done after a resume
         if isinstance(message, InputText):
             await self._on_text(message)
         elif isinstance(message, InputFlush):
@@ -680,31 +730,18 @@ class StreamingSession:
     def _utterance(self, context_id: str | None) -> Utterance:
         utterance = self._open.get(context_id)
         if utterance is None:
-            assert self.config is not None
             self._utterance_count += 1
-            utterance = Utterance(
-                context_id=context_id,
-                number=self._utterance_count,
-                segmenter=self._new_segmenter(),
-            )
+            utterance = self._new_utterance(context_id, self._utterance_count)
             self._open[context_id] = utterance
         return utterance
 
-    def _new_segmenter(self) -> SentenceSegmenter:
-        """The segmenter of a new utterance: the session's granularity and language, and units no longer
-        than one synthesis call may be."""
+    def _new_utterance(self, context_id: str | None, number: int) -> Utterance:
         assert self.config is not None
-        granularity, first_unit_words = self.config.message.split_granularity, 0
-        if granularity == "token" and not self.config.text_streaming:
-            # The backend needs whole units: sentences, the first one cut short to start speaking sooner.
-            granularity, first_unit_words = "sentence", FIRST_UNIT_WORDS
-        markup_on = self.config.message.text_markup is not None
-        return SentenceSegmenter(granularity, language=self.config.message.language,
-                                 keeps_together=ends_inside_markup if markup_on else None,
-                                 max_unit_chars=self.settings.max_synthesis_chars, first_unit_words=first_unit_words)
+        return Utterance(context_id, number, new_segmenter(self.config, self.settings.max_synthesis_chars),
+                         sink=self.staged)
 
     def _buffered_chars(self) -> int:
-        return self.pipeline.pending_chars + sum(u.segmenter.buffered_chars for u in self._open.values())
+        return self.pipeline.pending_chars + sum(u.buffered_chars for u in self._open.values())
 
     async def _on_text(self, message: InputText) -> None:
         if self._closing:
@@ -736,26 +773,12 @@ class StreamingSession:
             )
         if self.admission is not None and message.text:
             await self.admission.charge_chars(self.principal, len(message.text), context_id=message.context_id)
-        utterance = self._utterance(message.context_id)
-        # In slices: splitting a large input can take seconds, and other sessions share this loop. This
-        # session's next message waits (the reader handles one at a time), so its texts stay in order.
-        self._release(utterance, await push_in_slices(utterance.segmenter, message.text))
-        self._grow_open_sentence(utterance)
-        self._record_open_text(utterance)
-
-    def _record_open_text(self, utterance: Utterance) -> None:
-        """Accepted text not yet released as a sentence, so that a resume elsewhere still speaks it."""
-        open_job = utterance.open_job
-        self._staged.open_text[utterance.context_id] = OpenUtterance(
-            utterance.context_id, utterance.number, utterance.segmenter.buffered_text, utterance.sentences,
-            open_sentence=open_job.index if open_job is not None else None,
-        )
+        await self._utterance(message.context_id).take(message.text)
 
     async def _on_flush(self, context_id: str | None) -> None:
         utterance = self._open.get(context_id)
         if utterance is not None:
-            self._release(utterance, utterance.segmenter.flush())
-            self._record_open_text(utterance)  # flushed whole: no open sentence is left
+            utterance.flush()
 
     async def _on_done(self, context_id: str | None, by_close: bool = False) -> None:
         limit = self.settings.max_pending_ends
@@ -774,12 +797,12 @@ class StreamingSession:
             self._utterance_count += 1
             utterance = Utterance(context_id, self._utterance_count, SentenceSegmenter("none"))
         else:
-            self._release(utterance, utterance.segmenter.flush())
+            utterance.finish()
         self._marker_count += 1
         marker = UtteranceEnd(utterance, by_close=by_close, number=self._marker_count)
         self._record_marker(marker)
-        self._staged.open_text[context_id] = None
-        self._staged_items.append(marker)
+        self.staged.changes.open_text[context_id] = None
+        self.staged.items.append(marker)
 
     async def _on_close(self) -> None:
         for context_id in list(self._open):
@@ -788,12 +811,12 @@ class StreamingSession:
         self._marker_count += 1
         end = SessionEnd(number=self._marker_count)
         self._record_marker(end)
-        self._staged_items.append(end)
+        self.staged.items.append(end)
 
     def _record_marker(self, item: UtteranceEnd | SessionEnd) -> None:
         item.after = self.info.sentences_released
         utterance = item.utterance if isinstance(item, UtteranceEnd) else None
-        self._staged.markers.append(
+        self.staged.changes.markers.append(
             MarkerRecord(
                 number=item.number,
                 after=item.after,
@@ -805,90 +828,15 @@ class StreamingSession:
             )
         )
 
-    def _release(self, utterance: Utterance, sentences: list[str]) -> None:
-        """Make sentences of released text; they are recorded and queued by `_commit`. With text streaming,
-        the first unit released is the end of the utterance's open sentence, whose synthesis is running."""
-        for text in sentences:
-            if not text.strip():
-                continue
-            job, rest = utterance.open_job, ""
-            if job is not None:
-                utterance.open_job = None
-                if job.synthesis_failed:  # it takes no more text: its error names the words it has
-                    text, rest = text[: len(job.text)], text[len(job.text):].strip()
-                self._grow(job, text, finish=True)
-            else:
-                job = self._new_sentence(utterance, text)
-            if not job.finished:  # (a sentence that failed while open owes nothing more)
-                self.pipeline.count_text(job, len(text))
-            if rest:  # the text after a failed sentence: a sentence of its own, spoken or named in an error
-                self.pipeline.count_text(self._new_sentence(utterance, rest), len(rest))
-
-    def _new_sentence(self, utterance: Utterance, text: str, *, open_text: bool = False) -> SentenceJob:
-        """A sentence of `utterance`, recorded and queued by `_commit`. `open_text`: still being written (text
-        streaming): its synthesis starts with `text` and takes the rest as it comes (`_grow`)."""
-        assert self.config is not None and self.session_id is not None
-        job = SentenceJob(
-            index=self.info.sentences_released,
-            text=text,
-            utterance=utterance,
-            config=self.config,
-            released_at=time.monotonic(),
-            first_of_utterance=utterance.sentences == 0,
-            trim_tail=utterance.sentences == 0 and utterance.segmenter.first_unit_in_sentence,
-            text_stream=TextStream(text) if open_text else None,
-        )
-        self.info.sentences_released += 1
-        utterance.sentences += 1
-        # Recorded before the sentence can produce audio, so the store always knows what a byte belongs to.
-        self._staged.sentences.append(SentenceRecord(job.index, text, utterance.context_id, utterance=utterance.number))
-        self._staged_items.append(job)
-        return job
-
-    def _grow_open_sentence(self, utterance: Utterance) -> None:
-        """Text streaming: give the utterance's unreleased text, up to its last whole word, to synthesis:
-        it opens a sentence from the first words, or continues the open one. The segmenter's release of the
-        unit finishes it (`_release`); what lies beyond the last whole word waits, so the backend is given
-        the whole text's words."""
-        if self.config is None or not self.config.text_streaming:
-            return
-        segmenter = utterance.segmenter
-        text = segmenter.buffered_text[: segmenter.stable_chars]
-        if not text:
-            return
-        if utterance.open_job is None:
-            utterance.open_job = self._new_sentence(utterance, text, open_text=True)
-        elif utterance.open_job.synthesis_failed:
-            return  # it takes no more text: the read loop ends it at its words (_end_open_sentences)
-        elif len(text) > len(utterance.open_job.text):
-            self._grow(utterance.open_job, text)
-
-    def _grow(self, job: SentenceJob, text: str, *, finish: bool = False) -> None:
-        """The open sentence's text is now `text` (which starts with what it had): recorded, then given to its
-        synthesis by `_commit` (and finished, with `finish`)."""
-        if not text.startswith(job.text):  # the segmenter keeps a unit's start (gateway/session/segmenter.py)
-            raise RuntimeError(f"sentence {job.index}: {text!r} does not continue {job.text!r}")
-        added, job.text = text[len(job.text):], text
-        if added:
-            job.progress_at = time.monotonic()
-            self._staged.sentence_texts.append(
-                SentenceRecord(job.index, text, job.utterance.context_id, utterance=job.utterance.number))
-        if added or finish:
-            self._staged_items.append(TextPush(job, added, finish=finish))
-
     # -------------------------------------------------------------- sentences waiting for text
 
     def _sentences_waiting_for_text(self):
         """The open sentences whose synthesis runs, holding a backend slot, while they wait for the client's
-        text: (utterance, when it is ended at the words it has, whether another context waits behind it).
-        The wait is the idle timeout, shortened to OPEN_SENTENCE_YIELD_S while another context's audio waits."""
+        text: (utterance, when it is ended at the words it has, whether another context waits behind it)."""
         for utterance in self._open.values():
-            job = utterance.open_job
-            if job is None or job.task is None or job.task.done() or job.synthesis_failed or not job.waits_for_text:
-                continue
-            blocking = self.pipeline.others_wait_behind(job)
-            wait = self.settings.idle_timeout_s
-            yield utterance, job.progress_at + (min(wait, OPEN_SENTENCE_YIELD_S) if blocking else wait), blocking
+            waiting = utterance.waits_for_text(self.pipeline, self.settings.idle_timeout_s)
+            if waiting is not None:
+                yield utterance, *waiting
 
     async def _end_open_sentences(self) -> None:
         """End sentences still being written at the words they have, the text after them starting the next
@@ -897,32 +845,19 @@ class StreamingSession:
         backend slot (nor the session's other contexts) while no text comes; they get a warning."""
         failed = [u for u in self._open.values() if u.open_job is not None and u.open_job.synthesis_failed]
         for utterance in failed:
-            await self._end_open_sentence(utterance)
+            await utterance.end_open_sentence()
         now, ended = time.monotonic(), bool(failed)
         for utterance, deadline, blocking in list(self._sentences_waiting_for_text()):
             if deadline > now:
                 continue
             waited = now - utterance.open_job.progress_at
             reason = "while another context's audio waited behind it" if blocking else "holding a synthesis slot"
-            await self._end_open_sentence(utterance, warning=(
+            await utterance.end_open_sentence(warning=(
                 f"sentence {utterance.open_job.index} was ended at the words it had: it waited {waited:.1f} s for"
                 f" more text {reason}; text sent later is spoken as the next sentence"))
             ended = True
         if ended:
             await self._commit(counted=False)
-
-    async def _end_open_sentence(self, utterance: Utterance, *, warning: str | None = None) -> None:
-        """End the utterance's sentence still being written at the words it has (its synthesis finishes them);
-        the text after them goes on as the next unit. `warning`: why, told in the sentence's audio.done."""
-        job = utterance.open_job
-        if warning is not None:
-            job.warnings.append(ConfigWarning(code="sentence_finished_early", message=warning,
-                                              field="split_granularity"))
-        segmenter = utterance.segmenter
-        unit = segmenter.end_unit_at(len(job.text))
-        self._release(utterance, [unit, *await push_in_slices(segmenter, "")])
-        self._grow_open_sentence(utterance)
-        self._record_open_text(utterance)
 
     # -------------------------------------------------------------- cancel
 
@@ -950,16 +885,16 @@ class StreamingSession:
         open_utterance = self._open.pop(context_id, None)
         if open_utterance is not None:
             open_utterance.cancelled = True
-            self._staged.open_text[context_id] = None
+            self.staged.changes.open_text[context_id] = None
         async with self.writer.lock:
             # Holding the writer's lock: the sender is between frames, and from here on it sees the flag.
             cut = self.pipeline.cut(context_id)
             if open_utterance is not None:
                 cut.utterances[open_utterance.number] = open_utterance
             for job in cut.stopped:
-                self._staged.states[job.index] = "cancelled"
+                self.staged.changes.states[job.index] = "cancelled"
             for marker in cut.dropped_ends:  # owed no more: a resume must not send them
-                self._staged.markers.append(sent_marker(marker, cancelled=True))
+                self.staged.changes.markers.append(sent_marker(marker, cancelled=True))
             # Recorded (with the input count) before the client hears of it: a resume after its
             # context.cancelled never speaks the cancelled sentences again.
             await self._commit(counted=True)

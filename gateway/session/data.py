@@ -1,12 +1,28 @@
 """What a streaming session holds: its resolved config, its utterances, and the items of its send queue
-(a sentence to synthesize and send, or an utterance end / session end to announce), in send order."""
+(a sentence to synthesize and send, or an utterance end / session end to announce), in send order.
+
+`Utterance` is the text of one context between its first input.text and its input.done (or input.cancel),
+and what becomes of it. `StreamingSession` (gateway/session/connection.py) routes each client message to its
+context's utterance and drives it: `take` (input.text), `flush` (input.flush), `finish` (input.done),
+`resume` (the text a resume found unreleased) and `end_open_sentence` (a sentence still being written that
+failed or waited too long for text). The utterance owns what becomes of its text, in one place: its
+segmenter (text -> units, each released once certainly complete), the sentence still being written (text
+streaming: synthesizing from its first words, growing as they come, finished by the release of its unit)
+and the count of its sentences. A sentence, once made, holds its own audio, words and codes (`SentenceJob`).
+An utterance makes and grows sentences through the session's `SentenceSink` (connection.py), which numbers
+them and stages them with the client's input: the store records them, and only then are they queued or
+their text given to synthesis. It never touches the store, the queue or the socket. The pipeline
+(gateway/session/pipeline.py) reads whether it was cancelled and, with word timestamps, keeps the words of
+its sentences sent in full for context.cancelled (`keep_sentence`, `heard`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tts_backend.base import TextStream, WordTiming
 
@@ -14,11 +30,15 @@ from ..audio import pcm as audio
 from ..language import SentenceVoice
 from ..pronunciation.pronouncer import Pronouncer
 from ..protocol import ConfigWarning, SessionConfig, SpokenWord
-from ..store.base import MarkerRecord
-from .segmenter import SentenceSegmenter
+from ..store.base import MarkerRecord, OpenUtterance
+from .segmenter import SentenceSegmenter, push_in_slices, spoken_length
 from .word_times import count_reached, in_seconds, keep_spoken
 
 
+# A sentence still being written (text streaming) that holds back another context's audio (which goes out
+# only once the sentence is sent) is ended at its words after waiting this long for text: an LLM writes a
+# word every tens to hundreds of milliseconds, so a second without one is a wait, not writing.
+OPEN_SENTENCE_YIELD_S = 1.0
 # In a recorded config (ResolvedConfig.snapshot): the prompt of the session's own clip, base64.
 INLINE_PROMPT_KEY = "inline_voice_prompt"
 # In a recorded config: the pronunciation rules as resolved (dictionaries named were read once), which a resume
@@ -97,6 +117,31 @@ class ResolvedConfig:
         return data
 
 
+class SentenceSink(Protocol):
+    """Where an utterance's sentences go (connection.py): numbered, staged with the client's input, recorded
+    in the store and only then queued (or given their text)."""
+
+    @property
+    def text_streaming(self) -> bool:
+        """Each sentence synthesizes from its first words (split_granularity "token" on a backend with
+        "text_streaming")."""
+
+    def new_sentence(self, utterance: "Utterance", text: str, *, first: bool, trim_tail: bool,
+                     open_text: bool) -> SentenceJob:
+        """A sentence of `utterance`, numbered, recorded and queued with the input. `open_text`: still being
+        written, its synthesis takes the rest as it comes."""
+
+    def grew(self, job: SentenceJob, added: str, *, finish: bool) -> None:
+        """An open sentence's text grew by `added` (recorded), and, with `finish`, it ends there: given to
+        its synthesis once recorded."""
+
+    def count_text(self, job: SentenceJob, chars: int) -> None:
+        """`chars` more of the session's accepted text are `job`'s to speak."""
+
+    def record_open_text(self, utterance: "Utterance") -> None:
+        """The utterance's text not yet released, recorded so that a resume elsewhere still speaks it."""
+
+
 @dataclass(eq=False)
 class Utterance:
     """The text of one context between its first input.text and its input.done (or cancel)."""
@@ -111,7 +156,129 @@ class Utterance:
     # audio of its sentences sent whole, end to end, and where each sentence with words in `spoken` began.
     audio_s: float = 0.0
     sentence_starts: dict[int, float] = field(default_factory=dict)
+    # Text streaming: the sentence still being written, synthesizing from the words it has so far; the
+    # segmenter's release of its unit finishes it.
+    open_job: SentenceJob | None = None
+    # Where its sentences go; None for an utterance that takes no text (the pipeline's tests, an empty one).
+    sink: SentenceSink | None = field(default=None, repr=False)
 
+    # ---- its text ------------------------------------------------------------------------------------
+    @property
+    def buffered_chars(self) -> int:
+        """Text accepted and not yet released as a sentence."""
+        return self.segmenter.buffered_chars
+
+    async def take(self, text: str) -> None:
+        """input.text: the units it completes become sentences, the words after them grow the open
+        sentence (text streaming), and the rest waits, recorded. In slices: splitting a large input can take
+        seconds, and other sessions share the loop (this session's next message waits, so texts stay in
+        order)."""
+        self._release(await push_in_slices(self.segmenter, text))
+        self._grow_open_sentence()
+        self.sink.record_open_text(self)
+
+    def flush(self) -> None:
+        """input.flush: all its text is released, the utterance goes on."""
+        self._release(self.segmenter.flush())
+        self.sink.record_open_text(self)  # flushed whole: no open sentence is left
+
+    def finish(self) -> None:
+        """input.done: all its text is released; it takes no more (the caller records that)."""
+        self._release(self.segmenter.flush())
+
+    async def resume(self, text: str, max_unit_chars: int) -> None:
+        """A resume found `text` not yet released (after its open sentence's, if any): split again."""
+        job = self.open_job
+        self.segmenter.append(text)
+        if job is not None and spoken_length(job.text) >= max_unit_chars:
+            # Written under a larger max_synthesis_chars (a rolling change of it): this replica's segmenter
+            # would cut the unit inside the words already spoken, so the sentence ends at them.
+            await self.end_open_sentence()
+        else:
+            await self.take("")
+
+    # ---- the sentence still being written (text streaming) ------------------------------------------
+    def waits_for_text(self, pipeline, idle_timeout_s: float) -> tuple[float, bool] | None:
+        """While its open sentence's synthesis runs, holding a backend slot, and waits for the client's text:
+        (when it is ended at the words it has, whether another context waits behind it). The wait is the idle
+        timeout, shortened to OPEN_SENTENCE_YIELD_S while another context's audio waits. None otherwise."""
+        job = self.open_job
+        if job is None or job.task is None or job.task.done() or job.synthesis_failed or not job.waits_for_text:
+            return None
+        blocking = pipeline.others_wait_behind(job)
+        return job.progress_at + (min(idle_timeout_s, OPEN_SENTENCE_YIELD_S) if blocking else idle_timeout_s), blocking
+
+    async def end_open_sentence(self, *, warning: str | None = None) -> None:
+        """End the sentence still being written at the words it has (its synthesis finishes them); the text
+        after them goes on as the next unit. `warning`: why, told in the sentence's audio.done."""
+        job = self.open_job
+        if warning is not None:
+            job.warnings.append(ConfigWarning(code="sentence_finished_early", message=warning,
+                                              field="split_granularity"))
+        unit = self.segmenter.end_unit_at(len(job.text))
+        self._release([unit, *await push_in_slices(self.segmenter, "")])
+        self._grow_open_sentence()
+        self.sink.record_open_text(self)
+
+    def _release(self, units: list[str]) -> None:
+        """Released units become sentences. With text streaming, the first unit released is the end of the
+        open sentence, whose synthesis is running."""
+        for text in units:
+            if not text.strip():
+                continue
+            job, rest = self.open_job, ""
+            if job is not None:
+                self.open_job = None
+                if job.synthesis_failed:  # it takes no more text: its error names the words it has
+                    text, rest = text[: len(job.text)], text[len(job.text):].strip()
+                self._grow(job, text, finish=True)
+            else:
+                job = self._new_sentence(text)
+            if not job.finished:  # (a sentence that failed while open owes nothing more)
+                self.sink.count_text(job, len(text))
+            if rest:  # the text after a failed sentence: a sentence of its own, spoken or named in an error
+                self.sink.count_text(self._new_sentence(rest), len(rest))
+
+    def _new_sentence(self, text: str, *, open_text: bool = False) -> SentenceJob:
+        first = self.sentences == 0
+        job = self.sink.new_sentence(self, text, first=first, trim_tail=first and self.segmenter.first_unit_in_sentence,
+                                     open_text=open_text)
+        self.sentences += 1
+        return job
+
+    def _grow_open_sentence(self) -> None:
+        """Text streaming: give the unreleased text, up to its last whole word, to synthesis: it opens a
+        sentence from the first words, or continues the open one. What lies beyond the last whole word
+        waits, so the backend is given the whole text's words."""
+        if not self.sink.text_streaming:
+            return
+        text = self.segmenter.buffered_text[: self.segmenter.stable_chars]
+        if not text:
+            return
+        if self.open_job is None:
+            self.open_job = self._new_sentence(text, open_text=True)
+        elif self.open_job.synthesis_failed:
+            return  # it takes no more text: the session ends it at its words (end_open_sentence)
+        elif len(text) > len(self.open_job.text):
+            self._grow(self.open_job, text)
+
+    def _grow(self, job: SentenceJob, text: str, *, finish: bool = False) -> None:
+        """The open sentence's text is now `text` (which starts with what it had), and ends there with
+        `finish`."""
+        if not text.startswith(job.text):  # the segmenter keeps a unit's start (gateway/session/segmenter.py)
+            raise RuntimeError(f"sentence {job.index}: {text!r} does not continue {job.text!r}")
+        added, job.text = text[len(job.text):], text
+        if added:
+            job.progress_at = time.monotonic()
+        if added or finish:
+            self.sink.grew(job, added, finish=finish)
+
+    def open_text(self) -> OpenUtterance:
+        """What the store keeps of it while it takes text: its unreleased text and open sentence."""
+        return OpenUtterance(self.context_id, self.number, self.segmenter.buffered_text, self.sentences,
+                             open_sentence=self.open_job.index if self.open_job is not None else None)
+
+    # ---- what the client heard of it (word timestamps) -----------------------------------------------
     def keep_sentence(self, index: int, words: list[SpokenWord], duration_s: float) -> None:
         """A sentence of it went out (whole, or as far as a failure let it): keep its words for
         context.cancelled, placed in the utterance's audio."""
@@ -122,7 +289,7 @@ class Utterance:
         for old in [i for i in self.sentence_starts if i < first]:  # their words were let go
             del self.sentence_starts[old]
 
-    def heard(self, words: list[SpokenWord], played_s: float | None, cut: "SentenceJob | None" = None) -> list[SpokenWord]:
+    def heard(self, words: list[SpokenWord], played_s: float | None, cut: SentenceJob | None = None) -> list[SpokenWord]:
         """Of `words` (its spoken words, then those of `cut`, the sentence being sent when it was cut), those
         whose end the client's playback position `played_s` (seconds into this utterance's audio) reached;
         all of them when the client did not say."""
@@ -133,9 +300,6 @@ class Utterance:
         return [w for w in words
                 if (self.audio_s if cut is not None and w.sentence_index == cut.index
                     else self.sentence_starts.get(w.sentence_index, 0.0)) + w.end <= reach]
-    # Text streaming: the sentence still being written, synthesizing from the words it has so far; the
-    # segmenter's release of its unit finishes it.
-    open_job: "SentenceJob | None" = None
 
 
 @dataclass(eq=False)

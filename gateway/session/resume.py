@@ -24,7 +24,6 @@ from tts_backend.base import TextStream
 from ..protocol import ErrorCode, ProtocolError, SessionResume
 from ..store.base import FINISHED, MarkerRecord, ReplayOutOfRange, SessionRecord, SessionStore, replay_owed
 from .data import ResolvedConfig, SentenceJob, SessionEnd, Utterance, UtteranceEnd
-from .segmenter import SentenceSegmenter
 
 
 @dataclass
@@ -126,8 +125,10 @@ class Resumer:
         return pieces, config
 
 
-def rebuild(resumed: Resumed, position: SessionResume, new_segmenter: Callable[[], SentenceSegmenter]) -> Rebuilt:
-    """What the client is owed, in the original send order, and the utterances to reopen."""
+def rebuild(resumed: Resumed, position: SessionResume,
+            new_utterance: Callable[[str | None, int], Utterance]) -> Rebuilt:
+    """What the client is owed, in the original send order, and the utterances to reopen (each made by
+    `new_utterance(context_id, number)`)."""
     record, config = resumed.record, resumed.config
     sentence_index, byte_offset = position.sentence_index, position.bytes_received
     sentences = sorted(record.sentences.values(), key=lambda s: s.index)
@@ -142,7 +143,7 @@ def rebuild(resumed: Resumed, position: SessionResume, new_segmenter: Callable[[
 
     def utterance(number: int, context_id: str | None) -> Utterance:
         if number not in utterances:
-            utterances[number] = Utterance(context_id, number, new_segmenter())
+            utterances[number] = new_utterance(context_id, number)
         return utterances[number]
 
     for sentence in sentences:
