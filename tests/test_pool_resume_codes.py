@@ -179,3 +179,23 @@ async def test_a_worker_refuses_resume_codes_that_are_not_whole_frames_or_too_ma
         first = SyntheticSynthesizer()
         chunks = [c async for c in first.synthesize(SynthesisRequest(text="Hello there.", voice="tone-mid", seed=1))]
         assert (await answer(chunks[0].codes))["op"] == "done"
+
+
+async def test_a_lone_worker_that_drains_finishes_the_stream_it_could_hand_to_no_one(token_file):
+    """With no other worker, the handed-over stream goes back to the draining worker from its codes (asking for
+    no hand-over): the sentence ends whole, byte for byte, and the worker exits once it is served."""
+    with workers(synthetic_worker_args("--token-file", token_file, speed=2.0)) as (worker,):
+        remote = pool(worker.address)
+        await remote.start()
+        try:
+            request = SynthesisRequest(text=TEXT, voice="tone-mid", seed=11, request_id="http-1")  # no session
+            stream = remote.synthesize(request)
+            audio = bytearray((await anext(stream)).pcm)
+            worker.terminate()
+            async for chunk in stream:
+                audio += chunk.pcm
+            assert bytes(audio) == uninterrupted()
+            assert remote.handovers == 1 and remote.resumed_from_codes == 1
+            assert await asyncio.to_thread(worker.wait, 30) == 0
+        finally:
+            await remote.stop()

@@ -62,7 +62,9 @@ sessions.
 
 Drain. A worker that drains takes no new session. It hands this gateway's open streams over
 ({"op": "handover"} after a chunk, framing.py): each goes on from its codes on another worker, as after a
-death but without counting the worker down, and the worker exits once they are all handed over. A worker
+death but without counting the worker down, and the worker exits once they are all handed over. With no
+other worker ready, the stream goes back to the draining worker from its codes, asking for no hand-over,
+and it serves it to the end (the audio degrades to a pause, never fails). A worker
 without codes keeps serving the utterance in progress, which moves with its next utterance. A worker
 that answers `draining` (it started draining since the last refresh) is left for the next one at once.
 """
@@ -352,9 +354,11 @@ class WorkerClient:
                     log.warning("worker %s (%s) is down: %s", self.id, self.address, exc)
             self.down = True
 
-    async def stream(self, request: SynthesisRequest, place: bool = False) -> AsyncIterator[AudioChunk]:
+    async def stream(self, request: SynthesisRequest, place: bool = False,
+                     handover: bool = True) -> AsyncIterator[AudioChunk]:
         """The worker's chunks for `request`. place: the request places a session here, and the worker may
-        answer that it is full. Raises WorkerLost when the connection fails or breaks before "done"
+        answer that it is full. handover: a draining worker may hand the stream over (framing.py); without,
+        it serves it to the end (the pool's last worker). Raises WorkerLost when the connection fails or breaks before "done"
         (WorkerMisbehaved when the worker breaks a bound, see the module doc), WorkerDraining, WorkerFull,
         or the request's own error."""
         # Counted before the first await, so that placements made in the same moment see each other.
@@ -382,7 +386,7 @@ class WorkerClient:
             # says only words may follow (framing.py); a worker sends them only then.
             # codes and handover: C frames, and {"op": "handover"} when it drains (framing.py).
             message = {"op": "synthesize", "request": framing.request_to_json(request), "keepalive": True,
-                       "audio_ended": True, "codes": True, "handover": True}
+                       "audio_ended": True, "codes": True, "handover": handover}
             codebooks = self.info["codebooks"] if self.info else 0
             frame_rate = self.info["frame_rate"] if self.info else 0.0
             codes_sent = 0
@@ -775,8 +779,13 @@ class RemoteSynthesizer(Synthesizer):
         full: set[WorkerClient] = set()
         lost_at: float | None = None
         lost_from: WorkerClient | None = None
+        last_resort: WorkerClient | None = None  # a draining worker that handed the stream over to no one
         while True:
-            worker, placing = self._worker_for(request, failed, full)
+            if last_resort is not None:
+                worker, placing = last_resort, False
+            else:
+                worker, placing = self._worker_for(request, failed, full)
+            handover, last_resort = last_resort is None, None
             attempt = request
             if codes and worker.resumes:  # the same take goes on after the delivered frames (module doc)
                 attempt = dataclasses.replace(request, resume_codes=request.resume_codes + bytes(codes))
@@ -786,7 +795,7 @@ class RemoteSynthesizer(Synthesizer):
                 skip_bytes, skip_codes = delivered, len(codes)
             skip_words = words_delivered
             try:
-                async for chunk in worker.stream(attempt, place=placing):
+                async for chunk in worker.stream(attempt, place=placing, handover=handover):
                     words = chunk.words
                     if words and skip_words:
                         words, skip_words = words[skip_words:], max(0, skip_words - len(words))
@@ -822,8 +831,11 @@ class RemoteSynthesizer(Synthesizer):
                 self.placements_refused += 1
             except WorkerHandedOver:
                 worker.draining = True
-                failed.add(worker)
                 self.handovers += 1
+                if any(m.ready for m in self.members.values() if m is not worker and m not in failed):
+                    failed.add(worker)
+                else:  # no one to take it: the draining worker goes on with it to the end, from its codes
+                    last_resort = worker
                 if lost_at is None:
                     lost_at, lost_from = time.monotonic(), worker
             except WorkerLost as exc:

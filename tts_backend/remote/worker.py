@@ -14,9 +14,10 @@ sessions to it within a heartbeat. A stream whose gateway takes hand-overs ("han
 a backend with codes ("resume_codes") is handed over at once: after the last chunk it wrote whole (its audio
 and its codes), the worker ends it with {"op": "handover"}, and the gateway's pool goes on with it from the
 codes on another worker (a rolling upgrade cuts no sentence and waits for none); such a gateway's new
-requests are answered `draining`, which sends them to another worker at once. Any other stream finishes
-where it started, and the utterances of those gateways that it has served a sentence of are still served;
-their other requests are answered `draining`. Once no stream runs and none of the second kind has run for
+requests are answered `draining`, which sends them to another worker at once (a pool with no other worker
+sends a handed-over stream back, from its codes and taking no hand-over: it is served to the end). Any other
+stream finishes where it started, and the utterances of those gateways that it has served a sentence of are
+still served; their other requests are answered `draining`. Once no stream runs and none of the second kind has run for
 `drain_linger_s` (an open utterance's next sentence comes within that, as a talking client's do), or at
 `--drain-timeout-s`, it withdraws from the registry and exits.
 """
@@ -364,13 +365,14 @@ class WorkerServer:
         return "resume_codes" in self.backend.honours and self.backend.codebooks > 0
 
     def _admit(self, request_data: dict, takes: _Takes) -> bool:
-        """May this request start? Always, unless draining: then only for an utterance already served, of a
-        gateway that takes no hand-over (module doc)."""
+        """May this request start? Always, unless draining: then only for a gateway that takes no hand-over,
+        for an utterance already served or a sentence it goes on with from its codes (a stream this worker
+        handed over to no one: the gateway's pool has no other worker, module doc)."""
         key = request_data.get("utterance_key") or request_data.get("session_key")
         if self.draining:
             if takes.handover and self.can_hand_over:
                 return False
-            return isinstance(key, str) and key in self._utterances
+            return (isinstance(key, str) and key in self._utterances) or bool(request_data.get("resume_codes"))
         if isinstance(key, str):
             self._utterances[key] = None
             self._utterances.move_to_end(key)
