@@ -881,11 +881,13 @@ def pauses_at(raw: dict, event_name: str) -> dict:
                "resumed_from_codes": lines[0].get("resumed") == "True" if lines else None,
                "failed_over_audio_delivered_s": round(delivered_s, 3),
                "largest_gap_ms": round(largest * 1000, 1), "usual_gap_ms": round(usual * 1000, 1),
-               "pause_ms": round((largest - usual) * 1000, 1), "lost": bool(s["session_id"] and not
+               "pause_ms": round((largest - usual) * 1000, 1),
+               "pause_across_ms": round((gap - usual) * 1000, 1), "lost": bool(s["session_id"] and not
                                                                               (s["completed"] and s["audio_ok"]))}
         (affected if s["session_id"] in logged else control).append(row)
     near = [c for c in raw["cpu_samples"] if k - 2 <= c["t"] <= k + 4 and c.get("busy_cores") is not None]
     client = dist([r["pause_ms"] for r in affected])
+    across = dist([r["pause_across_ms"] for r in affected])
     lines_here = [f for fs in logged.values() for f in fs]
     return {
         f"{event_name}_t_s": round(k - raw["load_start_s"], 3),
@@ -896,13 +898,20 @@ def pauses_at(raw: dict, event_name: str) -> dict:
         "resumed_from_codes": sum(1 for f in lines_here if f.get("resumed") == "True"),
         "logged_sessions_without_client_record": sorted(set(logged) - {r["session_id"] for r in affected}),
         "client_pause_ms": client,
+        "client_pause_across_ms": across,
+        # Judged on the gap across the event (the failover's own pause: the pool notices a kill or a hand-over
+        # at once) and, apart, on the largest gap within 10 s after it, which also takes in what follows (a
+        # next sentence waiting for a slot on a full worker, the machine's load).
         "target": {"p50_ms": PAUSE_TARGET_P50_MS, "p99_ms": PAUSE_TARGET_P99_MS,
-                   "met": bool(client.get("n")) and client["median"] <= PAUSE_TARGET_P50_MS
-                   and client["p99"] <= PAUSE_TARGET_P99_MS},
+                   "met": _meets(across), "met_by_largest_gap": _meets(client)},
         "pool_logged_pause_ms": dist([float(f["pause"]) for f in lines_here]),
         "control_pause_ms": dist([r["pause_ms"] for r in control]),
         "failed_over": affected,
     }
+
+
+def _meets(pauses: dict) -> bool:
+    return bool(pauses.get("n")) and pauses["median"] <= PAUSE_TARGET_P50_MS and pauses["p99"] <= PAUSE_TARGET_P99_MS
 
 
 def analyse(raw: dict) -> dict:
@@ -1075,12 +1084,14 @@ def markdown(raw: dict, report: dict) -> str:
                      f" {_pct(b['fleet_utilisation_mean'])}) | {b['max_over_min']} |")
     for label, pauses in (("at the kill", kill), ("at the drain's hand-over", report.get("handover"))):
         if pauses:
-            p = pauses["client_pause_ms"]
+            a, p = pauses["client_pause_across_ms"], pauses["client_pause_ms"]
             met = "met" if pauses["target"]["met"] else "**not met**"
-            lines.append(f"| pause {label}, client side (ms, n={p.get('n', 0)}; target p50 <="
-                         f" {PAUSE_TARGET_P50_MS:g}, p99 <= {PAUSE_TARGET_P99_MS:g}: {met}) | min {p.get('min')}, p50"
-                         f" {p.get('median')}, p99 {p.get('p99')}, max {p.get('max')}; resumed from codes"
-                         f" {pauses['resumed_from_codes']} of {pauses['failover_log_lines']} |")
+            met_largest = "met" if pauses["target"]["met_by_largest_gap"] else "not met"
+            lines.append(f"| pause {label}, client side: the gap across it - the usual gap (ms, n={a.get('n', 0)};"
+                         f" target p50 <= {PAUSE_TARGET_P50_MS:g}, p99 <= {PAUSE_TARGET_P99_MS:g}: {met}) | min"
+                         f" {a.get('min')}, p50 {a.get('median')}, p99 {a.get('p99')}, max {a.get('max')}; the largest"
+                         f" gap within 10 s after it instead: p50 {p.get('median')}, p99 {p.get('p99')} ({met_largest});"
+                         f" resumed from codes {pauses['resumed_from_codes']} of {pauses['failover_log_lines']} |")
     r = report["refusals"]
     u = r["utilisation"]
     lines.append(f"| fleet utilisation (streams producing / slots) at the refusals (%, n={u.get('n', 0)}) | min {u.get('min')}, median"
@@ -1109,7 +1120,9 @@ def markdown(raw: dict, report: dict) -> str:
                   f" for {pauses['failed_over_sessions']} sessions the client saw live then. Machine busy cores per"
                   f" second from 2 s before to 4 s after: {pauses.get('machine_busy_cores_around')}.", "",
                   "| pause (ms) | n | min | p50 | p95 | p99 | max |", "|---|---|---|---|---|---|---|"]
-        for label, key in (("client: largest gap after it - usual gap, failed-over sessions", "client_pause_ms"),
+        for label, key in (("client: the gap across it - usual gap, failed-over sessions", "client_pause_across_ms"),
+                           ("client: largest gap within 10 s after it - usual gap, failed-over sessions",
+                            "client_pause_ms"),
                            ("pool's pause_ms (log line)", "pool_logged_pause_ms"),
                            ("client, other sessions live then (control)", "control_pause_ms")):
             d = pauses[key]
@@ -1119,11 +1132,12 @@ def markdown(raw: dict, report: dict) -> str:
                   " the new worker makes only the rest, so the pause is noticing the loss, dialling the next worker"
                   f" and its first chunk ({cfg['first_chunk_delay']:g} s here), whatever had been delivered.", "",
                   "| session | gateway | sentence playing / failed over | its audio delivered (s) | from codes |"
-                  " client pause (ms) | pool pause_ms |", "|---|---|---|---|---|---|---|"]
+                  " client pause across / largest within 10 s (ms) | pool pause_ms |", "|---|---|---|---|---|---|---|"]
         for row in sorted(pauses["failed_over"], key=lambda r: r["pause_ms"]):
             lines.append(f"| {row['session_id'][:8]} | {row['gateway']} | {row['playing_sentence']} /"
                          f" {row['failed_over_sentence']} | {row['failed_over_audio_delivered_s']:.2f} |"
-                         f" {row.get('resumed_from_codes')} | {row['pause_ms']:.0f} | {_num(row['pool_pause_ms'])} |")
+                         f" {row.get('resumed_from_codes')} | {row['pause_across_ms']:.0f} / {row['pause_ms']:.0f} |"
+                         f" {_num(row['pool_pause_ms'])} |")
     q = report["queueing"]
     lines += ["", "## Waiting for a slot", "",
               f"Of {q['samples']} samples (250 ms, {cfg['warmup']:g} s to the end of the arrivals),"
@@ -1323,7 +1337,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"sessions": {k: s[k] for k in ("offered", "admitted", "completed_byte_exact", "lost", "refused",
                                                       "failed_to_start")},
                       "balance": [(b["name"], b["max_over_min"]) for b in report["balance"]],
-                      "kill_pause_ms": report["kill"].get("client_pause_ms") if report["kill"] else None,
+                      "kill_pause_ms": report["kill"].get("client_pause_across_ms") if report["kill"] else None,
+                      "handover_pause_ms": report["handover"].get("client_pause_across_ms") if report["handover"] else None,
                       "refusal_utilisation_pct": report["refusals"]["utilisation"],
                       "cpu_busy_cores": report["cpu"]["busy_cores"]}, indent=1))
     print(f"wrote {args.output_dir / args.name}.json, .md, .png")
