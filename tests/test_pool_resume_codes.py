@@ -25,8 +25,9 @@ from tests.worker_fakes import FakeWorker
 from tests.worker_fixtures import POOL_TOKEN, pool, synthetic_worker_args, token_file, workers  # noqa: F401 (fixture)
 from gateway.store.redis import RedisSessionStore
 from tts_backend.base import SynthesisError, SynthesisRequest
-from tts_backend.remote import framing
+from tts_backend.remote import RemoteSynthesizer, framing
 from tts_backend.remote.connection import Dialer, WorkerAddress
+from tts_backend.remote.worker import WorkerServer
 from tts_backend.synthetic import CODEBOOKS, SyntheticSynthesizer
 
 TOKEN = POOL_TOKEN
@@ -199,3 +200,43 @@ async def test_a_lone_worker_that_drains_finishes_the_stream_it_could_hand_to_no
             assert await asyncio.to_thread(worker.wait, 30) == 0
         finally:
             await remote.stop()
+
+
+class NoCodes(SyntheticSynthesizer):
+    """The synthetic backend as one without codes (as Piper is): no "resume_codes", no codebooks."""
+
+    honours = SyntheticSynthesizer.honours - {"resume_codes"}
+    codebooks = 0
+
+
+async def test_a_worker_without_codes_tells_none_and_refuses_to_continue_from_codes(tmp_path):
+    """An in-process worker on a Unix socket whose backend has no codes (its chunks carry some all the same):
+    none go over the wire, and a request that continues from codes is refused, not spoken from the start."""
+    server = WorkerServer(NoCodes(), str(tmp_path / "w.sock"))
+    await server.start()
+    remote = RemoteSynthesizer(socket=server.socket_path, connect_timeout_s=10, info_refresh_s=60)
+    await remote.start()
+    try:
+        assert "resume_codes" not in remote.honours and remote.codebooks == 0
+        chunks = [c async for c in remote.synthesize(SynthesisRequest(text=TEXT, voice="tone-mid", seed=11))]
+        assert not any(c.codes for c in chunks) and b"".join(c.pcm for c in chunks) == uninterrupted()
+        with pytest.raises(SynthesisError, match="cannot continue a sentence from codes"):
+            async for _ in remote.synthesize(SynthesisRequest(text=TEXT, voice="tone-mid", seed=11,
+                                                              resume_codes=b"\0" * 32)):
+                pass
+    finally:
+        await remote.stop()
+        await server.close()
+
+
+def test_a_chunks_codes_go_in_frames_of_whole_frames():
+    codes = bytes(range(256)) * 1000  # 8,000 frames of 16 codes
+    frames, at = [], 0
+    wire = framing.encode_codes(codes, 16)
+    while at < len(wire):
+        length = int.from_bytes(wire[at:at + 4], "big")
+        kind, payload = wire[at + 4:at + 5], wire[at + 5:at + 4 + length]
+        assert kind == framing.CODES and len(payload) <= framing.AUDIO_FRAME_BYTES and len(payload) % 32 == 0
+        frames.append(payload)
+        at += 4 + length
+    assert b"".join(frames) == codes and len(frames) > 1

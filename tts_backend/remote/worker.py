@@ -361,7 +361,8 @@ class WorkerServer:
 
     # ---- drain -------------------------------------------------------------------------------------
     @property
-    def can_hand_over(self) -> bool:
+    def has_codes(self) -> bool:
+        """The backend tells codes and continues from them (base.py): its streams can be handed over."""
         return "resume_codes" in self.backend.honours and self.backend.codebooks > 0
 
     def _admit(self, request_data: dict, takes: _Takes) -> bool:
@@ -370,7 +371,7 @@ class WorkerServer:
         handed over to no one: the gateway's pool has no other worker, module doc)."""
         key = request_data.get("utterance_key") or request_data.get("session_key")
         if self.draining:
-            if takes.handover and self.can_hand_over:
+            if takes.handover and self.has_codes:
                 return False
             return (isinstance(key, str) and key in self._utterances) or bool(request_data.get("resume_codes"))
         if isinstance(key, str):
@@ -572,7 +573,7 @@ class WorkerServer:
     async def _stream(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None = None,
                       takes: _Takes = _Takes()) -> None:
         self.streams_in_flight += 1
-        hands_over = takes.handover and self.can_hand_over
+        hands_over = takes.handover and self.has_codes
         try:
             await self._stream_inner(data, writer, text, takes, hands_over)
         finally:
@@ -631,7 +632,7 @@ class WorkerServer:
                     pcm = memoryview(chunk.pcm)
                     for at in range(0, len(pcm), framing.AUDIO_FRAME_BYTES):
                         writer.write(framing.encode(framing.AUDIO, pcm[at:at + framing.AUDIO_FRAME_BYTES]))
-                    if chunk.codes and takes.codes:  # after its audio: the chunk is whole once its codes are in
+                    if chunk.codes and takes.codes and self.has_codes:  # after its audio: the chunk is whole now
                         writer.write(framing.encode_codes(chunk.codes, self.backend.codebooks))
                     await writer.drain()  # a slow reader slows the stream: back-pressure reaches the engine
             finally:
