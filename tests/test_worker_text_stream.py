@@ -113,6 +113,7 @@ async def test_a_killed_workers_text_stream_goes_on_elsewhere_with_the_text_so_f
             audio, before_finish = await speak_streamed(remote, words_of(TEXT), seed=4, rng=random.Random(4),
                                                         after_audio=kill_the_serving_worker)
             assert remote.failovers == 1
+            assert remote.resumed_from_codes == 1  # it went on from the codes of the chunks delivered (issue 33)
             # The second worker got every word pushed before the kill again, then the rest as it came: the
             # listener hears the whole text's audio, byte for byte, nothing twice and nothing missing.
             assert audio == whole_audio(TEXT, 4)
