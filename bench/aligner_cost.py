@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 aligner.capture(max(sizes))
                 capture_s = time.perf_counter() - started
+                if aligner.graphs is None:  # the capture failed (logged): no captured rows to report
+                    print("capturing the aligner failed: see the log above", file=sys.stderr)
+                    capture_s = "failed"
+                    continue
             rows += [measure(aligner, size, args.seconds, args.repeats, device, args.contend_ms, captured)
                      for size in sizes]
         del aligner
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": str(args.model) if args.model else f"random {args.size}",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "seconds_per_sentence": args.seconds,
-        "load_s": round(load_s, 2), "capture_s": capture_s and round(capture_s, 2), "rows": rows,
+        "load_s": round(load_s, 2), "capture_s": round(capture_s, 2) if isinstance(capture_s, float) else capture_s, "rows": rows,
     }
     if process_rows is not None:
         report["process_rows"] = process_rows
