@@ -603,13 +603,14 @@ class WorkerServer:
         try:
             request = self._checked_request(data, text)
             stream = self.backend.synthesize(request)
+            # Done once the drain begins: one wait for the stream's life, not one a chunk.
+            handover = asyncio.ensure_future(self.handing_over.wait()) if hands_over else None
             try:
                 first_audio = True
                 while True:
                     asked = time.monotonic()
                     try:
-                        chunk = await self._next_chunk(stream, writer, takes.keepalive,
-                                                       self.handing_over if hands_over else None)
+                        chunk = await self._next_chunk(stream, writer, takes.keepalive, handover)
                     except StopAsyncIteration:
                         break
                     if chunk is None:  # draining: the chunks written so far are whole, with their codes
@@ -636,6 +637,8 @@ class WorkerServer:
                         writer.write(framing.encode_codes(chunk.codes, self.backend.codebooks))
                     await writer.drain()  # a slow reader slows the stream: back-pressure reaches the engine
             finally:
+                if handover is not None:
+                    handover.cancel()
                 await stream.aclose()
             writer.write(framing.encode_json({"op": "done"}))
         except (SynthesisError, TypeError, ValueError) as exc:
@@ -650,31 +653,28 @@ class WorkerServer:
 
     @staticmethod
     async def _next_chunk(stream: AsyncIterator[AudioChunk], writer: asyncio.StreamWriter, keepalive: bool,
-                          handover: asyncio.Event | None) -> AudioChunk | None:
-        """The backend's next chunk, or None once `handover` is set (the chunk in the making is dropped: the
+                          handover: asyncio.Future | None) -> AudioChunk | None:
+        """The backend's next chunk, or None once `handover` is done (the chunk in the making is dropped: the
         gateway goes on from the codes of those written). keepalive: while it takes longer than
         framing.KEEPALIVE_S (queued for a slot, the aligner's queue), a {"op": "wait"} every KEEPALIVE_S
         tells the gateway this stream is alive, so that its deadline catches only a worker that is truly
         silent."""
-        if handover is not None and handover.is_set():
+        if handover is not None and handover.done():
             return None
         if not keepalive and handover is None:
             return await anext(stream)
         pending = asyncio.ensure_future(anext(stream))
-        stop = asyncio.ensure_future(handover.wait()) if handover is not None else None
         try:
             while True:
-                done, _ = await asyncio.wait({pending, stop} - {None}, return_when=asyncio.FIRST_COMPLETED,
+                done, _ = await asyncio.wait({pending, handover} - {None}, return_when=asyncio.FIRST_COMPLETED,
                                              timeout=framing.KEEPALIVE_S if keepalive else None)
                 if pending in done:
                     return pending.result()
-                if stop in done:
+                if handover in done:
                     return None
                 writer.write(framing.encode_json({"op": "wait"}))
                 await writer.drain()
         finally:
-            if stop is not None:
-                stop.cancel()
             if not pending.done():
                 pending.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
