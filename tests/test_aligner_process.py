@@ -94,6 +94,29 @@ async def test_what_is_handed_over_is_bounded(aligner_process):
     assert [len(r) for r in results] == [len(requests[i % 3].text.split()) for i in (1, 2, 3, 1)]
 
 
+async def test_many_sentences_some_withdrawn(tiny_aligner):
+    """40 sentences handed over at once, every third withdrawn at once: the others get their own words, and
+    nothing is left waiting."""
+    process = AlignerProcess(str(tiny_aligner), "cpu", "float32", max_batch=8, max_pending=64, torch_threads=1)
+    try:
+        process.wait_ready(120)
+        requests = sentences()
+        tasks = [asyncio.create_task(process.align(requests[i % 3])) for i in range(40)]
+        await asyncio.sleep(0)
+        for task in tasks[::3]:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for i, result in enumerate(results):
+            if i % 3 == 0:
+                assert isinstance(result, asyncio.CancelledError)
+            else:
+                assert [w for w, _, _ in result] == requests[i % 3].text.split()
+        assert process.sentences <= 40 and process.batches >= 4
+        assert process.pending == 0
+    finally:
+        process.close()
+
+
 def test_a_sentence_withdrawn_before_the_process_takes_it_is_not_aligned(tiny_aligner):
     """The process's loop itself (serve), its pipe stood in for: of a sentence, its withdrawal and another
     sentence, queued together, only the other sentence reaches the model; sentences waiting together share one

@@ -177,6 +177,11 @@ class AlignerProcess:
         return child is not None and child.process.is_alive()
 
     @property
+    def pending(self) -> int:
+        """Sentences handed over and not answered yet (at most max_pending)."""
+        return len(self._waiters)
+
+    @property
     def pid(self) -> int | None:
         child = self._child
         return child.process.pid if child is not None else None
