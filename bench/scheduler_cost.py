@@ -30,7 +30,7 @@ import sys
 import time
 
 from tts_backend.engine import scheduler as current_scheduler
-from tts_backend.engine.request import Phase, RequestState
+from tts_backend.engine.request import Phase, RequestState, Stage
 
 SAMPLE_RATE = 24_000
 SAMPLES_PER_FRAME = 1920
@@ -41,7 +41,11 @@ def loaded_scheduler(requests: int, seed: int, now: float, module=current_schedu
     """A scheduler (of `module`) with `requests` slot holders in a loaded engine's mix of phases and
     deadlines."""
     rng = random.Random(seed)
-    scheduler = module.Scheduler(module.SchedulerConfig(max_active=max(requests, 1)))
+    # The frame cap as the qwen3 backend sets it: every slot holder fits one frame batch.
+    max_active = max(requests, 1)
+    config = module.SchedulerConfig(max_active=max_active,
+                                    max_batch={Stage.PREFILL: 8, Stage.FRAME: max_active, Stage.CODEC: 16})
+    scheduler = module.Scheduler(config)
     for request_id in range(1, requests + 1):
         request = RequestState(request_id=request_id, prompt=None, seed=request_id, max_frames=600,
                                chunk_schedule=SCHEDULE, arrival=now - rng.uniform(0.0, 4.0),

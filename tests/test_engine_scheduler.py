@@ -287,6 +287,36 @@ async def test_playing_stream_that_would_underrun_outranks_new_requests(step_cos
         assert [r.request_id for r in batch.requests] == [b.request_id]
 
 
+def test_more_streams_than_the_largest_frame_bucket_go_new_then_earliest_deadline():
+    """The one case where a frame batch leaves streams out: more can step than the cap. Then the rules order
+    them -- a stream with no audio yet anchors (rule 3), then the fill order: earliest deadline first."""
+    from tts_backend.engine.request import RequestState
+    from tts_backend.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_active=6, max_batch={Stage.PREFILL: 2, Stage.FRAME: 3,
+                                                                   Stage.CODEC: 2}))
+    requests = []
+    for request_id, seconds_left in enumerate((1.5, 0.4, 2.5, 0.9, 3.0, None), start=1):
+        r = RequestState(request_id=request_id, prompt=None, seed=1, max_frames=1000, chunk_schedule=(2, 4, 8, 12),
+                         arrival=float(request_id), sample_rate=24000, samples_per_frame=SPF)
+        scheduler.add(r)
+        r.phase = Phase.NEED_DECODE
+        r.frames_generated = r.frames_decoded = 0 if seconds_left is None else 14  # nothing for the codec
+        if seconds_left is not None:
+            r.chunks_decoded = 3
+            r.output.emitted_samples = 14 * SPF
+            r.playback_start = 100.0 + seconds_left - 14 * SPF / 24000
+        requests.append(r)
+    batch = scheduler.decide(now=100.0)
+    assert batch.stage is Stage.FRAME and batch.rule == "startup"
+    assert [r.request_id for r in batch.requests] == [6, 2, 4]
+    # Without the new one, the earliest deadline anchors (pressing) and the next earliest follow.
+    scheduler.remove(requests[-1])
+    batch = scheduler.decide(now=100.0)
+    assert batch.stage is Stage.FRAME and batch.rule == "pressing"
+    assert [r.request_id for r in batch.requests] == [2, 4, 1]
+
+
 def test_a_codec_batch_takes_streams_that_are_ahead_but_never_shrinks_a_chunk():
     from tts_backend.engine.request import RequestState
     from tts_backend.engine.scheduler import Scheduler

@@ -59,7 +59,7 @@ class OutputAccounting:
         return self.emitted_samples - self.consumed_samples
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState:
     """One request. `prompt` is opaque to the scheduler: the model runner knows what it holds."""
 
