@@ -135,7 +135,8 @@ class StagedInput:
     (nothing makes audio or goes out before it is recorded). The session's utterances make their sentences
     through it: it is their `SentenceSink` (gateway/session/data.py)."""
 
-    def __init__(self, info: SessionInfo, pipeline: SpeechPipeline, config: Callable[[], ResolvedConfig | None]) -> None:
+    def __init__(self, info: SessionInfo, pipeline: SpeechPipeline,
+                 config: Callable[[], ResolvedConfig | None]) -> None:
         self.info = info
         self.pipeline = pipeline
         self._config = config  # the session's, when a sentence is made (session.config may change it)

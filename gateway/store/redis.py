@@ -420,7 +420,8 @@ class RedisSessionStore(SessionStore):
         self._detach = self._redis.register_script(_DETACH)
         self._delete = self._redis.register_script(_DELETE)
         self._log_head = self._redis.register_script(_LOG_HEAD)
-        for script in (self._write, self._append, self._codes, self._renew, self._log_head):  # called by hash in pipelines
+        # Called by hash in pipelines:
+        for script in (self._write, self._append, self._codes, self._renew, self._log_head):
             await self._redis.script_load(script.script)
         self._batcher = _Batcher(self)
 

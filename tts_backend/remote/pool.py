@@ -64,9 +64,9 @@ Drain. A worker that drains takes no new session. It hands this gateway's open s
 ({"op": "handover"} after a chunk, framing.py): each goes on from its codes on another worker, as after a
 death but without counting the worker down, and the worker exits once they are all handed over. With no
 other worker ready, the stream goes back to the draining worker from its codes, asking for no hand-over,
-and it serves it to the end (the audio degrades to a pause, never fails). A worker
-without codes keeps serving the utterance in progress, which moves with its next utterance. A worker
-that answers `draining` (it started draining since the last refresh) is left for the next one at once.
+and it serves it to the end (the audio degrades to a pause, never fails). A worker without codes keeps
+serving the utterance in progress, which moves with its next utterance. A worker that answers `draining`
+(it started draining since the last refresh) is left for the next one at once.
 """
 
 from __future__ import annotations
@@ -93,7 +93,6 @@ from ..base import (
     BackendMetric,
     BackendOverloadedError,
     ReferenceAudio,
-    max_code_bytes,
     SynthesisError,
     SynthesisRequest,
     Synthesizer,
@@ -101,6 +100,7 @@ from ..base import (
     UnknownVoiceError,
     Voice,
     WordTiming,
+    max_code_bytes,
 )
 from ..log_format import redact
 from . import framing
@@ -175,10 +175,12 @@ def checked_info(info: dict) -> dict:
         raise framing.ProtocolError("info.honours is not a list of strings")
     codebooks = info.get("codebooks", 0)
     if isinstance(codebooks, bool) or not isinstance(codebooks, int) or not 0 <= codebooks <= MAX_CODEBOOKS:
-        raise framing.ProtocolError(f"info.codebooks is {str(codebooks)[:40]!r}, not a whole number of 0-{MAX_CODEBOOKS}")
+        raise framing.ProtocolError(f"info.codebooks is {str(codebooks)[:40]!r}, not a whole number of "
+                                    f"0-{MAX_CODEBOOKS}")
     frame_rate = _number(info, "frame_rate")
     if frame_rate > MAX_FRAME_RATE or (codebooks and not frame_rate):
-        raise framing.ProtocolError(f"info.frame_rate is {frame_rate!r}, not a rate of 0-{MAX_FRAME_RATE:g} frames a second")
+        raise framing.ProtocolError(f"info.frame_rate is {frame_rate!r}, not a rate of 0-{MAX_FRAME_RATE:g} "
+                                    "frames a second")
     for name in ("id", "name", "default_voice"):
         if info.get(name) is not None and not isinstance(info[name], str):
             raise framing.ProtocolError(f"info.{name} is not a string")
@@ -358,9 +360,9 @@ class WorkerClient:
                      handover: bool = True) -> AsyncIterator[AudioChunk]:
         """The worker's chunks for `request`. place: the request places a session here, and the worker may
         answer that it is full. handover: a draining worker may hand the stream over (framing.py); without,
-        it serves it to the end (the pool's last worker). Raises WorkerLost when the connection fails or breaks before "done"
-        (WorkerMisbehaved when the worker breaks a bound, see the module doc), WorkerDraining, WorkerFull,
-        or the request's own error."""
+        it serves it to the end (the pool's last worker). Raises WorkerLost when the connection fails or breaks
+        before "done" (WorkerMisbehaved when the worker breaks a bound, see the module doc; WorkerHandedOver
+        when it hands the stream over), WorkerDraining, WorkerFull, or the request's own error."""
         # Counted before the first await, so that placements made in the same moment see each other.
         self.streams += 1
         self._opening += 1

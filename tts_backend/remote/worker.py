@@ -262,7 +262,8 @@ class WorkerServer:
             BackendMetric("worker_bad_requests", "counter", "Connections refused for a malformed frame or request",
                           samples=(((), float(self.bad_requests)),)),
             BackendMetric("worker_streams_handed_over", "counter", "Streams handed over to the gateway's pool at a "
-                          "drain, to go on from their codes on another worker", samples=(((), float(self.handed_over)),)),
+                          "drain, to go on from their codes on another worker",
+                          samples=(((), float(self.handed_over)),)),
         ]
 
     async def all_metrics(self) -> list[BackendMetric]:
@@ -387,7 +388,8 @@ class WorkerServer:
         self.handing_over.set()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            lingering = self._last_stream_at is not None and time.monotonic() - self._last_stream_at < self.drain_linger_s
+            since = time.monotonic() - self._last_stream_at if self._last_stream_at is not None else None
+            lingering = since is not None and since < self.drain_linger_s
             if self.streams_in_flight == 0 and not lingering:
                 return
             await asyncio.sleep(0.05)
