@@ -4,6 +4,8 @@
 `Script` that says how many frames the request yields before EOS and how many of its first frames are
 silent. It records every call so tests can check ordering, batching, slot use and cancellation.
 
+Its codec batches tell codes as a GPU runner's do (CodecHandle.codes): one code a frame, the frame's index.
+
 Its codec is asynchronous when `codec_polls` > 0: `codec_collect` answers None that many times before the
 audio is there, as a GPU runner's does while the codec stream works; `codec_depth` batches may be in flight,
 finished in launch order. It asserts the rules of the codec interface: at most `codec_depth` batches in flight,
@@ -46,6 +48,7 @@ class _ScriptedCodecHandle(CodecHandle):
     audio: list[np.ndarray] | None = None  # what the batch decodes, made at launch
     polls_left: int = 0
     slots: dict | None = None  # slot -> request id
+    frame_codes: list[bytes] | None = None  # what `codes` becomes once collected
 
 
 class ScriptedRunnerTestDouble(ModelRunner):
@@ -119,6 +122,9 @@ class ScriptedRunnerTestDouble(ModelRunner):
         audio = [self._audio(r, frames) for r in requests]
         self.codec_handle = _ScriptedCodecHandle(len(requests), frames, audio=audio, polls_left=self.codec_polls,
                                                  slots={r.slot: r.request_id for r in requests})
+        # One code a frame, its index: the codes a stream's chunks carry, joined, count its frames in order.
+        self.codec_handle.frame_codes = [
+            np.arange(r.frames_decoded, r.frames_decoded + frames, dtype="<u2").tobytes() for r in requests]
         self.codec_handles.append(self.codec_handle)
         return self.codec_handle
 
@@ -130,6 +136,7 @@ class ScriptedRunnerTestDouble(ModelRunner):
                 return None
             self._check(self.codec_handles[:1] == [handle], "a codec batch collected before an older one")
             handle.pcm = handle.audio
+            handle.codes = handle.frame_codes
             self.codec_collected.append(list(handle.slots.values()))
             self.codec_handles.remove(handle)
             if self.codec_handle is handle:

@@ -22,6 +22,12 @@ text outside the engine's batches (engine/scheduler.py). Before the first token 
 clone: enough text to fill its prefill, as the whole text would) the request waits here, holding no slot.
 `streaming_text` chooses the text mode of a whole-text request; the server's `-o streaming_text` is the
 default.
+
+Resume from codes (base.py): each chunk carries the codes of the frames its codec batch decoded (16 codebooks,
+12.5 frames a second), and a request with `resume_codes` goes on after those frames in whatever batch it lands
+in (engine/runner.py Qwen3ModelRunner._resume). Only with a sampler that can continue a request's draws at any
+step (the stateless one, or greedy decoding): the reference sampler's generators cannot be rebuilt from codes,
+so with it the backend tells no codes and has no "resume_codes" in `honours`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import AsyncIterator
 
 from .base import (
     AudioChunk,
+    check_codes,
     BackendMetric,
     BackendOverloadedError,
     InvalidReferenceAudioError,
@@ -243,6 +250,13 @@ class Qwen3Synthesizer(Synthesizer):
             self._voices = [Voice(id=_VOICE_DESIGN_VOICE, name="designed", language="en",
                                   description="Qwen3-TTS VoiceDesign: describe the voice in the instructions")]
             self.honours = self.honours | {"voice_design"}
+        if runner.can_resume:
+            self.honours = self.honours | {"resume_codes"}
+            self.codebooks = self.model.num_code_groups
+            self.frame_rate = runner.sample_rate / runner.samples_per_frame
+        else:
+            self.honours = self.honours - {"resume_codes"}
+            self.codebooks, self.frame_rate = 0, 0.0
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load_model)
@@ -405,14 +419,16 @@ class Qwen3Synthesizer(Synthesizer):
 
         if not (self.ready or (self._warming and self.engine is not None and self.engine.ready)):
             raise SynthesisError("the qwen3 backend is not ready")
+        self.refuse_resume_codes(request)
         voice = self._voice_prompt(request)
+        resume_frames = len(request.resume_codes) // (2 * self.codebooks) if request.resume_codes else 0
         if voice is None and not self.has_voice(request.voice):
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
         text_stream = request.text_stream
         ids = None  # the text's ids, when only part of the text has come (else make_prompt tokenises it)
         if text_stream is not None:
             # Before the engine: no slot is held while the first words are awaited.
-            ids = await self._first_text_ids(text_stream, voice)
+            ids = await self._first_text_ids(text_stream, voice, resume_frames)
             if ids is None:  # finished before the prefill's tokens came: a whole text, in streaming-text mode
                 text_stream = None
         text = request.full_text
@@ -440,11 +456,15 @@ class Qwen3Synthesizer(Synthesizer):
         if len(prompt.trailing) > trailing_capacity:
             raise SynthesisError(f"text too long for streaming-text mode: {len(prompt.trailing)} tokens, at most "
                                  f"{trailing_capacity}")
+        max_frames = self._max_frames(request, len(prompt), text)
+        resume = self._resume_codes(request, max_frames) if resume_frames else None
+        if resume_frames >= max_frames and text_stream is None:
+            return  # the delivered frames were all the request makes: nothing follows them
         try:
             stream = self.engine.submit(
-                prompt, seed=request.seed, max_frames=self._max_frames(request, len(prompt), text),
-                chunk_schedule=request.chunk_schedule,
+                prompt, seed=request.seed, max_frames=max_frames, chunk_schedule=request.chunk_schedule,
                 text_tokens=len(prompt.trailing) if text_stream is not None else None,
+                resume=resume, resume_frames=resume_frames,
             )
         except ValueError as exc:  # e.g. a chunk schedule outside 1..64 frames
             raise SynthesisError(str(exc)) from exc
@@ -453,12 +473,14 @@ class Qwen3Synthesizer(Synthesizer):
             feeder = asyncio.ensure_future(self._feed_text(stream, text_stream, ids, len(prompt.trailing),
                                                            request, len(prompt)))
         timed = request.word_timestamps and self.aligner_batcher is not None
+        with_codes = self.codebooks > 0
         audio = bytearray()
         try:
-            async for pcm in stream:
+            async for pcm, codes in stream.chunks():
                 if timed:
                     audio += pcm
-                yield AudioChunk(pcm)
+                if pcm or (codes and with_codes):
+                    yield AudioChunk(pcm, codes=codes if with_codes else b"")
         finally:
             stream.cancel()  # frees the slot at once if the consumer left early; no-op once finished
             if feeder is not None:
@@ -467,15 +489,34 @@ class Qwen3Synthesizer(Synthesizer):
             yield AudioChunk(b"", audio_ended=True)  # the aligner's wait is the caller's to bound (base.py)
             yield AudioChunk(b"", words=await self._word_timings(request.full_text, bytes(audio)))
 
+    def _resume_codes(self, request: SynthesisRequest, max_frames: int):
+        """The delivered frames of a resumed request as a [k, 16] tensor of codes, once they are shown to be
+        whole frames within what the text can produce (base.check_codes), codes the codec has, and no more
+        frames than the request makes."""
+        import numpy as np
+        import torch
+
+        codes = request.resume_codes
+        check_codes(codes, self.codebooks, self.max_code_bytes(len(request.full_text)), "resume codes")
+        frames = np.frombuffer(codes, "<u2").reshape(-1, self.codebooks)
+        codebook_size = self.model.config.talker.codebook_size
+        if int(frames.max()) >= codebook_size:
+            raise SynthesisError(f"resume codes: a code of {int(frames.max())}, past the codec's {codebook_size}")
+        if len(frames) > max_frames and request.text_stream is None:
+            raise SynthesisError(f"resume codes: {len(frames)} frames, more than this request makes ({max_frames})")
+        return torch.from_numpy(frames.astype(np.int64))
+
     # ---- text streaming -----------------------------------------------------------------------------
-    async def _first_text_ids(self, text_stream, voice) -> list[int] | None:
+    async def _first_text_ids(self, text_stream, voice, resume_frames: int = 0) -> list[int] | None:
         """The settled ids of a growing text once there are enough for the prefill, or None if the text was
         finished first. The prefill holds the text's first token; an in-context clone's holds the reference
         transcript and the text up to one past its reference frames (prompt.build_clone_prompt), so its
-        text must reach that far before the prompt is the whole text's."""
+        text must reach that far before the prompt is the whole text's. A request resumed after k frames also
+        needs the k tokens those frames' steps took (the delivered part of the text, so it has come)."""
         need = 1
         if voice is not None and voice.ref_codes is not None:
             need = max(1, voice.ref_codes.shape[0] + 2 - len(voice.ref_text_ids or []))
+        need += resume_frames
         tokenizer = self.model.tokenizer
         while True:
             finished, text = text_stream.finished, text_stream.text

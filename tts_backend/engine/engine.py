@@ -27,6 +27,7 @@ from .request import (
     Phase,
     RequestState,
     Stage,
+    schedule_pieces,
     validate_schedule,
 )
 from .runner import CodecHandle, ModelRunner
@@ -106,7 +107,9 @@ class _CodecInFlight:
 
 
 class EngineStream:
-    """The consumer's end of one request: an async iterator of s16le PCM bytes."""
+    """The consumer's end of one request: an async iterator of s16le PCM bytes, or with `chunks()` of
+    (PCM, codes) pairs, codes being those of the frames decoded since the previous pair (resume from codes,
+    base.py), from a runner that tells them."""
 
     def __init__(self, engine: Engine, request_id: int, output: OutputAccounting,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -129,6 +132,20 @@ class EngineStream:
         return self
 
     async def __anext__(self) -> bytes:
+        while True:
+            pcm, _ = await self._next_chunk()
+            if pcm:
+                return pcm
+
+    async def chunks(self) -> AsyncIterator[tuple[bytes, bytes]]:
+        """(PCM, codes) pairs; the last may carry codes only (frames whose audio was silence held back)."""
+        while True:
+            try:
+                yield await self._next_chunk()
+            except StopAsyncIteration:
+                return
+
+    async def _next_chunk(self) -> tuple[bytes, bytes]:
         if self._finished:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -138,7 +155,7 @@ class EngineStream:
         if isinstance(item, BaseException):
             self._finished = True
             raise item
-        self._output.consumed_samples += len(item) // 2
+        self._output.consumed_samples += len(item[0]) // 2
         if self._engine._paused_waiting:  # a stream paused by back-pressure may resume now
             self._engine._wake.set()
         return item
@@ -251,9 +268,15 @@ class Engine:
     # ---- requests (event-loop thread) -------------------------------------------------------------
     def submit(self, prompt: object, *, seed: int | None, max_frames: int,
                chunk_schedule: tuple[int, ...] | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, text_tokens: int | None = None) -> EngineStream:
+               loop: asyncio.AbstractEventLoop | None = None, text_tokens: int | None = None,
+               resume: object = None, resume_frames: int = 0) -> EngineStream:
         """text_tokens: None for a complete text; for text still being written (`push_text`), how many text
-        tokens the prompt already holds for decode steps to take one by one."""
+        tokens the prompt already holds for decode steps to take one by one. resume, resume_frames: continue
+        the request after `resume_frames` frames it delivered before (resume from codes, base.py); `resume` is
+        what the runner needs for that (the Qwen3 runner: their codes). The stream then yields what the
+        uninterrupted request yields after those frames: its counters start where that request's were (frames
+        generated and decoded, text tokens taken, chunks of its schedule), and no leading silence is trimmed
+        (its audio had started: the delivered chunks carried audio)."""
         if not self.ready:
             raise SynthesisError("engine is not ready")
         if len(self._streams) >= self.config.scheduler.max_active + self.config.max_queued:
@@ -271,6 +294,13 @@ class Engine:
             text_open=text_tokens is not None,
             text_ready=int(text_tokens or 0),
         )
+        if resume_frames:
+            frames = int(resume_frames)
+            request.resume = resume
+            request.frames_generated = request.frames_decoded = request.text_fed = frames
+            # The schedule goes on where the uninterrupted request's was, so the codec decodes the frames after
+            # the resume point in the calls that request made (see Qwen3ModelRunner._resume).
+            request.chunks_decoded = len(schedule_pieces(schedule, frames))
         stream = EngineStream(self, request.request_id, request.output, loop or asyncio.get_running_loop())
         self._streams[request.request_id] = stream
         self._commands.append(("submit", request))
@@ -354,7 +384,7 @@ class Engine:
             if kind == "submit":
                 self._trimmers[arg.request_id] = LeadingSilenceTrimmer(
                     arg.sample_rate, self.config.silence_threshold_dbfs
-                ) if self.config.trim_leading_silence else None
+                ) if self.config.trim_leading_silence and arg.resume is None else None
                 self.scheduler.add(arg)
             elif kind == "text":
                 request_id, tokens, final, max_frames = arg
@@ -428,10 +458,14 @@ class Engine:
         started = self._enter(_RUNNER[stage])
         try:
             if stage is Stage.PREFILL:
-                runner.prefill(requests)
+                eos = runner.prefill(requests)
                 self._enter(post)
                 for r in requests:
                     r.phase = Phase.NEED_CODE_PREDICT
+                if eos is not None:  # a resumed request may sample EOS right after its delivered frames
+                    for r, stop in zip(requests, eos):
+                        if stop:
+                            r.phase = Phase.FINISHED
             else:
                 eos = runner.frame(requests)
                 self._enter(post)
@@ -522,11 +556,12 @@ class Engine:
         for r in requests:
             r.codec_busy = False
         self._enter(_POST[stage])
-        for r, pcm in zip(requests, pieces):
+        codes = flight.handle.codes or itertools.repeat(b"")
+        for r, pcm, frame_codes in zip(requests, pieces, codes):
             if r.done:  # cancelled or failed while in flight; its slot is freed below
                 continue
             r.frames_decoded += batch.frames
-            self._emit(r, pcm)
+            self._emit(r, pcm, frame_codes)
             if r.playing:  # a chunk that was all leading silence does not use up a small first size
                 r.chunks_decoded += 1
         self._release_slots(requests)
@@ -647,15 +682,22 @@ class Engine:
                 "slots": self.config.scheduler.max_active,
             }
 
-    def _emit(self, request: RequestState, pcm: np.ndarray) -> None:
+    def _emit(self, request: RequestState, pcm: np.ndarray, codes: bytes) -> None:
         trimmer = self._trimmers.get(request.request_id)
         if trimmer is not None:
             pcm = trimmer.push(pcm)
-        self._send_audio(request, pcm)
+        self._send_audio(request, pcm, codes)
 
-    def _send_audio(self, request: RequestState, pcm: np.ndarray) -> None:
+    def _send_audio(self, request: RequestState, pcm: np.ndarray, codes: bytes = b"") -> None:
+        """Ship `pcm` with `codes`, the codes of the frames decoded since the last shipment. A chunk's codes
+        never name audio not yet shipped: while the trimmer holds (or drops) a chunk's audio, its codes wait
+        with the request and go with the next audio that ships, or with the end (_finish)."""
         if pcm.size == 0:
+            if codes:
+                request.held_codes += codes
             return
+        if request.held_codes:
+            codes, request.held_codes = request.held_codes + codes, b""
         data = (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
         now = self.clock()
         if request.playback_start is None:
@@ -678,7 +720,7 @@ class Engine:
         request.output.emitted_samples += len(data) // 2
         stream = self._streams.get(request.request_id)
         if stream is not None:
-            stream._deliver(data)
+            stream._deliver((data, codes))
 
     def _finish(self, request: RequestState, error: BaseException | None) -> None:
         """Done, failed or cancelled: end the consumer's stream and free the slot, at once unless the
@@ -697,6 +739,8 @@ class Engine:
             self._release_slot(request)
         stream = self._streams.pop(request.request_id, None)
         if stream is not None and not request.cancelled:
+            if error is None and request.held_codes:  # frames whose audio was all trimmed: the end carries them
+                stream._deliver((b"", request.held_codes))
             stream._deliver(error if error is not None else _END)
 
     def _release_slot(self, request: RequestState) -> None:

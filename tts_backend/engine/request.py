@@ -45,6 +45,18 @@ def validate_schedule(schedule: tuple[int, ...]) -> tuple[int, ...]:
     return schedule
 
 
+def schedule_pieces(schedule: tuple[int, ...], frames: int) -> list[int]:
+    """The codec calls a chunk schedule makes of `frames` frames: its sizes in turn, the last repeated, the
+    final call what is left."""
+    pieces: list[int] = []
+    done = 0
+    while done < frames:
+        size = min(schedule[min(len(pieces), len(schedule) - 1)], frames - done)
+        pieces.append(size)
+        done += size
+    return pieces
+
+
 class OutputAccounting:
     """Audio handed to the consumer vs audio it has taken: the difference is what is buffered."""
 
@@ -90,6 +102,10 @@ class RequestState:
     text_fed: int = 0
     text_wait_since: float | None = None  # engine clock when its wait for text began (None: not waiting)
     text_waited: bool = False  # it waited for text since it last shipped audio
+    # Resume from codes: what the runner continues this request after (opaque here; the Qwen3 runner takes
+    # the delivered frames' codes), None for a request from its start.
+    resume: Any = None
+    held_codes: bytes = b""  # codes of frames whose audio the leading-silence trimmer held or dropped
 
     @property
     def waiting_for_text(self) -> bool:

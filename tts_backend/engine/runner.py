@@ -36,6 +36,9 @@ class CodecHandle:
     frames: int  # frames each request decodes
     pcm: list[np.ndarray] | None = None
     device_s: float | None = None
+    # Per request, the codes of the frames it decoded (uint16 LE, frame-major), set with `pcm` by a runner that
+    # tells its codes (resume from codes, base.py); None from one that does not.
+    codes: list[bytes] | None = None
 
 
 class ModelRunner(abc.ABC):
@@ -47,8 +50,11 @@ class ModelRunner(abc.ABC):
         """Allocate, capture and warm up. Called once on the engine thread before it takes work."""
 
     @abc.abstractmethod
-    def prefill(self, requests: list[RequestState]) -> None:
-        """Run each request's prompt; afterwards each has codebook 0 of its first frame sampled."""
+    def prefill(self, requests: list[RequestState]) -> list[bool] | None:
+        """Run each request's prompt; afterwards each has codebook 0 of its first frame sampled. A request that
+        resumes (`RequestState.resume`, frames already delivered) has its delivered frames run after its prompt
+        and codebook 0 of the next frame sampled; it may sample EOS there. Returns per request whether it
+        sampled EOS (None: none did, as for requests that do not resume, whose first frame is never EOS)."""
 
     @abc.abstractmethod
     def frame(self, requests: list[RequestState]) -> list[bool]:
@@ -151,6 +157,15 @@ class Qwen3RunnerConfig:
     # (half the activation traffic of a memory-bound decoder; bench/codec_profile.py reports its speed and
     # its SNR against float32). Elsewhere always float32.
     codec_dtype: str = "float32"
+    # How a resumed request (resume from codes) runs its delivered frames through the Talker: "batched" (one
+    # pass over the prompt and the frames, as a prefill), "stepwise" (the prompt, then one decode step a frame,
+    # exactly the steps the uninterrupted request took) or "auto": batched on CUDA, stepwise elsewhere. Why
+    # both: a prefill over prompt+k positions computes the same function as the k decode steps, but not in the
+    # same floating-point order, so its logits differ in the last bits; on the CPU, where the engine is
+    # otherwise bitwise independent of batch company, only the stepwise path resumes byte for byte. On a GPU
+    # the company already varies the numerics, and the batched pass costs one prefill where the steps cost k
+    # decode steps (100 frames: 100 launches of a few ms against one pass).
+    resume_prefill: str = "auto"
 
 
 def _bucket(value: int, buckets: Sequence[int]) -> int | None:
@@ -212,6 +227,10 @@ class Qwen3ModelRunner(ModelRunner):
         # Only a Base checkpoint speaks in cloned voices; other models capture no embedding prefill.
         self.clones = getattr(model, "speaker_encoder", None) is not None
         self.clone_len_buckets = tuple(sorted(n for n in cfg.clone_prefill_len_buckets if n <= cfg.max_len))
+        if cfg.resume_prefill not in ("auto", "batched", "stepwise"):
+            raise ValueError(f"resume_prefill must be auto, batched or stepwise, not {cfg.resume_prefill!r}")
+        self.resume_batched = cfg.resume_prefill == "batched" or (
+            cfg.resume_prefill == "auto" and self.device.type == "cuda")
         self._allocated = False
         self.kernel_check: dict | None = None  # the start-up kernel check's measurements, when it ran
         self.codec_compiled = False
@@ -333,6 +352,8 @@ class Qwen3ModelRunner(ModelRunner):
         codec_dtype = next(self.codec_module.parameters()).dtype
         self.wav_out = torch.zeros(max(self.codec_buckets), 64 * self.samples_per_frame, device=dev,
                                    dtype=codec_dtype)
+        # The codes each codec batch decoded, as the codec read them (clamped), handed back with its PCM.
+        self.codes_out = torch.zeros(max(self.codec_buckets), 64, G, device=dev, dtype=torch.int16)
         self.codec_pool = self.codec_module.init_state(S, device=dev)
         self.primed_codec: OrderedDict[bytes, object] = OrderedDict()  # reference codes digest -> CodecState
         self.codec_static = {b: self.codec_module.init_state(b, device=dev) for b in self.codec_buckets}
@@ -348,6 +369,7 @@ class Qwen3ModelRunner(ModelRunner):
                 slots_host=torch.empty(max(self.codec_buckets), dtype=torch.long, pin_memory=True),
                 pcm_host=torch.empty(max(self.codec_buckets) * 64 * self.samples_per_frame, dtype=codec_dtype,
                                      pin_memory=True),
+                codes_host=torch.empty(max(self.codec_buckets) * 64 * G, dtype=torch.int16, pin_memory=True),
                 started=torch.cuda.Event(enable_timing=True),
                 done=torch.cuda.Event(enable_timing=True)) for _ in range(self.codec_depth))
         self.eos_onehot = torch.zeros(self.vocab, device=dev, dtype=torch.bool)
@@ -601,6 +623,105 @@ class Qwen3ModelRunner(ModelRunner):
             self.primed_codec.move_to_end(key)
         self.codec_pool.index_copy_(rows, state)
 
+    # ---- resume from codes -----------------------------------------------------------------------------
+    @property
+    def can_resume(self) -> bool:
+        """Whether a request can go on after frames it delivered: the stateless sampler draws step i's noise
+        from (seed, i) alone, so step k draws what the uninterrupted request drew there; the reference
+        sampler's generators hold the state of every draw before, which the delivered codes do not give back
+        (greedy decoding draws nothing)."""
+        p = self.params
+        return self.sampler == "stateless" or not (p.do_sample or p.subtalker_do_sample)
+
+    def _resume(self, requests: list[RequestState]) -> list[bool]:
+        """Requests that continue after their delivered frames (`RequestState.resume`, a host tensor [k, G] of
+        codes): run the prompt and the k frames through the Talker, teacher-forced (frame i's input is the sum
+        of its code embeddings plus the text token the step took: the trailing text in streaming-text mode,
+        the pad otherwise, as _decode_fn makes it), set every per-slot counter as the uninterrupted request
+        had it after k frames, prime the slot's codec state with the k frames (audio dropped) and sample
+        codebook 0 of frame k with the request's own noise for that step. Their slots were made fresh
+        (_fresh_slots). Returns per request whether it sampled EOS. See Qwen3RunnerConfig.resume_prefill for
+        why the Talker pass is batched on a GPU and stepwise on the CPU."""
+        from tts_backend.qwen3.generate import right_padded
+
+        from .request import schedule_pieces
+
+        if not self.can_resume:
+            raise ValueError("the reference sampler cannot resume a request from its codes; use sampler=stateless")
+        m = self.model
+        cap = self.config.trailing_capacity
+        inputs = []
+        for r in requests:
+            codes = self._upload(r.resume)
+            k = codes.shape[0]
+            steps = torch.arange(k, device=self.device)
+            text = self.trail_buf[r.slot, steps.clamp(max=cap - 1)]
+            text = torch.where((steps < self.trail_len_host[r.slot])[:, None], text, self.pad_embed)
+            inputs.append(m.frame_embeds(codes[:, 0], codes[:, 1:]) + text)
+            # The codec state the uninterrupted request's codec batches left. On the CPU in the pieces its
+            # chunk schedule decoded (the codec's output depends on its call sizes in the last bits; with the
+            # same pieces the state is the same, bit for bit); on a GPU in 64-frame pieces, fewer calls.
+            pieces = schedule_pieces(r.chunk_schedule, k) if self.device.type != "cuda" else [64] * (-(-k // 64))
+            self._prime_codec_frames(r.slot, codes, pieces)
+            self.trail_pos[r.slot] = k
+            self.written[r.slot] = k
+            self.decoded[r.slot] = k
+        slot_list = [r.slot for r in requests]
+        slots_t = self._upload(torch.tensor(slot_list, dtype=torch.long))
+        if self.resume_batched:
+            embeds = [torch.cat((m.prompt_embeds(r.prompt), x)) for r, x in zip(requests, inputs)]
+            lengths = self._upload(torch.tensor([e.shape[0] for e in embeds], dtype=torch.long))
+            self._resumed_counters(requests)
+            self._host_slots = slot_list
+            self._prefill_embeds(slots_t, right_padded(embeds), lengths)
+        else:
+            self._prompt_pass(requests, slot_list, slots_t)  # its sample is drawn again below, counters set
+            last = []
+            for r, x in zip(requests, inputs):  # one request at a time: each takes as many steps as it has frames
+                slot = self._upload(torch.tensor([r.slot], dtype=torch.long))
+                hidden = self.hidden[slot]
+                for i in range(x.shape[0]):
+                    pos = len(r.prompt) + i
+                    hidden = self._talker_step(slot, x[i: i + 1], self._upload(torch.tensor([pos])), pos + 1)
+                last.append(hidden)
+            self._resumed_counters(requests)
+            self._host_slots = slot_list
+            new_pos = self._upload(torch.tensor([len(r.prompt) + r.resume.shape[0] for r in requests]))
+            self._after_talker(slots_t, torch.cat(last), new_pos)
+        for r in requests:
+            self.pos_host[r.slot] = len(r.prompt) + r.resume.shape[0]
+        return self.eos_out[: len(requests)].tolist()
+
+    def _resumed_counters(self, requests: list[RequestState]) -> None:
+        """The sampler's per-slot state as the uninterrupted request had it before it sampled frame k's
+        codebook 0: the c0 codes it sampled (repetition penalty), how many (min_new_tokens), and the stateless
+        noise draws it made (one per c0 when sampling, one per residual codebook)."""
+        p = self.params
+        per_frame = int(p.do_sample) + self.model.num_code_groups - 1
+        for r in requests:
+            c0 = r.resume[:, 0]
+            k = c0.shape[0]
+            self.presence[r.slot] = False
+            self.presence[r.slot, self._upload(c0)] = True
+            self.generated[r.slot] = k
+            self.draws[r.slot] = k * per_frame
+            if self.sampler == "reference":
+                self.history[r.slot] = c0.tolist()
+
+    def _prime_codec_frames(self, slot: int, codes: torch.Tensor, pieces: list[int]) -> None:
+        """Run a resumed request's delivered frames [k, G] through its slot's codec state in `pieces`, audio
+        dropped, so the next frame's audio joins the last delivered sample (the codec's left context is that
+        of the uninterrupted request). After a cloned voice's reference priming, which it continues. On the
+        main stream, like the slot's reset (see the ordering notes at codec_launch)."""
+        rows = self._upload(torch.tensor([slot], dtype=torch.long))
+        state = self.codec_pool.index_select(rows)
+        frames = codes.clamp(0, self.codebook_size - 1).T[None].contiguous()  # [1, G, k]
+        start = 0
+        for n in pieces:
+            self.codec_module.decode_chunk(frames[..., start: start + n], state)
+            start += n
+        self.codec_pool.index_copy_(rows, state)
+
     def _after_talker(self, slots, hidden, new_pos) -> None:
         self.hidden[slots] = hidden
         self.pos[slots] = new_pos
@@ -613,13 +734,15 @@ class Qwen3ModelRunner(ModelRunner):
     def _decode_fn(self, slots: torch.Tensor, attend_len: int) -> None:
         x = self.next_embed[slots] + self._trailing(slots)
         pos = self.pos[slots]
+        self._after_talker(slots, self._talker_step(slots, x, pos, attend_len), pos + 1)
+
+    def _talker_step(self, slots: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, attend_len: int) -> torch.Tensor:
+        """One Talker position per row: inputs x [B, D] at positions pos [B] -> hidden [B, D], KV written."""
         if self.triton:
-            hidden = self.fused_talker.decode(x, self.kv, slots, pos)
-        elif self.fused:
-            hidden = self.fused_talker.forward(x[:, None], self.kv, slots, pos[:, None], attend_len)[:, 0]
-        else:
-            hidden = self.model.decode_step(self.kv, slots, pos, x, attend_len)
-        self._after_talker(slots, hidden, pos + 1)
+            return self.fused_talker.decode(x, self.kv, slots, pos)
+        if self.fused:
+            return self.fused_talker.forward(x[:, None], self.kv, slots, pos[:, None], attend_len)[:, 0]
+        return self.model.decode_step(self.kv, slots, pos, x, attend_len)
 
     def _cp_fn(self, slots: torch.Tensor) -> None:
         m = self.model
@@ -653,6 +776,7 @@ class Qwen3ModelRunner(ModelRunner):
         self.codec_pool.index_copy_(slots, state)
         self.decoded[slots] = start + frames
         self.wav_out[: slots.shape[0], : wav.shape[1]] = wav
+        self.codes_out[: slots.shape[0], :frames] = codes
 
     # ---- the ModelRunner interface ----------------------------------------------------------------------
     def _slots(self, requests: list[RequestState], bucket: int | None) -> torch.Tensor:
@@ -677,15 +801,27 @@ class Qwen3ModelRunner(ModelRunner):
         return _bucket(n, buckets) if self.graphs.enabled else None
 
     @torch.inference_mode()
-    def prefill(self, requests: list[RequestState]) -> None:
-        import secrets
-
-        from tts_backend.qwen3.generate import right_padded
-        from tts_backend.qwen3.prompt import NO_CODEC
-
-        m = self.model
+    def prefill(self, requests: list[RequestState]) -> list[bool] | None:
         slot_list = [r.slot for r in requests]
         slots_t = self._upload(torch.tensor(slot_list, dtype=torch.long))
+        self._fresh_slots(requests, slots_t)
+        resuming = [r for r in requests if r.resume is not None]
+        if not resuming:
+            self._prompt_pass(requests, slot_list, slots_t)
+            return None
+        plain = [r for r in requests if r.resume is None]
+        if plain:
+            self._prompt_pass(plain, [r.slot for r in plain], self._upload(torch.tensor(
+                [r.slot for r in plain], dtype=torch.long)))
+        eos = dict(zip((r.request_id for r in resuming), self._resume(resuming)))
+        return [eos.get(r.request_id, False) for r in requests]
+
+    def _fresh_slots(self, requests: list[RequestState], slots_t: torch.Tensor) -> None:
+        """Reset the new requests' per-slot state: counters, seeds, trailing text, codec state (a cloned
+        voice's primed with its reference frames)."""
+        import secrets
+
+        m = self.model
         # Fresh per-slot state for the new requests.
         for buf in (self.presence, self.generated, self.draws, self.written, self.decoded, self.trail_pos,
                     self.trail_len):
@@ -712,6 +848,14 @@ class Qwen3ModelRunner(ModelRunner):
         for r in cloned:
             if r.prompt.ref_codes is not None:
                 self._prime_codec(r.slot, r.prompt.ref_codes)
+
+    def _prompt_pass(self, requests: list[RequestState], slot_list: list[int], slots_t: torch.Tensor) -> None:
+        """The Talker over each request's prompt (captured where a bucket fits), codebook 0 of frame 0 sampled."""
+        from tts_backend.qwen3.generate import right_padded
+        from tts_backend.qwen3.prompt import NO_CODEC
+
+        m = self.model
+        cloned = [r for r in requests if r.prompt.speaker_embedding is not None]
         if cloned:
             # A cloned voice's prompt carries vectors (its x-vector, its reference frames) that the id tracks
             # of the captured prefill cannot hold: the batch's embeddings are made here (a few lookups and a
@@ -824,7 +968,8 @@ class Qwen3ModelRunner(ModelRunner):
             # A copy, never a view of wav_out (on the CPU .float().cpu() would be one): the next batch
             # overwrites wav_out while the engine may still hold these arrays (the silence trimmer does).
             wav = self.wav_out[:n, :samples].to("cpu", torch.float32, copy=True).numpy()
-            return CodecHandle(n, frames, pcm=[wav[i] for i in range(n)])
+            codes = self.codes_out[:n, :frames].to("cpu", copy=True).numpy().astype("<u2")
+            return CodecHandle(n, frames, pcm=[wav[i] for i in range(n)], codes=[c.tobytes() for c in codes])
         # The buffers of a batch that was collected: its copies out of them are complete.
         io = self.codec_io[0]
         self.codec_io.rotate(-1)
@@ -832,6 +977,7 @@ class Qwen3ModelRunner(ModelRunner):
         slots_host.fill_(self.scratch)
         slots_host[:n] = torch.tensor([r.slot for r in requests], dtype=torch.long)
         host = io.pcm_host[: n * samples].view(n, samples)
+        codes_host = io.codes_host[: n * frames * self.model.num_code_groups].view(n, frames, -1)
         main = torch.cuda.current_stream(self.device)
         stream = self.codec_stream
         try:
@@ -842,12 +988,13 @@ class Qwen3ModelRunner(ModelRunner):
                 self._run_codec(slots, frames, b)
                 # wav_out[:n, :samples] is strided: copy_ makes it contiguous on this stream, then copies async.
                 host.copy_(self.wav_out[:n, :samples], non_blocking=True)
+                codes_host.copy_(self.codes_out[:n, :frames], non_blocking=True)
                 io.done.record(stream)
         except Exception:
             # The engine frees these slots once the launch failed: let what was queued finish first.
             stream.synchronize()
             raise
-        handle = _AsyncCodecHandle(n, frames, host=host, started=io.started, done=io.done)
+        handle = _AsyncCodecHandle(n, frames, host=host, codes_host=codes_host, started=io.started, done=io.done)
         self._codec_in_flight.append(handle)
         return handle
 
@@ -884,6 +1031,8 @@ class Qwen3ModelRunner(ModelRunner):
         # (the leading-silence trimmer holds on to them).
         wav = handle.host.to(torch.float32, copy=True).numpy()
         handle.pcm = [wav[i] for i in range(handle.count)]
+        codes = handle.codes_host.numpy().astype("<u2")  # a copy, for the same reason
+        handle.codes = [c.tobytes() for c in codes]
         handle.device_s = handle.started.elapsed_time(handle.done) / 1000.0
 
     def _run_codec(self, slots: torch.Tensor, frames: int, b: int | None) -> None:
@@ -948,6 +1097,7 @@ class _CodecIO:
 
     slots_host: torch.Tensor
     pcm_host: torch.Tensor
+    codes_host: torch.Tensor
     started: torch.cuda.Event
     done: torch.cuda.Event
 
@@ -957,5 +1107,6 @@ class _AsyncCodecHandle(CodecHandle):
     """A batch launched on the codec stream: its PCM lands in `host` (pinned) once `done` has completed."""
 
     host: torch.Tensor | None = None
+    codes_host: torch.Tensor | None = None
     started: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None

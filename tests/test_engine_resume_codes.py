@@ -1,0 +1,287 @@
+"""Resume from codes (issue 33) in the GPU engine, on the CPU: the chunks' codes are the frames generated, in
+order, never ahead of their audio (the leading-silence trimmer holds audio; the codes wait with it), and a
+request resumed from the codes of the chunks delivered so far yields exactly the uninterrupted run's audio
+after them, byte for byte: at every cut, in both text modes, alone and beside other requests.
+
+The engine loop is checked with the scripted runner (codes are frame indices there); the Qwen3 runner with
+the tiny random checkpoint. Why byte for byte holds on the CPU: the stateless sampler draws step i's noise
+from (seed, i) alone, the runner's stepwise teacher forcing takes the uninterrupted request's own decode
+steps (Qwen3RunnerConfig.resume_prefill), and the codec is primed and goes on in the calls that request made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine_fixtures import Script, ScriptedRunnerTestDouble
+from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice  # noqa: F401 - fixtures
+from tts_backend.base import SynthesisError, SynthesisRequest, TextStream
+from tts_backend.engine.engine import Engine, EngineConfig
+from tts_backend.engine.request import RequestState, schedule_pieces
+from tts_backend.engine.scheduler import SchedulerConfig
+from tts_backend.registry import create_backend
+
+SPF = 1920
+TEXT = "Hello world, this is a small test of the engine."
+OTHERS = ["Another sentence beside it.", "A third one, longer than the others are, to keep the batch full."]
+
+
+# ---- the engine loop (scripted runner) ---------------------------------------------------------------------
+async def scripted_chunks(frames: int, silent: int, schedule=(2, 4, 8, 12)) -> list[tuple[bytes, bytes]]:
+    runner = ScriptedRunnerTestDouble(max_slots=2)
+    engine = Engine(runner, EngineConfig(scheduler=SchedulerConfig(max_active=2), chunk_schedule=schedule))
+    engine.start_inline()
+    stream = engine.submit(Script(frames, silent), seed=1, max_frames=1000)
+    while engine.step() is not None:
+        pass
+    return [chunk async for chunk in stream.chunks()]
+
+
+@pytest.mark.parametrize("frames, silent", [(10, 0), (10, 3), (20, 7), (6, 6)])
+async def test_codes_ride_with_audio_and_never_ahead_of_it(frames, silent):
+    chunks = await scripted_chunks(frames, silent)
+    codes = b"".join(c for _, c in chunks)
+    assert np.frombuffer(codes, "<u2").tolist() == list(range(frames))  # every frame once, in order
+    total = sum(len(p) // 2 for p, _ in chunks)
+    trimmed = frames * SPF - total  # leading silence the trimmer dropped
+    assert trimmed >= 0 and (silent == 0) == (trimmed == 0)
+    shipped = framed = 0
+    for i, (pcm, frame_codes) in enumerate(chunks):
+        assert pcm or i == len(chunks) - 1  # codes alone only at the end
+        shipped += len(pcm) // 2
+        framed += len(frame_codes) // 2
+        # The audio of every frame named so far has shipped (less what was trimmed, all before the onset).
+        assert framed * SPF - trimmed <= shipped or (not pcm and framed == frames)
+
+
+async def test_an_all_silent_stream_ships_its_held_tail_with_every_code():
+    chunks = await scripted_chunks(6, 6)
+    assert np.frombuffer(b"".join(c for _, c in chunks), "<u2").tolist() == list(range(6))
+    assert chunks[-1][0]  # the flushed quiet tail carries the codes held with it
+
+
+def test_schedule_pieces_are_the_calls_a_schedule_makes():
+    assert schedule_pieces((2, 4, 8, 12), 0) == []
+    assert schedule_pieces((2, 4, 8, 12), 5) == [2, 3]
+    assert schedule_pieces((2, 4, 8, 12), 50) == [2, 4, 8, 12, 12, 12]
+    assert schedule_pieces((4,), 9) == [4, 4, 1]
+
+
+# ---- the Qwen3 engine ------------------------------------------------------------------------------------
+async def started(path, **options):
+    options.setdefault("sampler", "stateless")
+    backend = create_backend("qwen3", model=str(path), device="cpu", max_active=4, max_len=256, **options)
+    await backend.start()
+    return backend
+
+
+async def chunks_of(backend, request) -> list[tuple[bytes, bytes]]:
+    return [(c.pcm, c.codes) async for c in backend.synthesize(request)]
+
+
+def joined(chunks, part: int) -> bytes:
+    return b"".join(c[part] for c in chunks)
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i2").astype(np.int32)
+
+
+def request(**fields) -> SynthesisRequest:
+    return SynthesisRequest(**{"text": TEXT, "voice": "ryan", "seed": 3, "max_new_tokens": 40, **fields})
+
+
+async def test_greedy_chunks_carry_the_models_own_frames(tiny_custom_voice):
+    # Greedy decoding draws nothing, so the reference sampler resumes too: the codes are the model's own
+    # generate loop's, frame for frame.
+    backend = await started(tiny_custom_voice, sampler="reference", greedy=True)
+    try:
+        assert "resume_codes" in backend.honours
+        codebooks = backend.codebooks
+        assert codebooks == backend.model.num_code_groups and backend.frame_rate == 12.5
+        chunks = await chunks_of(backend, request())
+        codes = np.frombuffer(joined(chunks, 1), "<u2").reshape(-1, codebooks)
+        want = backend.model.synthesize_codes(TEXT, speaker="ryan", seed=3, max_new_tokens=40, do_sample=False,
+                                              subtalker_do_sample=False)
+        assert codes.tolist() == want.tolist()
+        assert all(len(c) % (2 * codebooks) == 0 for _, c in chunks)
+    finally:
+        await backend.stop()
+
+
+async def test_sampled_chunks_codes_decode_to_their_audio(tiny_custom_voice):
+    backend = await started(tiny_custom_voice, trim_leading_silence=False)
+    try:
+        chunks = await chunks_of(backend, request())
+        for pcm, codes in chunks:  # each chunk: the audio of exactly its frames
+            assert len(pcm) // 2 == len(codes) // (2 * backend.codebooks) * SPF
+        codes = np.frombuffer(joined(chunks, 1), "<u2").reshape(-1, backend.codebooks).astype(np.int64)
+        wav = backend.model.codec.decode(torch.from_numpy(codes).T[None].contiguous())[0].float().numpy()
+        want = (np.clip(wav, -1, 1) * 32767).round().astype(np.int32)
+        got = np.frombuffer(joined(chunks, 0), "<i2").astype(np.int32)
+        assert len(got) == len(want) and np.abs(got - want).max() <= 1  # chunked vs whole decode: fp32 rounding
+    finally:
+        await backend.stop()
+
+
+@pytest.mark.parametrize("streaming_text", [False, True])
+@pytest.mark.parametrize("trim", [False, True])
+async def test_every_cut_resumes_byte_exact_alone(tiny_custom_voice, streaming_text, trim):
+    backend = await started(tiny_custom_voice, trim_leading_silence=trim)
+    try:
+        whole = await chunks_of(backend, request(streaming_text=streaming_text))
+        assert len(whole) >= 4
+        for cut in range(len(whole) + 1):  # 0 (nothing delivered), 1 (the first, small chunk) ... all
+            codes = joined(whole[:cut], 1)
+            rest = await chunks_of(backend, request(streaming_text=streaming_text, resume_codes=codes))
+            assert joined(rest, 0) == joined(whole[cut:], 0), cut
+            assert joined(rest, 1) == joined(whole[cut:], 1), cut  # only the new frames' codes
+    finally:
+        await backend.stop()
+
+
+async def test_a_resumed_request_beside_others_is_byte_exact_and_leaves_them_alone(tiny_custom_voice):
+    backend = await started(tiny_custom_voice, trim_leading_silence=False)
+    try:
+        others = [request(text=text, seed=10 + i) for i, text in enumerate(OTHERS)]
+        alone = [await chunks_of(backend, r) for r in others]
+        for streaming_text in (False, True):
+            whole = await chunks_of(backend, request(streaming_text=streaming_text))
+            for cut in (1, 2, len(whole) - 1):
+                resumed = request(streaming_text=streaming_text, resume_codes=joined(whole[:cut], 1))
+                results = await asyncio.gather(chunks_of(backend, resumed), *(chunks_of(backend, r) for r in others))
+                assert joined(results[0], 0) == joined(whole[cut:], 0), (streaming_text, cut)
+                # The others make the same frames as alone; their codec calls may differ with the company (the
+                # scheduler decodes frames in bulk), which moves samples by at most one step of rounding.
+                assert [joined(r, 1) for r in results[1:]] == [joined(a, 1) for a in alone]
+                for got, want in zip(results[1:], alone):
+                    assert np.abs(pcm16(joined(got, 0)) - pcm16(joined(want, 0))).max() <= 1
+        stats = backend.engine.stats
+        assert stats.items["PREFILL"] > stats.batches["PREFILL"]  # resumed prefills shared batches with others
+    finally:
+        await backend.stop()
+
+
+async def test_a_cut_inside_a_chunk_goes_on_with_the_same_frames(tiny_custom_voice):
+    # A caller may hold codes that end inside one of the uninterrupted run's codec calls (a pool that had part
+    # of a chunk keeps whole frames only). The frames after the cut are the same; the codec then decodes them
+    # in other calls than the uninterrupted run did, which moves samples by at most one step of rounding.
+    backend = await started(tiny_custom_voice, trim_leading_silence=False)
+    try:
+        whole = await chunks_of(backend, request())
+        frame = 2 * backend.codebooks
+        codes, pcm = joined(whole, 1), joined(whole, 0)
+        for k in (1, 3, 5, 9):
+            rest = await chunks_of(backend, request(resume_codes=codes[: k * frame]))
+            assert joined(rest, 1) == codes[k * frame:], k
+            got = np.frombuffer(joined(rest, 0), "<i2").astype(np.int32)
+            want = np.frombuffer(pcm[k * SPF * 2:], "<i2").astype(np.int32)
+            assert len(got) == len(want) and np.abs(got - want).max() <= 1, k
+    finally:
+        await backend.stop()
+
+
+async def test_a_text_stream_resumes_with_the_same_frames(tiny_custom_voice):
+    backend = await started(tiny_custom_voice, trim_leading_silence=False)
+    words = TEXT.split(" ")
+
+    async def spoken(resume_codes: bytes = b"") -> list:
+        stream = TextStream(words[0])
+
+        async def push() -> None:
+            for word in words[1:]:
+                await asyncio.sleep(0.002)
+                stream.push(" " + word)
+            stream.finish()
+
+        pusher = asyncio.ensure_future(push())
+        try:
+            return await chunks_of(backend, request(text=stream.text, text_stream=stream, resume_codes=resume_codes))
+        finally:
+            await pusher
+
+    try:
+        whole = await spoken()
+        assert joined(whole, 1) == joined(await chunks_of(backend, request(streaming_text=True)), 1)
+        for cut in (1, 2, len(whole) // 2):
+            rest = await spoken(joined(whole[:cut], 1))
+            # The same frames. The codec calls of a text stream follow when its text comes (a stream that waits
+            # for text has its frames so far decoded), so its audio may differ by one step of rounding.
+            assert joined(rest, 1) == joined(whole[cut:], 1), cut
+            assert np.abs(pcm16(joined(rest, 0)) - pcm16(joined(whole[cut:], 0))).max() <= 1, cut
+    finally:
+        await backend.stop()
+
+
+async def test_resume_codes_that_cannot_continue_the_request_are_refused(tiny_custom_voice):
+    backend = await started(tiny_custom_voice, trim_leading_silence=False)
+    try:
+        frame = 2 * backend.codebooks
+        whole = await chunks_of(backend, request(max_new_tokens=10))
+        codes = joined(whole, 1)
+        bad = {
+            "not whole frames": codes[: frame + 1],
+            "a code past the codebook": b"\xff\xff" * backend.codebooks,
+            "more frames than the request makes": codes + codes[:frame],
+            "more than the text can produce": b"\0" * (backend.max_code_bytes(len(TEXT)) + frame),
+        }
+        for what, resume in bad.items():
+            with pytest.raises(SynthesisError, match="resume codes"):
+                await chunks_of(backend, request(max_new_tokens=10, resume_codes=resume))
+        # All its frames delivered: nothing follows them.
+        assert await chunks_of(backend, request(max_new_tokens=10, resume_codes=codes)) == []
+    finally:
+        await backend.stop()
+
+
+async def test_the_reference_sampler_tells_no_codes_and_refuses_to_resume(tiny_custom_voice):
+    backend = await started(tiny_custom_voice, sampler="reference")
+    try:
+        assert "resume_codes" not in backend.honours and backend.codebooks == 0
+        chunks = await chunks_of(backend, request())
+        assert chunks and all(codes == b"" for _, codes in chunks)
+        with pytest.raises(SynthesisError, match="cannot continue"):
+            await chunks_of(backend, request(resume_codes=b"\0" * 8))
+    finally:
+        await backend.stop()
+
+
+# ---- batched teacher forcing against stepwise ------------------------------------------------------------
+@pytest.mark.parametrize("streaming_text", [False, True])
+def test_batched_teacher_forcing_matches_the_stepwise_pass(tiny_custom_voice, streaming_text):
+    """The GPU's one-pass teacher forcing computes what the CPU's stepwise pass computes, up to floating-point
+    order: the next frame's logits within a tolerance, its sampled code and every counter equal."""
+    from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
+    from tts_backend.qwen3.generate import Qwen3TTS
+
+    model = Qwen3TTS.from_pretrained(str(tiny_custom_voice), device="cpu", dtype=torch.float32)
+    prompt = model.make_prompt(TEXT, speaker="ryan", language="auto", instruct=None,
+                               non_streaming_mode=not streaming_text)
+    codes = model.synthesize_codes(TEXT, speaker="ryan", seed=5, max_new_tokens=30, do_sample=False,
+                                   subtalker_do_sample=False, non_streaming_mode=not streaming_text)
+    k = 9
+    states = {}
+    for mode in ("stepwise", "batched"):
+        runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=128, sampler="stateless",
+                                                           resume_prefill=mode))
+        runner.prepare()
+        r = RequestState(request_id=1, prompt=prompt, seed=5, max_frames=40, chunk_schedule=(2, 4, 8, 12),
+                         arrival=0.0, sample_rate=24000, samples_per_frame=SPF, slot=1,
+                         resume=codes[:k].to(torch.int64))
+        eos = runner.prefill([r])
+        with torch.inference_mode():
+            logits = model.talker.logits(runner.hidden[1:2]).float()
+        states[mode] = (eos, logits, int(runner.c0[1]), [int(b[1]) for b in (
+            runner.generated, runner.draws, runner.pos, runner.trail_pos, runner.written, runner.decoded)],
+            runner.presence[1].clone(), runner.pos_host[1])
+    (eos_s, logits_s, c0_s, counters_s, presence_s, pos_s), (eos_b, logits_b, c0_b, counters_b, presence_b, pos_b) = \
+        states["stepwise"], states["batched"]
+    assert eos_s == eos_b == [False]
+    assert torch.allclose(logits_s, logits_b, atol=1e-4, rtol=1e-4)
+    assert c0_s == c0_b
+    assert counters_s == counters_b and pos_s == pos_b == len(prompt) + k
+    assert torch.equal(presence_s, presence_b)
