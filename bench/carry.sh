@@ -8,8 +8,13 @@
 #   .carry/optwhl         PyAV (35 MB), which the image lacks and only steps that start the gateway (load) need
 #   .carry/voxgate_cache  the Qwen tokenizer files bench/make_checkpoint.py writes into random checkpoints (7 MB)
 #
-# A call carries at most 64 MiB with the tracked files: with an earlier call's compile_cache.txz copied to
-# .carry/compile_cache.txz (5.3 MiB) the four paths fit, barely; engine-only calls can leave .carry/optwhl out.
+#   .carry/spare          wheels no bench step imports (redis: only the Redis store and discovery; pyyaml) and
+#                         uvloop (4.5 MB; uvicorn then runs the asyncio loop), kept out of what a call carries
+#
+# A call carries at most 64 MiB with the tracked files (9.6 MB on 2026-12-06, counted on disk): with an earlier
+# call's compile_cache.txz copied to .carry/compile_cache.txz (5.3 MiB) the four paths fit only without uvloop;
+# a load step then runs the gateway and worker on asyncio's loop (say so beside its figures). Engine-only calls
+# (profile, step) leave .carry/optwhl out and may carry uvloop back in .carry/whl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}  # with the repository's dependencies (README's command 2) for the tokenizer files
@@ -25,6 +30,8 @@ PIP_CONFIG_FILE=/dev/null python3 -m pip download -q --isolated --index-url http
     'soxr>=0.5' 'av>=14' 'prometheus-client>=0.20' 'redis>=5.0' 'python-multipart>=0.0.18' 'h11>=0.14'
 rm -f .carry/whl/numpy-* .carry/whl/watchfiles-*
 mv .carry/whl/av-* .carry/optwhl/
+mkdir -p .carry/spare
+mv .carry/whl/redis-* .carry/whl/pyyaml-* .carry/whl/uvloop-* .carry/spare/
 VOXGATE_CACHE=$PWD/.carry/voxgate_cache "$PY" -c \
     "from tts_backend.qwen3.testing.checkpoint import qwen_tokenizer_files as f; print(f())"
 du -sh .carry/*
