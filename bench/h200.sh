@@ -25,6 +25,9 @@
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
 #   textstream[:ARGS] bench/text_stream_check.py ARGS    -> $OUT/text_stream.json: text pushed word by word
 #                    says exactly what the whole text says (CUDA graphs, Triton), and its first-audio times
+#   resumecheck[:ARGS] bench/resume_check.py ARGS      -> $OUT/resume_check.json: a stream cut at frame k and
+#                    resumed from its codes in another batch company goes on after exactly the delivered frames,
+#                    without a click at the join, and how soon its first audio comes
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
 #   codecprofile     bench/codec_profile.py              -> $OUT/codec_profile.json: a codec call's top kernels,
 #                    and its captured cost in fp32 / fp32 + cuDNN benchmark / bf16 per batch x frames
@@ -207,6 +210,12 @@ step_textstream() {  # step_textstream "ARGS" (e.g. "--others 8 --words-per-s 10
     run "$PY" bench/text_stream_check.py "${args[@]}" --model "$CKPT" --output "$OUT/text_stream.json"
 }
 
+step_resumecheck() {  # step_resumecheck "ARGS" (e.g. "--sentences 6 --others 16")
+    local args=()
+    read -ra args <<<"$1"
+    run "$PY" bench/resume_check.py "${args[@]}" --model "$CKPT" --output "$OUT/resume_check.json"
+}
+
 step_savecache() {
     local archive=$OUT/compile_cache.txz limit=$((15 * 1024 * 1024)) size
     # What the cache holds, by kind (issue 22: it grew to 164 MB, too large to carry between machines).
@@ -260,13 +269,14 @@ for arg in "$@"; do
         load) step_load "$value" ;;
         profile) step_profile "$value" ;;
         textstream) step_textstream "$value" ;;
+        resumecheck) step_resumecheck "$value" ;;
         use) step_use "$value" ;;
         aligner) step_aligner ;;
         alignercost) step_alignercost "$value" ;;
         tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
         codecprofile) run "$PY" bench/codec_profile.py --output "$OUT/codec_profile.json" ;;
         savecache) step_savecache ;;
-        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, textstream:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
+        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, textstream:ARGS, resumecheck:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
     esac
     rc=$?
     if ((rc != 0)); then

@@ -166,6 +166,24 @@ async def test_a_resumed_request_beside_others_is_byte_exact_and_leaves_them_alo
         await backend.stop()
 
 
+async def test_the_gpus_path_resumes_with_the_same_frames(tiny_custom_voice):
+    # The fused layers (eager here) and the batched teacher-forcing pass, as on a GPU: the same frames after
+    # every cut; the samples within one step of rounding (the pass's logits are not bitwise the steps').
+    backend = await started(tiny_custom_voice, trim_leading_silence=False,
+                            runner_options={"fused": True, "kernels": "inductor", "resume_prefill": "batched"})
+    try:
+        assert backend.engine.runner.fused and backend.engine.runner.resume_batched
+        for streaming_text in (False, True):
+            whole = await chunks_of(backend, request(streaming_text=streaming_text))
+            for cut in range(1, len(whole)):
+                rest = await chunks_of(backend, request(streaming_text=streaming_text,
+                                                        resume_codes=joined(whole[:cut], 1)))
+                assert joined(rest, 1) == joined(whole[cut:], 1), (streaming_text, cut)
+                assert np.abs(pcm16(joined(rest, 0)) - pcm16(joined(whole[cut:], 0))).max() <= 1
+    finally:
+        await backend.stop()
+
+
 async def test_a_cut_inside_a_chunk_goes_on_with_the_same_frames(tiny_custom_voice):
     # A caller may hold codes that end inside one of the uninterrupted run's codec calls (a pool that had part
     # of a chunk keeps whole frames only). The frames after the cut are the same; the codec then decodes them
@@ -265,9 +283,12 @@ def test_batched_teacher_forcing_matches_the_stepwise_pass(tiny_custom_voice, st
                                    subtalker_do_sample=False, non_streaming_mode=not streaming_text)
     k = 9
     states = {}
-    for mode in ("stepwise", "batched"):
+    # "fused": the GPU's layers (engine/fused.py, eager on the CPU), whose one-row pass is padded to two.
+    for mode, fused in (("stepwise", False), ("batched", False), ("fused", True)):
         runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=128, sampler="stateless",
-                                                           resume_prefill=mode))
+                                                           fused=fused, kernels="inductor",
+                                                           resume_prefill="stepwise" if mode == "stepwise"
+                                                           else "batched"))
         runner.prepare()
         r = RequestState(request_id=1, prompt=prompt, seed=5, max_frames=40, chunk_schedule=(2, 4, 8, 12),
                          arrival=0.0, sample_rate=24000, samples_per_frame=SPF, slot=1,
@@ -278,10 +299,12 @@ def test_batched_teacher_forcing_matches_the_stepwise_pass(tiny_custom_voice, st
         states[mode] = (eos, logits, int(runner.c0[1]), [int(b[1]) for b in (
             runner.generated, runner.draws, runner.pos, runner.trail_pos, runner.written, runner.decoded)],
             runner.presence[1].clone(), runner.pos_host[1])
-    (eos_s, logits_s, c0_s, counters_s, presence_s, pos_s), (eos_b, logits_b, c0_b, counters_b, presence_b, pos_b) = \
-        states["stepwise"], states["batched"]
-    assert eos_s == eos_b == [False]
-    assert torch.allclose(logits_s, logits_b, atol=1e-4, rtol=1e-4)
-    assert c0_s == c0_b
-    assert counters_s == counters_b and pos_s == pos_b == len(prompt) + k
-    assert torch.equal(presence_s, presence_b)
+    eos_s, logits_s, c0_s, counters_s, presence_s, pos_s = states["stepwise"]
+    assert counters_s[:4] == [k + 1, (k + 1) * 1 + k * (model.num_code_groups - 1), len(prompt) + k, k]
+    for mode in ("batched", "fused"):
+        eos_b, logits_b, c0_b, counters_b, presence_b, pos_b = states[mode]
+        assert eos_s == eos_b == [False]
+        assert torch.allclose(logits_s, logits_b, atol=1e-4, rtol=1e-4), mode
+        assert c0_s == c0_b, mode
+        assert counters_s == counters_b and pos_s == pos_b == len(prompt) + k, mode
+        assert torch.equal(presence_s, presence_b), mode

@@ -670,10 +670,17 @@ class Qwen3ModelRunner(ModelRunner):
         slots_t = self._upload(torch.tensor(slot_list, dtype=torch.long))
         if self.resume_batched:
             embeds = [torch.cat((m.prompt_embeds(r.prompt), x)) for r, x in zip(requests, inputs)]
+            rows = slots_t
+            if self.fused_prefill and len(embeds) == 1:
+                # TorchDynamo traces a batch of one as a shape of its own, and each traced shape is an Inductor
+                # compile of seconds on the engine thread (see decode_buckets): a padding row on the scratch
+                # slot keeps the pass at two rows, as the captured prefill's buckets do.
+                embeds.append(embeds[0][:1])
+                rows = self._upload(torch.tensor(slot_list + [self.scratch], dtype=torch.long))
             lengths = self._upload(torch.tensor([e.shape[0] for e in embeds], dtype=torch.long))
             self._resumed_counters(requests)
             self._host_slots = slot_list
-            self._prefill_embeds(slots_t, right_padded(embeds), lengths)
+            self._prefill_embeds(rows, right_padded(embeds), lengths)
         else:
             self._prompt_pass(requests, slot_list, slots_t)  # its sample is drawn again below, counters set
             last = []

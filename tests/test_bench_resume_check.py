@@ -1,0 +1,29 @@
+"""bench/resume_check.py (the GPU check of resume from codes) end to end on the CPU with a tiny checkpoint, so
+that the command the coordinator runs on the H100 is known to work: every cut goes on after exactly the
+delivered frames, the codec's left context at the join is theirs (a cold codec's is not), the join is within
+the stream's own p99 step, and on the CPU the frames after the cut are the uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+
+from bench import resume_check
+from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice  # noqa: F401 - fixtures
+
+
+def test_the_check_passes_on_the_cpu_and_reports_the_join(tiny_custom_voice, tmp_path):
+    output = tmp_path / "resume_check.json"
+    assert resume_check.main([
+        "--model", str(tiny_custom_voice), "--device", "cpu", "--dtype", "float32", "--sentences", "1",
+        "--cuts", "1", "--others", "2", "--others-resume", "1", "--max-active", "4", "--max-len", "256",
+        "--frame-cap-chars-per-second", "60", "--output", str(output),
+    ]) == 0
+    report = json.loads(output.read_text())
+    cuts = report["cuts"]
+    assert {c["streaming_text"] for c in cuts} == {False, True} and any(c["cut_chunk"] == 1 for c in cuts)
+    for cut in cuts:
+        assert cut["pass"] and cut["context_is_delivered"] and cut["new_frames_equal_uninterrupted"]
+        assert cut["k"] > 0 and cut["new_frames"] > 0 and cut["join_step"] <= cut["p99_step"]
+        # The continuity check tells a primed codec from a cold one.
+        assert cut["codec_continuity_snr_db"] > 60 > cut["cold_continuity_snr_db"]
+    assert report["resume_first_audio_ms"]["median"] > 0 and report["fast_path"]["cuda_graphs"] is False
