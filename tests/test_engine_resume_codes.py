@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from tests.engine_fixtures import Script, ScriptedRunnerTestDouble
-from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice  # noqa: F401 - fixtures
-from tts_backend.base import SynthesisError, SynthesisRequest, TextStream
+from tests.qwen3_fixtures import single_torch_thread, tiny_base, tiny_custom_voice  # noqa: F401 - fixtures
+from tests.test_qwen3_clone_parity import REF_TEXT, _clip
+from tts_backend.base import ReferenceAudio, SynthesisError, SynthesisRequest, TextStream
 from tts_backend.engine.engine import Engine, EngineConfig
 from tts_backend.engine.request import RequestState, schedule_pieces
 from tts_backend.engine.scheduler import SchedulerConfig
@@ -162,6 +163,24 @@ async def test_a_resumed_request_beside_others_is_byte_exact_and_leaves_them_alo
                     assert np.abs(pcm16(joined(got, 0)) - pcm16(joined(want, 0))).max() <= 1
         stats = backend.engine.stats
         assert stats.items["PREFILL"] > stats.batches["PREFILL"]  # resumed prefills shared batches with others
+    finally:
+        await backend.stop()
+
+
+async def test_cloned_voices_resume_byte_exact(tiny_base):
+    # An in-context voice's codec state starts primed with its reference clip; the delivered frames continue
+    # that priming. An x-vector voice has none.
+    backend = await started(tiny_base, trim_leading_silence=False)
+    try:
+        icl = await backend.clone_voice(ReferenceAudio(_clip(3.21, 1).astype("<f4").tobytes(), REF_TEXT))
+        xvec = await backend.clone_voice(ReferenceAudio(_clip(2.0, 4).astype("<f4").tobytes()), x_vector_only=True)
+        for prompt in (icl, xvec):
+            for streaming_text in (False, True):
+                ask = dict(voice="cloned", voice_prompt=prompt, streaming_text=streaming_text)
+                whole = await chunks_of(backend, request(**ask))
+                for cut in (1, 3, len(whole) - 1):
+                    rest = await chunks_of(backend, request(**ask, resume_codes=joined(whole[:cut], 1)))
+                    assert joined(rest, 0) == joined(whole[cut:], 0), (prompt is icl, streaming_text, cut)
     finally:
         await backend.stop()
 
