@@ -19,6 +19,7 @@ import torch
 
 from tests.engine_fixtures import Script, ScriptedRunnerTestDouble
 from tests.qwen3_fixtures import single_torch_thread, tiny_base, tiny_custom_voice  # noqa: F401 - fixtures
+from tests.test_aligner_backend import tiny_aligner  # noqa: F401 - fixture
 from tests.test_qwen3_clone_parity import REF_TEXT, _clip
 from tts_backend.base import ReferenceAudio, SynthesisError, SynthesisRequest, TextStream
 from tts_backend.engine.engine import Engine, EngineConfig
@@ -327,3 +328,27 @@ def test_batched_teacher_forcing_matches_the_stepwise_pass(tiny_custom_voice, st
         assert c0_s == c0_b, mode
         assert counters_s == counters_b and pos_s == pos_b == len(prompt) + k, mode
         assert torch.equal(presence_s, presence_b), mode
+
+
+# ---- word timings -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("trim", [False, True])
+async def test_a_resumed_sentences_words_keep_its_time_base(tiny_custom_voice, tiny_aligner, trim):
+    # The aligner hears the whole sentence: the delivered frames' audio (decoded again from their codes, trimmed
+    # as the engine trims) before the resumed audio, so the words are the uninterrupted run's, in its samples.
+    backend = create_backend("qwen3", model=str(tiny_custom_voice), device="cpu", dtype="float32",
+                             aligner=str(tiny_aligner), aligner_process=False, max_active=4, max_len=256,
+                             greedy=True, frame_cap_chars_per_second=15, trim_leading_silence=trim)
+    await backend.start()
+    try:
+        ask = dict(text=TEXT, voice="ryan", seed=3, word_timestamps=True)
+        whole = [c async for c in backend.synthesize(SynthesisRequest(**ask))]
+        words = [w for c in whole for w in c.words]
+        audio = [c for c in whole if c.pcm]
+        assert words and len(audio) >= 3
+        for cut in (1, len(audio) - 1):
+            codes = b"".join(c.codes for c in audio[:cut])
+            rest = [c async for c in backend.synthesize(SynthesisRequest(**ask, resume_codes=codes))]
+            assert b"".join(c.pcm for c in rest) == b"".join(c.pcm for c in audio[cut:])
+            assert [w for c in rest for w in c.words] == words, cut
+    finally:
+        await backend.stop()

@@ -27,7 +27,9 @@ Resume from codes (base.py): each chunk carries the codes of the frames its code
 12.5 frames a second), and a request with `resume_codes` goes on after those frames in whatever batch it lands
 in (engine/runner.py Qwen3ModelRunner._resume). Only with a sampler that can continue a request's draws at any
 step (the stateless one, or greedy decoding): the reference sampler's generators cannot be rebuilt from codes,
-so with it the backend tells no codes and has no "resume_codes" in `honours`.
+so with it the backend tells no codes and has no "resume_codes" in `honours`. A resumed request's word timings
+keep the sentence's time base: the aligner hears the delivered frames' audio, decoded again from their codes,
+before the resumed audio.
 """
 
 from __future__ import annotations
@@ -487,6 +489,8 @@ class Qwen3Synthesizer(Synthesizer):
                 feeder.cancel()
         if timed:
             yield AudioChunk(b"", audio_ended=True)  # the aligner's wait is the caller's to bound (base.py)
+            if resume is not None:  # words keep the sentence's time base: align the delivered audio too
+                audio[:0] = await asyncio.to_thread(self._delivered_audio, resume, request.chunk_schedule)
             yield AudioChunk(b"", words=await self._word_timings(request.full_text, bytes(audio)))
 
     def _resume_codes(self, request: SynthesisRequest, max_frames: int):
@@ -505,6 +509,39 @@ class Qwen3Synthesizer(Synthesizer):
         if len(frames) > max_frames and request.text_stream is None:
             raise SynthesisError(f"resume codes: {len(frames)} frames, more than this request makes ({max_frames})")
         return torch.from_numpy(frames.astype(np.int64))
+
+    def _delivered_audio(self, frames, chunk_schedule: tuple[int, ...] | None) -> bytes:
+        """The audio a resumed request's delivered frames made, as the uninterrupted request shipped it, for its
+        word timings: the codec over them from a fresh state in its chunk schedule's calls (the engine's on the
+        CPU, so the same samples there), the leading silence trimmed as the engine trims it. Off the event loop;
+        on a GPU on a stream of its own, as clone_voice's encoders run."""
+        import numpy as np
+        import torch
+
+        from .engine.request import schedule_pieces
+        from .engine.silence import LeadingSilenceTrimmer
+
+        engine = self.engine
+        codec = self.model.codec
+        schedule = chunk_schedule or engine.config.chunk_schedule
+        device = self.model.device
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        pieces = []
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            state = codec.init_state(1, device=device)
+            codes = frames.to(device).clamp(0, self.model.config.talker.codebook_size - 1).T[None].contiguous()
+            start = 0
+            for n in schedule_pieces(tuple(schedule), codes.shape[2]):
+                pieces.append(codec.decode_chunk(codes[..., start: start + n], state)[0].float().cpu().numpy())
+                start += n
+        if not pieces:
+            return b""
+        pcm = np.concatenate(pieces)
+        if engine.config.trim_leading_silence:
+            trimmer = LeadingSilenceTrimmer(self.sample_rate, engine.config.silence_threshold_dbfs)
+            shipped = [trimmer.push(piece) for piece in pieces]
+            pcm = np.concatenate(shipped) if trimmer.started else trimmer.flush()
+        return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
     # ---- text streaming -----------------------------------------------------------------------------
     async def _first_text_ids(self, text_stream, voice, resume_frames: int = 0) -> list[int] | None:
