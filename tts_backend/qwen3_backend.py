@@ -323,7 +323,8 @@ class Qwen3Synthesizer(Synthesizer):
         from .engine.metrics import engine_metrics
 
         runner = self.engine.runner
-        families = engine_metrics(self.engine.stats_snapshot(), runner.fast_path(), runner.kernel_check)
+        families = engine_metrics(self.engine.stats_snapshot(), runner.fast_path(), runner.kernel_check,
+                                  runner.voice_kv_stats())
         batcher = self.aligner_batcher
         if batcher is not None:
             families += [

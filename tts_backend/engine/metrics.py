@@ -15,9 +15,10 @@ from ..base import BackendMetric
 
 
 def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
-                   kernel_check: dict | None = None) -> list[BackendMetric]:
+                   kernel_check: dict | None = None, voice_kv: dict | None = None) -> list[BackendMetric]:
     """`fast_path`: the runner's pieces in use (Qwen3ModelRunner.fast_path); `kernel_check`: its start-up
-    kernel check's measured disagreements, when it ran."""
+    kernel check's measured disagreements, when it ran; `voice_kv`: its cloned voices' prefix cache counters
+    (Qwen3ModelRunner.voice_kv_stats), where it has one."""
     stages = {stage.lower(): counts for stage, counts in snapshot["stages"].items()}  # label values in lower case
     thread_seconds = [((f"runner.{stage}",), s["runner_s"]) for stage, s in stages.items()]
     thread_seconds += [((f"post.{stage}",), s["post_s"]) for stage, s in stages.items()]
@@ -38,6 +39,20 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
         extra.append(BackendMetric("engine_kernel_check_error", "gauge", "Start-up disagreement of the Triton "
                                    "kernels with the layers they replace (relative; above the limit the piece "
                                    "is turned off)", ("check",), errors))
+    if voice_kv is not None:
+        extra += [
+            BackendMetric("engine_voice_kv_requests", "counter", "Requests in a cloned voice with a cacheable prompt "
+                          "prefix, by whether its K/V came from the cache (hit) or was prefilled (miss)", ("result",),
+                          ((("hit",), float(voice_kv["hits"])), (("miss",), float(voice_kv["misses"])))),
+            BackendMetric("engine_voice_kv_positions_saved", "counter", "Prompt positions not prefilled because "
+                          "their K/V came from the voice cache", samples=(((), float(voice_kv["positions_saved"])),)),
+            BackendMetric("engine_voice_kv_evictions", "counter", "Voice prefixes dropped to stay within the cache's "
+                          "bytes", samples=(((), float(voice_kv["evictions"])),)),
+            BackendMetric("engine_voice_kv_bytes", "gauge", "Device bytes of voice prefix K/V held now",
+                          samples=(((), float(voice_kv["bytes"])),)),
+            BackendMetric("engine_voice_kv_entries", "gauge", "Voice prefixes held now",
+                          samples=(((), float(voice_kv["entries"])),)),
+        ]
     return extra + [
         BackendMetric("engine_decisions", "counter", "Scheduling decisions of the engine thread (one per batch)",
                       samples=(((), float(snapshot["decisions"])),)),

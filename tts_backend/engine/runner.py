@@ -23,6 +23,7 @@ import torch
 
 from .graphs import GraphSet
 from .sampling_noise import gumbel_noise
+from .voice_kv import VoiceKVCache
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,11 @@ class Qwen3RunnerConfig:
     # In-context cloned voices whose reference-primed codec state is kept (about 5 MB each at the released
     # size), so a registered voice's reference frames go through the codec once, not before every request.
     primed_codec_states: int = 16
+    # Bytes of Talker K/V kept per runner for cloned voices' text-free prompt prefixes (engine/voice_kv.py): a
+    # request in a voice whose prefix is kept copies it into its slot and prefills only the rest of its
+    # prompt. "auto": 512 MiB on CUDA (a 1.7B Talker's K/V is 112 KiB a position in bf16: a prefix of 40
+    # positions, 4.5 MB), 32 MiB elsewhere; 0 turns it off (every prompt prefilled whole).
+    voice_kv_bytes: int | str = "auto"
     # Run codec batches on a CUDA stream of their own, overlapping generation, and hand their PCM back
     # through a pinned buffer and an event instead of blocking the engine thread (CUDA only; off elsewhere).
     codec_stream: bool = True
@@ -227,6 +233,15 @@ class Qwen3ModelRunner(ModelRunner):
         # Only a Base checkpoint speaks in cloned voices; other models capture no embedding prefill.
         self.clones = getattr(model, "speaker_encoder", None) is not None
         self.clone_len_buckets = tuple(sorted(n for n in cfg.clone_prefill_len_buckets if n <= cfg.max_len))
+        self.voice_kv = VoiceKVCache(self._voice_kv_bytes(cfg.voice_kv_bytes)) if self.clones else None
+        if self.voice_kv is not None and self.voice_kv.max_bytes == 0:
+            self.voice_kv = None
+        # With the voice cache, the rest of a prompt after a cached prefix is captured on (rest positions,
+        # attended positions) shapes, attending up to four times as far as it has positions (a prefix is the
+        # head and the reference transcript, shorter than the text and frames that follow it).
+        self.rest_graph_shapes = tuple(
+            (q, k) for k in self.clone_len_buckets for q in self.clone_len_buckets
+            if self.voice_kv is not None and q < k <= 4 * q)
         if cfg.resume_prefill not in ("auto", "batched", "stepwise"):
             raise ValueError(f"resume_prefill must be auto, batched or stepwise, not {cfg.resume_prefill!r}")
         self.resume_batched = cfg.resume_prefill == "batched" or (
@@ -265,6 +280,18 @@ class Qwen3ModelRunner(ModelRunner):
                 raise ValueError("off CUDA the Triton kernels run in Triton's interpreter, which takes fp32 only")
             return True
         return fits and self.device.type == "cuda"
+
+    def _voice_kv_bytes(self, setting: int | str) -> int:
+        if setting == "auto":
+            return (512 if self.device.type == "cuda" else 32) << 20
+        if isinstance(setting, bool) or not isinstance(setting, int) or setting < 0:
+            raise ValueError(f"voice_kv_bytes must be auto or a number of bytes >= 0, not {setting!r}")
+        return setting
+
+    def voice_kv_stats(self) -> dict | None:
+        """The voice prefix cache's counters (hits, misses, evictions, bytes, entries, positions_saved), or None
+        where there is none (not a Base checkpoint, or turned off). Plain ints, safe to read from any thread."""
+        return self.voice_kv.stats() if self.voice_kv is not None else None
 
     @staticmethod
     def _buckets(buckets: Sequence[int], limit: int) -> tuple[int, ...]:
@@ -417,7 +444,16 @@ class Qwen3ModelRunner(ModelRunner):
             self.fused_prefill = False
             self.graphs.discard("prefill")
             self._capture_prefill()
-        self._log_capture("prefill", mark)
+        mark = self._log_capture("prefill", mark)
+        if self.rest_graph_shapes:
+            try:
+                self._capture_rest_prefill()
+            except Exception:
+                # The rest of a cached voice's prompt then runs on the square bucket of the whole prompt.
+                log.exception("capturing the prefill after cached voice prefixes failed; it runs on the whole "
+                              "prompt's buckets")
+                self.graphs.discard("prefill_rest")
+            self._log_capture("prefill after voice prefixes", mark)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
@@ -506,13 +542,23 @@ class Qwen3ModelRunner(ModelRunner):
                 self.graphs.capture(("prefill", b, n), self._prefill_fn, example)
         if not self.clones:
             return
-        talker = self.model.talker.codec_head.weight
         for b in self.prefill_buckets:
             for n in self.clone_len_buckets:
-                example = [torch.full((b,), sc, device=dev, dtype=torch.long),
-                           torch.zeros(b, n, talker.shape[1], device=dev, dtype=talker.dtype),
-                           torch.ones(b, device=dev, dtype=torch.long)]
-                self.graphs.capture(("prefill_embeds", b, n), self._prefill_embeds, example)
+                self.graphs.capture(("prefill_embeds", b, n), self._prefill_embeds, self._embeds_example(b, n))
+
+    def _capture_rest_prefill(self) -> None:
+        for b in self.prefill_buckets:
+            for q, k in self.rest_graph_shapes:
+                self.graphs.capture(("prefill_rest", b, q, k), lambda *a, k=k: self._prefill_embeds(*a, attend_len=k),
+                                    self._embeds_example(b, q))
+
+    def _embeds_example(self, b: int, n: int) -> list[torch.Tensor]:
+        """Inputs of an embeddings prefill of b rows of n positions: slots (scratch), embeddings, lengths,
+        starts."""
+        dev, talker = self.device, self.model.talker.codec_head.weight
+        return [torch.full((b,), self.scratch, device=dev, dtype=torch.long),
+                torch.zeros(b, n, talker.shape[1], device=dev, dtype=talker.dtype),
+                torch.ones(b, device=dev, dtype=torch.long), torch.zeros(b, device=dev, dtype=torch.long)]
 
     # ---- sampling -----------------------------------------------------------------------------------
     def _sample_c0(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -592,16 +638,99 @@ class Qwen3ModelRunner(ModelRunner):
         emb = torch.where(has_codec[..., None], emb + talker.embed_codec(codec_ids.clamp(min=0)), emb)
         self._prefill_embeds(slots, emb, lengths)
 
-    def _prefill_embeds(self, slots, emb, lengths) -> None:
-        """emb [B, S, D] (rows right-padded), lengths [B] -> each row's prompt in its slot, c0 sampled."""
+    def _prefill_embeds(self, slots, emb, lengths, starts=None, attend_len: int | None = None) -> None:
+        """emb [B, S, D] (rows right-padded), lengths [B] -> each row's prompt in its slot, c0 sampled. With
+        `starts` [B], row b holds its prompt's positions starts[b].. (its slot already holds those before: a
+        voice prefix) and attends the slot's positions below `attend_len` (at least every start + length)."""
         B, S, _ = emb.shape
         pos = torch.arange(S, device=self.device)[None].expand(B, S)
+        if starts is not None:
+            # A padding position past a row's end may lie past the slot's end: it writes the last position,
+            # which only this row's own later decode steps read, after writing it themselves.
+            pos = (pos + starts[:, None]).clamp(max=self.config.max_len - 1)
+        attend = S if attend_len is None else attend_len
         if self.fused_prefill:
-            hidden = self.fused_talker.forward(emb, self.kv, slots, pos, S)
+            hidden = self.fused_talker.forward(emb, self.kv, slots, pos, attend)
         else:
-            hidden = self.model.talker(emb, self.kv, slots, pos, attend_len=S)
+            hidden = self.model.talker(emb, self.kv, slots, pos, attend_len=attend)
         last = hidden[torch.arange(B, device=self.device), lengths - 1]
-        self._after_talker(slots, last, lengths)
+        self._after_talker(slots, last, lengths if starts is None else starts + lengths)
+
+    # ---- cloned voices' prompt prefixes (engine/voice_kv.py) -------------------------------------------
+    def _voice_prefixes(self, requests: list[RequestState], embeds: list[torch.Tensor]) -> list[int]:
+        """Put each request's voice prefix (Prompt.voice_prefix) in its slot and return, per request, how many
+        leading prompt positions its slot now holds: copied from the voice cache, or, for a voice it lacks,
+        prefilled once for the batch (in the slot of its first request, then kept). 0 without a prefix or a
+        cache. Every request in a voice thus attends the same prefix K/V, made by a prefill of the prefix
+        alone, whichever request came first."""
+        cache = self.voice_kv
+        if cache is None:
+            return [0] * len(requests)
+        keys = [r.prompt.voice_prefix_digest() for r in requests]
+        entries: dict[bytes, torch.Tensor] = {}  # held for the batch: a put below may evict what a get found
+        builders: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            if key is None or key in entries or key in builders:
+                continue
+            kv = cache.get(key)
+            if kv is None:
+                builders[key] = i
+            else:
+                entries[key] = kv
+        if builders:
+            first = [requests[i] for i in builders.values()]
+            self._prefill_prefixes([r.slot for r in first],
+                                   [embeds[i][: requests[i].prompt.voice_prefix] for i in builders.values()])
+            for key, r in zip(builders, first):
+                entries[key] = self._read_prefix(r.slot, r.prompt.voice_prefix)
+                cache.put(key, entries[key])
+            cache.misses += len(builders)
+        copies = [(requests[i].slot, entries[key]) for i, key in enumerate(keys)
+                  if key is not None and builders.get(key) != i]
+        if copies:
+            self._copy_prefixes(copies)
+            cache.hits += len(copies)
+            cache.positions_saved += sum(kv.shape[2] for _, kv in copies)
+        return [r.prompt.voice_prefix if key is not None else 0 for r, key in zip(requests, keys)]
+
+    def _prefill_prefixes(self, slots: list[int], embeds: list[torch.Tensor]) -> None:
+        """The Talker over prefixes alone (K/V written, nothing sampled), uncaptured: it runs once per voice."""
+        from tts_backend.qwen3.generate import right_padded
+
+        if self.fused_prefill and len(embeds) == 1:
+            slots, embeds = slots + [self.scratch], embeds + [embeds[0][:1]]  # two rows: see _resume
+        x = right_padded(embeds)
+        B, S, _ = x.shape
+        slots_t = self._upload(torch.tensor(slots, dtype=torch.long))
+        pos = torch.arange(S, device=self.device)[None].expand(B, S)
+        if self.fused_prefill:
+            self.fused_talker.forward(x, self.kv, slots_t, pos, S, final_norm=False)
+        else:
+            self.model.talker(x, self.kv, slots_t, pos, attend_len=S)
+
+    def _read_prefix(self, slot: int, n: int) -> torch.Tensor:
+        """Positions 0..n-1 of a slot's K/V -> [2, layers, n, kv heads, head dim] (position-major, so entries
+        concatenate along positions for one scatter per layer)."""
+        layers = range(len(self.kv.k))
+        k = torch.stack([self.kv.k[i][slot, :, :n] for i in layers])
+        v = torch.stack([self.kv.v[i][slot, :, :n] for i in layers])
+        return torch.stack((k, v)).transpose(2, 3).contiguous()
+
+    def _copy_prefixes(self, copies: list[tuple[int, torch.Tensor]]) -> None:
+        """Each (slot, entry): the entry's K/V at positions 0.. of the slot; one scatter per layer and tensor for
+        the whole batch."""
+        rows: list[int] = []
+        positions: list[int] = []
+        for slot, kv in copies:
+            n = kv.shape[2]
+            rows += [slot] * n
+            positions += range(n)
+        src = copies[0][1] if len(copies) == 1 else torch.cat([kv for _, kv in copies], dim=2)
+        index = self._upload(torch.tensor(rows + positions, dtype=torch.long))
+        rows_t, pos_t = index[: len(rows)], index[len(rows):]
+        for i in range(len(self.kv.k)):
+            self.kv.k[i][rows_t, :, pos_t] = src[0, i]
+            self.kv.v[i][rows_t, :, pos_t] = src[1, i]
 
     def _prime_codec(self, slot: int, ref_codes: torch.Tensor) -> None:
         """An in-context clone's audio continues its reference clip (the reference decodes ref ++ generated and
@@ -669,18 +798,22 @@ class Qwen3ModelRunner(ModelRunner):
         slot_list = [r.slot for r in requests]
         slots_t = self._upload(torch.tensor(slot_list, dtype=torch.long))
         if self.resume_batched:
-            embeds = [torch.cat((m.prompt_embeds(r.prompt), x)) for r, x in zip(requests, inputs)]
+            prompts = [m.prompt_embeds(r.prompt) for r in requests]
+            starts = self._voice_prefixes(requests, prompts)
+            embeds = [torch.cat((e[s:], x)) for e, s, x in zip(prompts, starts, inputs)]
             rows = slots_t
             if self.fused_prefill and len(embeds) == 1:
                 # TorchDynamo traces a batch of one as a shape of its own, and each traced shape is an Inductor
                 # compile of seconds on the engine thread (see decode_buckets): a padding row on the scratch
                 # slot keeps the pass at two rows, as the captured prefill's buckets do.
                 embeds.append(embeds[0][:1])
+                starts = starts + [0]
                 rows = self._upload(torch.tensor(slot_list + [self.scratch], dtype=torch.long))
-            lengths = self._upload(torch.tensor([e.shape[0] for e in embeds], dtype=torch.long))
+            lengths = [e.shape[0] for e in embeds]
+            up = self._upload(torch.tensor([lengths, starts], dtype=torch.long))
             self._resumed_counters(requests)
             self._host_slots = slot_list
-            self._prefill_embeds(rows, right_padded(embeds), lengths)
+            self._prefill_embeds(rows, right_padded(embeds), up[0], up[1], max(s + n for s, n in zip(starts, lengths)))
         else:
             self._prompt_pass(requests, slot_list, slots_t)  # its sample is drawn again below, counters set
             last = []
@@ -858,7 +991,6 @@ class Qwen3ModelRunner(ModelRunner):
 
     def _prompt_pass(self, requests: list[RequestState], slot_list: list[int], slots_t: torch.Tensor) -> None:
         """The Talker over each request's prompt (captured where a bucket fits), codebook 0 of frame 0 sampled."""
-        from tts_backend.qwen3.generate import right_padded
         from tts_backend.qwen3.prompt import NO_CODEC
 
         m = self.model
@@ -869,21 +1001,10 @@ class Qwen3ModelRunner(ModelRunner):
             # sum per frame) and enter a prefill graph captured on embeddings, padded to its bucket as the id
             # prefill is (pad rows on the scratch slot; positions past a row's end are overwritten by its own
             # decode steps before any query sees them). Without a bucket (too long a prompt) it runs uncaptured.
+            # A voice prefix in the cache is copied into the slot first; only the rest is prefilled.
             embeds = [m.prompt_embeds(r.prompt) for r in requests]
-            longest = max(e.shape[0] for e in embeds)
-            b = self._graph_bucket(len(requests), self.prefill_buckets)
-            n = self._graph_bucket(longest, self.clone_len_buckets)
-            lengths = torch.ones(b or len(requests), dtype=torch.long)
-            lengths[: len(requests)] = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long)
-            if b is not None and n is not None and ("prefill_embeds", b, n) in self.graphs:
-                x = embeds[0].new_zeros(b, n, embeds[0].shape[-1])
-                for i, e in enumerate(embeds):
-                    x[i, : e.shape[0]] = e
-                self.graphs.run(("prefill_embeds", b, n), self._prefill_embeds,
-                                [self._slots(requests, b), x, self._upload(lengths)])
-                return
-            self._host_slots = slot_list
-            self._prefill_embeds(slots_t, right_padded(embeds), self._upload(lengths[: len(requests)]))
+            starts = self._voice_prefixes(requests, embeds)
+            self._prefill_rest(requests, slot_list, slots_t, [e[s:] for e, s in zip(embeds, starts)], starts)
             return
         longest = max(len(r.prompt) for r in requests)
         b = self._graph_bucket(len(requests), self.prefill_buckets)
@@ -910,6 +1031,46 @@ class Qwen3ModelRunner(ModelRunner):
         hidden = m.prefill(self.kv, slots_t, embeds)
         lengths_t = self._upload(torch.tensor([len(r.prompt) for r in requests], dtype=torch.long))
         self._after_talker(slots_t, hidden, lengths_t)
+
+    def _prefill_rest(self, requests: list[RequestState], slot_list: list[int], slots_t: torch.Tensor,
+                      rest: list[torch.Tensor], starts: list[int]) -> None:
+        """Embeddings `rest` [S_i, D] of each request's positions starts[i].. through the Talker, c0 sampled: on
+        the captured bucket of (rest positions, attended positions) where one fits, else the square bucket of
+        the attended positions, else uncaptured."""
+        from tts_backend.qwen3.generate import right_padded
+
+        count = len(requests)
+        lengths = [e.shape[0] for e in rest]
+        attend = max(s + n for s, n in zip(starts, lengths))
+        b = self._graph_bucket(count, self.prefill_buckets)
+        key = self._embeds_graph(b, max(lengths), attend)
+        rows = key[1] if key is not None else count
+        host = torch.zeros(2, rows, dtype=torch.long)
+        host[0] = 1  # padding rows: one position at the scratch slot's start
+        host[0, :count] = torch.tensor(lengths, dtype=torch.long)
+        host[1, :count] = torch.tensor(starts, dtype=torch.long)
+        up = self._upload(host)
+        if key is not None:
+            x = rest[0].new_zeros(rows, key[2], rest[0].shape[-1])
+            for i, e in enumerate(rest):
+                x[i, : e.shape[0]] = e
+            self.graphs.run(key, lambda *a: self._prefill_embeds(*a, attend_len=key[-1]),
+                            [self._slots(requests, rows), x, up[0], up[1]])
+            return
+        self._host_slots = slot_list
+        self._prefill_embeds(slots_t, right_padded(rest), up[0], up[1], attend)
+
+    def _embeds_graph(self, b: int | None, rest: int, attend: int) -> tuple | None:
+        """The captured embeddings prefill for `b` rows of at most `rest` new positions attending `attend`
+        (key[2]: the positions it runs, key[-1]: those it attends)."""
+        k = self._graph_bucket(attend, self.clone_len_buckets)
+        if b is None or k is None:
+            return None
+        q = _bucket(rest, self.clone_len_buckets)
+        for key in (("prefill_rest", b, q, k), ("prefill_embeds", b, k)):
+            if key in self.graphs:
+                return key
+        return None
 
     @torch.inference_mode()
     def frame(self, requests: list[RequestState]) -> list[bool]:

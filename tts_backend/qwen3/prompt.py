@@ -15,11 +15,18 @@ would be (codec-track SPEAKER_EMBEDDING), in both modes. In-context (ICL) mode t
   codec track Q = codec_bos, then each reference frame f as the sum of its 16 code embeddings (REF_FRAME)
   non-streaming: R over codec_pad, then Q under tts_pad
   streaming:     R[i] + Q[i] position-wise; R's excess is fed one per step, or tts_pad fills R up to |Q|
+
+The positions before t_1 do not depend on the request's text: in ICL mode the head (up to tts_bos), then the
+reference transcript's ids (over codec_pad, or summed with codec_bos and the first reference frames in streaming
+mode). That is `Prompt.voice_prefix`, what a runner may prefill once per voice. The reference frames themselves
+are not in it: non-streaming mode puts them after the text, streaming mode adds the text to them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +50,32 @@ class Prompt:
     text_complete: bool = True  # trailing already ends with tts_eos (no more text will be pushed)
     speaker_embedding: torch.Tensor | None = None  # [D] x-vector at the SPEAKER_EMBEDDING position
     ref_codes: torch.Tensor | None = None  # [F, G] reference codes at the REF_FRAME positions, in order
+    # Leading positions that depend on the voice (and language and text mode) alone, never on the request's
+    # text (module docstring); 0 where no runner should keep them apart (named voices, x-vector clones: their
+    # 8-9 such positions are not worth a cache lookup). At most len - 1: the last position's hidden state
+    # samples the first frame, so some prefill always remains.
+    voice_prefix: int = 0
 
     def __len__(self) -> int:
         return len(self.text_track)
+
+    def voice_prefix_digest(self) -> bytes | None:
+        """A digest of everything the voice prefix's positions hold (ids of both tracks, the x-vector, the
+        reference frames among them), or None without a prefix: equal digests, equal prefixes, whoever made
+        the voice (two tenants' identical clips share it, no two different clips meet)."""
+        n = self.voice_prefix
+        if n <= 0:
+            return None
+        codec = self.codec_track[:n]
+        frames = codec.count(REF_FRAME)
+        digest = hashlib.sha256(struct.pack("<qq", n, frames))
+        digest.update(torch.tensor(self.text_track[:n], dtype=torch.int64).numpy().tobytes())
+        digest.update(torch.tensor(codec, dtype=torch.int64).numpy().tobytes())
+        if SPEAKER_EMBEDDING in codec:
+            digest.update(self.speaker_embedding.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        if frames:
+            digest.update(self.ref_codes[:frames].to("cpu", torch.int64).contiguous().numpy().tobytes())
+        return digest.digest()
 
 
 def resolve_language(cfg: Qwen3TTSConfig, language: str | None, speaker: str | None) -> int | None:
@@ -222,8 +252,6 @@ class VoicePrompt:
 
 def _safetensors_metadata(data: bytes) -> dict:
     """The `__metadata__` of safetensors bytes (an 8-byte little-endian header length, then the JSON header)."""
-    import struct
-
     (length,) = struct.unpack("<Q", data[:8])
     return json.loads(data[8: 8 + length]).get("__metadata__") or {}
 
@@ -266,6 +294,7 @@ def build_clone_prompt(
     codec_track = [NO_CODEC] * 3
     text_track += [cfg.tts_pad_token_id] * (len(K) - 2) + [cfg.tts_bos_token_id]
     codec_track += K[:-1]
+    head = len(text_track)
     complete = text_complete or non_streaming_mode
     R = list(voice.ref_text_ids or []) + list(text_ids) + ([cfg.tts_eos_token_id] if complete else [])
     Q = [t.codec_bos_id] + [REF_FRAME] * voice.ref_codes.shape[0]
@@ -280,4 +309,9 @@ def build_clone_prompt(
     else:
         text_track += R + [cfg.tts_pad_token_id] * (len(Q) - len(R))
         codec_track += Q
-    return Prompt(text_track, codec_track, trailing, complete, voice.x_vector, voice.ref_codes)
+    # Both modes start R at `head`; its transcript part is the request's text-free part (in streaming mode only
+    # up to |Q|: R's excess is trailing text).
+    ref_text = len(voice.ref_text_ids or [])
+    prefix = head + (ref_text if non_streaming_mode else min(ref_text, len(Q)))
+    return Prompt(text_track, codec_track, trailing, complete, voice.x_vector, voice.ref_codes,
+                  voice_prefix=min(prefix, len(text_track) - 1))
