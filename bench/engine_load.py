@@ -255,7 +255,21 @@ def engine_breakdown(before: dict, after: dict) -> dict | None:
         "schedule_us_per_decision": sections.get("schedule", 0.0) / decisions * 1e6 if decisions else None,
         "codec_device_share": delta("voxgate_engine_codec_device_seconds_total").get("", 0.0) / wall,
         "rules": {rule: int(count) for rule, count in sorted(rules.items())},
+        "voice_kv": voice_kv_breakdown(delta),
     }
+
+
+def voice_kv_breakdown(delta) -> dict | None:
+    """Cloned voices' prompt prefixes (voxgate_engine_voice_kv_*): requests whose prefix K/V was copied (hits)
+    or prefilled (misses), evictions, and the prompt positions not prefilled, per hit and in all. None where
+    the engine has no voice cache (not a Base checkpoint, or turned off)."""
+    requests = delta("voxgate_engine_voice_kv_requests_total", "result")
+    if not requests:
+        return None
+    hits, saved = int(requests.get("hit", 0.0)), int(delta("voxgate_engine_voice_kv_positions_saved_total").get("", 0))
+    return {"hits": hits, "misses": int(requests.get("miss", 0.0)),
+            "evictions": int(delta("voxgate_engine_voice_kv_evictions_total").get("", 0)),
+            "positions_saved": saved, "positions_saved_per_hit": saved / hits if hits else None}
 
 
 def aligner_breakdown(before: dict, after: dict, engine: dict | None) -> dict | None:

@@ -281,3 +281,33 @@ def test_voice_kv_bytes_is_checked(model):
         Qwen3ModelRunner(model, Qwen3RunnerConfig(voice_kv_bytes=-1))
     assert Qwen3ModelRunner(model, Qwen3RunnerConfig(voice_kv_bytes=0)).voice_kv_stats() is None
     assert Qwen3ModelRunner(model, Qwen3RunnerConfig()).voice_kv_stats()["max_bytes"] == 32 << 20  # CPU default
+
+
+# ---- through a real gateway: two registrations of one clip share the prefix ------------------------------
+async def test_two_voices_from_one_clip_share_one_prefix_behind_a_gateway(tiny_base):
+    """voice.add of the same clip under two names (bench/engine_load.py's registrations), a session in each:
+    the second copies the prefix the first prefilled, and /metrics shows it as bench/engine_load.py reads it."""
+    import json
+
+    import websockets
+
+    from bench.engine_load import engine_breakdown, register_clones, scrape_counters
+    from tests.gateway_server import receive_until, running_gateway
+
+    options = {"max_active": 2, "max_len": 512, "greedy": True, "frame_cap_chars_per_second": 15}
+    with running_gateway("qwen3", model=str(tiny_base), device="cpu", backend_options=options,
+                         ready_timeout_s=120) as server:
+        names = [entry["name"] for entry in register_clones(server.url, "icl", [3.0])]
+        assert names == ["bench-icl-3s", "bench-icl-3s-again"]
+        before = scrape_counters(server.url)
+        for name in names:
+            async with websockets.connect(server.ws_url) as ws:
+                await ws.send(json.dumps({"type": "session.config", "voice": name, "stream_audio": True}))
+                await ws.send(json.dumps({"type": "input.text", "text": TEXTS[0]}))
+                await ws.send(json.dumps({"type": "input.done"}))
+                messages = await receive_until(ws, "session.done", timeout=120)
+            assert any(isinstance(m, dict) and m["type"] == "audio.done" for m in messages)
+        after = scrape_counters(server.url)
+    kv = engine_breakdown(before, after)["voice_kv"]
+    assert kv["misses"] == 1 and kv["hits"] == 1 and kv["evictions"] == 0
+    assert kv["positions_saved"] == kv["positions_saved_per_hit"] > 8  # the head and the bench's transcript
