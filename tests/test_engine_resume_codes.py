@@ -147,15 +147,16 @@ async def test_every_cut_resumes_byte_exact_alone(tiny_custom_voice, streaming_t
 
 
 class CodecCalls:
-    """The frames of each codec call a request's stream made, by seed (the runner's codec_launch, spied)."""
+    """Each codec call a request's stream was in, by seed: (frames, streams in the call) (the runner's
+    codec_launch, spied)."""
 
     def __init__(self, runner) -> None:
-        self.calls: dict[int, list[int]] = {}
+        self.calls: dict[int, list[tuple[int, int]]] = {}
         launch = runner.codec_launch
 
         def recording(requests, frames):
             for r in requests:
-                self.calls.setdefault(r.seed, []).append(frames)
+                self.calls.setdefault(r.seed, []).append((frames, len(requests)))
             return launch(requests, frames)
 
         runner.codec_launch = recording
@@ -163,9 +164,10 @@ class CodecCalls:
 
 async def test_a_resumed_request_beside_others_makes_the_same_frames_and_audio(tiny_custom_voice):
     """Beside other requests the resumed request's frames are the uninterrupted run's, exactly. Its audio is too,
-    byte for byte, wherever its codec calls are the uninterrupted run's; the company may change them (the
-    scheduler decodes a stream's pending frames in bulk), and a codec call's size moves its output in the last
-    bits, so elsewhere the samples are within one step of rounding."""
+    byte for byte, wherever its codec calls are the uninterrupted run's. The company may change them: the
+    scheduler decodes a stream's pending frames in bulk, and other streams share its calls; a codec call's
+    frames and rows move its output in the last bits on the CPU, so then the samples are within one step of
+    rounding."""
     backend = await started(tiny_custom_voice, trim_leading_silence=False)
     spy = CodecCalls(backend.engine.runner)
     try:
@@ -182,7 +184,8 @@ async def test_a_resumed_request_beside_others_makes_the_same_frames_and_audio(t
                 results = await asyncio.gather(chunks_of(backend, resumed), *(chunks_of(backend, r) for r in others))
                 assert joined(results[0], 1) == joined(whole[cut:], 1), (streaming_text, cut)
                 frames = len(joined(whole[:cut], 1)) // (2 * backend.codebooks)
-                if calls[:cut] == schedule_pieces((2, 4, 8, 12), frames) and spy.calls[3] == calls[cut:]:
+                if [f for f, _ in calls[:cut]] == schedule_pieces((2, 4, 8, 12), frames) and \
+                        spy.calls[3] == calls[cut:]:
                     assert joined(results[0], 0) == joined(whole[cut:], 0), (streaming_text, cut)
                     exact += 1
                 else:
