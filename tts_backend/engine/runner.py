@@ -152,6 +152,11 @@ class Qwen3RunnerConfig:
     # prompt. "auto": 512 MiB on CUDA (a 1.7B Talker's K/V is 112 KiB a position in bf16: a prefix of 40
     # positions, 4.5 MB), 32 MiB elsewhere; 0 turns it off (every prompt prefilled whole).
     voice_kv_bytes: int | str = "auto"
+    # Positions of the captured prefill of the rest of a prompt after a cached voice prefix, each captured
+    # against every attended length of clone_prefill_len_buckets from it to four times it. Finer than those:
+    # a whole-text request's rest (its text, then the reference frames) is most of its prompt, so with
+    # powers of two it would mostly land in the whole prompt's bucket (10 s clip: 138 of 160 positions).
+    voice_kv_rest_buckets: tuple[int, ...] = (16, 32, 64, 96, 128, 160, 192, 224, 256, 384)
     # Run codec batches on a CUDA stream of their own, overlapping generation, and hand their PCM back
     # through a pinned buffer and an event instead of blocking the engine thread (CUDA only; off elsewhere).
     codec_stream: bool = True
@@ -239,8 +244,9 @@ class Qwen3ModelRunner(ModelRunner):
         # With the voice cache, the rest of a prompt after a cached prefix is captured on (rest positions,
         # attended positions) shapes, attending up to four times as far as it has positions (a prefix is the
         # head and the reference transcript, shorter than the text and frames that follow it).
+        self.rest_len_buckets = tuple(sorted(cfg.voice_kv_rest_buckets))
         self.rest_graph_shapes = tuple(
-            (q, k) for k in self.clone_len_buckets for q in self.clone_len_buckets
+            (q, k) for k in self.clone_len_buckets for q in self.rest_len_buckets
             if self.voice_kv is not None and q < k <= 4 * q)
         if cfg.resume_prefill not in ("auto", "batched", "stepwise"):
             raise ValueError(f"resume_prefill must be auto, batched or stepwise, not {cfg.resume_prefill!r}")
@@ -1066,7 +1072,7 @@ class Qwen3ModelRunner(ModelRunner):
         k = self._graph_bucket(attend, self.clone_len_buckets)
         if b is None or k is None:
             return None
-        q = _bucket(rest, self.clone_len_buckets)
+        q = _bucket(rest, self.rest_len_buckets)
         for key in (("prefill_rest", b, q, k), ("prefill_embeds", b, k)):
             if key in self.graphs:
                 return key
