@@ -101,6 +101,11 @@ class ScriptedRunnerTestDouble(ModelRunner):
 
     def prefill(self, requests):
         self._record("prefill", requests)
+        # A request resumed after its script's last frame samples EOS at once (RequestState.resume is opaque to
+        # the engine: here it is the frame count, which the engine has put in frames_generated).
+        if any(r.resume is not None for r in requests):
+            return [r.resume is not None and r.frames_generated >= r.prompt.frames for r in requests]
+        return None
 
     def frame(self, requests):
         self._record("frame", requests)

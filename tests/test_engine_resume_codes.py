@@ -66,6 +66,39 @@ async def test_an_all_silent_stream_ships_its_held_tail_with_every_code():
     assert chunks[-1][0]  # the flushed quiet tail carries the codes held with it
 
 
+async def scripted_run(frames: int, resume_frames: int = 0, schedule=(2, 4, 8, 12)):
+    runner = ScriptedRunnerTestDouble(max_slots=2)
+    engine = Engine(runner, EngineConfig(scheduler=SchedulerConfig(max_active=2), chunk_schedule=schedule))
+    engine.start_inline()
+    stream = engine.submit(Script(frames), seed=1, max_frames=1000, resume=resume_frames or None,
+                           resume_frames=resume_frames)
+    while engine.step() is not None:
+        pass
+    chunks = [chunk async for chunk in stream.chunks()]
+    return chunks, [c[2] for c in runner.calls if c[0] == "codec"], runner
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 6, 14, 30])
+async def test_the_engine_resumes_where_the_uninterrupted_stream_was(k):
+    # The scripted runner's audio and codes follow frames_decoded: a resumed request that starts its counters
+    # where the uninterrupted one had them yields exactly its audio and codes after frame k, and its codec
+    # calls go on with the chunk schedule where that run's were.
+    whole, calls, _ = await scripted_run(40)
+    rest, rest_calls, runner = await scripted_run(40, k)
+    pcm, codes = joined(whole, 0), joined(whole, 1)
+    assert joined(rest, 0) == pcm[k * SPF * 2:]
+    assert np.frombuffer(joined(rest, 1), "<u2").tolist() == list(range(k, 40))
+    if schedule_pieces((2, 4, 8, 12), k) == calls[: len(schedule_pieces((2, 4, 8, 12), k))]:  # k ends a call
+        assert rest_calls == calls[len(schedule_pieces((2, 4, 8, 12), k)):]
+    assert runner.talker_steps[1] == 40 - k  # steps k+1..40 (the last samples EOS); step k ran in the prefill
+    assert len(codes) == 2 * 40
+
+
+async def test_a_request_resumed_at_its_end_ends_with_nothing():
+    chunks, calls, runner = await scripted_run(12, 12)
+    assert chunks == [] and calls == [] and runner.released == [1]
+
+
 def test_schedule_pieces_are_the_calls_a_schedule_makes():
     assert schedule_pieces((2, 4, 8, 12), 0) == []
     assert schedule_pieces((2, 4, 8, 12), 5) == [2, 3]
