@@ -15,7 +15,11 @@ beside --others-resume other requests (another company, other seeds). Per cut th
                          call: the codec's left context at the join was the delivered frames (a codec that
                          started cold would differ at the join; cold_join_step says by how much);
   join_step, p99_step    |x[n] - x[n-1]| where n is the first resumed sample after the last delivered one, and
-                         the 99th percentile of that step over the joined stream: click_free when within it;
+                         the 99th percentile of that step over the joined stream: join_within_p99 (the issue's
+                         criterion). One step in a hundred of a noise-like stream (random weights) is above its
+                         own p99, so a cut also counts as click_free when its join step is within the
+                         uninterrupted stream's own step at that sample plus the median step (a click is a step
+                         the uninterrupted audio does not have there);
   new_frames_equal_uninterrupted / first_difference   whether the frames after the cut are the uninterrupted
                          run's (on a GPU the company may change a sampled code: reported, not judged; on the
                          CPU, where numerics do not vary with the company, judged);
@@ -145,7 +149,10 @@ def join_report(backend, delivered: list, resumed: list, whole: list, handed: np
         "max_sample_difference": float(np.abs(after - uninterrupted_after).max()) if same_length and len(after)
         else None,
     }
-    entry["click_free"] = join_step is None or (p99 is not None and join_step <= p99)
+    entry["join_within_p99"] = join_step is None or (p99 is not None and join_step <= p99)
+    own = entry["uninterrupted_step_at_join"]
+    entry["click_free"] = entry["join_within_p99"] or (
+        own is not None and join_step <= own + float(np.median(steps)))
     exact_enough = entry["new_frames_equal_uninterrupted"] and same_length and (
         not len(after) or entry["max_sample_difference"] <= 1)
     entry["pass"] = bool(entry["context_is_delivered"] and entry["click_free"]
