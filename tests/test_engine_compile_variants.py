@@ -37,3 +37,23 @@ def test_capture_traces_one_variant_per_function_and_shape_class():
     # size, frame count and prompt length within a class add none (duck sizing, 1-row batches and strided
     # inputs each added some before).
     assert counts == {"decode": 2, "cp": 1, "codec": 3, "prefill": 1, "total": 7}, counts
+
+
+def test_a_base_checkpoints_clone_prefills_trace_no_variant_of_their_own():
+    """A Base checkpoint captures the embeddings prefill (cloned voices) and, with the voice prefix cache, the
+    prefill of a prompt's rest after a cached prefix (fewer positions than it attends): both are the id
+    prefill's variant (same strides, sizes symbolic)."""
+    code = textwrap.dedent("""
+        import json
+        from bench.compile_variants import count_variants
+        print(json.dumps(count_variants("small", model_type="base", config_overrides=dict(
+            max_slots=8, decode_buckets=(2, 4, 8), codec_batch_buckets=(2, 4, 8), codec_frames=(1, 2, 3, 4),
+            prefill_len_buckets=(16, 32), clone_prefill_len_buckets=(16, 32, 64, 128),
+            voice_kv_rest_buckets=(16, 32, 64, 96)))))
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts == {"decode": 2, "cp": 1, "codec": 3, "prefill": 1, "prefill_embeds": 0, "prefill_rest": 0,
+                      "total": 7}, counts

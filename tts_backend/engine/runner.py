@@ -649,7 +649,9 @@ class Qwen3ModelRunner(ModelRunner):
         `starts` [B], row b holds its prompt's positions starts[b].. (its slot already holds those before: a
         voice prefix) and attends the slot's positions below `attend_len` (at least every start + length)."""
         B, S, _ = emb.shape
-        pos = torch.arange(S, device=self.device)[None].expand(B, S)
+        # Contiguous, with or without starts, in every prefill (here and _prefill_prefixes): TorchDynamo guards
+        # on strides, and a broadcast [B, S] beside a materialised one is one more compiled variant (~8 s).
+        pos = torch.arange(S, device=self.device).repeat(B, 1)
         if starts is not None:
             # A padding position past a row's end may lie past the slot's end: it writes the last position,
             # which only this row's own later decode steps read, after writing it themselves.
@@ -708,7 +710,7 @@ class Qwen3ModelRunner(ModelRunner):
         x = right_padded(embeds)
         B, S, _ = x.shape
         slots_t = self._upload(torch.tensor(slots, dtype=torch.long))
-        pos = torch.arange(S, device=self.device)[None].expand(B, S)
+        pos = torch.arange(S, device=self.device).repeat(B, 1)  # as in _prefill_embeds
         if self.fused_prefill:
             self.fused_talker.forward(x, self.kv, slots_t, pos, S, final_norm=False)
         else:
