@@ -692,13 +692,12 @@ class Qwen3ModelRunner(ModelRunner):
             for key, r in zip(builders, first):
                 entries[key] = self._read_prefix(r.slot, r.prompt.voice_prefix)
                 cache.put(key, entries[key])
-            cache.misses += len(builders)
+            cache.count_misses(len(builders))
         copies = [(requests[i].slot, entries[key]) for i, key in enumerate(keys)
                   if key is not None and builders.get(key) != i]
         if copies:
             self._copy_prefixes(copies)
-            cache.hits += len(copies)
-            cache.positions_saved += sum(kv.shape[2] for _, kv in copies)
+            cache.count_hits(len(copies), sum(kv.shape[2] for _, kv in copies))
         return [r.prompt.voice_prefix if key is not None else 0 for r, key in zip(requests, keys)]
 
     def _prefill_prefixes(self, slots: list[int], embeds: list[torch.Tensor]) -> None:

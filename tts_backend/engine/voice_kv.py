@@ -54,6 +54,15 @@ class VoiceKVCache:
         self.bytes += size
         return True
 
+    def count_misses(self, prefixes: int) -> None:
+        """`prefixes` prefilled by the caller (and offered to `put`)."""
+        self.misses += prefixes
+
+    def count_hits(self, requests: int, positions: int) -> None:
+        """`requests` whose prefix the caller copied from entries instead of prefilling, `positions` in all."""
+        self.hits += requests
+        self.positions_saved += positions
+
     def stats(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "bytes": self.bytes,
                 "entries": len(self._entries), "max_bytes": self.max_bytes, "positions_saved": self.positions_saved}
