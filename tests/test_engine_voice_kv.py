@@ -255,6 +255,32 @@ async def test_cached_voices_speak_the_models_own_audio_alone_batched_and_evicte
         await backend.stop()
 
 
+async def test_sampled_requests_make_the_same_codes_with_the_cache_as_without(tiny_base):
+    """Seeded sampling (the stateless sampler), fp32, a batch of in-context voices in both text modes beside an
+    x-vector one: with the voice cache (the prefixes made by the first round, copied in the second) the codes
+    and so the audio are those of an engine that prefills every prompt whole."""
+    results = {}
+    for voice_kv_bytes in (0, 1 << 20):
+        backend = await started(tiny_base, dtype="float32", sampler="stateless", trim_leading_silence=False,
+                                runner_options={"voice_kv_bytes": voice_kv_bytes})
+        try:
+            a = await backend.clone_voice(reference(_clip(3.21, 1), REF_TEXT), x_vector_only=False)
+            b = await backend.clone_voice(reference(_clip(2.0, 4), "Other reference words."), x_vector_only=False)
+            x = await backend.clone_voice(reference(_clip(2.0, 5)), x_vector_only=True)
+            requests = [SynthesisRequest(text=TEXTS[i % 2], voice="cloned", seed=20 + i, max_new_tokens=20,
+                                         voice_prompt=voice, streaming_text=bool(i % 2))
+                        for i, voice in enumerate((a, b, x, a))]
+            results[voice_kv_bytes] = [await asyncio.gather(*(audio_of(backend, r) for r in requests))
+                                       for _ in range(2)]
+            stats = backend.engine.runner.voice_kv_stats()
+        finally:
+            await backend.stop()
+    assert stats["hits"] >= 3  # the second round copied every in-context prefix
+    for whole, cached in zip(results[0], results[1 << 20]):
+        for want, got in zip(whole, cached):
+            assert len(got) == len(want) > 0 and np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("streaming_text", [False, True])
 async def test_a_cloned_voice_resumes_from_its_codes_byte_exact(tiny_base, streaming_text):
     """Resume from codes (issue 33) with the voice prefix cached: the resumed request's prompt pass copies the
