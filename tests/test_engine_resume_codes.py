@@ -66,8 +66,9 @@ async def test_an_all_silent_stream_ships_its_held_tail_with_every_code():
     assert chunks[-1][0]  # the flushed quiet tail carries the codes held with it
 
 
-async def scripted_run(frames: int, resume_frames: int = 0, schedule=(2, 4, 8, 12)):
+async def scripted_run(frames: int, resume_frames: int = 0, schedule=(2, 4, 8, 12), continues: bool = True):
     runner = ScriptedRunnerTestDouble(max_slots=2)
+    runner.resume_continues_schedule = continues
     engine = Engine(runner, EngineConfig(scheduler=SchedulerConfig(max_active=2), chunk_schedule=schedule))
     engine.start_inline()
     stream = engine.submit(Script(frames), seed=1, max_frames=1000, resume=resume_frames or None,
@@ -78,17 +79,20 @@ async def scripted_run(frames: int, resume_frames: int = 0, schedule=(2, 4, 8, 1
     return chunks, [c[2] for c in runner.calls if c[0] == "codec"], runner
 
 
+@pytest.mark.parametrize("continues", [True, False], ids=["schedule-goes-on", "schedule-restarts"])
 @pytest.mark.parametrize("k", [1, 2, 5, 6, 14, 30])
-async def test_the_engine_resumes_where_the_uninterrupted_stream_was(k):
+async def test_the_engine_resumes_where_the_uninterrupted_stream_was(k, continues):
     # The scripted runner's audio and codes follow frames_decoded: a resumed request that starts its counters
-    # where the uninterrupted one had them yields exactly its audio and codes after frame k, and its codec
-    # calls go on with the chunk schedule where that run's were.
+    # where the uninterrupted one had them yields exactly its audio and codes after frame k. Its codec calls go
+    # on with the chunk schedule where that run's were, or (a GPU runner) start again at the smallest chunk.
     whole, calls, _ = await scripted_run(40)
-    rest, rest_calls, runner = await scripted_run(40, k)
+    rest, rest_calls, runner = await scripted_run(40, k, continues=continues)
     pcm, codes = joined(whole, 0), joined(whole, 1)
     assert joined(rest, 0) == pcm[k * SPF * 2:]
     assert np.frombuffer(joined(rest, 1), "<u2").tolist() == list(range(k, 40))
-    if schedule_pieces((2, 4, 8, 12), k) == calls[: len(schedule_pieces((2, 4, 8, 12), k))]:  # k ends a call
+    if not continues:
+        assert rest_calls == schedule_pieces((2, 4, 8, 12), 40 - k)
+    elif schedule_pieces((2, 4, 8, 12), k) == calls[: len(schedule_pieces((2, 4, 8, 12), k))]:  # k ends a call
         assert rest_calls == calls[len(schedule_pieces((2, 4, 8, 12), k)):]
     assert runner.talker_steps[1] == 40 - k  # steps k+1..40 (the last samples EOS); step k ran in the prefill
     assert len(codes) == 2 * 40
@@ -253,12 +257,15 @@ async def test_cloned_voices_resume_byte_exact(tiny_base):
 
 
 async def test_the_gpus_path_resumes_with_the_same_frames(tiny_custom_voice):
-    # The fused layers (eager here) and the batched teacher-forcing pass, as on a GPU: the same frames after
-    # every cut; the samples within one step of rounding (the pass's logits are not bitwise the steps').
+    # The fused layers (eager here), the batched teacher-forcing pass and a chunk schedule that starts again, as
+    # on a GPU: the same frames after every cut; the samples within one step of rounding (the pass's logits are
+    # not bitwise the steps', and the codec's calls are not the uninterrupted run's).
     backend = await started(tiny_custom_voice, trim_leading_silence=False,
                             runner_options={"fused": True, "kernels": "inductor", "resume_prefill": "batched"})
+    runner = backend.engine.runner
+    runner.resume_continues_schedule = False  # as on CUDA: the codec primed in 64-frame calls, the schedule anew
     try:
-        assert backend.engine.runner.fused and backend.engine.runner.resume_batched
+        assert runner.fused and runner.resume_batched
         for streaming_text in (False, True):
             whole = await chunks_of(backend, request(streaming_text=streaming_text))
             for cut in range(1, len(whole)):

@@ -275,8 +275,9 @@ class Engine:
         the request after `resume_frames` frames it delivered before (resume from codes, base.py); `resume` is
         what the runner needs for that (the Qwen3 runner: their codes). The stream then yields what the
         uninterrupted request yields after those frames: its counters start where that request's were (frames
-        generated and decoded, text tokens taken, chunks of its schedule), and no leading silence is trimmed
-        (its audio had started: the delivered chunks carried audio)."""
+        generated and decoded, text tokens taken, and chunks of its schedule where the runner asks:
+        ModelRunner.resume_continues_schedule), and no leading silence is trimmed (its audio had started: the
+        delivered chunks carried audio)."""
         if not self.ready:
             raise SynthesisError("engine is not ready")
         if len(self._streams) >= self.config.scheduler.max_active + self.config.max_queued:
@@ -298,9 +299,10 @@ class Engine:
             frames = int(resume_frames)
             request.resume = resume
             request.frames_generated = request.frames_decoded = request.text_fed = frames
-            # The schedule goes on where the uninterrupted request's was, so the codec decodes the frames after
-            # the resume point in the calls that request made (see Qwen3ModelRunner._resume).
-            request.chunks_decoded = len(schedule_pieces(schedule, frames))
+            # The schedule goes on where the uninterrupted request's was (the codec then decodes the frames after
+            # the resume point in the calls that request made), or starts again (ModelRunner's choice).
+            if self.runner.resume_continues_schedule:
+                request.chunks_decoded = len(schedule_pieces(schedule, frames))
         stream = EngineStream(self, request.request_id, request.output, loop or asyncio.get_running_loop())
         self._streams[request.request_id] = stream
         self._commands.append(("submit", request))

@@ -66,6 +66,12 @@ class ModelRunner(abc.ABC):
 
     # How many codec batches may be in flight at once; they run in launch order and are collected in it.
     codec_depth: int = 1
+    # Whether a resumed request's chunk schedule goes on where the uninterrupted request's was, so that its codec
+    # calls are that request's (a codec call's size moves its output in the last bits: with the same calls the
+    # audio is bitwise the same where nothing else varies, the CPU), or starts again at its first, smallest
+    # chunk, so that the first new audio comes sooner (a GPU, whose numerics vary with the batch company anyway:
+    # at 12 frames a chunk the listener would wait for 12 frames, some 80 ms, where 2 take some 15).
+    resume_continues_schedule: bool = True
 
     @abc.abstractmethod
     def codec_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
@@ -252,6 +258,7 @@ class Qwen3ModelRunner(ModelRunner):
             raise ValueError(f"resume_prefill must be auto, batched or stepwise, not {cfg.resume_prefill!r}")
         self.resume_batched = cfg.resume_prefill == "batched" or (
             cfg.resume_prefill == "auto" and self.device.type == "cuda")
+        self.resume_continues_schedule = self.device.type != "cuda"
         self._allocated = False
         self.kernel_check: dict | None = None  # the start-up kernel check's measurements, when it ran
         self.codec_compiled = False
@@ -794,10 +801,10 @@ class Qwen3ModelRunner(ModelRunner):
             text = self.trail_buf[r.slot, steps.clamp(max=cap - 1)]
             text = torch.where((steps < self.trail_len_host[r.slot])[:, None], text, self.pad_embed)
             inputs.append(m.frame_embeds(codes[:, 0], codes[:, 1:]) + text)
-            # The codec state the uninterrupted request's codec batches left. On the CPU in the pieces its
-            # chunk schedule decoded (the codec's output depends on its call sizes in the last bits; with the
-            # same pieces the state is the same, bit for bit); on a GPU in 64-frame pieces, fewer calls.
-            pieces = schedule_pieces(r.chunk_schedule, k) if self.device.type != "cuda" else [64] * (-(-k // 64))
+            # The codec state the uninterrupted request's codec batches left. Where the schedule goes on (the
+            # CPU) in the pieces its chunk schedule decoded (the codec's output depends on its call sizes in the
+            # last bits; with the same pieces the state is the same, bit for bit); else in 64-frame pieces.
+            pieces = schedule_pieces(r.chunk_schedule, k) if self.resume_continues_schedule else [64] * (-(-k // 64))
             self._prime_codec_frames(r.slot, codes, pieces)
             self.trail_pos[r.slot] = k
             self.written[r.slot] = k
