@@ -1,13 +1,15 @@
 """Resume from codes through the worker pool with the real Qwen3 engine (issue 33): two `voxgate worker`
 processes serving the tiny random checkpoint on the CPU (stateless sampler), the one speaking killed after a
 random number of chunks. The pool goes on from the delivered codes on the other worker (not made again: its
-engine is handed those frames), and the listener's audio is the uninterrupted run's, byte for byte."""
+engine is handed those frames), and the listener's audio is the uninterrupted run's, byte for byte: through the
+pool alone, and through a real gateway whose sessions are in Redis."""
 
 from __future__ import annotations
 
 import random
 
 from tests.qwen3_fixtures import tiny_custom_voice  # noqa: F401 - session fixture
+from tests.redis_fixtures import redis_prefix  # noqa: F401 (fixture)
 from tests.worker_fixtures import pool, token_file, workers  # noqa: F401 (fixture)
 from tts_backend.base import SynthesisRequest
 from tts_backend.registry import create_backend
@@ -54,3 +56,65 @@ async def test_a_qwen3_worker_killed_mid_sentence_goes_on_from_its_codes(tiny_cu
             assert remote.failovers == 1 and remote.resumed_from_codes == 1
         finally:
             await remote.stop()
+
+
+async def test_through_a_gateway_with_redis_the_listener_hears_one_take(tiny_custom_voice, token_file,  # noqa: F811
+                                                                       redis_prefix):  # noqa: F811
+    """A real gateway whose sessions are in Redis, over a pool of two qwen3 workers: a session's sentence, cut by
+    a worker's death after a random number of audio frames, reaches the client as the uninterrupted session's
+    sentence, byte for byte, and the store held the codes delivered."""
+    import asyncio
+    import json
+
+    from gateway.store.redis import RedisSessionStore
+    from tests.gateway_server import audio_by_sentence, open_session, running_gateway
+    from tests.redis_fixtures import REDIS_URL
+
+    config = {"type": "session.config", "voice": "ryan", "response_format": "pcm", "seed": 11, "stream_audio": True}
+
+    async def speak(gateway, kill=None) -> tuple[bytes, str]:
+        ws, started, _ = await open_session(gateway.ws_url, config)
+        assert ws is not None, started
+        await ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        messages, frames = [], 0
+        while True:
+            frame = await asyncio.wait_for(ws.recv(), 60)
+            if isinstance(frame, bytes):
+                messages.append(frame)
+                frames += 1
+                if kill is not None and frames == kill[0]:
+                    await kill[1](started["session_id"])
+                continue
+            message = json.loads(frame)
+            assert message["type"] != "error", message
+            messages.append(message)
+            if message["type"] == "session.done":
+                break
+        await ws.close()
+        return audio_by_sentence(messages)[0], started["session_id"]
+
+    args = qwen3_worker_args(tiny_custom_voice, token_file)
+    with workers(args, args) as procs:
+        by_id = {w.worker_id: w for w in procs}
+        remote = pool(*(w.address for w in procs))
+        with running_gateway(remote, store="redis", redis_url=REDIS_URL, redis_key_prefix=redis_prefix) as gateway:
+            whole, _ = await speak(gateway)
+            cut_at = random.Random().randrange(2, 7)  # of some 15 chunks: well before the worker finishes
+            print(f"killing the worker after {cut_at} audio frames")
+
+            async def kill(session_id: str) -> None:
+                serving = [m for m in remote.members.values() if m.streams]
+                assert len(serving) == 1
+                by_id[serving[0].id].kill()
+                store = RedisSessionStore(REDIS_URL, key_prefix=redis_prefix)
+                await store.start()
+                try:
+                    sentence = (await store.get(session_id)).sentences[0]
+                finally:
+                    await store.stop()
+                assert sentence.codes and len(sentence.codes) % (2 * remote.codebooks) == 0
+
+            cut, _ = await speak(gateway, (cut_at, kill))
+            assert cut == whole
+            assert remote.failovers == 1 and remote.resumed_from_codes == 1
