@@ -263,8 +263,14 @@ def serve(decode=None) -> None:
     """The decoder process: limit itself (argv: memory bytes, CPU seconds per clip), say it is ready,
     then decode clips from stdin until it closes. `decode` is gateway.audio.reference.decode_clip unless
     a test plants another."""
+    from .pyav import PyAVMissing, pyav
     from .reference import InvalidReferenceAudio, decode_clip
     from .sandbox import close_inherited_descriptors, confine
+
+    try:  # PyAV and FFmpeg's libraries load before the memory limit and the sandbox, as at module import
+        pyav("decoding reference audio")
+    except PyAVMissing:
+        pass  # a stripped install: each clip is refused, saying why
 
     close_inherited_descriptors()
     decode = decode or decode_clip
@@ -285,6 +291,8 @@ def serve(decode=None) -> None:
             answer = _OK, decode(data, min_s, max_s, rate).astype("<f4").tobytes()
         except InvalidReferenceAudio as refused:
             answer = _REFUSED, str(refused).encode()[:MAX_MESSAGE_BYTES]
+        except PyAVMissing as missing:
+            answer = _REFUSED, str(missing).encode()
         except MemoryError:
             answer = _REFUSED, b"the reference audio needs more memory to decode than a clip may use"
         except Exception as exc:  # noqa: BLE001 - whatever FFmpeg or numpy raise, the clip is refused

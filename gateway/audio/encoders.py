@@ -32,10 +32,10 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import av
 import numpy as np
 
 from . import pcm as audio
+from .pyav import pyav
 
 OGG_PAGE_MS = 60
 
@@ -134,12 +134,14 @@ class _Muxed:
         options = {"fflags": "+bitexact", "flush_packets": "1", **codec.muxer_options}
         if codec.muxer == "ogg":
             options["serial_offset"] = str(serial)
+        av = pyav("compressed output (mp3, opus, aac, flac)")
         self._container = av.open(self._sink, mode="w", format=codec.muxer, container_options=options)
         self._stream = self._container.add_stream(codec.codec, rate=rate, options=dict(codec.codec_options))
         context = self._stream.codec_context
         context.layout = "mono"
         if codec.bit_rate is not None:
             context.bit_rate = codec.bit_rate
+        self._av = av
         self._rate = rate
         self._samples = 0
         self._ogg = codec.muxer == "ogg"
@@ -166,7 +168,7 @@ class _Muxed:
 
     def encode(self, samples: np.ndarray) -> bytes:
         if len(samples):
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.int16).reshape(1, -1),
+            frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.int16).reshape(1, -1),
                                                format="s16", layout="mono")
             frame.sample_rate = self._rate
             frame.pts = self._samples

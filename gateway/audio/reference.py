@@ -19,9 +19,10 @@ import binascii
 import io
 import re
 
-import av
 import numpy as np
 import soxr
+
+from .pyav import pyav
 
 _DATA_URL = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*;base64,", re.IGNORECASE)
 _URL = re.compile(r"[a-z][a-z0-9+.-]*://", re.IGNORECASE)
@@ -55,6 +56,7 @@ def decode_base64_audio(value: str, max_bytes: int) -> bytes:
 
 def decode_clip(data: bytes, min_s: float, max_s: float, output_rate: int) -> np.ndarray:
     """float32 mono samples at `output_rate` of an encoded clip (any container FFmpeg reads)."""
+    av = pyav("decoding reference audio")
     try:
         container = av.open(io.BytesIO(data), "r")
     except (av.FFmpegError, ValueError) as exc:
