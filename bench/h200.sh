@@ -5,7 +5,8 @@
 #
 # with the device call carrying ".carry" (wheels in .carry/whl and .carry/refwhl, the tokenizer cache in
 # .carry/voxgate_cache, and optionally an earlier call's compile_cache.txz as .carry/compile_cache.txz);
-# bench/carry.sh builds .carry/whl, .carry/optwhl and .carry/voxgate_cache.
+# bench/carry.sh builds .carry/whl, .carry/optwhl (PyAV: only for --clone or compressed formats),
+# .carry/voxgate_cache and .carry/nari (the peer's harness, for the nari step).
 # Steps run in the order given; a failing step is reported and the next one still runs, and the script exits
 # non-zero if any failed.
 #
@@ -22,6 +23,14 @@
 #                    the agent workload (3 sentences per session streamed word by word, bench/README.md):
 #                      LOAD_ARGS="--worker --agent-sentences 3 --words-per-s 40 --granularity token --keep-going" \
 #                        bash bench/h200.sh setup load:1,5,10,12
+#   nari:RATES       bench/nari_load.py --rates RATES    -> $OUT/nari_load.json: the peer's own harness (nari-labs
+#                    tts_bench, its vllm-omni target, ARCTIC prompts) at each rate against the gateway and one
+#                    `voxgate worker` (engine_load's --worker run, its engine flags), one harness command a rate:
+#                    per rate its p50/p95 audible TTFA, underrunning requests and failures, and the engine's
+#                    counters (WARMUP, DURATION, SEED; NARI_ARGS for extra flags such as "-o key=value"). Needs
+#                    .carry/nari (bench/carry.sh), not .carry/optwhl; issue 29's table in one call:
+#                      bash bench/h200.sh setup nari:1,10,20,60,80,100 savecache
+#                    carrying .carry/whl .carry/voxgate_cache .carry/nari .carry/compile_cache.txz
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
 #   textstream[:ARGS] bench/text_stream_check.py ARGS    -> $OUT/text_stream.json: text pushed word by word
 #                    says exactly what the whole text says (CUDA graphs, Triton), and its first-audio times
@@ -85,30 +94,27 @@ run() {
 
 install_wheels() {  # install_wheels FOLDER TARGET
     local wheels=("$1"/*.whl)
-    [[ -e ${wheels[0]} ]] || { echo "no wheels in $1"; return 1; }
+    [[ -e ${wheels[0]} || -n ${DRY_RUN:-} ]] || { echo "no wheels in $1"; return 1; }
     run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "${wheels[@]}"
 }
 
 step_setup() {
     install_wheels "$REPO/.carry/whl" "$SITE" || return 1
-    # The image has no PyAV, which the gateway imports (35 MB as a wheel): it travels in .carry/optwhl only
-    # for calls that run the gateway (load), so the engine-only steps (profile, step) leave room for the
-    # compile cache within what a call carries.
-    local gateway=1
+    # The image has no PyAV (35 MB as a wheel). The gateway imports it only for compressed formats and
+    # reference-audio decoding, so it serves pcm and wav (load, nari) without it: it travels in .carry/optwhl
+    # only for calls whose steps need those (load with --clone), which leaves room for the compile cache.
     if ! "$PY" -c "import av" 2>/dev/null; then
         if compgen -G "$REPO/.carry/optwhl/*.whl" >/dev/null; then
             echo "the image has no PyAV: installing .carry/optwhl"
             install_wheels "$REPO/.carry/optwhl" "$SITE" || return 1
         else
-            echo "no PyAV here and none carried (.carry/optwhl): engine-only steps only, the gateway cannot start"
-            gateway=0
+            echo "no PyAV here and none carried (.carry/optwhl): the gateway serves pcm/wav only (load, nari);" \
+                "--clone and compressed formats need it"
         fi
     fi
     run nvidia-smi -L
     run "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || return 1
-    if ((gateway)); then
-        run "$PY" -c "import gateway.app, tts_backend.qwen3_backend, uvicorn, websockets; print('gateway imports ok')" || return 1
-    fi
+    run "$PY" -c "import gateway.app, tts_backend.qwen3_backend, uvicorn, websockets; print('gateway imports ok')" || return 1
     if [[ -f $CKPT/config.json ]]; then
         echo "checkpoint $CKPT already there"
     else
@@ -168,6 +174,33 @@ step_reference() {
     fi
     run env PYTHONPATH="$path" "$PY" -c "import transformers, tokenizers, huggingface_hub, qwen_tts; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'huggingface_hub', huggingface_hub.__version__)" || return 1
     run env PYTHONPATH="$path" PYTHONWARNINGS=ignore "$PY" bench/engine_reference.py --model "$CKPT" --requests 10 --output "$OUT/reference.json"
+}
+
+NARI_SITE=/tmp/nari-site
+NARI_RUNS=0
+step_nari() {  # step_nari RATES
+    local rates=$1 suffix=""
+    [[ -n $rates ]] || { echo "nari needs rates, e.g. nari:1,10,20,60,80,100"; return 1; }
+    if [[ -z ${DRY_RUN:-} && ! -d $REPO/.carry/nari/tts_bench/src/tts_bench ]]; then
+        echo "no harness in .carry/nari (bench/carry.sh builds it)"
+        return 1
+    fi
+    if [[ ! -d $NARI_SITE ]]; then
+        install_wheels "$REPO/.carry/nari/whl" "$NARI_SITE" || return 1
+    fi
+    NARI_RUNS=$((NARI_RUNS + 1))
+    ((NARI_RUNS > 1)) && suffix=_$NARI_RUNS
+    local extra=()
+    [[ -n ${SEED:-} ]] && extra+=(--seed "$SEED")
+    # NARI_ARGS is split on whitespace on purpose: extra flags such as "-o max_batch=64 --arrival constant".
+    # shellcheck disable=SC2206
+    [[ -n ${NARI_ARGS:-} ]] && extra+=($NARI_ARGS)
+    # The harness runs on its own path (its source, its wheels, then the gateway's for pydantic and click),
+    # under the image's python3 (numpy), as one harness command per rate.
+    run "$PY" bench/nari_load.py --model "$CKPT" --rates "$rates" --warmup "${WARMUP:-10}" \
+        --duration "${DURATION:-30}" --harness-src "$REPO/.carry/nari/tts_bench/src" \
+        --harness-site "$NARI_SITE:$SITE" --harness-python "$PY" "${extra[@]}" \
+        --output "$OUT/nari_load$suffix.json" --log "$OUT/nari_gateway$suffix.log"
 }
 
 LOAD_RUNS=0
@@ -267,6 +300,7 @@ for arg in "$@"; do
         step) step_step "$value" ;;
         reference) step_reference ;;
         load) step_load "$value" ;;
+        nari) step_nari "$value" ;;
         profile) step_profile "$value" ;;
         textstream) step_textstream "$value" ;;
         resumecheck) step_resumecheck "$value" ;;
@@ -276,7 +310,7 @@ for arg in "$@"; do
         tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
         codecprofile) run "$PY" bench/codec_profile.py --output "$OUT/codec_profile.json" ;;
         savecache) step_savecache ;;
-        *) echo "unknown step '$name' (setup, step, reference, load:RATES, profile:ARGS, textstream:ARGS, resumecheck:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
+        *) echo "unknown step '$name' (setup, step, reference, load:RATES, nari:RATES, profile:ARGS, textstream:ARGS, resumecheck:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
     esac
     rc=$?
     if ((rc != 0)); then

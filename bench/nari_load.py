@@ -1,0 +1,224 @@
+"""The peer's own harness (nari-labs `tts_bench`, its `vllm-omni` target) against the gateway and a worker.
+
+    python bench/nari_load.py --model /tmp/ckpt --rates 1,10,20,60,80,100 --warmup 10 --duration 30 \\
+        --harness-site /tmp/nari-site:/tmp/site --output $OUT/nari_load.json
+
+Starts one `voxgate worker` (the engine, on a Unix socket) and `voxgate serve --backend remote` in front of it,
+with bench/engine_load.py's engine flags (its --worker run), then runs `python -m tts_bench run --target
+vllm-omni` once per rate, each rate a separate harness command as its README asks, on the ARCTIC prompts
+(bench/data/arctic_en.jsonl; the peer publishes its figures on Seed-TTS English). The harness POSTs each prompt
+whole to /v1/audio/speech (stream, pcm) and measures audible TTFA and underruns by simulating playback itself;
+its summary.json for each rate goes into the report beside the engine's counters from the gateway's /metrics.
+
+The harness runs unmodified from its source (`--harness-src`, the folder holding the `tts_bench` package; default
+.carry/nari/tts_bench/src) with its dependencies on `--harness-site` (bench/carry.sh builds both into
+.carry/nari, with the pinned commit in .carry/nari/tts_bench/COMMIT; bench/h200.sh's `nari` step installs the
+wheels), under `--harness-python` (this interpreter unless given). Its per-request audio is
+deleted after each rate (gigabytes at 100 RPS); --keep-results keeps it under --work.
+
+`--backend synthetic` (or piper) runs the same path on the CPU, as tests/test_nari_load.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.engine_load import (
+    BENCH_MAX_ACTIVE,
+    engine_breakdown,
+    engine_options,
+    free_port,
+    gpu_memory_mib,
+    scrape_counters,
+    stop,
+    wait_ready,
+)
+from bench.loadgen import accelerator, json_safe
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "vllm-omni"
+
+
+def plan_processes(args: argparse.Namespace, port: int) -> dict:
+    """The worker's and the gateway's commands (bench/engine_load.py --worker's, for any worker backend)."""
+    python = [sys.executable, "-m", "gateway.cli"]
+    socket_path = f"/tmp/voxgate-nari-{port}.sock"
+    worker = [*python, "worker", "--backend", args.backend, "--socket", socket_path]
+    if args.backend == "qwen3":
+        worker += ["--model", args.model, "--device", args.device,
+                   *["--option" if a == "-o" else a for a in engine_options(BENCH_MAX_ACTIVE, args.option)]]
+    else:
+        worker += [item for option in args.option for item in ("--option", option)]
+    gateway = [*python, "serve", "--backend", "remote", "-o", f"socket={socket_path}", "--port", str(port),
+               "--log-level", "info"]
+    return {"worker": worker, "gateway": gateway}
+
+
+def harness_command(args: argparse.Namespace, base: str, rate: float, output: Path) -> list[str]:
+    command = [args.harness_python, "-m", "tts_bench", "run", "--target", TARGET, "--base-url", base,
+               "--dataset", str(args.dataset), "--rps", f"{rate:g}", "--warmup", f"{args.warmup:g}s",
+               "--duration", f"{args.duration:g}s", "--arrival", args.arrival, "--seed", str(args.seed),
+               "--timeout", f"{args.timeout:g}s", "--output", str(output)]
+    if args.voice:
+        command += ["--voice", args.voice]
+    return command
+
+
+def harness_env(args: argparse.Namespace) -> dict[str, str]:
+    """The harness's own path only: none of this repository's or the gateway's site (a pydantic or numpy
+    there would stand in for the ones the harness was given)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    path = [str(args.harness_src), *([args.harness_site] if args.harness_site else [])]
+    env.update(PYTHONPATH=os.pathsep.join(path), PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def rate_entry(rate: float, summary: dict, returncode: int) -> dict:
+    """One rate's figures as the harness reports them (summary.json), with the ones issue 29 tabulates first."""
+    audible = summary.get("audible_ttfa_ms") or {}
+    started = summary.get("started_requests") or 0
+    successful = summary.get("successful_requests") or 0
+    return {
+        "rps": rate, "harness_exit_code": returncode,
+        "audible_ttfa_ms": {k: audible.get(k) for k in ("p50", "p95", "p99", "maximum", "missing")},
+        "underrun_requests": summary.get("underrun_requests"), "underrun_count": summary.get("underrun_count"),
+        "scheduled_requests": summary.get("scheduled_requests"), "started_requests": started,
+        "successful_requests": successful, "failed_requests": started - successful,
+        "predispatch_failed_requests": summary.get("predispatch_failed_requests"),
+        "dropped_requests": summary.get("dropped_requests"), "actual_rps": summary.get("actual_rps"),
+        "peak_in_flight": summary.get("peak_in_flight"),
+        "summary": summary,
+    }
+
+
+def table(entries: list[dict]) -> str:
+    def ms(value):
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [f"The peer's harness (tts_bench, --target {TARGET}):", "",
+             "| RPS | audible TTFA p50 / p95 / p99 (ms) | underrunning requests (underruns) | failed | requests |"
+             " peak in flight |", "|---|---|---|---|---|---|"]
+    for e in entries:
+        a = e["audible_ttfa_ms"]
+        lines.append(f"| {e['rps']:g} | {ms(a['p50'])} / {ms(a['p95'])} / {ms(a['p99'])} | "
+                     f"{e['underrun_requests']} ({e['underrun_count']}) | {e['failed_requests']} | "
+                     f"{e['started_requests']} | {e['peak_in_flight']} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="qwen3", help="the worker's backend (synthetic or piper on the CPU)")
+    parser.add_argument("--model", help="checkpoint folder (qwen3)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
+    parser.add_argument("--rates", default="1,10,20,60,80,100")
+    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of warm-up per rate")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds measured per rate")
+    parser.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=120.0, help="the harness's per-request timeout (s)")
+    parser.add_argument("--voice", help="the harness's --voice (its default: Ryan)")
+    parser.add_argument("--dataset", type=Path, default=ROOT / "bench" / "data" / "arctic_en.jsonl")
+    parser.add_argument("--harness-src", type=Path, default=ROOT / ".carry" / "nari" / "tts_bench" / "src",
+                        help="the folder holding the harness's tts_bench package")
+    parser.add_argument("--harness-site", help="folders of the harness's dependencies (os.pathsep between them), "
+                                               "put on its path after --harness-src")
+    parser.add_argument("--harness-python", default=sys.executable)
+    parser.add_argument("--work", type=Path, help="where the harness writes each rate's results (default: a "
+                                                   "temporary folder)")
+    parser.add_argument("--keep-results", action="store_true", help="keep each rate's audio under --work")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--log", type=Path, help="gateway log file (the worker's goes beside it: .worker.log)")
+    args = parser.parse_args(argv)
+    if args.backend == "qwen3" and not args.model:
+        parser.error("--backend qwen3 needs --model")
+    if not (args.harness_src / "tts_bench").is_dir():
+        parser.error(f"no tts_bench package in {args.harness_src} (bench/carry.sh puts it in .carry/nari/tts_bench/src)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = {"tool": "bench/nari_load.py", "command": " ".join(["python", "bench/nari_load.py",
+                                                                 *(argv if argv is not None else sys.argv[1:])]),
+              **accelerator(), "target": TARGET, "dataset": str(args.dataset), "rates": []}
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    layout = plan_processes(args, port)
+    report.update(gateway_command=" ".join(layout["gateway"]), worker_command=" ".join(layout["worker"]))
+    commit = args.harness_src.parent / "COMMIT"
+    report["harness"] = {"src": str(args.harness_src),
+                         "commit": commit.read_text().strip() if commit.is_file() else None}
+    work = args.work or Path(tempfile.mkdtemp(prefix="nari-load-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.log:
+        args.log.parent.mkdir(parents=True, exist_ok=True)
+    logs = [open(args.log.with_suffix(".worker.log"), "w"), open(args.log, "w")] if args.log else []
+    sink = (lambda i: logs[i]) if logs else (lambda i: subprocess.DEVNULL)
+    worker = gateway = None
+    failed = False
+    try:
+        worker = subprocess.Popen(layout["worker"], cwd=ROOT, stdout=sink(0), stderr=subprocess.STDOUT, env=env)
+        gateway = subprocess.Popen(layout["gateway"], cwd=ROOT, stdout=sink(1), stderr=subprocess.STDOUT, env=env)
+        report["startup_s"] = wait_ready(base, gateway, args.ready_timeout, args.log, worker=worker)
+        report["gpu_memory_idle_MiB"] = gpu_memory_mib()
+        print(f"gateway ready in {report['startup_s']:.1f} s", flush=True)
+        for rate in [float(r) for r in args.rates.split(",")]:
+            output = work / f"rps-{rate:g}"
+            command = harness_command(args, base, rate, output)
+            print("+ " + " ".join(command), flush=True)
+            before = scrape_counters(base)
+            started = time.monotonic()
+            result = subprocess.run(command, cwd=work, env=harness_env(args), capture_output=True, text=True,
+                                    timeout=args.warmup + args.duration + args.timeout + 300)
+            print(result.stdout[-6000:] + result.stderr[-3000:], flush=True)
+            summary_path = output / "summary.json"
+            if not summary_path.is_file():
+                failed = True
+                report["rates"].append({"rps": rate, "harness_exit_code": result.returncode,
+                                        "error": (result.stderr or result.stdout)[-2000:]})
+                print(f"{rate:g} RPS: the harness wrote no summary (exit {result.returncode})", flush=True)
+                continue
+            entry = rate_entry(rate, json.loads(summary_path.read_text()), result.returncode)
+            entry["wall_s"] = round(time.monotonic() - started, 1)
+            entry["gpu_memory_MiB"] = gpu_memory_mib()
+            entry["engine"] = engine_breakdown(before, scrape_counters(base))
+            report["rates"].append(entry)
+            failed |= result.returncode != 0
+            print(table([entry]), flush=True)
+            if not args.keep_results:
+                shutil.rmtree(output / "audio", ignore_errors=True)
+    finally:
+        for process in (gateway, worker):
+            if process is not None:
+                stop(process)
+        report["worker_exit_code"] = worker.returncode if worker is not None else None
+        for f in logs:
+            f.close()
+        if not args.keep_results and args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+        text = table([e for e in report["rates"] if "summary" in e])
+        print(text, flush=True)
+        if args.output:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
+            args.output.with_suffix(".md").write_text(text + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
