@@ -628,7 +628,8 @@ def test_the_decoder_process_imports_nothing_of_the_gateway_but_its_audio_folder
              " 'starlette', 'pydantic', 'torch')))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
     assert json.loads(loaded.stdout.replace("'", '"')) == [
-        "gateway", "gateway.audio", "gateway.audio.decoder", "gateway.audio.fetch", "gateway.audio.reference"]
+        "gateway", "gateway.audio", "gateway.audio.decoder", "gateway.audio.fetch", "gateway.audio.pyav",
+        "gateway.audio.reference"]
 
 
 def test_a_decoder_process_gets_none_of_the_gateways_secrets(monkeypatch):
