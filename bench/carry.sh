@@ -14,14 +14,15 @@
 #                         there) and its dependencies' wheels (whl/) as its uv.lock pins them, less what the image
 #                         (numpy) or .carry/whl (pydantic, click, ...) has: about 7.5 MB
 #
-#   .carry/spare          wheels no bench step imports (redis: only the Redis store and discovery; pyyaml) and
-#                         uvloop (4.5 MB; uvicorn then runs the asyncio loop), kept out of what a call carries
+#   .carry/spare          wheels no bench step imports (redis: only the Redis store and discovery; pyyaml), kept
+#                         out of what a call carries
 #
 # A call carries at most 64 MiB with the tracked files (9.8 MB on 2026-12-06, counted on disk). Without
 # .carry/optwhl (load and nari over pcm/wav, profile, step) whl + voxgate_cache + nari + an earlier call's
 # compile_cache.txz copied to .carry/compile_cache.txz (5.3 MiB) come to about 35 MB with the tracked files,
-# room enough to carry uvloop back in .carry/whl. With .carry/optwhl (--clone) those fit only without uvloop
-# and without .carry/nari; the gateway and worker then run on asyncio's loop (say so beside the figures).
+# room enough for uvloop (4.5 MB, in .carry/whl: the loop the earlier figures ran on). With .carry/optwhl
+# (--clone) those fit only without .carry/nari and without uvloop (`mv .carry/whl/uvloop-* .carry/spare/`); the
+# gateway and worker then run on asyncio's loop (say so beside the figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}  # with the repository's dependencies (README's command 2) for the tokenizer files
@@ -38,7 +39,7 @@ PIP_CONFIG_FILE=/dev/null python3 -m pip download -q --isolated --index-url http
 rm -f .carry/whl/numpy-* .carry/whl/watchfiles-*
 mv .carry/whl/av-* .carry/optwhl/
 mkdir -p .carry/spare
-mv .carry/whl/redis-* .carry/whl/pyyaml-* .carry/whl/uvloop-* .carry/spare/
+mv .carry/whl/redis-* .carry/whl/pyyaml-* .carry/spare/
 # The harness: its source (digest-checked against the pinned commit by tests/nari_bench_env.py) laid out as in
 # its repository (uv.lock beside src/, where its run.json looks for it), and the wheels .carry/whl lacks.
 nari_src=$("$PY" -c "from tests.nari_bench_env import source_dir; print(source_dir())")

@@ -205,7 +205,7 @@ class Engine:
         # the engine's next step boundary (H100, 60 RPS with one at a time: in flight 77 % of the wall time,
         # on the device 40 %).
         self._codecs: collections.deque[_CodecInFlight] = collections.deque()
-        self._codec_depth = max(1, int(getattr(runner, "codec_depth", 1)))
+        self._codec_depth = max(1, runner.codec_depth)
         # When the codec batch now being launched or the oldest in flight began its launch (None: none is), so
         # that a snapshot counts the time the codec had work up to now, as it counts the open section's seconds.
         self._codec_since: float | None = None
