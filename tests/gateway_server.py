@@ -185,6 +185,34 @@ async def open_session(url: str, config: dict[str, Any], **connect: Any) -> tupl
     raise AssertionError(f"the connection stayed open after refusing the session: {extra!r}")
 
 
+async def speak_first_sentence(url: str, config: dict[str, Any], text: str, timeout_s: float,
+                                cut: tuple[int, Callable[[str], Any]] | None = None) -> tuple[bytes, str]:
+    """One session speaks `text` (input.text, input.done) to its end: the first sentence's audio and the session
+    id. `cut` = (N, coroutine function): awaited with the session id once N binary frames have come."""
+    import json
+
+    ws, started, _ = await open_session(url, config)
+    assert ws is not None, started
+    await ws.send(json.dumps({"type": "input.text", "text": text}))
+    await ws.send(json.dumps({"type": "input.done"}))
+    messages, frames = [], 0
+    while True:
+        frame = await asyncio.wait_for(ws.recv(), timeout_s)
+        if isinstance(frame, bytes):
+            messages.append(frame)
+            frames += 1
+            if cut is not None and frames == cut[0]:
+                await cut[1](started["session_id"])
+            continue
+        message = json.loads(frame)
+        assert message["type"] != "error", message
+        messages.append(message)
+        if message["type"] == "session.done":
+            break
+    await ws.close()
+    return audio_by_sentence(messages)[0], started["session_id"]
+
+
 def audio_by_sentence(messages: list[Any]) -> dict[int, bytes]:
     """Binary frames grouped by the sentence whose audio.start precedes them."""
     audio: dict[int, bytearray] = {}

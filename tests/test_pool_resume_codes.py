@@ -13,13 +13,12 @@ backend, named as such: deterministic, one frame of codes a chunk) and a real ga
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
 import pytest
 
-from tests.gateway_server import audio_by_sentence, open_session, running_gateway
+from tests.gateway_server import running_gateway, speak_first_sentence
 from tests.redis_fixtures import REDIS_URL, redis_prefix  # noqa: F401 (fixture)
 from tests.worker_fakes import FakeWorker
 from tests.worker_fixtures import POOL_TOKEN, pool, synthetic_worker_args, token_file, workers  # noqa: F401 (fixture)
@@ -51,29 +50,15 @@ async def test_a_worker_killed_at_a_random_frame_goes_on_from_its_codes_through_
         with running_gateway(remote, store="redis", redis_url=REDIS_URL, redis_key_prefix=redis_prefix) as gateway:
             config = {"type": "session.config", "voice": "tone-mid", "response_format": "pcm", "seed": 11,
                       "stream_audio": True}
-            ws, started, _ = await open_session(gateway.ws_url, config)
-            assert ws is not None, started
-            await ws.send(json.dumps({"type": "input.text", "text": TEXT}))
-            await ws.send(json.dumps({"type": "input.done"}))
-            messages, frames = [], 0
-            while True:
-                frame = await asyncio.wait_for(ws.recv(), 30)
-                if isinstance(frame, bytes):
-                    messages.append(frame)
-                    frames += 1
-                    if frames == cut_at:
-                        serving = [m for m in remote.members.values() if m.streams]
-                        assert len(serving) == 1
-                        by_id[serving[0].id].kill()
-                        await assert_codes_recorded(started["session_id"], redis_prefix)
-                    continue
-                message = json.loads(frame)
-                assert message["type"] != "error", message
-                messages.append(message)
-                if message["type"] == "session.done":
-                    break
-            await ws.close()
-            assert audio_by_sentence(messages)[0] == uninterrupted()
+
+            async def kill(session_id: str) -> None:
+                serving = [m for m in remote.members.values() if m.streams]
+                assert len(serving) == 1
+                by_id[serving[0].id].kill()
+                await assert_codes_recorded(session_id, redis_prefix)
+
+            audio, _ = await speak_first_sentence(gateway.ws_url, config, TEXT, 30, (cut_at, kill))
+            assert audio == uninterrupted()
             assert remote.failovers == 1 and remote.resumed_from_codes == 1
             assert len(remote.pauses_ms) == 1
 

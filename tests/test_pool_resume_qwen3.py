@@ -69,43 +69,19 @@ async def test_through_a_gateway_with_redis_the_listener_hears_one_take(tiny_cus
     """A real gateway whose sessions are in Redis, over a pool of two qwen3 workers: a session's sentence, cut by
     a worker's death after a random number of audio frames, reaches the client as the uninterrupted session's
     sentence, byte for byte, and the store held the codes delivered."""
-    import asyncio
-    import json
 
     from gateway.store.redis import RedisSessionStore
-    from tests.gateway_server import audio_by_sentence, open_session, running_gateway
+    from tests.gateway_server import running_gateway, speak_first_sentence
     from tests.redis_fixtures import REDIS_URL
 
     config = {"type": "session.config", "voice": "ryan", "response_format": "pcm", "seed": 11, "stream_audio": True}
-
-    async def speak(gateway, kill=None) -> tuple[bytes, str]:
-        ws, started, _ = await open_session(gateway.ws_url, config)
-        assert ws is not None, started
-        await ws.send(json.dumps({"type": "input.text", "text": TEXT}))
-        await ws.send(json.dumps({"type": "input.done"}))
-        messages, frames = [], 0
-        while True:
-            frame = await asyncio.wait_for(ws.recv(), 60)
-            if isinstance(frame, bytes):
-                messages.append(frame)
-                frames += 1
-                if kill is not None and frames == kill[0]:
-                    await kill[1](started["session_id"])
-                continue
-            message = json.loads(frame)
-            assert message["type"] != "error", message
-            messages.append(message)
-            if message["type"] == "session.done":
-                break
-        await ws.close()
-        return audio_by_sentence(messages)[0], started["session_id"]
 
     args = qwen3_worker_args(tiny_custom_voice, token_file)
     with workers(args, args) as procs:
         by_id = {w.worker_id: w for w in procs}
         remote = pool(*(w.address for w in procs))
         with running_gateway(remote, store="redis", redis_url=REDIS_URL, redis_key_prefix=redis_prefix) as gateway:
-            whole, _ = await speak(gateway)
+            whole, _ = await speak_first_sentence(gateway.ws_url, config, TEXT, 60)
             cut_at = random.Random().randrange(2, 7)  # of some 15 chunks: well before the worker finishes
             print(f"killing the worker after {cut_at} audio frames")
 
@@ -121,6 +97,6 @@ async def test_through_a_gateway_with_redis_the_listener_hears_one_take(tiny_cus
                     await store.stop()
                 assert sentence.codes and len(sentence.codes) % (2 * remote.codebooks) == 0
 
-            cut, _ = await speak(gateway, (cut_at, kill))
+            cut, _ = await speak_first_sentence(gateway.ws_url, config, TEXT, 60, (cut_at, kill))
             assert cut == whole
             assert remote.failovers == 1 and remote.resumed_from_codes == 1
