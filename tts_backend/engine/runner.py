@@ -319,6 +319,20 @@ class Qwen3ModelRunner(ModelRunner):
             self._check_kernels()
         if self.graphs.enabled:
             self._capture_all()
+            if self.resume_batched and self.fused_prefill and self.compile and self.can_resume:
+                self._warm_resume()
+
+    @torch.inference_mode()
+    def _warm_resume(self) -> None:
+        """Run the resume pass's uncaptured Talker prefill once on the scratch slot, so that its compiled
+        variant (embeddings with per-row starts, which a checkpoint without cloned voices captures nowhere)
+        is traced now and not on the first resumed request, on the engine thread (H100, resume check: that
+        request's audio came 34 s late). Dynamic shapes: one trace serves every prompt-plus-frames length."""
+        started = time.perf_counter()
+        slots, emb, lengths, starts = self._embeds_example(2, 64)
+        self._prefill_embeds(slots, emb, lengths, starts, 64)
+        torch.cuda.synchronize(self.device)
+        log.info("warmed the resume pass in %.1f s", time.perf_counter() - started)
 
     def _check_kernels(self) -> None:
         """Serve on the Triton kernels only if they compute what the layers compute on this device (see
@@ -755,10 +769,9 @@ class Qwen3ModelRunner(ModelRunner):
         key = hashlib.sha256(codes_host.numpy().tobytes()).digest() + str(tuple(codes_host.shape)).encode()
         state = self.primed_codec.get(key)
         if state is None:
-            state = self.codec_pool.index_select(rows)  # the slot's fresh state, copied
             codes = codes_host.to(self.device).T[None].contiguous()  # [1, G, F]
-            for start in range(0, codes.shape[2], 64):  # 64-frame pieces bound the activations of a long clip
-                self.codec_module.decode_chunk(codes[..., start: start + 64], state)
+            # 64-frame pieces bound the activations of a long clip.
+            state = self._codec_through(self.codec_pool.index_select(rows), codes, [64] * -(-codes.shape[2] // 64))
             self.primed_codec[key] = state
             while len(self.primed_codec) > self.config.primed_codec_states:
                 self.primed_codec.popitem(last=False)
@@ -868,13 +881,25 @@ class Qwen3ModelRunner(ModelRunner):
         of the uninterrupted request). After a cloned voice's reference priming, which it continues. On the
         main stream, like the slot's reset (see the ordering notes at codec_launch)."""
         rows = self._upload(torch.tensor([slot], dtype=torch.long))
-        state = self.codec_pool.index_select(rows)
         frames = codes.clamp(0, self.codebook_size - 1).T[None].contiguous()  # [1, G, k]
+        self.codec_pool.index_copy_(rows, self._codec_through(self.codec_pool.index_select(rows), frames, pieces))
+
+    def _codec_through(self, state: CodecState, codes: torch.Tensor, pieces: list[int]) -> CodecState:
+        """A one-row codec state after frames [1, G, F] went through it in `pieces` (audio dropped), uncaptured.
+        With the compiled codec it runs as two rows, the second a copy of the first and dropped after:
+        TorchDynamo traces a batch of one as a shape of its own, each traced shape is an Inductor compile of
+        seconds on the engine thread, and every captured codec call has two rows or more (H100, resume check:
+        the first resumed request's audio came 34 s late)."""
+        from tts_backend.qwen3.codec import CodecState
+
+        rows = 2 if self.codec_compiled else 1
+        if rows == 2:
+            state, codes = CodecState.cat([state, state]), codes.expand(2, -1, -1).contiguous()
         start = 0
         for n in pieces:
-            self.codec_module.decode_chunk(frames[..., start: start + n], state)
+            self.codec_module.decode_chunk(codes[..., start: start + n], state)
             start += n
-        self.codec_pool.index_copy_(rows, state)
+        return state.index_select([0]) if rows == 2 else state
 
     def _after_talker(self, slots, hidden, new_pos) -> None:
         self.hidden[slots] = hidden
