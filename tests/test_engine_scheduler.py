@@ -572,6 +572,7 @@ def test_after_a_first_chunk_a_lagging_codec_decodes_in_bulk_before_the_next_fir
     assert batch.rule == "startup" and batch.stage is Stage.CODEC and batch.requests == [first]
     first.frames_decoded, first.chunks_decoded, first.playback_start = 2, 1, 100.0  # the engine collected it
     first.output.emitted_samples = 2 * SPF
+    scheduler.changed(first)
     second = new_stream(11)
     batch = scheduler.decide(now=100.001)
     assert batch.rule == "bulk_codec" and batch.frames == 12 and set(batch.requests) == set(lagging)
@@ -595,6 +596,8 @@ def test_first_chunks_keep_every_codec_turn_while_the_codec_keeps_up():
     first.output.emitted_samples = 2 * SPF
     second = scheduler.get(11)
     second.frames_generated = 2
+    for r in (first, second):  # changed outside a batch: told, as the engine tells it (Scheduler.changed)
+        scheduler.changed(r)
     batch = scheduler.decide(now=100.001)
     assert batch.rule == "startup" and batch.requests == [second]
 

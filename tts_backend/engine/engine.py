@@ -432,6 +432,7 @@ class Engine:
                     and request.frames_generated >= request.max_frames:
                 request.phase = Phase.FINISHED  # it reached its cap while the text was open
                 self._complete_finished([request])
+            self.scheduler.changed(request)
 
     def _note_text_waits(self, requests: list[RequestState]) -> None:
         """After a frame: the streams whose next step must wait for text start waiting."""
@@ -566,6 +567,7 @@ class Engine:
             self._emit(r, pcm, frame_codes)
             if r.playing:  # a chunk that was all leading silence does not use up a small first size
                 r.chunks_decoded += 1
+            self.scheduler.changed(r)
         self._release_slots(requests)
         self._complete_finished(requests)
         self._codec_done(flight, started)
@@ -732,6 +734,7 @@ class Engine:
         if request.done:
             return
         request.done = True
+        self.scheduler.changed(request)
         if request.text_wait_since is not None:
             self._end_text_wait(request)
         trimmer = self._trimmers.pop(request.request_id, None)

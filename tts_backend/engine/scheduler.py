@@ -34,10 +34,20 @@ generated frames still go to the codec, the chunk schedule notwithstanding: they
 would otherwise wait for, for as long as the text takes. The step after the wait becomes ready in the
 decision after its token arrives (the engine applies pushed text before it decides), and it joins that
 decision's batch like any other item.
+
+What each slot holder is ready for is kept between decisions (`_Readiness`), not rebuilt in a pass over every
+holder per decision: that pass cost 58-80 us per decision at 128 streams on the CPU VM and 99-243 us on a loaded
+H100 host, GPU idle time all of it. A decision re-reads only the requests of the batch it returned last (the
+engine runs it before deciding again) and those the engine names through `changed` (text arrived, a codec batch
+was collected, a request finished); a frame moves its streams one frame on, and each is re-read in full only
+when that crosses one of its limits (its next chunk, max_pending_frames, its text). The clock and the measured
+costs apply at every decision, to the playing streams in deadline order, read only as far as a rule needs.
+Decisions are those of the pass (tests/test_scheduler_equivalence.py holds them to it).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 from .request import Phase, RequestState, Stage
@@ -98,28 +108,254 @@ def _fill_order(item: _Item) -> tuple:
 
 
 class _Ready:
-    """Every piece of work ready now, by stage, and the candidates of each urgency rule, gathered in one pass
-    over the slot holders (a decision runs between every two batches, so its Python cost is GPU idle time).
+    """Every piece of work ready now, by stage, and the candidates of each urgency rule.
 
     Frame work is kept apart, as the requests that can step (`frames`) and, per rule, only the one that
     would anchor it (it is in the rule's list): a frame batch carries every stream that can step whenever
     they fit the largest bucket, which they do whenever the KV slots do, so the rest of them need no item
-    and no order. That made the pass at 128 streams about twice as cheap. Only when more can step than the
-    largest bucket holds does `Scheduler._frame_items` build the full list, to order them."""
+    and no order. Only when more can step than the largest bucket holds does `Scheduler._frame_items` build
+    the full list, to order them."""
 
     __slots__ = ("now", "by_stage", "frames", "round_robin_frame", "urgent_codec", "urgent_generation", "startup",
                  "pressing")
 
     def __init__(self, now: float) -> None:
         self.now = now
-        # PREFILL and CODEC items (empty lists pruned after); FRAME's entry is `frames`, set when any can step.
-        self.by_stage: dict[Stage, list] = {Stage.PREFILL: [], Stage.CODEC: []}
+        self.by_stage: dict[Stage, list] = {}  # stages with work ready (never an empty list)
         self.frames: list[RequestState] = []
         self.round_robin_frame: RequestState | None = None  # rule 5's anchor if it serves frames
         self.urgent_codec: list[_Item] = []
         self.urgent_generation: list[_Item] = []
         self.startup: list[_Item] = []
         self.pressing: list[_Item] = []
+
+
+class _Holder:
+    """What one slot holder is ready for, as of the last time the scheduler read its request (`_Readiness`)."""
+
+    __slots__ = ("request", "order", "stepping", "deadline_key", "codec", "prefill", "generated_limit",
+                 "fed_limit", "paused", "gone")
+
+    def __init__(self, request: RequestState, order: int) -> None:
+        self.request = request
+        self.order = order  # admission order: ties between equal deadlines go to the earlier
+        self.stepping = False  # it can step (a frame item)
+        self.deadline_key: tuple | None = None  # (deadline, order) while it can step and plays
+        self.codec: _Item | None = None  # its codec work, when the chunk schedule makes some ready
+        self.prefill: _Item | None = None
+        # A frame moves a stepping stream one frame on; its readiness changes only once frames_generated
+        # reaches this (max_pending_frames, its next chunk, or a frame cap an open text may still grow) or
+        # text_fed reaches fed_limit (it waits for text); short of that the frame changed nothing here.
+        self.generated_limit = 0
+        self.fed_limit = 0
+        self.paused = False  # back-pressure: its consumer stopped reading
+        self.gone = False  # removed from the scheduler
+
+
+_NEVER = float("inf")
+
+
+class _Readiness:
+    """Which slot holders can step, have codec work or prefill, kept between decisions rather than rebuilt in
+    a pass over every holder per decision (at 128 streams that pass cost 58-80 us on the CPU VM and 99-243 us
+    on a loaded H100 host, all of it GPU idle time).
+
+    A holder is re-read (`refresh`) only when its request may have changed: the requests of the batch the
+    scheduler returned last (the engine runs it before it decides again), and those the engine names through
+    `Scheduler.changed` (text arrived, a codec batch was collected, a request finished or was cancelled). A
+    frame batch moves every stream in it one frame on, so its streams get the cheap check of `_Holder`'s
+    limits first. The one change nobody reports is a consumer reading audio (another thread): holders paused
+    by back-pressure are re-read at every decision.
+
+    Kept: the streams that can step in admission order, the playing ones among them sorted by deadline (the
+    anchors of rules 2, 4 and 5 are at its front, so a decision reads only its first few), the fresh ones
+    (rule 3), and the codec and prefill items, each built once per change."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.holders: dict[int, _Holder] = {}  # request id -> holder, admission order
+        self._order = 0
+        self._dirty: dict[_Holder, None] = {}  # re-read in full at the next decision
+        self._stepped: list[_Holder] = []  # the last frame batch's holders: the cheap check first
+        self._paused: dict[_Holder, None] = {}
+        self.by_deadline: list[tuple] = []  # (deadline, order, holder) of playing holders that can step
+        self.fresh: dict[_Holder, None] = {}  # holders that can step and have no audio out yet
+        self._codec: dict[_Holder, None] = {}
+        self._prefill: dict[_Holder, None] = {}
+        # Lists in admission order, rebuilt only after their membership changed.
+        self._stepping_list: list[_Holder] | None = []
+        self._stepping_requests: list[RequestState] = []
+        self._codec_items: list[_Item] | None = []
+        self._prefill_items: list[_Item] | None = []
+        self.most_frames_wanted = 1  # the largest chunk of any holder's schedule: bounds rule 2's plan
+
+    def admit(self, request: RequestState) -> None:
+        holder = _Holder(request, self._order)
+        self._order += 1
+        self.holders[request.request_id] = holder
+        self.most_frames_wanted = max(self.most_frames_wanted, max(request.chunk_schedule))
+        self._dirty[holder] = None
+
+    def remove(self, request: RequestState) -> None:
+        holder = self.holders.pop(request.request_id, None)
+        if holder is None:
+            return
+        self._clear(holder)
+        holder.gone = True
+        self._dirty.pop(holder, None)
+        self._paused.pop(holder, None)
+
+    def changed(self, request: RequestState) -> None:
+        holder = self.holders.get(request.request_id)
+        if holder is not None:
+            self._dirty[holder] = None
+
+    def ran(self, batch: Batch) -> None:
+        """The batch just decided runs before the next decision: its requests are re-read then."""
+        if batch.stage is Stage.FRAME and len(batch.requests) == len(self._stepping_requests):
+            self._stepped = self._stepping_list  # every stream that can step is in it
+            return
+        holders = [self.holders[r.request_id] for r in batch.requests]
+        if batch.stage is Stage.FRAME:
+            self._stepped = holders
+        else:
+            self._dirty.update(dict.fromkeys(holders))
+
+    # ---- bringing holders up to date ---------------------------------------------------------------
+    def catch_up(self) -> None:
+        """Re-read every holder that may have changed since the last decision."""
+        if self._stepped:
+            need_decode, need_code_predict = Phase.NEED_DECODE, Phase.NEED_CODE_PREDICT
+            dirty = self._dirty
+            for holder in self._stepped:
+                request = holder.request
+                phase = request.phase
+                if (phase is not need_decode and phase is not need_code_predict) \
+                        or request.frames_generated >= holder.generated_limit or request.text_fed >= holder.fed_limit:
+                    dirty[holder] = None
+            self._stepped = []
+        if self._paused:
+            self._dirty.update(self._paused)
+        if self._dirty:
+            dirty, self._dirty = self._dirty, {}
+            for holder in dirty:
+                if not holder.gone:
+                    self.refresh(holder)
+
+    def refresh(self, holder: _Holder) -> None:
+        """Read the request and file the holder under the work it has ready (the checks `decide` made per
+        holder before, unchanged)."""
+        request = holder.request
+        config = self.config
+        stepping = False
+        deadline = codec = prefill = None
+        generated_limit = fed_limit = _NEVER
+        paused = False
+        if not (request.cancelled or request.done):
+            output = request.output
+            if output.emitted_samples - output.consumed_samples >= config.max_buffered_s * request.sample_rate:
+                paused = True  # back-pressure: a consumer that stopped reading stops its stream's work (slot kept)
+            else:
+                playback_start = request.playback_start
+                deadline = None if playback_start is None \
+                    else playback_start + output.emitted_samples / request.sample_rate
+                pending = request.frames_generated - request.frames_decoded
+                schedule, chunks = request.chunk_schedule, request.chunks_decoded
+                # The next chunk's frames: the schedule grows, then repeats its last size.
+                want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
+                phase = request.phase
+                # Waiting for text (RequestState.waiting_for_text): no generation item, see the module doc.
+                waiting = request.text_open and phase is Phase.NEED_DECODE and (
+                    request.text_fed >= request.text_ready or request.frames_generated >= request.max_frames)
+                # Generation waits for the codec to catch up once max_pending frames are not decoded yet.
+                if pending < config.max_pending_frames and not waiting:
+                    if phase is Phase.NEED_DECODE or phase is Phase.NEED_CODE_PREDICT:
+                        stepping = True
+                    elif phase is Phase.NEED_PREFILL:
+                        prefill = _Item(request, Stage.PREFILL, deadline)
+                # Codec work is ready once the next chunk's frames are there, or whatever is left once
+                # generation has finished or waits for text; it decodes the chunk's frames (or the rest).
+                if pending > 0 and not request.codec_busy \
+                        and (pending >= want or phase is Phase.FINISHED or waiting):
+                    codec = _Item(request, Stage.CODEC, deadline, min(pending, want))
+                if stepping:
+                    generated_limit = request.frames_decoded + config.max_pending_frames
+                    if codec is None and not request.codec_busy:
+                        generated_limit = min(generated_limit, request.frames_decoded + want)
+                    if request.text_open:
+                        generated_limit = min(generated_limit, request.max_frames)
+                        fed_limit = request.text_ready
+        holder.generated_limit, holder.fed_limit = generated_limit, fed_limit
+        if paused != holder.paused:
+            holder.paused = paused
+            if paused:
+                self._paused[holder] = None
+            else:
+                self._paused.pop(holder, None)
+        deadline_key = (deadline, holder.order) if stepping and deadline is not None else None
+        if stepping != holder.stepping:
+            holder.stepping = stepping
+            self._stepping_list = None
+        if deadline_key != holder.deadline_key:
+            if holder.deadline_key is not None:
+                index = bisect_left(self.by_deadline, holder.deadline_key)
+                del self.by_deadline[index]
+            if deadline_key is not None:
+                insort(self.by_deadline, (*deadline_key, holder))
+            holder.deadline_key = deadline_key
+        if stepping and deadline is None:
+            self.fresh[holder] = None
+        else:
+            self.fresh.pop(holder, None)
+        if codec is not holder.codec:
+            if (codec is None) != (holder.codec is None):
+                if codec is None:
+                    self._codec.pop(holder)
+                else:
+                    self._codec[holder] = None
+            holder.codec = codec
+            self._codec_items = None
+        if prefill is not holder.prefill:
+            if (prefill is None) != (holder.prefill is None):
+                if prefill is None:
+                    self._prefill.pop(holder)
+                else:
+                    self._prefill[holder] = None
+            holder.prefill = prefill
+            self._prefill_items = None
+
+    def _clear(self, holder: _Holder) -> None:
+        if holder.stepping:
+            self._stepping_list = None
+        if holder.deadline_key is not None:
+            del self.by_deadline[bisect_left(self.by_deadline, holder.deadline_key)]
+        self.fresh.pop(holder, None)
+        if self._codec.pop(holder, 0) is None:
+            self._codec_items = None
+        if self._prefill.pop(holder, 0) is None:
+            self._prefill_items = None
+
+    # ---- what a decision reads ---------------------------------------------------------------------
+    def stepping(self) -> list[RequestState]:
+        """The requests that can step, in admission order."""
+        if self._stepping_list is None:
+            self._stepping_list = [h for h in self.holders.values() if h.stepping]
+            self._stepping_requests = [h.request for h in self._stepping_list]
+        return self._stepping_requests
+
+    def codec_items(self) -> list[_Item]:
+        if self._codec_items is None:
+            self._codec_items = [h.codec for h in sorted(self._codec, key=_admission)]
+        return self._codec_items
+
+    def prefill_items(self) -> list[_Item]:
+        if self._prefill_items is None:
+            self._prefill_items = [h.prefill for h in sorted(self._prefill, key=_admission)]
+        return self._prefill_items
+
+
+def _admission(holder: _Holder) -> int:
+    return holder.order
 
 
 class Scheduler:
@@ -133,6 +369,7 @@ class Scheduler:
         self._decisions = 0
         self._cost = {stage: self.config.initial_stage_cost_s for stage in Stage}  # EWMA seconds per batch
         self._bulk_codec_due = False  # the last codec call was a first chunk: the next decodes in bulk
+        self._readiness = _Readiness(self.config)
 
     def observe(self, stage: Stage, seconds: float) -> None:
         """The engine reports how long a batch of `stage` took; rule 2 plans with these costs."""
@@ -157,7 +394,8 @@ class Scheduler:
         """Forget a request (finished or cancelled) and free its slot at once; returns the slot."""
         self._requests.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
-        self._active.pop(request.request_id, None)
+        if self._active.pop(request.request_id, None) is not None:
+            self._readiness.remove(request)
         slot = request.slot
         if slot is not None:
             self._free_slots.append(slot)
@@ -173,6 +411,13 @@ class Scheduler:
             request.slot = self._free_slots.pop()
             request.phase = Phase.NEED_PREFILL
             self._active[request_id] = request
+            self._readiness.admit(request)
+
+    def changed(self, request: RequestState) -> None:
+        """The engine changed `request` other than by running the batch it was in (the scheduler re-reads
+        those anyway): text arrived for it, its codec batch was collected, or it finished. The scheduler
+        re-reads it at the next decision; a change it is not told of is a change it does not see."""
+        self._readiness.changed(request)
 
     @property
     def requests(self) -> list[RequestState]:
@@ -188,96 +433,79 @@ class Scheduler:
     # ---- readiness --------------------------------------------------------------------------------
     def _ready(self, now: float, codec_in_flight: bool) -> _Ready:
         """Every piece of work ready now: at most one generation item and one codec item per request holding
-        a slot, each sorted into the urgency rules it qualifies for (frame work as `_Ready` says). The
-        per-request checks are inlined."""
+        a slot, each sorted into the urgency rules it qualifies for (frame work as `_Ready` says). What each
+        holder is ready for is kept by `_Readiness`; this applies the clock and the measured costs to it."""
+        readiness = self._readiness
+        readiness.catch_up()
         ready = _Ready(now)
-        by_stage = ready.by_stage
-        prefill_items, codec_items = by_stage[Stage.PREFILL], by_stage[Stage.CODEC]
-        frame_requests = ready.frames
-        config = self.config
-        max_pending = config.max_pending_frames
-        max_buffered_s = config.max_buffered_s
         codec_lead = self.codec_lead()
         codec_limit = now + codec_lead
-        pressing_limit = now + config.pressing_lead_s
-        # Rule 2's plan: the frames a stream's next chunk still lacks at the measured cost of a frame, then its
-        # codec call.
-        frame_cost = self._cost[Stage.FRAME]
-        codec_cost = self._cost[Stage.CODEC] + codec_lead
-        # Enum members as locals: on CPython 3.11 each `Phase.X` is a descriptor call of ~100 ns, and the loop
-        # made eight of them per request.
-        need_decode, need_code_predict, need_prefill, finished = (
-            Phase.NEED_DECODE, Phase.NEED_CODE_PREDICT, Phase.NEED_PREFILL, Phase.FINISHED)
-        # Frame work's anchor candidates, per rule: (deadline, request). Requests come in arrival order, so
-        # a strictly smaller deadline replaces the one held, and ties keep the earlier arrival.
-        startup_frame = urgent_frame = pressing_frame = round_robin_frame = None
-        for request in self._active.values():
-            if request.cancelled or request.done:
-                continue
-            output = request.output
-            if output.emitted_samples - output.consumed_samples >= max_buffered_s * request.sample_rate:
-                continue  # back-pressure: a consumer that stopped reading stops its stream's work (slot kept)
-            # Deadline: when the listener runs out of audio, playback start plus the duration of all audio
-            # emitted (None while no audio has gone out).
-            playback_start = request.playback_start
-            deadline = None if playback_start is None else playback_start + output.emitted_samples / request.sample_rate
-            pending = request.frames_generated - request.frames_decoded  # generated, not decoded yet
-            schedule, chunks = request.chunk_schedule, request.chunks_decoded
-            # The next chunk's frames: the schedule grows, then repeats its last size.
-            want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
-            phase = request.phase
-            # Phases compared by identity: an Enum's hash runs in Python, and this loop runs per decision.
-            # Waiting for text (RequestState.waiting_for_text, inlined): no generation item, see the module doc.
-            waiting = request.text_open and phase is need_decode and (
-                request.text_fed >= request.text_ready or request.frames_generated >= request.max_frames)
-            # Generation waits for the codec to catch up once max_pending frames are not decoded yet.
-            if pending < max_pending and not waiting:
-                if phase is need_decode or phase is need_code_predict:
-                    frame_requests.append(request)
-                    if deadline is None:
-                        if startup_frame is None:
-                            startup_frame = request
-                        if round_robin_frame is None or round_robin_frame[0] > 0.0:
-                            round_robin_frame = (0.0, request)
-                    else:
-                        if want > pending and now >= deadline - (want - pending) * frame_cost - codec_cost \
-                                and (urgent_frame is None or deadline < urgent_frame[0]):
-                            urgent_frame = (deadline, request)
-                        if deadline <= pressing_limit and (pressing_frame is None or deadline < pressing_frame[0]):
-                            pressing_frame = (deadline, request)
-                        if round_robin_frame is None or deadline < round_robin_frame[0]:
-                            round_robin_frame = (deadline, request)
-                elif phase is need_prefill:
-                    item = _Item(request, Stage.PREFILL, deadline)
-                    prefill_items.append(item)
-                    if deadline is None:
-                        ready.startup.append(item)
-                    elif deadline <= pressing_limit:
-                        ready.pressing.append(item)
-            # Codec work is ready once the next chunk's frames are there, or whatever is left once generation
-            # has finished or waits for text; it decodes the chunk's frames (or the rest).
-            if not codec_in_flight and pending > 0 and not request.codec_busy \
-                    and (pending >= want or phase is finished or waiting):
-                item = _Item(request, Stage.CODEC, deadline, min(pending, want))
-                codec_items.append(item)
+        pressing_limit = now + self.config.pressing_lead_s
+        startup, pressing = ready.startup, ready.pressing
+        prefill_items = readiness.prefill_items()
+        if prefill_items:
+            ready.by_stage[Stage.PREFILL] = prefill_items
+            for item in prefill_items:
+                deadline = item.deadline
                 if deadline is None:
-                    ready.startup.append(item)
+                    startup.append(item)
+                elif deadline <= pressing_limit:
+                    pressing.append(item)
+        codec_items = () if codec_in_flight else readiness.codec_items()
+        if codec_items:
+            ready.by_stage[Stage.CODEC] = codec_items
+            urgent_codec = ready.urgent_codec
+            for item in codec_items:
+                deadline = item.deadline
+                if deadline is None:
+                    startup.append(item)
                 else:
                     if deadline <= codec_limit:
-                        ready.urgent_codec.append(item)
+                        urgent_codec.append(item)
                     if deadline <= pressing_limit:
-                        ready.pressing.append(item)
-        ready.by_stage = {stage: items for stage, items in by_stage.items() if items}
-        if frame_requests:
-            ready.by_stage[Stage.FRAME] = frame_requests
-            if startup_frame is not None:
-                ready.startup.append(_Item(startup_frame, Stage.FRAME, None))
-            if urgent_frame is not None:
-                ready.urgent_generation.append(_Item(urgent_frame[1], Stage.FRAME, urgent_frame[0]))
-            if pressing_frame is not None:
-                ready.pressing.append(_Item(pressing_frame[1], Stage.FRAME, pressing_frame[0]))
-            ready.round_robin_frame = round_robin_frame[1]
+                        pressing.append(item)
+        frames = readiness.stepping()
+        if frames:
+            ready.by_stage[Stage.FRAME] = ready.frames = frames
+            # The anchor candidates of frame work; between equal deadlines the earlier admission.
+            fresh = min(readiness.fresh, key=_admission) if readiness.fresh else None
+            if fresh is not None:
+                startup.append(_Item(fresh.request, Stage.FRAME, None))
+            by_deadline = readiness.by_deadline
+            if by_deadline:
+                deadline, order, earliest = by_deadline[0]
+                if deadline <= pressing_limit:
+                    pressing.append(_Item(earliest.request, Stage.FRAME, deadline))
+                # Rule 5 reads a stream with no audio yet as deadline 0.0.
+                if fresh is None or deadline < 0.0 or (deadline == 0.0 and order < fresh.order):
+                    ready.round_robin_frame = earliest.request
+                else:
+                    ready.round_robin_frame = fresh.request
+                urgent = self._urgent_frame(by_deadline, now, codec_lead)
+                if urgent is not None:
+                    ready.urgent_generation.append(urgent)
+            else:
+                ready.round_robin_frame = fresh.request
         return ready
+
+    def _urgent_frame(self, by_deadline: list[tuple], now: float, codec_lead: float) -> _Item | None:
+        """Rule 2's anchor among the playing streams that can step: the earliest deadline whose next chunk
+        cannot be ready in time unless it runs now (the frames it still lacks at the measured cost of a
+        frame, then its codec call). Read in deadline order, it stops at the first such stream, or at the
+        first deadline that no stream's plan reaches (a whole chunk of the largest size still to make)."""
+        frame_cost = self._cost[Stage.FRAME]
+        codec_cost = self._cost[Stage.CODEC] + codec_lead
+        furthest = self._readiness.most_frames_wanted * frame_cost
+        for deadline, _, holder in by_deadline:
+            if deadline - furthest - codec_cost > now:
+                return None
+            request = holder.request
+            pending = request.frames_generated - request.frames_decoded
+            schedule, chunks = request.chunk_schedule, request.chunks_decoded
+            want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
+            if want > pending and now >= deadline - (want - pending) * frame_cost - codec_cost:
+                return _Item(request, Stage.FRAME, deadline)
+        return None
 
     def _frame_items(self, ready: _Ready) -> tuple[list[_Item], list[_Item]]:
         """Items for every request that can step, and those of them urgent or pressing (rules 2 and 4):
@@ -345,6 +573,7 @@ class Scheduler:
             self._bulk_codec_due = batch.rule == "startup"
         self._decisions += 1
         self._served_at[batch.stage] = self._decisions
+        self._readiness.ran(batch)
         return batch
 
     def _gather_arrivals(self, ready: _Ready, now: float) -> None:

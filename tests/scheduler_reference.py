@@ -1,0 +1,435 @@
+# The scheduler as it was before `_Readiness` (main d329abe, tts_backend/engine/scheduler.py: one pass over every
+# slot holder per decision), the reference tests/test_scheduler_equivalence.py holds the current scheduler to,
+# decision by decision. Test code only.
+"""The scheduler: which batch runs next.
+
+Pure bookkeeping, no threads and no device: the engine thread calls `decide(now)` and gets one batch of
+one kind of work (prefill, frame or codec chunk). The batch is built around an anchor, the most urgent
+ready item, and filled with every compatible ready item, because on a bandwidth-bound GPU a batch of 8
+costs about what a batch of 1 does (H100, bench/results/engine_step_h100.json: a frame is 5.3 ms for 2
+streams, 7.1 ms for 64, 10.7 ms for 128).
+
+Every frame item is compatible with every other: a frame batch carries every stream that can step (the
+Talker step of those that need one and the code-predictor loop of all), in the smallest captured bucket
+that holds them. The urgency rules pick the anchor, so they decide when a frame runs against prefill and
+codec work, and which streams go first when more can step than the largest bucket holds; they never leave
+a stream out of a frame that has room. (When decode and code prediction were separate batches, the streams
+split into cohorts half a frame apart and each batch carried one of them: at 40 RPS on the H100 110 streams
+held slots and a batch carried 14.)
+
+Urgency, highest first (engine.md):
+1. codec work of a playing stream about to run out of audio (now >= deadline - reserve);
+2. generation work of a playing stream whose next chunk cannot be ready in time unless it runs now: the
+   frames its next chunk still lacks, times the measured cost of a frame, plus a codec call, reach past
+   its deadline. Without this rule a burst of new requests (rule 3) starves
+   streams that are already playing and they underrun;
+3. any work of a request that has no audio yet, by stage rank (codec, prefill, frame), then arrival;
+4. work of a stream within `pressing_lead_s` of its deadline, earliest deadline first;
+5. otherwise round-robin: the stage served least recently.
+
+A stream whose text is still being written (text streaming, issue 21) takes one text token per Talker
+step. When its next step needs a token that has not come, it waits for text outside the batches: it has no
+generation item at all, so it is never decoded on a pad (which would change what it says: the model reads
+a pad as the text running out), it is not a candidate of rule 2 however late its deadline (its listener's
+silence is the text's, not the engine's: the engine counts it apart, EngineStats.text_*), and it cannot
+hold back the streams that have their text, since a batch is built only from items that are ready. Its
+generated frames still go to the codec, the chunk schedule notwithstanding: they are audio the listener
+would otherwise wait for, for as long as the text takes. The step after the wait becomes ready in the
+decision after its token arrives (the engine applies pushed text before it decides), and it joins that
+decision's batch like any other item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tts_backend.engine.request import Phase, RequestState, Stage
+
+# Round-robin tie order when several stages were served equally long ago.
+_ROUND_ROBIN_ORDER = (Stage.PREFILL, Stage.FRAME, Stage.CODEC)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_active: int = 64  # KV slots: requests admitted to generation at once
+    max_batch: dict = field(
+        default_factory=lambda: {Stage.PREFILL: 8, Stage.FRAME: 64, Stage.CODEC: 16}
+    )
+    codec_reserve_s: float = 0.025  # the least lead a playing stream's codec work gets (see Scheduler.codec_lead)
+    pressing_lead_s: float = 1.0
+    max_buffered_s: float = 10.0  # audio a consumer may leave unread before its stream pauses
+    max_pending_frames: int = 48  # generated but not yet decoded; bounded by the runner's frame ring
+    max_codec_frames: int = 12  # the most frames per stream one codec call decodes (the runner's captured counts)
+    # A fresh arrival's prefill may wait this long for others while at least prefill_gather_streams step.
+    prefill_gather_s: float = 0.010
+    prefill_gather_streams: int = 24
+    initial_stage_cost_s: float = 0.005  # per-batch cost guess until the engine has measured each stage
+
+
+@dataclass
+class Batch:
+    stage: Stage
+    requests: list[RequestState]
+    frames: int = 0  # codec only: frames each request decodes in this call
+    rule: str = ""  # which urgency rule chose it (for tests and tracing)
+
+
+class _Item:
+    """One ready piece of work, with what the rules compare computed once per decision."""
+
+    __slots__ = ("request", "stage", "frames", "deadline", "arrival")
+
+    def __init__(self, request: RequestState, stage: Stage, deadline: float | None, frames: int = 0) -> None:
+        self.request = request
+        self.stage = stage
+        self.frames = frames
+        self.deadline = deadline  # None while the request has no audio out yet
+        self.arrival = request.arrival
+
+
+def _deadline(request: RequestState) -> float | None:
+    """When the listener runs out of audio: playback start plus the duration of all audio emitted (None while
+    no audio has gone out)."""
+    if request.playback_start is None:
+        return None
+    return request.playback_start + request.output.emitted_samples / request.sample_rate
+
+
+def _fill_order(item: _Item) -> tuple:
+    """Requests with no audio yet first (by arrival), then earliest deadline."""
+    return (item.deadline is not None, item.deadline or 0.0, item.arrival)
+
+
+class _Ready:
+    """Every piece of work ready now, by stage, and the candidates of each urgency rule, gathered in one pass
+    over the slot holders (a decision runs between every two batches, so its Python cost is GPU idle time).
+
+    Frame work is kept apart, as the requests that can step (`frames`) and, per rule, only the one that
+    would anchor it (it is in the rule's list): a frame batch carries every stream that can step whenever
+    they fit the largest bucket, which they do whenever the KV slots do, so the rest of them need no item
+    and no order. That made the pass at 128 streams about twice as cheap. Only when more can step than the
+    largest bucket holds does `Scheduler._frame_items` build the full list, to order them."""
+
+    __slots__ = ("now", "by_stage", "frames", "round_robin_frame", "urgent_codec", "urgent_generation", "startup",
+                 "pressing")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        # PREFILL and CODEC items (empty lists pruned after); FRAME's entry is `frames`, set when any can step.
+        self.by_stage: dict[Stage, list] = {Stage.PREFILL: [], Stage.CODEC: []}
+        self.frames: list[RequestState] = []
+        self.round_robin_frame: RequestState | None = None  # rule 5's anchor if it serves frames
+        self.urgent_codec: list[_Item] = []
+        self.urgent_generation: list[_Item] = []
+        self.startup: list[_Item] = []
+        self.pressing: list[_Item] = []
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self._requests: dict[int, RequestState] = {}  # insertion order = arrival order
+        self._waiting: dict[int, RequestState] = {}  # no slot yet, arrival order
+        self._active: dict[int, RequestState] = {}  # holding a slot, admission (= arrival) order
+        self._free_slots = list(range(self.config.max_active - 1, -1, -1))
+        self._served_at = {stage: -1 for stage in Stage}
+        self._decisions = 0
+        self._cost = {stage: self.config.initial_stage_cost_s for stage in Stage}  # EWMA seconds per batch
+        self._bulk_codec_due = False  # the last codec call was a first chunk: the next decodes in bulk
+
+    def observe(self, stage: Stage, seconds: float) -> None:
+        """The engine reports how long a batch of `stage` took; rule 2 plans with these costs."""
+        self._cost[stage] = 0.8 * self._cost[stage] + 0.2 * seconds
+
+    def codec_lead(self) -> float:
+        """How long before a playing stream runs dry its codec work must start. When it turns urgent a
+        codec batch may still be in flight ahead of it (one codec call) and a generation batch may be running
+        (one frame); then its own codec call runs. From the measured costs, never less than
+        `codec_reserve_s`: under load these costs grow, and a fixed lead let streams run dry by a few ms
+        (H200, 40 RPS: codec calls of 8-9 ms, frames of 6 ms, against a fixed 25 ms)."""
+        return max(self.config.codec_reserve_s, 2 * self._cost[Stage.CODEC] + self._cost[Stage.FRAME])
+
+    # ---- membership -------------------------------------------------------------------------------
+    def add(self, request: RequestState) -> None:
+        request.phase = Phase.WAITING
+        self._requests[request.request_id] = request
+        self._waiting[request.request_id] = request
+        self._admit()
+
+    def remove(self, request: RequestState) -> int | None:
+        """Forget a request (finished or cancelled) and free its slot at once; returns the slot."""
+        self._requests.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
+        self._active.pop(request.request_id, None)
+        slot = request.slot
+        if slot is not None:
+            self._free_slots.append(slot)
+            request.slot = None
+            self._admit()
+        return slot
+
+    def _admit(self) -> None:
+        """Slots go to waiting requests in arrival order."""
+        while self._free_slots and self._waiting:
+            request_id = next(iter(self._waiting))
+            request = self._waiting.pop(request_id)
+            request.slot = self._free_slots.pop()
+            request.phase = Phase.NEED_PREFILL
+            self._active[request_id] = request
+
+    @property
+    def requests(self) -> list[RequestState]:
+        return list(self._requests.values())
+
+    @property
+    def active(self) -> int:
+        return self.config.max_active - len(self._free_slots)
+
+    def get(self, request_id: int) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    # ---- readiness --------------------------------------------------------------------------------
+    def _ready(self, now: float, codec_in_flight: bool) -> _Ready:
+        """Every piece of work ready now: at most one generation item and one codec item per request holding
+        a slot, each sorted into the urgency rules it qualifies for (frame work as `_Ready` says). The
+        per-request checks are inlined."""
+        ready = _Ready(now)
+        by_stage = ready.by_stage
+        prefill_items, codec_items = by_stage[Stage.PREFILL], by_stage[Stage.CODEC]
+        frame_requests = ready.frames
+        config = self.config
+        max_pending = config.max_pending_frames
+        max_buffered_s = config.max_buffered_s
+        codec_lead = self.codec_lead()
+        codec_limit = now + codec_lead
+        pressing_limit = now + config.pressing_lead_s
+        # Rule 2's plan: the frames a stream's next chunk still lacks at the measured cost of a frame, then its
+        # codec call.
+        frame_cost = self._cost[Stage.FRAME]
+        codec_cost = self._cost[Stage.CODEC] + codec_lead
+        # Enum members as locals: on CPython 3.11 each `Phase.X` is a descriptor call of ~100 ns, and the loop
+        # made eight of them per request.
+        need_decode, need_code_predict, need_prefill, finished = (
+            Phase.NEED_DECODE, Phase.NEED_CODE_PREDICT, Phase.NEED_PREFILL, Phase.FINISHED)
+        # Frame work's anchor candidates, per rule: (deadline, request). Requests come in arrival order, so
+        # a strictly smaller deadline replaces the one held, and ties keep the earlier arrival.
+        startup_frame = urgent_frame = pressing_frame = round_robin_frame = None
+        for request in self._active.values():
+            if request.cancelled or request.done:
+                continue
+            output = request.output
+            if output.emitted_samples - output.consumed_samples >= max_buffered_s * request.sample_rate:
+                continue  # back-pressure: a consumer that stopped reading stops its stream's work (slot kept)
+            # Deadline: when the listener runs out of audio, playback start plus the duration of all audio
+            # emitted (None while no audio has gone out).
+            playback_start = request.playback_start
+            deadline = None if playback_start is None else playback_start + output.emitted_samples / request.sample_rate
+            pending = request.frames_generated - request.frames_decoded  # generated, not decoded yet
+            schedule, chunks = request.chunk_schedule, request.chunks_decoded
+            # The next chunk's frames: the schedule grows, then repeats its last size.
+            want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
+            phase = request.phase
+            # Phases compared by identity: an Enum's hash runs in Python, and this loop runs per decision.
+            # Waiting for text (RequestState.waiting_for_text, inlined): no generation item, see the module doc.
+            waiting = request.text_open and phase is need_decode and (
+                request.text_fed >= request.text_ready or request.frames_generated >= request.max_frames)
+            # Generation waits for the codec to catch up once max_pending frames are not decoded yet.
+            if pending < max_pending and not waiting:
+                if phase is need_decode or phase is need_code_predict:
+                    frame_requests.append(request)
+                    if deadline is None:
+                        if startup_frame is None:
+                            startup_frame = request
+                        if round_robin_frame is None or round_robin_frame[0] > 0.0:
+                            round_robin_frame = (0.0, request)
+                    else:
+                        if want > pending and now >= deadline - (want - pending) * frame_cost - codec_cost \
+                                and (urgent_frame is None or deadline < urgent_frame[0]):
+                            urgent_frame = (deadline, request)
+                        if deadline <= pressing_limit and (pressing_frame is None or deadline < pressing_frame[0]):
+                            pressing_frame = (deadline, request)
+                        if round_robin_frame is None or deadline < round_robin_frame[0]:
+                            round_robin_frame = (deadline, request)
+                elif phase is need_prefill:
+                    item = _Item(request, Stage.PREFILL, deadline)
+                    prefill_items.append(item)
+                    if deadline is None:
+                        ready.startup.append(item)
+                    elif deadline <= pressing_limit:
+                        ready.pressing.append(item)
+            # Codec work is ready once the next chunk's frames are there, or whatever is left once generation
+            # has finished or waits for text; it decodes the chunk's frames (or the rest).
+            if not codec_in_flight and pending > 0 and not request.codec_busy \
+                    and (pending >= want or phase is finished or waiting):
+                item = _Item(request, Stage.CODEC, deadline, min(pending, want))
+                codec_items.append(item)
+                if deadline is None:
+                    ready.startup.append(item)
+                else:
+                    if deadline <= codec_limit:
+                        ready.urgent_codec.append(item)
+                    if deadline <= pressing_limit:
+                        ready.pressing.append(item)
+        ready.by_stage = {stage: items for stage, items in by_stage.items() if items}
+        if frame_requests:
+            ready.by_stage[Stage.FRAME] = frame_requests
+            if startup_frame is not None:
+                ready.startup.append(_Item(startup_frame, Stage.FRAME, None))
+            if urgent_frame is not None:
+                ready.urgent_generation.append(_Item(urgent_frame[1], Stage.FRAME, urgent_frame[0]))
+            if pressing_frame is not None:
+                ready.pressing.append(_Item(pressing_frame[1], Stage.FRAME, pressing_frame[0]))
+            ready.round_robin_frame = round_robin_frame[1]
+        return ready
+
+    def _frame_items(self, ready: _Ready) -> tuple[list[_Item], list[_Item]]:
+        """Items for every request that can step, and those of them urgent or pressing (rules 2 and 4):
+        needed only to order them when more can step than the largest bucket holds."""
+        frame_cost = self._cost[Stage.FRAME]
+        codec_lead = self.codec_lead()
+        codec_cost = self._cost[Stage.CODEC] + codec_lead
+        now = ready.now
+        pressing_limit = now + self.config.pressing_lead_s
+        items, priority = [], []
+        for request in ready.frames:
+            deadline = _deadline(request)
+            item = _Item(request, Stage.FRAME, deadline)
+            items.append(item)
+            if deadline is None:
+                continue
+            pending = request.pending_frames
+            schedule, chunks = request.chunk_schedule, request.chunks_decoded
+            want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
+            if (want > pending and now >= deadline - (want - pending) * frame_cost - codec_cost) \
+                    or deadline <= pressing_limit:
+                priority.append(item)
+        return items, priority
+
+    # ---- the decision -----------------------------------------------------------------------------
+    def decide(self, now: float, codec_in_flight: bool = False) -> Batch | None:
+        """The next batch, or None when nothing is ready. `codec_in_flight`: the runner takes no more codec
+        batches now (as many are in flight as it queues), so no codec work is ready. A stream in a codec
+        batch in flight (`codec_busy`) has no codec work either: its frames_decoded has not advanced yet, and
+        if its audio is about to run out, rule 1 picks it as soon as the engine has collected that batch
+        (at the start of a step, before it decides)."""
+        ready = self._ready(now, codec_in_flight)
+        if not ready.by_stage:
+            return None
+        self._gather_arrivals(ready, now)
+        if ready.urgent_codec:
+            anchor = min(ready.urgent_codec, key=lambda it: (it.deadline, it.arrival))
+            batch = self._fill(anchor, ready, ready.urgent_codec, "urgent_codec")
+        elif ready.urgent_generation:
+            anchor = min(ready.urgent_generation, key=lambda it: (it.deadline, int(it.stage), it.arrival))
+            batch = self._fill(anchor, ready, ready.urgent_generation, "urgent_generation")
+        elif ready.startup:
+            # The codec stream takes one batch at a time, and a first chunk is a small call (2 frames, most
+            # often of one stream): at 60 RPS new streams came often enough that first chunks took nearly
+            # every codec turn, the other streams' frames piled up undecoded to max_pending_frames and they
+            # dropped out of the frames. So after a first-chunk call, a lagging codec's next turn is in bulk.
+            bulk_anchor = self._bulk_codec_anchor(ready) if self._bulk_codec_due else None
+            if bulk_anchor is not None:
+                batch = self._fill(bulk_anchor, ready, ready.pressing, "bulk_codec", bulk=True)
+            else:
+                anchor = min(ready.startup, key=lambda it: (int(it.stage), it.arrival))
+                batch = self._fill(anchor, ready, ready.startup, "startup")
+        elif ready.pressing:
+            anchor = min(ready.pressing, key=lambda it: (it.deadline, int(it.stage), it.arrival))
+            batch = self._fill(anchor, ready, ready.pressing, "pressing", bulk=True)
+        else:
+            stage = min(ready.by_stage, key=lambda s: (self._served_at[s], _ROUND_ROBIN_ORDER.index(s)))
+            if stage is Stage.FRAME:
+                request = ready.round_robin_frame
+                anchor = _Item(request, Stage.FRAME, _deadline(request))
+            else:
+                anchor = min(ready.by_stage[stage], key=lambda it: (it.deadline or 0.0, it.arrival))
+            batch = self._fill(anchor, ready, [], "round_robin", bulk=True)
+        if batch.stage is Stage.CODEC:
+            self._bulk_codec_due = batch.rule == "startup"
+        self._decisions += 1
+        self._served_at[batch.stage] = self._decisions
+        return batch
+
+    def _gather_arrivals(self, ready: _Ready, now: float) -> None:
+        """Hold a prefill of a few fresh arrivals back for one frame while other streams can step, so that
+        arrivals are admitted in groups: a prefill costs about the same for 1 prompt as for 8 (H100: 2.8 ms
+        for 2 x 32 positions, 3.6 ms for 8 x 32), and each is an engine step of its own."""
+        gather = self.config.prefill_gather_s
+        items = ready.by_stage.get(Stage.PREFILL)
+        stepping = ready.by_stage.get(Stage.FRAME, ())
+        if not gather or not items or len(stepping) < self.config.prefill_gather_streams:
+            return  # at light load a prefill's device time is not what limits anyone: admit at once
+        if len(items) >= self.config.max_batch[Stage.PREFILL] or any(now - it.arrival >= gather for it in items):
+            return
+        del ready.by_stage[Stage.PREFILL]
+        ready.startup = [it for it in ready.startup if it.stage is not Stage.PREFILL]
+
+    def _bulk_codec_anchor(self, ready: _Ready) -> _Item | None:
+        """The playing stream whose codec work is due first, if the codec is falling behind: some stream
+        has half of max_pending_frames generated and not decoded (at low load first chunks keep priority)."""
+        playing = [it for it in ready.by_stage.get(Stage.CODEC, ()) if it.deadline is not None]
+        lag = self.config.max_pending_frames // 2
+        if not any(it.request.pending_frames >= lag for it in playing):
+            return None
+        return min(playing, key=lambda it: (it.deadline, it.arrival))
+
+    def _bulk_frames(self, items: list[_Item]) -> tuple[int, list[_Item]]:
+        """Frames per stream for a codec batch that nothing urgent waits for, and the streams that can take
+        it: the count that decodes the most frames in one call (count x streams that can take it, up to the
+        batch cap). A stream can take F frames when F is at least its next chunk and at most what it has
+        generated. One codec batch is in flight at a time and the engine launches the next only at a step
+        boundary, so a call's volume is the codec's throughput: on the H100 a call of 16 streams x 12
+        frames costs 88 us per stream-frame, one of 1 x 2 over 1 ms (bench/results/engine_step_h100.json).
+        Streams whose audio is about to run out are not left to this: rule 1 decodes them first."""
+        cap = self.config.max_batch[Stage.CODEC]
+        candidates = {min(self.config.max_codec_frames, it.request.pending_frames) for it in items}
+        best, best_takers, best_volume = 0, [], 0
+        for frames in sorted(candidates):
+            takers = [it for it in items if it.frames <= frames <= it.request.pending_frames]
+            volume = frames * min(cap, len(takers))
+            if volume >= best_volume:
+                best, best_takers, best_volume = frames, takers, volume
+        return best, best_takers
+
+    def _fill(self, anchor: _Item, ready: _Ready, priority: list[_Item], rule: str, bulk: bool = False) -> Batch:
+        """The anchor, then compatible priority items (in fill order), then the other compatible items, up
+        to the stage's batch cap. A codec batch decodes one frame count (one captured shape per count): the
+        anchor's. A stream joins it when that count is at least what its next chunk wants and no more than
+        it has generated, so a stream never ships a smaller chunk than its schedule says, and a stream that
+        is ahead ships a larger one now instead of paying for a codec call of its own later (a codec call
+        costs about the same for 1 stream as for 8)."""
+        stage, frames = anchor.stage, anchor.frames
+        if bulk and stage is Stage.CODEC:
+            frames, takers = self._bulk_frames(ready.by_stage[stage])
+            if anchor not in takers:  # the most urgent of the streams that can take the bulk count
+                anchor = min(takers, key=_fill_order)
+
+        def compatible(it: _Item) -> bool:  # every frame item is compatible with every other (module doc)
+            if it.stage is not stage or it is anchor:
+                return False
+            return stage is not Stage.CODEC or it.frames <= frames <= it.request.pending_frames
+
+        cap = self.config.max_batch[stage]
+        everyone = ready.by_stage[stage]
+        if stage is Stage.FRAME:
+            lead = anchor.request
+            if len(everyone) <= cap:
+                # Every stream that can step fits: no order to decide (the anchor first, as always).
+                return Batch(stage, [lead] + [r for r in everyone if r is not lead], rule=rule)
+            # More can step than the largest bucket holds: urgent and pressing ones first (`_Ready`).
+            everyone, priority = self._frame_items(ready)
+            anchor = next(it for it in everyone if it.request is lead)
+        chosen = [anchor.request]
+        urgent = [it for it in priority if compatible(it)]
+        if len(urgent) + 1 < cap:
+            marked = {id(it) for it in urgent}
+            rest = [it for it in everyone if compatible(it) and id(it) not in marked]
+            rest.sort(key=_fill_order)
+        else:
+            rest = []
+        urgent.sort(key=_fill_order)
+        for it in urgent + rest:
+            if len(chosen) >= cap:
+                break
+            chosen.append(it.request)
+        return Batch(stage, chosen, frames=frames, rule=rule)
