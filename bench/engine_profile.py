@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import time
 from dataclasses import asdict
@@ -382,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    # The engine's start-up log (what each kind of captured graph cost) beside the tables.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("tts_backend").setLevel(logging.INFO)
     report = asyncio.run(profile(args))
     tables = "\n\n".join([client_table(report["rates"]), engine_table(report["rates"]),
                           *(details(e) for e in report["rates"])])
