@@ -124,7 +124,7 @@ from bench.loadgen import (
 from tts_backend.engine import engine as engine_module
 from tts_backend.engine.engine import Engine, EngineConfig
 from tts_backend.engine.request import Phase, RequestState, Stage
-from tts_backend.engine.runner import CodecHandle, ModelRunner, Qwen3RunnerConfig
+from tts_backend.engine.runner import CodecHandle, ModelRunner, Qwen3RunnerConfig, codec_pieces
 from tts_backend.qwen3.config import GenerationConfig
 from tts_backend.qwen3_backend import frame_cap, scheduler_config
 
@@ -178,6 +178,7 @@ class CostTable:
         self.prefill_lengths = tuple(sorted({int(k.split("x")[1]) for k in table["prefill_ms"]}))
         self.codec_batches = tuple(sorted({int(k.split("x")[0]) for k in table["codec_ms"]}))
         self.codec_frames = tuple(sorted({int(k.split("x")[1]) for k in table["codec_ms"]}))
+        self.runner_codec_frames = tuple(runner_config.codec_frames)  # the counts the runner captures
 
     @classmethod
     def from_file(cls, path: Path, runner_config: Qwen3RunnerConfig) -> CostTable:
@@ -203,7 +204,11 @@ class CostTable:
         return self.table["prefill_ms"][f"{_bucket(n, self.prefill_batches)}x{_bucket(positions, self.prefill_lengths)}"]
 
     def codec_ms(self, n: int, frames: int) -> float:
-        """Linear in frames between the table's points (and beyond its ends, from the nearest two)."""
+        """A call as the runner makes it: the pieces of its captured counts (runner.codec_pieces), each linear
+        in frames between the table's points (and beyond its ends, from the nearest two)."""
+        return sum(self._codec_call_ms(n, f) for f in codec_pieces(frames, self.runner_codec_frames))
+
+    def _codec_call_ms(self, n: int, frames: int) -> float:
         row = self.table["codec_ms"]
         b = _bucket(n, self.codec_batches)
         points = self.codec_frames
