@@ -173,10 +173,12 @@ class Qwen3RunnerConfig:
     # the end of a batch until the engine's next step boundary launched the next, and then waited for the
     # frame in flight (H100, 60 RPS: in flight 77 % of the wall time, on the device 40 %).
     codec_in_flight: int = 2
-    # The codec's precision on CUDA: "float32" (as released; TF32 matmuls and convolutions) or "bfloat16"
-    # (half the activation traffic of a memory-bound decoder; bench/codec_profile.py reports its speed and
-    # its SNR against float32). Elsewhere always float32.
-    codec_dtype: str = "float32"
+    # The codec's precision on CUDA: "bfloat16", or "float32" (as released; TF32 matmuls and convolutions).
+    # On the H100 (bench/results/codec_profile_h100.json) a call of 16 streams x 12 frames costs 11.3 ms in
+    # bfloat16 against 16.5 in float32, with the output 44.6 dB above its difference from float32's (random
+    # weights); under load (engine_profile_h100_codec_bf16.json) p95 first audio at 80 RPS fell from 243 to
+    # 162 ms and underrunning requests from 62 to 27. Elsewhere always float32.
+    codec_dtype: str = "bfloat16"
     # How a resumed request (resume from codes) runs its delivered frames through the Talker: "batched" (one
     # pass over the prompt and the frames, as a prefill), "stepwise" (the prompt, then one decode step a frame,
     # exactly the steps the uninterrupted request took) or "auto": batched on CUDA, stepwise elsewhere. Why
