@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import statistics
 import sys
@@ -266,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The engine's log beside the report: start-up, and what each resume pass cost.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("tts_backend").setLevel(logging.INFO)
     report = asyncio.run(run(args))
     text = json.dumps(report, indent=2)
     if args.output:

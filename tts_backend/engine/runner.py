@@ -829,6 +829,7 @@ class Qwen3ModelRunner(ModelRunner):
         m = self.model
         cap = self.config.trailing_capacity
         inputs = []
+        started = time.perf_counter()
         for r in requests:
             codes = self._upload(r.resume)
             k = codes.shape[0]
@@ -846,6 +847,7 @@ class Qwen3ModelRunner(ModelRunner):
             self.decoded[r.slot] = k
         slot_list = [r.slot for r in requests]
         slots_t = self._upload(torch.tensor(slot_list, dtype=torch.long))
+        primed = time.perf_counter()
         if self.resume_batched:
             prompts = [m.prompt_embeds(r.prompt) for r in requests]
             starts = self._voice_prefixes(requests, prompts)
@@ -879,7 +881,12 @@ class Qwen3ModelRunner(ModelRunner):
             self._after_talker(slots_t, torch.cat(last), new_pos)
         for r in requests:
             self.pos_host[r.slot] = len(r.prompt) + r.resume.shape[0]
-        return self.eos_out[: len(requests)].tolist()
+        eos = self.eos_out[: len(requests)].tolist()  # waits for the device
+        # A resume is a failover or a hand-over: rare, and what it costs is the listener's pause.
+        log.info("resumed %d requests (%s frames) in %.1f ms: codec priming queued in %.1f ms",
+                 len(requests), ",".join(str(r.resume.shape[0]) for r in requests),
+                 1000 * (time.perf_counter() - started), 1000 * (primed - started))
+        return eos
 
     def _resumed_counters(self, requests: list[RequestState]) -> None:
         """The sampler's per-slot state as the uninterrupted request had it before it sampled frame k's
