@@ -39,6 +39,7 @@ import contextlib
 import importlib.util
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 
 from .base import (
@@ -261,7 +262,12 @@ class Qwen3Synthesizer(Synthesizer):
             self.codebooks, self.frame_rate = 0, 0.0
 
     async def start(self) -> None:
+        # Each phase's time in the log: start-up is a target of its own (issue 29), and which phase grew is
+        # what a slower start needs to show.
+        started = time.perf_counter()
         await asyncio.to_thread(self._load_model)
+        loaded = time.perf_counter()
+        log.info("start-up: model loaded in %.1f s", loaded - started)
         await asyncio.to_thread(self._build)
         self.engine.start()
         try:
@@ -278,6 +284,8 @@ class Qwen3Synthesizer(Synthesizer):
             await asyncio.to_thread(self._build)
             self.engine.start()
             await asyncio.to_thread(self.engine.wait_ready)
+        prepared = time.perf_counter()
+        log.info("start-up: engine prepared (fast path, kernel check, captured graphs) in %.1f s", prepared - loaded)
         if self.warmup:
             # One short request through every stage (and the first-chunk path) before we say ready.
             warm = SynthesisRequest(text="Warm up.", voice=self.default_voice, seed=0, max_new_tokens=8,
@@ -291,6 +299,7 @@ class Qwen3Synthesizer(Synthesizer):
                     pass
             finally:
                 self._warming = False
+            log.info("start-up: warm-up request in %.1f s", time.perf_counter() - prepared)
         self._ready = True
 
     async def stop(self) -> None:

@@ -333,9 +333,13 @@ class Qwen3ModelRunner(ModelRunner):
     # ---- set-up -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prepare(self) -> None:
+        started = time.perf_counter()
         self._allocate()
+        log.info("allocated the slots and fused the weights in %.1f s", time.perf_counter() - started)
         if self.triton:
+            started = time.perf_counter()
             self._check_kernels()
+            log.info("checked the Triton kernels in %.1f s", time.perf_counter() - started)
         if self.graphs.enabled:
             self._capture_all()
             if self.resume_batched and self.fused_prefill and self.compile and self.can_resume:
