@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len", type=int, default=BENCH_MAX_LEN, help="Talker positions per slot")
     parser.add_argument("--runner-options", type=json.loads, default=BENCH_RUNNER_OPTIONS,
                         help="JSON object of Qwen3RunnerConfig fields (default: bench/engine_load.py's)")
+    parser.add_argument("--scheduler-options", type=json.loads, default=None,
+                        help="JSON overrides of the scheduler's policy, e.g. '{\"prefill_gather_s\": 0.02}'")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request limit in seconds")
     parser.add_argument("--drain-timeout", type=float, default=120.0, help="wait this long for requests in flight")
@@ -356,7 +358,7 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
     cap = args.frame_cap_chars_per_second
     backend = Qwen3Synthesizer(model=args.model, device=args.device, max_active=args.max_active,
                                max_len=args.max_len, frame_cap_chars_per_second=cap if cap and cap > 0 else None,
-                               runner_options=args.runner_options)
+                               runner_options=args.runner_options, scheduler_options=args.scheduler_options)
     card = accelerator()  # before start(): whether the compile cache held anything
     started = time.perf_counter()
     await backend.start()

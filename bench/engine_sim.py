@@ -86,6 +86,7 @@ Speed: 30 simulated s of 40 RPS take 4.5-8 s wall (2.1-2.3 CPU-s) on the shared 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -533,6 +534,7 @@ class SimOptions:
     agent_sentences: int = 0  # > 0: the agent workload, each reply that many sentences pushed word by word
     words_per_s: float = 40.0
     codec_in_flight: int = Qwen3RunnerConfig.codec_in_flight  # codec batches queued at once (the runner's)
+    scheduler: tuple = ()  # (field, value) pairs over the engine's SchedulerConfig (policy what-ifs)
 
 
 class AgentSession:
@@ -579,6 +581,20 @@ class AgentSession:
         self.sent = settled
 
 
+def _scheduler_overrides(items: list[str]) -> list[tuple[str, float]]:
+    """FIELD=VALUE pairs over SchedulerConfig's numeric fields (ints stay ints)."""
+    from tts_backend.engine.scheduler import SchedulerConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(SchedulerConfig)}
+    pairs = []
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or name == "max_batch":
+            raise SystemExit(f"--scheduler: {name!r} is not a numeric SchedulerConfig field")
+        pairs.append((name, int(value) if fields[name] in (int, "int") else float(value)))
+    return pairs
+
+
 def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | None = None,
              costs: CostTable | None = None) -> dict[str, Any]:
     """One rate: warm-up, measured phase, drain; the engine_profile-shaped entry plus the simulator's own."""
@@ -592,8 +608,8 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
     runner = SimRunner(costs, clock, runner_config, options.contention, options.launch_us, options.seed,
                        options.codec_slowdown)
     chunk_schedule = EngineConfig().chunk_schedule
-    engine = Engine(runner, EngineConfig(scheduler=scheduler_config(runner, options.max_active, chunk_schedule)),
-                    clock=clock)
+    policy = dataclasses.replace(scheduler_config(runner, options.max_active, chunk_schedule), **dict(options.scheduler))
+    engine = Engine(runner, EngineConfig(scheduler=policy), clock=clock)
     agent = options.agent_sentences > 0
     sentences = (options.agent_sentences,) * 2 if agent else (1, 1)
     workload = Workload(prompts, options.seed, sentences)
@@ -873,6 +889,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--words-per-s", type=float, default=40.0, help="the agent workload's words per second")
     parser.add_argument("--codec-in-flight", type=int, default=Qwen3RunnerConfig.codec_in_flight,
                         help="codec batches the runner queues on its codec stream at once")
+    parser.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a SchedulerConfig field (a number), e.g. --scheduler prefill_gather_s=0.02")
     parser.add_argument("--granularity", choices=["token"], default="token",
                         help="the sessions' split_granularity: only token (text streamed into one request) "
                              "is simulated")
@@ -894,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
                          frame_cap_chars_per_second=args.frame_cap_chars_per_second, max_active=args.max_active,
                          cost_scale=args.cost_scale, prompts=args.prompts, agent_sentences=args.agent_sentences,
                          words_per_s=args.words_per_s, codec_in_flight=args.codec_in_flight,
-                         codec_slowdown=args.codec_slowdown)
+                         codec_slowdown=args.codec_slowdown, scheduler=tuple(_scheduler_overrides(args.scheduler)))
     if args.calibrate and args.agent_sentences:
         build_parser().error("--calibrate fits against the one-sentence baseline: leave --agent-sentences out")
     prompts = load_prompts(args.prompts)

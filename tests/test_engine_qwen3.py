@@ -260,3 +260,30 @@ def test_a_codec_that_fails_to_compile_keeps_its_compiler_free_fast_path(tiny_cu
     runner._capture_all()
     assert failures and "forward" not in snake.__dict__
     assert "forward" in runner.codec_module.quantizer.__dict__
+
+
+def test_scheduler_options_reach_the_engine_and_a_misspelt_one_fails_at_start(tiny_custom_voice):
+    """`-o scheduler_options=...` (the policy what-ifs bench/engine_sim.py explores, confirmed on the GPU with
+    bench/engine_profile.py --scheduler-options): each one set on the engine's scheduler, the rest as the runner
+    makes them; an unknown or non-numeric one is refused before anything loads."""
+    from tts_backend.qwen3_backend import Qwen3Synthesizer
+
+    def backend(**options):
+        return Qwen3Synthesizer(model=str(tiny_custom_voice), device="cpu", dtype="float32", max_active=2,
+                                max_len=128, warmup=False, scheduler_options=options)
+
+    with pytest.raises(SynthesisError, match="'prefill_gathr_s' is not one of"):
+        backend(prefill_gathr_s=0.02)
+    with pytest.raises(SynthesisError, match="'max_active' is not one of"):
+        backend(max_active=8)  # the slots follow the runner's
+    with pytest.raises(SynthesisError, match="must be a number"):
+        backend(prefill_gather_s="soon")
+    tuned = backend(prefill_gather_s=0.02, prefill_gather_streams=8)
+    tuned._load_model()
+    tuned._build()
+    config = tuned.engine.scheduler.config
+    assert (config.prefill_gather_s, config.prefill_gather_streams, config.max_active) == (0.02, 8, 2)
+    default = backend()
+    default._load_model()
+    default._build()
+    assert default.engine.scheduler.config.prefill_gather_s != 0.02

@@ -84,3 +84,27 @@ def test_agent_replies_pushed_word_by_word_wait_for_text_and_get_their_whole_cap
         assert r.audio_s == pytest.approx(r.expected_audio_s), r.index
         assert r.audible_ttfa_after_sentence_s is not None
     assert entry["engine"]["text"]["waits"] > 0
+
+
+def test_a_codec_call_of_an_uncaptured_count_costs_its_captured_pieces():
+    # The runner captures 1, 2, 4, 8 and 12 frames (Qwen3RunnerConfig.codec_frames) and runs 7 as 4 + 2 + 1:
+    # three calls, each paying the fixed part (1.5 ms in this table), not one call interpolated at 7.
+    costs = small_table()
+    assert costs.codec_ms(2, 4) == pytest.approx(1.5 + 0.25 * 4)
+    assert costs.codec_ms(2, 7) == pytest.approx(3 * 1.5 + 0.25 * 7)
+    assert costs.codec_ms(2, 12) == pytest.approx(1.5 + 0.25 * 12)
+
+
+def test_scheduler_overrides_reach_the_simulated_engine():
+    from bench.engine_sim import _scheduler_overrides
+
+    assert _scheduler_overrides(["prefill_gather_s=0.02", "prefill_gather_streams=8"]) == [
+        ("prefill_gather_s", 0.02), ("prefill_gather_streams", 8)]
+    with pytest.raises(SystemExit):
+        _scheduler_overrides(["max_batch=3"])
+    # Gathering arrivals while any stream steps holds most prefills back: fewer, larger prefill batches.
+    costs = small_table()
+    plain = simulate(costs, rate=20.0, host_factor=0.0)
+    gathered = simulate(costs, rate=20.0, host_factor=0.0,
+                        scheduler=(("prefill_gather_s", 0.05), ("prefill_gather_streams", 1)))
+    assert gathered["engine"]["stages"]["PREFILL"]["batches"] < plain["engine"]["stages"]["PREFILL"]["batches"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -101,6 +102,22 @@ def scheduler_config(runner, max_active: int, chunk_schedule: tuple[int, ...]):
     )
 
 
+def _scheduler_options(options: dict | None) -> dict:
+    """Overrides of the scheduler's policy settings (SchedulerConfig's numeric fields, e.g.
+    `-o scheduler_options='{"prefill_gather_s": 0.02}'`), checked here so a misspelt one fails at start-up;
+    the slots, batch caps and frame counts follow the runner (scheduler_config) and are not among them."""
+    from .engine.scheduler import SchedulerConfig
+
+    options = dict(options or {})
+    allowed = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"max_active", "max_batch", "max_codec_frames"}
+    for name, value in options.items():
+        if name not in allowed:
+            raise SynthesisError(f"scheduler_options: {name!r} is not one of {sorted(allowed)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SynthesisError(f"scheduler_options: {name} must be a number, not {value!r}")
+    return options
+
+
 def frame_cap(text: str, prompt_len: int, max_new_tokens: int, chars_per_second: float | None, max_len: int) -> int:
     """A request's frame cap: max_new_tokens sampled codebook-0 tokens give max_new_tokens - 1 frames (the last
     is EOS or the cap); with `chars_per_second` no more than the text takes at that speaking rate (random
@@ -153,6 +170,7 @@ class Qwen3Synthesizer(Synthesizer):
         warmup: bool = True,
         trim_leading_silence: bool = True,
         runner_options: dict | None = None,
+        scheduler_options: dict | None = None,
         aligner: str | None = None,
         aligner_max_batch: int = 16,
         aligner_process: bool = True,
@@ -178,6 +196,7 @@ class Qwen3Synthesizer(Synthesizer):
         self.warmup = bool(warmup)
         self.trim_leading_silence = bool(trim_leading_silence)
         self.runner_options = dict(runner_options or {})
+        self.scheduler_options = _scheduler_options(scheduler_options)
         self.aligner_path = aligner
         self.aligner_max_batch = int(aligner_max_batch)
         self.aligner_process = bool(aligner_process)
@@ -235,7 +254,9 @@ class Qwen3Synthesizer(Synthesizer):
             greedy=self.greedy, **self.runner_options,
         ))
         self.engine = Engine(runner, EngineConfig(
-            scheduler=scheduler_config(runner, self.max_active, self.chunk_schedule), max_queued=self.max_queued, chunk_schedule=self.chunk_schedule,
+            scheduler=dataclasses.replace(scheduler_config(runner, self.max_active, self.chunk_schedule),
+                                          **self.scheduler_options),
+            max_queued=self.max_queued, chunk_schedule=self.chunk_schedule,
             trim_leading_silence=self.trim_leading_silence,
         ))
         config = self.model.config

@@ -583,8 +583,10 @@ class Scheduler:
         gather = self.config.prefill_gather_s
         items = ready.by_stage.get(Stage.PREFILL)
         stepping = ready.by_stage.get(Stage.FRAME, ())
-        if not gather or not items or len(stepping) < self.config.prefill_gather_streams:
-            return  # at light load a prefill's device time is not what limits anyone: admit at once
+        if not gather or not items or not stepping or len(stepping) < self.config.prefill_gather_streams:
+            # At light load a prefill's device time is not what limits anyone: admit at once. With no stream
+            # stepping there is no frame to wait for (and nothing else to run: the decision would be empty).
+            return
         if len(items) >= self.config.max_batch[Stage.PREFILL] or any(now - it.arrival >= gather for it in items):
             return
         del ready.by_stage[Stage.PREFILL]
