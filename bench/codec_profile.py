@@ -4,13 +4,18 @@ On the H100 a codec call costs about 2 ms plus 78 us per stream-frame (bench/res
 2 x 2 frames 2.3 ms, 16 x 12 frames 16.9 ms), and the codec limits capacity. This times one full-size codec
 decoder call, captured in a CUDA graph as the runner replays it, per variant:
 
-- `fp32`: the runner's codec today (fp32 weights, TF32 matmuls and convolutions, compiled SnakeBeta and
-  pre-transformer layers, the RVQ as one gather);
+- `fp32`: the codec before its convolution stages were fused (fp32 weights, TF32 matmuls and convolutions,
+  compiled SnakeBeta and pre-transformer layers, the RVQ as one gather);
 - `fp32_bench`: the same with cuDNN's benchmark mode (it times the convolution algorithms per shape);
 - `bf16`: weights and state in bfloat16 (with benchmark mode), and its deviation from `fp32` on the same codes
-  (the SNR of the bf16 output against the fp32 one, in dB; random weights, so a bound on the arithmetic only).
+  (the SNR of the bf16 output against the fp32 one, in dB; random weights, so a bound on the arithmetic only);
+- `fp32_fused`, `bf16_fused`: the same with the convolution stages fused (engine/fused.py
+  `_route_codec_convolutions`: conv biases, SnakeBetas, history updates and residual adds inside compiled
+  functions and GEMMs), the runner's codec on CUDA (bf16_fused by default); fp32_fused's SNR against `fp32`
+  shows the fused math is the same math (rounding only).
 
-and the top kernels of one `fp32` call by device time (torch.profiler), to show what a fused codec must cut.
+and the top kernels of one `fp32` call and one `bf16_fused` call by device time (torch.profiler), to show
+what is left to cut.
 
     python bench/codec_profile.py --output /tmp/codec_profile.json          # CUDA only
 """
@@ -30,21 +35,32 @@ from tts_backend.qwen3.codec import CodecDecoder, CodecDecoderConfig  # noqa: E4
 from tts_backend.qwen3.testing.codec_checkpoint import speech_tokenizer_config  # noqa: E402
 
 SHAPES = ((1, 2), (2, 2), (4, 2), (8, 12), (16, 12), (32, 12), (64, 12), (16, 4), (32, 4))
+# name -> (weights and state dtype, cuDNN benchmark mode, fused convolution stages)
+VARIANTS = {
+    "fp32": (torch.float32, False, False),
+    "fp32_bench": (torch.float32, True, False),
+    "bf16": (torch.bfloat16, True, False),
+    "fp32_fused": (torch.float32, True, True),
+    "bf16_fused": (torch.bfloat16, True, True),
+}
 
 
-def build(dtype: torch.dtype, compile: bool) -> CodecDecoder:
+def build(dtype: torch.dtype, compile: bool, convolutions: bool = False, device: str = "cuda",
+          size: str = "full") -> CodecDecoder:
+    """A random codec of the released shapes (same weights for every variant: seed 0) on its fast path."""
     from tts_backend.engine.fused import fuse_codec_activations
 
     torch.manual_seed(0)
-    codec = CodecDecoder(CodecDecoderConfig.from_dict(speech_tokenizer_config("full"))).to("cuda", dtype).eval()
-    fuse_codec_activations(codec, compile)
+    codec = CodecDecoder(CodecDecoderConfig.from_dict(speech_tokenizer_config(size))).to(device, dtype).eval()
+    fuse_codec_activations(codec, compile, convolutions=convolutions)
     return codec
 
 
 def codes_for(codec: CodecDecoder, batch: int, frames: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     c = codec.config
-    return torch.randint(0, c.codebook_size, (batch, c.num_quantizers, frames), generator=g).cuda()
+    codes = torch.randint(0, c.codebook_size, (batch, c.num_quantizers, frames), generator=g)
+    return codes.to(codec.quantizer.rvq_first.output_proj.weight.device)
 
 
 def warm_state(codec: CodecDecoder, batch: int) -> object:
@@ -122,6 +138,14 @@ def top_kernels(codec: CodecDecoder, batch: int, frames: int, top: int) -> dict:
     return {"batch": batch, "frames": frames, "device_us": round(total_us, 1), "kernels": kernels, "top": rows[:top]}
 
 
+def print_profile(name: str, profile: list[dict]) -> None:
+    for p in profile:
+        print(f"\n{name} {p['batch']} x {p['frames']}: {p['device_us'] / 1000:.2f} ms device, "
+              f"{p['kernels']} kernels")
+        for r in p["top"]:
+            print(f"  {r['us']:9.1f} us  x{r['count']:<4} {r['name']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20)
@@ -136,14 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}
     fp32 = build(torch.float32, True)
     report["profile"] = [top_kernels(fp32, b, f, args.top) for b, f in ((2, 2), (16, 12))]
-    for p in report["profile"]:
-        print(f"\n{p['batch']} x {p['frames']}: {p['device_us'] / 1000:.2f} ms device, {p['kernels']} kernels")
-        for r in p["top"]:
-            print(f"  {r['us']:9.1f} us  x{r['count']:<4} {r['name']}")
-    variants = {"fp32": (torch.float32, False), "fp32_bench": (torch.float32, True), "bf16": (torch.bfloat16, True)}
-    for name, (dtype, bench) in variants.items():
+    print_profile("fp32", report["profile"])
+    for name, (dtype, bench, convolutions) in VARIANTS.items():
         torch.backends.cudnn.benchmark = bench
-        codec = fp32 if name == "fp32" else build(dtype, True)
+        codec = fp32 if name == "fp32" else build(dtype, True, convolutions)
+        if name == "bf16_fused":
+            try:
+                report["profile_bf16_fused"] = [top_kernels(codec, b, f, args.top) for b, f in ((2, 2), (16, 12))]
+                print_profile(name, report["profile_bf16_fused"])
+            except Exception as exc:  # noqa: BLE001 - reported, the timings still run
+                report["profile_bf16_fused"] = f"failed: {type(exc).__name__}: {exc}"[:500]
+                print(report["profile_bf16_fused"], flush=True)
         rows = {}
         for b, f in SHAPES:
             try:

@@ -10,7 +10,13 @@ import torch
 
 from tests.qwen3_fixtures import single_torch_thread  # noqa: F401 - autouse fixture
 from tests.test_qwen3_codec import decode_in_chunks, random_codes, schedule
-from tts_backend.engine.fused import _route_codec_layers, fuse_codec_activations, unfuse_codec_activations
+from tts_backend.engine.fused import (
+    _route_codec_convolutions,
+    _route_codec_layers,
+    fuse_codec_activations,
+    unfuse_codec_activations,
+)
+from tts_backend.qwen3.codec import CodecState
 from tts_backend.qwen3.loader import load_codec_decoder
 from tts_backend.qwen3.testing.codec_checkpoint import write_speech_tokenizer
 
@@ -23,18 +29,28 @@ def decoder(tmp_path_factory):
     return load_codec_decoder(root)
 
 
+# The routed convolution stages: 2 ConvNeXt blocks, 4 decoder blocks, the final SnakeBeta and conv.
+ROUTED_CONVOLUTION_STAGES = 2 + 4 + 2
+
+
+def route_fast_path(decoder) -> int:
+    """Everything the engine routes on CUDA, run eagerly (what compile=True compiles)."""
+    return (fuse_codec_activations(decoder, compile=False) + _route_codec_layers(decoder, compile=False)
+            + _route_codec_convolutions(decoder, compile=False))
+
+
 def test_fast_path_equals_the_modules_in_chunks(decoder):
     codes = random_codes(3, 23, decoder.config, seed=2)
     sizes = schedule([2, 4, 8, 12], 23)
     plain = decode_in_chunks(decoder, codes, sizes)
     try:
-        routed = fuse_codec_activations(decoder, compile=False) + _route_codec_layers(decoder, compile=False)
-        assert routed == 1 + decoder.config.num_hidden_layers
-        assert "forward" in decoder.quantizer.__dict__
+        routed = route_fast_path(decoder)
+        assert routed == 1 + decoder.config.num_hidden_layers + ROUTED_CONVOLUTION_STAGES
+        assert "forward" in decoder.quantizer.__dict__ and "forward" in decoder.decoder[1].__dict__
         fast = decode_in_chunks(decoder, codes, sizes)
     finally:
         unfuse_codec_activations(decoder)
-    assert "forward" not in decoder.quantizer.__dict__
+    assert not any("forward" in m.__dict__ for m in decoder.modules())
     assert fast.shape == plain.shape
     assert (fast - plain).abs().max().item() <= 1e-5
     again = decode_in_chunks(decoder, codes, sizes)  # undone: the modules' own forwards again
@@ -46,12 +62,61 @@ def test_routed_layers_keep_the_sliding_window_history(decoder):
     codes = random_codes(2, 14, decoder.config, seed=9)
     whole = decode_in_chunks(decoder, codes, [14])
     try:
-        fuse_codec_activations(decoder, compile=False)
-        _route_codec_layers(decoder, compile=False)
+        route_fast_path(decoder)
         stepwise = decode_in_chunks(decoder, codes, [1] * 14)
     finally:
         unfuse_codec_activations(decoder)
     assert (stepwise - whole).abs().max().item() <= 1e-5
+
+
+def assert_states_close(fast: CodecState, plain: CodecState) -> None:
+    assert fast.tensors.keys() == plain.tensors.keys()
+    assert torch.equal(fast.positions, plain.positions)
+    for key, tensor in plain.tensors.items():
+        assert fast.tensors[key].shape == tensor.shape, key
+        assert (fast.tensors[key] - tensor).abs().max().item() <= 1e-5, key
+
+
+def test_fused_convolutions_keep_every_history_row_by_row(decoder):
+    """The engine's use: a pool of stream rows, each call gathering some rows (fresh ones among streams in
+    mid-flight, in any order) into a static state, decoding t frames and scattering the state back. The fast
+    path leaves every output sample and every history tensor of the pool where the modules leave them."""
+    calls = [([0, 1], 3), ([1, 0, 2], 1), ([3, 2], 7), ([2, 0, 1, 3], 12), ([1, 3], 2), ([0, 1, 2, 3], 5)]
+    codes = random_codes(4, 40, decoder.config, seed=4)
+
+    def run() -> tuple[list[torch.Tensor], CodecState]:
+        pool, done, outputs = decoder.init_state(4), [0] * 4, []
+        with torch.inference_mode():
+            for rows, t in calls:
+                static = decoder.init_state(len(rows)).copy_rows_from_(pool, rows)
+                batch = torch.stack([codes[r, :, done[r]:done[r] + t] for r in rows])
+                outputs.append(decoder.decode_chunk(batch, static))
+                pool.index_copy_(rows, static)
+                for r in rows:
+                    done[r] += t
+        return outputs, pool
+
+    plain_out, plain_pool = run()
+    try:
+        route_fast_path(decoder)
+        fast_out, fast_pool = run()
+    finally:
+        unfuse_codec_activations(decoder)
+    for fast, plain in zip(fast_out, plain_out):
+        assert fast.shape == plain.shape
+        assert (fast - plain).abs().max().item() <= 1e-5
+    assert_states_close(fast_pool, plain_pool)
+    assert plain_pool.tensors["decoder.4.block.4.conv1"].abs().max() > 0  # the histories were written
+
+
+def test_convolution_routing_is_optional(decoder):
+    """`convolutions=False` is the fast path before the convolution stages were fused (bench/codec_profile.py
+    times both); without `compile` neither routes them."""
+    try:
+        fuse_codec_activations(decoder, compile=False)
+        assert "forward" not in decoder.decoder[1].__dict__
+    finally:
+        unfuse_codec_activations(decoder)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])
@@ -67,7 +132,9 @@ def test_routed_functions_trace_whole_under_dynamo(tmp_path, kv_heads, monkeypat
     plain = decode_in_chunks(decoder, codes, [2, 3, 4])
     torch._dynamo.reset()
     try:
-        fuse_codec_activations(decoder, compile=True)
+        routed = fuse_codec_activations(decoder, compile=True)
+        assert routed > 1 + decoder.config.num_hidden_layers + ROUTED_CONVOLUTION_STAGES  # + the SnakeBetas
+        assert all("forward" in block.__dict__ for block in decoder.decoder[1:])
         fast = decode_in_chunks(decoder, codes, [2, 3, 4])
         fast_again = decode_in_chunks(decoder, codes, [1, 4, 4])  # other shapes: recompiles, never breaks
     finally:

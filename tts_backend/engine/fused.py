@@ -203,10 +203,205 @@ def _route_codec_layers(codec, compile: bool) -> int:
     return count
 
 
-def fuse_codec_activations(codec, compile: bool) -> int:
+# The decoder's convolution stages. cuDNN convolutions take no bias (PyTorch adds it in a kernel of its own,
+# one pass over every conv output), and the module path spends one kernel each on the SnakeBeta, the history
+# concatenation, the history update and the residual add (bench/results/codec_profile_h100.json). Here:
+#   * each conv runs without its bias; the bias is added where its output is next read, inside the compiled
+#     function that reads it anyway (the SnakeBeta after a conv, the residual input after a transposed conv);
+#   * a SnakeBeta feeding a causal conv is written straight into that conv's window [history | new] and the
+#     history is updated in the same function;
+#   * a kernel-size-1 conv plus its residual add is one batched GEMM accumulating into the residual
+#     (baddbmm, beta=1), whose bias was added to the residual by the function that read it before;
+#   * ConvNeXt's gamma is folded into pwconv2 (gamma * (W h + b) = (gamma W) h + gamma b) and its residual add
+#     is the same kind of GEMM.
+# Only floating-point rounding changes (reassociated sums); the tests bound it against the modules.
+
+
+def _bias(b):
+    return b[None, :, None]
+
+
+def _conv_window(x, past):
+    """A causal conv's input window [history | x]; the history keeps the window's last inputs (in place)."""
+    window = torch.cat([past, x], dim=2)
+    past.copy_(window[:, :, window.shape[2] - past.shape[2]:])
+    return window
+
+
+def _snake_window(x, past, alpha, beta):
+    """SnakeBeta(x) written into the window of the causal (or transposed) conv that reads it."""
+    return _conv_window(_snake_beta(x, alpha, beta), past)
+
+
+def _unit_input(x, x_bias, past, alpha, beta, out_bias):
+    """A ResidualUnit's input x + x_bias (x_bias: the deferred bias of the conv that made x, zeros when there is
+    none): conv1's window of SnakeBeta(x), and the residual x + conv2's bias, which conv2's GEMM accumulates into."""
+    x = x + _bias(x_bias)
+    return _conv_window(_snake_beta(x, alpha, beta), past), x + _bias(out_bias)
+
+
+def _snake_biased(h, bias, alpha, beta):
+    """SnakeBeta(h + the producing conv's bias)."""
+    return _snake_beta(h + _bias(bias), alpha, beta)
+
+
+def _convnext_input(x, past, out_bias):
+    """ConvNeXt's depthwise-conv window and its residual x + (gamma-scaled) pwconv2 bias."""
+    return _conv_window(x, past), x + _bias(out_bias)
+
+
+def make_convnext_hidden_fn(eps: float):
+    """ConvNeXt's depthwise-conv output (bias deferred) -> GELU(pwconv1(LayerNorm(.))) [B, t, 4C]."""
+
+    def hidden(d, d_bias, ln_weight, ln_bias, w1, b1):
+        h = (d + _bias(d_bias)).transpose(1, 2)
+        return F.gelu(F.linear(F.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps), w1, b1))
+
+    return hidden
+
+
+def _accumulate(residual, weight, x):
+    """residual += weight @ x per row: residual [B, C, t] (a fresh tensor this path owns), weight [C, K], x
+    [B, K, t] (any strides) -> one GEMM with beta=1 on the residual's own storage (out of place, CUDA's
+    baddbmm would first copy it into a new tensor); the weight is shared across the batch as an expanded,
+    stride-0 view, never copied."""
+    return residual.baddbmm_(weight.expand(x.shape[0], -1, -1), x)
+
+
+class _CodecConvFns:
+    """The compiled (on CUDA) pieces between the decoder's convolutions; one instance serves every stage."""
+
+    def __init__(self, compile: bool, layer_norm_eps: float) -> None:
+        self.snake_window = _compile(_snake_window, compile)
+        self.unit_input = _compile(_unit_input, compile)
+        self.snake_biased = _compile(_snake_biased, compile)
+        self.convnext_input = _compile(_convnext_input, compile)
+        self.convnext_hidden = _compile(make_convnext_hidden_fn(layer_norm_eps), compile)
+
+
+def _weights(*tensors):
+    return tuple(t.detach() for t in tensors)
+
+
+def _residual_unit_fn(unit, fns: _CodecConvFns):
+    """ResidualUnit as (x, x_bias, state) -> x + conv2(act2(conv1(act1(x)))), x_bias deferred from x's conv."""
+    conv1, conv2 = unit.conv1.conv, unit.conv2.conv
+    key, dilation = unit.conv1.state_key, conv1.dilation[0]
+    a1, b1, w1, bias1 = _weights(unit.act1.alpha, unit.act1.beta, conv1.weight, conv1.bias)
+    a2, b2 = _weights(unit.act2.alpha, unit.act2.beta)
+    w2, bias2 = _weights(conv2.weight[:, :, 0], conv2.bias)
+
+    def forward(x, x_bias, state):
+        window, residual = fns.unit_input(x, x_bias, state.tensors[key], a1, b1, bias2)
+        h = F.conv1d(window, w1, None, dilation=dilation)
+        return _accumulate(residual, w2, fns.snake_biased(h, bias1, a2, b2))
+
+    return forward
+
+
+def _decoder_block_forward(block, fns: _CodecConvFns):
+    """DecoderBlock: SnakeBeta into the transposed conv's window; the transposed conv trims its k - s overlap
+    samples through `padding` (k = 2s: the trim is s on each side, so the output is already the kept,
+    contiguous samples) and its bias goes to the first residual unit's input."""
+    snake, transposed = block.block[0], block.block[1]
+    conv, stride, key = transposed.conv, transposed.stride, transposed.state_key
+    alpha, beta, weight, bias = _weights(snake.alpha, snake.beta, conv.weight, conv.bias)
+    padding = transposed.history * stride
+    units = [_residual_unit_fn(unit, fns) for unit in block.block[2:]]
+    no_bias = torch.zeros_like(bias)
+
+    def forward(x, state):
+        window = fns.snake_window(x, state.tensors[key], alpha, beta)
+        x = F.conv_transpose1d(window, weight, None, stride=stride, padding=padding)
+        x_bias = bias
+        for unit in units:
+            x, x_bias = unit(x, x_bias, state), no_bias
+        return x
+
+    return forward
+
+
+def _convnext_forward(block, fns: _CodecConvFns):
+    dw = block.dwconv.conv
+    key, groups = block.dwconv.state_key, dw.groups
+    gamma = block.gamma.detach()
+    w_dw, b_dw, ln_w, ln_b, w1, b1 = _weights(dw.weight, dw.bias, block.norm.weight, block.norm.bias,
+                                               block.pwconv1.weight, block.pwconv1.bias)
+    w2 = (gamma[:, None] * block.pwconv2.weight).detach()
+    b2 = (gamma * block.pwconv2.bias).detach()
+
+    def forward(x, state):
+        window, residual = fns.convnext_input(x, state.tensors[key], b2)
+        d = F.conv1d(window, w_dw, None, groups=groups)
+        return _accumulate(residual, w2, fns.convnext_hidden(d, b_dw, ln_w, ln_b, w1, b1).transpose(1, 2))
+
+    return forward
+
+
+def _final_conv_forward(snake, causal, fns: _CodecConvFns):
+    alpha, beta, weight, bias = _weights(snake.alpha, snake.beta, causal.conv.weight, causal.conv.bias)
+    key = causal.state_key
+
+    def forward(x, state):
+        return F.conv1d(fns.snake_window(x, state.tensors[key], alpha, beta), weight, bias)
+
+    return forward
+
+
+def _identity(x):
+    return x
+
+
+def _convolutions_routable(codec) -> bool:
+    """The routed stages assume the released layout: every causal conv of a residual unit or ConvNeXt with a
+    history, kernel-size-1 second convs, transposed convs with k = 2s (one input of history) and a final
+    SnakeBeta + causal conv."""
+    from tts_backend.qwen3.codec import CausalConv1d, DecoderBlock, SnakeBeta
+
+    for block in codec.decoder[1:-2]:
+        if not isinstance(block, DecoderBlock):
+            return False
+        transposed = block.block[1]
+        k, s = transposed.conv.kernel_size[0], transposed.stride
+        if transposed.history == 0 or transposed.history * s != k - s or transposed.conv.padding[0] != 0:
+            return False
+        for unit in block.block[2:]:
+            if unit.conv1.history == 0 or unit.conv2.history != 0 or unit.conv2.conv.kernel_size[0] != 1:
+                return False
+    final_snake, final_conv = codec.decoder[-2], codec.decoder[-1]
+    return (isinstance(final_snake, SnakeBeta) and isinstance(final_conv, CausalConv1d) and final_conv.history > 0
+            and all(convnext.dwconv.history > 0 and convnext.norm.eps == codec.upsample[0][1].norm.eps
+                    for _, convnext in codec.upsample))
+
+
+def _route_codec_convolutions(codec, compile: bool) -> int:
+    """Route the decoder blocks, the ConvNeXt blocks and the final SnakeBeta + conv through the functions
+    above (eagerly when not `compile`, which is how the CPU tests check them); returns how many modules were
+    routed (0 if the codec's layout is not the one they assume)."""
+    if not _convolutions_routable(codec):
+        return 0
+    _, first_convnext = codec.upsample[0]
+    fns = _CodecConvFns(compile, first_convnext.norm.eps)
+    count = 0
+    for _, convnext in codec.upsample:
+        convnext.forward = _convnext_forward(convnext, fns)
+        count += 1
+    for block in codec.decoder[1:-2]:
+        block.forward = _decoder_block_forward(block, fns)
+        count += 1
+    # decode_chunk calls decoder[-1](decoder[-2](x)): the final SnakeBeta runs inside the last conv's window.
+    final_snake, final_conv = codec.decoder[-2], codec.decoder[-1]
+    final_snake.forward = _identity
+    final_conv.forward = _final_conv_forward(final_snake, final_conv, fns)
+    return count + 2
+
+
+def fuse_codec_activations(codec, compile: bool, convolutions: bool = True) -> int:
     """The codec's fast path: the RVQ dequantisation as one gather over projected tables (always), and with
-    `compile`, every SnakeBeta through one compiled kernel (7 elementwise kernels become 1) and each
-    pre-transformer layer through one compiled function. Changes the instances' `forward` only (undone by
+    `compile`, each pre-transformer layer through one compiled function and (with `convolutions`) the decoder's
+    convolution stages through `_route_codec_convolutions` (every SnakeBeta, conv bias, history update and
+    residual add inside a compiled function or a GEMM); any SnakeBeta left runs as one compiled kernel (7
+    elementwise kernels become 1). Changes the instances' `forward` only (undone by
     `unfuse_codec_activations`); returns how many modules were routed."""
     import functools
 
@@ -226,6 +421,8 @@ def fuse_codec_activations(codec, compile: bool) -> int:
             module.forward = lambda x, alpha=module.alpha.detach(), beta=module.beta.detach(): snake(
                 x.contiguous(), alpha, beta)
             count += 1
+    if convolutions:
+        count += _route_codec_convolutions(codec, True)
     return count + _route_codec_layers(codec, True)
 
 
