@@ -142,3 +142,25 @@ def test_routed_functions_trace_whole_under_dynamo(tmp_path, kv_heads, monkeypat
         torch._dynamo.reset()
     assert (fast - plain).abs().max().item() <= 1e-5
     assert (fast_again - plain).abs().max().item() <= 1e-5
+
+
+def test_the_compiled_codec_traces_few_variants(tmp_path, monkeypatch):
+    """Each traced variant is a TorchInductor compile at start-up on CUDA (issue 22), so the routed functions
+    must not trace one per frame count or batch: over the captured counts (1, 2, 4, 8, 12 frames) at two
+    batch sizes, the layer traces 2 (one frame is a size-1 dimension of its own), the SnakeBeta-into-window
+    function 2 (a transposed conv's history of 1 input against the final conv's 6) and the other four 1 each."""
+    write_speech_tokenizer(tmp_path, "tiny", seed=6, decoder_overrides={"sliding_window": 5})
+    decoder = load_codec_decoder(tmp_path)
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": "aot_eager"}))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the counters outlive reset()
+    try:
+        fuse_codec_activations(decoder, compile=True)
+        for batch in (2, 5):
+            for sizes in ([1], [2, 4, 8, 12]):
+                decode_in_chunks(decoder, random_codes(batch, sum(sizes), decoder.config, seed=3), sizes)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 + 2 + 4
+    finally:
+        unfuse_codec_activations(decoder)
+        torch._dynamo.reset()

@@ -331,7 +331,9 @@ def _convnext_forward(block, fns: _CodecConvFns):
     b2 = (gamma * block.pwconv2.bias).detach()
 
     def forward(x, state):
-        window, residual = fns.convnext_input(x, state.tensors[key], b2)
+        # Contiguous input: from one frame the upsampling conv's output can come back channels-last (its input,
+        # the transposed pre-transformer output [B, C, 1], is both layouts), a compiled variant of its own.
+        window, residual = fns.convnext_input(x.contiguous(), state.tensors[key], b2)
         d = F.conv1d(window, w_dw, None, groups=groups)
         return _accumulate(residual, w2, fns.convnext_hidden(d, b_dw, ln_w, ln_b, w1, b1).transpose(1, 2))
 
