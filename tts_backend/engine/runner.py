@@ -179,6 +179,11 @@ class Qwen3RunnerConfig:
     # weights); under load (engine_profile_h100_codec_bf16.json) p95 first audio at 80 RPS fell from 243 to
     # 162 ms and underrunning requests from 62 to 27. Elsewhere always float32.
     codec_dtype: str = "bfloat16"
+    # The codec's convolution stages fused on CUDA (engine/fused.py _route_codec_convolutions: conv biases,
+    # SnakeBetas, history updates and residual adds inside compiled functions and GEMMs); False keeps only the
+    # compiled SnakeBeta and pre-transformer layers. Its functions are Inductor compiles of their own at a
+    # start without the compile cache, so the two settings trade codec time against cold start-up.
+    codec_fused_convolutions: bool = True
     # How a resumed request (resume from codes) runs its delivered frames through the Talker: "batched" (one
     # pass over the prompt and the frames, as a prefill), "stepwise" (the prompt, then one decode step a frame,
     # exactly the steps the uninterrupted request took) or "auto": batched on CUDA, stepwise elsewhere. Why
@@ -398,7 +403,7 @@ class Qwen3ModelRunner(ModelRunner):
             self.fused_cp = FusedCodePredictor(m.code_predictor, m.talker, self.params, self.compile, self.triton,
                                                max_rows=cp_rows)
             self.talker_sample_fn = talker_sampler(self.params, self.compile)
-            fuse_codec_activations(self.codec_module, self.compile)
+            fuse_codec_activations(self.codec_module, self.compile, convolutions=cfg.codec_fused_convolutions)
             self.codec_compiled = self.compile
             if dev.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 codec's matmuls (convs already use TF32)
