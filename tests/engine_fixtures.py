@@ -11,6 +11,10 @@ audio is there, as a GPU runner's does while the codec stream works; `codec_dept
 finished in launch order. It asserts the rules of the codec interface: at most `codec_depth` batches in flight,
 collected oldest first, a request in at most one, and no slot of an in-flight batch released or reused. The engine
 turns a runner's exception into a failed batch, so a broken rule is also kept in `violations` for the test.
+
+With `first_chunk_lane` (most requests, frames each) it offers the first-chunk lane (ModelRunner.first_chunk_lane):
+a batch launched with `lane=True` is in flight beside the others and may be collected before them; it asserts
+at most one such batch, of that shape at most, every request in it with no audio out yet.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class ScriptedRunnerTestDouble(ModelRunner):
     """Deterministic stand-in for the Qwen3 model runner (test double, named as such)."""
 
     def __init__(self, max_slots: int = 8, samples_per_frame: int = 1920, sample_rate: int = 24000,
-                 step_delay_s: float = 0.0, codec_polls: int = 0, codec_depth: int = 1) -> None:
+                 step_delay_s: float = 0.0, codec_polls: int = 0, codec_depth: int = 1,
+                 first_chunk_lane: tuple[int, int] | None = None) -> None:
         self.max_slots = max_slots
         self.samples_per_frame = samples_per_frame
         self.sample_rate = sample_rate
@@ -68,6 +73,10 @@ class ScriptedRunnerTestDouble(ModelRunner):
         self.codec_polls = codec_polls
         self.codec_depth = codec_depth
         self.codec_handles: list[_ScriptedCodecHandle] = []  # launched, uncollected, oldest first
+        self.first_chunk_lane = first_chunk_lane
+        self.lane_handle: _ScriptedCodecHandle | None = None  # the first-chunk lane's batch in flight
+        self.lane_launches: list[tuple[list[int], int]] = []  # (request ids, bulk batches in flight then)
+        self.lane_fails = 0  # the next this many lane batches raise when collected (a device error)
         self.codec_handle: _ScriptedCodecHandle | None = None  # the newest (a test may change its polls_left)
         self.codec_collected: list[list[int]] = []  # request ids of each collected codec batch
         self.during_codec: list[str] = []  # stages of the calls made while a codec batch was in flight
@@ -77,7 +86,8 @@ class ScriptedRunnerTestDouble(ModelRunner):
     @property
     def codec_in_flight(self) -> dict[int, int]:
         """slot -> request id, over the launched, uncollected batches."""
-        return {slot: rid for h in self.codec_handles for slot, rid in h.slots.items()}
+        handles = self.codec_handles + ([self.lane_handle] if self.lane_handle is not None else [])
+        return {slot: rid for h in handles for slot, rid in h.slots.items()}
 
     def _check(self, ok: bool, message: str) -> None:
         if not ok:
@@ -118,20 +128,37 @@ class ScriptedRunnerTestDouble(ModelRunner):
         # Text is opaque here (the script says when EOS comes); the engine counts the tokens.
         self.calls.append(("text", [request.request_id], len(tokens)))
 
-    def codec_launch(self, requests, frames):
+    def codec_launch(self, requests, frames, **lane):
+        if lane:
+            return self._lane_launch(requests, frames, **lane)
         self._check(len(self.codec_handles) < self.codec_depth,
                     f"a codec batch launched while {self.codec_depth} are in flight")
+        self.codec_handle = self._codec_handle(requests, frames)
+        self.codec_handles.append(self.codec_handle)
+        return self.codec_handle
+
+    def _codec_handle(self, requests, frames) -> _ScriptedCodecHandle:
         busy = self.codec_in_flight
         self._check(all(r.slot not in busy for r in requests), "a request in two codec batches in flight")
         self._record("codec", requests, frames)
         audio = [self._audio(r, frames) for r in requests]
-        self.codec_handle = _ScriptedCodecHandle(len(requests), frames, audio=audio, polls_left=self.codec_polls,
-                                                 slots={r.slot: r.request_id for r in requests})
+        handle = _ScriptedCodecHandle(len(requests), frames, audio=audio, polls_left=self.codec_polls,
+                                      slots={r.slot: r.request_id for r in requests})
         # One code a frame, its index: the codes a stream's chunks carry, joined, count its frames in order.
-        self.codec_handle.frame_codes = [
+        handle.frame_codes = [
             np.arange(r.frames_decoded, r.frames_decoded + frames, dtype="<u2").tobytes() for r in requests]
-        self.codec_handles.append(self.codec_handle)
-        return self.codec_handle
+        return handle
+
+    def _lane_launch(self, requests, frames, lane):
+        self._check(lane is True and self.first_chunk_lane is not None, "a lane launch on a runner without one")
+        self._check(self.lane_handle is None, "a first-chunk batch launched while one is in flight")
+        most, lane_frames = self.first_chunk_lane
+        self._check(len(requests) <= most and frames == lane_frames,
+                    f"{len(requests)} x {frames} frames on a lane of {most} x {lane_frames}")
+        self._check(all(r.playback_start is None for r in requests), "a playing stream on the first-chunk lane")
+        self.lane_launches.append(([r.request_id for r in requests], len(self.codec_handles)))
+        self.lane_handle = self._codec_handle(requests, frames)
+        return self.lane_handle
 
     def codec_collect(self, handle):
         if handle.pcm is None:
@@ -139,6 +166,15 @@ class ScriptedRunnerTestDouble(ModelRunner):
                 handle.polls_left -= 1
                 self.codec_polled_early += 1
                 return None
+            if handle is self.lane_handle:
+                self.lane_handle = None
+                if self.lane_fails:
+                    self.lane_fails -= 1
+                    raise RuntimeError("lane device error")
+                handle.pcm = handle.audio
+                handle.codes = handle.frame_codes
+                self.codec_collected.append(list(handle.slots.values()))
+                return handle.pcm
             self._check(self.codec_handles[:1] == [handle], "a codec batch collected before an older one")
             handle.pcm = handle.audio
             handle.codes = handle.frame_codes

@@ -85,6 +85,7 @@ class EngineStats:
     codec_in_flight_s: float = 0.0
     codec_device_s: float = 0.0
     codec_timed: int = 0  # collected batches whose device time is known
+    codec_lane_batches: int = 0  # codec batches launched on the runner's first-chunk lane (of batches["CODEC"])
     # Text streaming: a stream's listener may run out of audio because the engine was late (late_chunks,
     # late_s: the engine's making) or because the stream waited for text (text_gaps, text_gap_s: the
     # caller's). text_waits counts the waits (a stream's next step needed a token not yet pushed) and
@@ -99,7 +100,7 @@ class EngineStats:
 
 @dataclass
 class _CodecInFlight:
-    """The codec batch the runner is working on (at most one)."""
+    """A codec batch the runner is working on."""
 
     batch: Batch
     handle: CodecHandle
@@ -206,6 +207,11 @@ class Engine:
         # on the device 40 %).
         self._codecs: collections.deque[_CodecInFlight] = collections.deque()
         self._codec_depth = max(1, runner.codec_depth)
+        # The first-chunk batch on the runner's lane (ModelRunner.first_chunk_lane, known once it is prepared),
+        # beside `_codecs`: at most one. Its requests are in no other batch in flight, so it is collected
+        # whenever it is done.
+        self._lane_shape: tuple[int, int] | None = None
+        self._lane: _CodecInFlight | None = None
         # When the codec batch now being launched or the oldest in flight began its launch (None: none is), so
         # that a snapshot counts the time the codec had work up to now, as it counts the open section's seconds.
         self._codec_since: float | None = None
@@ -228,6 +234,7 @@ class Engine:
         the caller then drives `step()` itself (tests, single-threaded tools)."""
         self._enter(_STARTUP)
         self.runner.prepare()
+        self._lane_shape = self.runner.first_chunk_lane
         self._enter(_OUTSIDE)
         self._inline = True
         self._ready.set()
@@ -325,6 +332,7 @@ class Engine:
         self._enter(_STARTUP)
         try:
             self.runner.prepare()
+            self._lane_shape = self.runner.first_chunk_lane
         except BaseException as exc:  # noqa: BLE001 - reported through wait_ready
             log.exception("engine start-up failed")
             self._startup_error = exc
@@ -345,9 +353,9 @@ class Engine:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        # The device must be done with the in-flight codec batch before its slots are freed for good.
-        while self._codecs:
-            self._collect_codec(block=True)
+        # The device must be done with the in-flight codec batches before their slots are freed for good.
+        while self._codecs or self._lane is not None:
+            self._collect_codec(block=True, lane=self._lane is not None)
             self._enter(_OUTSIDE)
         self._fail_all(SynthesisError("engine stopped"))
 
@@ -357,6 +365,9 @@ class Engine:
         Called by the engine thread; tests drive it directly (with a chosen clock) instead of the thread."""
         self._enter(_SCHEDULE)
         self._drain_commands()
+        if self._lane is not None:
+            self._collect_codec(block=False, lane=True)
+            self._enter(_SCHEDULE)
         if self._codecs:
             # Not waiting here even when a stream is about to run dry: its codec is in flight (the audio comes
             # no sooner by waiting) or has to wait for the in-flight batches anyway, and rule 1 picks it in
@@ -364,17 +375,25 @@ class Engine:
             while self._codecs and self._collect_codec(block=False):
                 pass
             self._enter(_SCHEDULE)
-        batch = self.scheduler.decide(self._now(now), codec_in_flight=len(self._codecs) >= self._codec_depth)
-        while batch is None and self._codecs:
-            # Only codec batches in flight are left: wait for the oldest rather than spin; its audio may make
-            # work ready (the next chunk's codec, or streams that were paused).
-            self._collect_codec(block=True)
+        batch = self._decide(now)
+        while batch is None and (self._codecs or self._lane is not None):
+            # Only codec batches in flight are left: wait for one rather than spin; its audio may make work
+            # ready (the next chunk's codec, or streams that were paused). The lane's first: it is small and its
+            # stream has the higher priority, so it is most likely done first.
+            self._collect_codec(block=True, lane=self._lane is not None)
             self._enter(_SCHEDULE)
-            batch = self.scheduler.decide(self._now(now), codec_in_flight=len(self._codecs) >= self._codec_depth)
+            batch = self._decide(now)
         if batch is not None:
             self._execute(batch)
         self._enter(_OUTSIDE)
         return batch
+
+    def _decide(self, now: float | None) -> Batch | None:
+        full = len(self._codecs) >= self._codec_depth
+        if self._lane_shape is None:
+            return self.scheduler.decide(self._now(now), codec_in_flight=full)
+        lane = self._lane_shape if self._lane is None else None
+        return self.scheduler.decide(self._now(now), codec_in_flight=full, first_chunk_lane=lane)
 
     def _now(self, now: float | None) -> float:
         return self.clock() if now is None else now
@@ -512,12 +531,16 @@ class Engine:
         synchronously (CPU, or codec_stream off) has the audio ready at once, and it is collected right here,
         exactly as a synchronous codec call was handled."""
         started = self._enter(_RUNNER[Stage.CODEC])
-        if not self._codecs:
+        lane = self._lane_shape is not None and batch.first_chunk_lane
+        if not self._codec_busy():
             self._codec_since = started
         try:
-            handle = self.runner.codec_launch(batch.requests, batch.frames)
+            if lane:
+                handle = self.runner.codec_launch(batch.requests, batch.frames, lane=True)
+            else:
+                handle = self.runner.codec_launch(batch.requests, batch.frames)
         except Exception as exc:
-            if not self._codecs:
+            if not self._codec_busy():
                 self._codec_since = None
             self._enter(_POST[Stage.CODEC])
             self._fail_batch(batch, exc)
@@ -528,23 +551,34 @@ class Engine:
         self._count_batch(batch, time.perf_counter() - started)
         for r in batch.requests:
             r.codec_busy = True
-        self._codecs.append(_CodecInFlight(batch, handle, started))
+        flight = _CodecInFlight(batch, handle, started)
+        if lane:
+            with self._stats_lock:
+                self.stats.codec_lane_batches += 1
+            self._lane = flight
+            self._collect_codec(block=False, lane=True)
+            return
+        self._codecs.append(flight)
         # A runner that decodes synchronously has the audio at once; collected in launch order.
         while self._codecs and self._collect_codec(block=False):
             pass
 
-    def _collect_codec(self, block: bool) -> bool:
-        """Take the oldest in-flight codec batch's audio if the device has finished it (or wait for it):
-        emit the PCM, advance frames_decoded and chunks_decoded, finish requests that are done, and free the
-        slots of requests that left while the batch was in flight. Returns whether it was collected."""
-        flight = self._codecs[0]
+    def _codec_busy(self) -> bool:
+        return bool(self._codecs) or self._lane is not None
+
+    def _collect_codec(self, block: bool, lane: bool = False) -> bool:
+        """Take the oldest in-flight codec batch's audio (`lane`: the first-chunk lane's batch) if the device
+        has finished it (or wait for it): emit the PCM, advance frames_decoded and chunks_decoded, finish
+        requests that are done, and free the slots of requests that left while the batch was in flight.
+        Returns whether it was collected."""
+        flight = self._lane if lane else self._codecs[0]
         stage = Stage.CODEC
         started = self._enter(_RUNNER[stage])
         batch, requests = flight.batch, flight.batch.requests
         try:
             pieces = self.runner.codec_wait(flight.handle) if block else self.runner.codec_collect(flight.handle)
         except Exception as exc:
-            self._codecs.popleft()
+            self._drop_flight(lane)
             for r in requests:
                 r.codec_busy = False
             self._enter(_POST[stage])
@@ -555,7 +589,7 @@ class Engine:
         if pieces is None:
             self._add_busy(time.perf_counter() - started)
             return False
-        self._codecs.popleft()
+        self._drop_flight(lane)
         for r in requests:
             r.codec_busy = False
         self._enter(_POST[stage])
@@ -572,6 +606,12 @@ class Engine:
         self._complete_finished(requests)
         self._codec_done(flight, started)
         return True
+
+    def _drop_flight(self, lane: bool) -> None:
+        if lane:
+            self._lane = None
+        else:
+            self._codecs.popleft()
 
     def _release_slots(self, requests: list[RequestState]) -> None:
         """Free the slots `_finish` kept for a codec batch that has now been collected."""
@@ -590,7 +630,7 @@ class Engine:
             stats.codec_collected += 1
             # The wall time the codec had work: batches in flight together count once.
             stats.codec_in_flight_s += finished - max(self._codec_since or flight.launched, flight.launched)
-            self._codec_since = finished if self._codecs else None
+            self._codec_since = finished if self._codec_busy() else None
             if device_s is not None:
                 stats.codec_timed += 1
                 stats.codec_device_s += device_s
@@ -673,6 +713,7 @@ class Engine:
                         now - self._codec_since if self._codec_since is not None else 0.0),
                     "device_s": stats.codec_device_s,
                     "timed": stats.codec_timed,
+                    "lane_batches": stats.codec_lane_batches,
                 },
                 "rules": {rule: dict(by_stage) for rule, by_stage in stats.rules.items()},
                 "schedule_s": seconds.get(_SCHEDULE, 0.0),

@@ -72,11 +72,18 @@ class ModelRunner(abc.ABC):
     # chunk, so that the first new audio comes sooner (a GPU, whose numerics vary with the batch company anyway:
     # at 12 frames a chunk the listener would wait for 12 frames, some 80 ms, where 2 take some 15).
     resume_continues_schedule: bool = True
+    # The first-chunk lane, where the runner has one (set by `prepare`): (most requests, frames each) of a codec
+    # batch that may run beside the `codec_depth` queued ones, on a stream of its own of higher priority, when
+    # every request in it has no audio out yet. A first chunk queued behind bulk batches waited for them (H100,
+    # 60 RPS: two of 7-9 ms). One lane batch is in flight at a time; it is launched with `lane=True` and may
+    # be collected before older queued batches. None: no lane (codec_launch is never passed `lane`).
+    first_chunk_lane: tuple[int, int] | None = None
 
     @abc.abstractmethod
     def codec_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
         """Start decoding the next `frames` frames of each request. At most `codec_depth` batches are in
-        flight, a request in at most one of them: launch again only after the oldest was collected."""
+        flight, a request in at most one of them: launch again only after the oldest was collected. A runner
+        with a first-chunk lane also takes `lane=True` (first_chunk_lane)."""
 
     @abc.abstractmethod
     def codec_collect(self, handle: CodecHandle) -> list[np.ndarray] | None:
@@ -173,6 +180,12 @@ class Qwen3RunnerConfig:
     # the end of a batch until the engine's next step boundary launched the next, and then waited for the
     # frame in flight (H100, 60 RPS: in flight 77 % of the wall time, on the device 40 %).
     codec_in_flight: int = 2
+    # The first-chunk lane (ModelRunner.first_chunk_lane; CUDA with codec_stream and graphs): a second codec
+    # stream of the highest priority, with graphs captured for `first_chunk_frames` (the engine's chunk
+    # schedule's first size, request.DEFAULT_CHUNK_SCHEDULE[0]) at these batch sizes only: first chunks come
+    # one or two at a time, and every graph costs start-up. Empty: no lane.
+    first_chunk_lane_buckets: tuple[int, ...] = (2, 4)
+    first_chunk_frames: int = 2
     # The codec's precision on CUDA: "bfloat16", or "float32" (as released; TF32 matmuls and convolutions).
     # On the H100 (bench/results/codec_profile_h100.json) a call of 16 streams x 12 frames costs 11.3 ms in
     # bfloat16 against 16.5 in float32, with the output 44.6 dB above its difference from float32's (random
@@ -258,7 +271,10 @@ class Qwen3ModelRunner(ModelRunner):
         self.params: SamplingParams = params.greedy() if cfg.greedy else params
         self.codec_async = bool(cfg.codec_stream and self.device.type == "cuda")
         # Codec graphs replay on the codec stream while generation graphs replay on the main one: separate pools.
-        self.graphs = GraphSet(self.device, use_graphs, own_pools=("codec",) if self.codec_async else ())
+        lane_buckets = tuple(sorted(b for b in cfg.first_chunk_lane_buckets if b <= cfg.max_slots))
+        self.lane_buckets = lane_buckets if self.codec_async and use_graphs else ()
+        self.graphs = GraphSet(self.device, use_graphs, own_pools=(
+            ("codec",) + (("codec_lane",) if self.lane_buckets else ())) if self.codec_async else ())
         self.decode_buckets = self._buckets(cfg.decode_buckets, cfg.max_slots)
         # The Triton decode attends each row's own length, so one captured decode graph serves every length.
         self._length_buckets = tuple(a for a in cfg.attend_buckets if a < cfg.max_len) + (cfg.max_len,)
@@ -457,6 +473,23 @@ class Qwen3ModelRunner(ModelRunner):
                 codes_host=torch.empty(max(self.codec_buckets) * 64 * G, dtype=torch.int16, pin_memory=True),
                 started=torch.cuda.Event(enable_timing=True),
                 done=torch.cuda.Event(enable_timing=True)) for _ in range(self.codec_depth))
+        self.lane: _CodecLane | None = None
+        if self.lane_buckets:
+            # Everything the lane's graphs read or write apart from the per-slot pool rows is its own: it runs
+            # concurrently with the codec stream (see the ordering notes at codec_launch).
+            most, frames = max(self.lane_buckets), self.config.first_chunk_frames
+            self.lane = _CodecLane(
+                stream=torch.cuda.Stream(dev, priority=-1),  # lower is higher; PyTorch clamps to the range
+                static={b: self.codec_module.init_state(b, device=dev) for b in self.lane_buckets},
+                wav_out=torch.zeros(most, frames * self.samples_per_frame, device=dev, dtype=codec_dtype),
+                codes_out=torch.zeros(most, frames, G, device=dev, dtype=torch.int16),
+                io=_CodecIO(
+                    slots_host=torch.empty(most, dtype=torch.long, pin_memory=True),
+                    pcm_host=torch.empty(most * frames * self.samples_per_frame, dtype=codec_dtype,
+                                         pin_memory=True),
+                    codes_host=torch.empty(most * frames * G, dtype=torch.int16, pin_memory=True),
+                    started=torch.cuda.Event(enable_timing=True),
+                    done=torch.cuda.Event(enable_timing=True)))
         self.eos_onehot = torch.zeros(self.vocab, device=dev, dtype=torch.bool)
         self.eos_onehot[self.eos_id] = True
         self._true = torch.ones((), device=dev, dtype=torch.bool)
@@ -493,6 +526,15 @@ class Qwen3ModelRunner(ModelRunner):
             self.graphs.discard("codec")
             self._capture_codec()
         mark = self._log_capture("codec", mark)
+        if self.lane is not None:
+            try:
+                self._capture_codec_lane()
+                self.first_chunk_lane = (max(self.lane_buckets), self.config.first_chunk_frames)
+            except Exception:
+                log.exception("capturing the first-chunk codec lane failed; first chunks queue with the others")
+                self.graphs.discard("codec_lane")
+                self.lane = None
+            mark = self._log_capture("first-chunk codec lane", mark)
         try:
             self._capture_prefill()
         except Exception:
@@ -586,6 +628,13 @@ class Qwen3ModelRunner(ModelRunner):
             for f in self.config.codec_frames:
                 self.graphs.capture(("codec", f, b), lambda s, f=f, b=b: self._codec_fn(s, f, self.codec_static[b]),
                                     [slots])
+
+    def _capture_codec_lane(self) -> None:
+        lane, f = self.lane, self.config.first_chunk_frames
+        for b in sorted(self.lane_buckets, reverse=True):
+            slots = torch.full((b,), self.scratch, device=self.device, dtype=torch.long)
+            self.graphs.capture(("codec_lane", f, b), lambda s, b=b: self._codec_fn(
+                s, f, lane.static[b], lane.wav_out, lane.codes_out), [slots])
 
     def _capture_prefill(self) -> None:
         dev, sc = self.device, self.scratch
@@ -1007,7 +1056,9 @@ class Qwen3ModelRunner(ModelRunner):
         self.written[slots] = written + 1
         self.next_embed[slots] = frame_embed
 
-    def _codec_fn(self, slots: torch.Tensor, frames: int, state) -> None:
+    def _codec_fn(self, slots: torch.Tensor, frames: int, state, wav_out: torch.Tensor | None = None,
+                  codes_out: torch.Tensor | None = None) -> None:
+        """Decode `frames` frames of each slot into `wav_out` and `codes_out` (default: the codec stream's)."""
         start = self.decoded[slots]
         idx = (start[:, None] + self.frame_offsets[:frames][None]) % self.config.frame_ring
         codes = self.ring[slots[:, None], idx].clamp(0, self.codebook_size - 1)  # [B, f, G]
@@ -1018,8 +1069,10 @@ class Qwen3ModelRunner(ModelRunner):
         wav = self.codec_module.decode_chunk(codes.transpose(1, 2).contiguous(), state)
         self.codec_pool.index_copy_(slots, state)
         self.decoded[slots] = start + frames
-        self.wav_out[: slots.shape[0], : wav.shape[1]] = wav
-        self.codes_out[: slots.shape[0], :frames] = codes
+        wav_out = self.wav_out if wav_out is None else wav_out
+        codes_out = self.codes_out if codes_out is None else codes_out
+        wav_out[: slots.shape[0], : wav.shape[1]] = wav
+        codes_out[: slots.shape[0], :frames] = codes
 
     # ---- the ModelRunner interface ----------------------------------------------------------------------
     def _slots(self, requests: list[RequestState], bucket: int | None) -> torch.Tensor:
@@ -1227,8 +1280,15 @@ class Qwen3ModelRunner(ModelRunner):
     #   codes are clamped and `decoded` is taken mod frame_ring before use, so garbage stays in range).
     # - Codec graph temporaries live in a graph pool of their own; eager codec temporaries are allocated on
     #   the codec stream, so the caching allocator hands them only to later codec-stream work.
+    # - The first-chunk lane's batch runs concurrently with the codec stream's: its requests are in no batch
+    #   of the codec stream (the engine puts a request in one batch in flight at a time), so the two touch
+    #   disjoint rows of `codec_pool` and `decoded` but for the scratch slot's padding rows, raced on as above;
+    #   its static inputs, codec state, outputs, host buffers and graph pool are its own (_CodecLane). It
+    #   waits on the main stream at launch as the codec stream does.
     @torch.inference_mode()
-    def codec_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
+    def codec_launch(self, requests: list[RequestState], frames: int, lane: bool = False) -> CodecHandle:
+        if lane:
+            return self._lane_launch(requests, frames)
         if len(self._codec_in_flight) >= self.codec_depth:
             raise RuntimeError(f"{self.codec_depth} codec batches in flight; collect the oldest before launching")
         n = len(requests)
@@ -1269,6 +1329,40 @@ class Qwen3ModelRunner(ModelRunner):
         self._codec_in_flight.append(handle)
         return handle
 
+    def _lane_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
+        lane, n = self.lane, len(requests)
+        if lane is None or self.first_chunk_lane is None:
+            raise RuntimeError("this runner has no first-chunk lane")
+        if lane.handle is not None:
+            raise RuntimeError("a first-chunk batch is in flight; collect it before launching another")
+        b = _bucket(n, self.lane_buckets)
+        if b is None or frames != self.config.first_chunk_frames:
+            raise ValueError(f"the first-chunk lane takes up to {max(self.lane_buckets)} requests of "
+                             f"{self.config.first_chunk_frames} frames, not {n} of {frames}")
+        samples, io = frames * self.samples_per_frame, lane.io
+        slots_host = io.slots_host[:b]
+        slots_host.fill_(self.scratch)
+        slots_host[:n] = torch.tensor([r.slot for r in requests], dtype=torch.long)
+        host = io.pcm_host[: n * samples].view(n, samples)
+        codes_host = io.codes_host[: n * frames * self.model.num_code_groups].view(n, frames, -1)
+        main, stream = torch.cuda.current_stream(self.device), lane.stream
+        try:
+            with torch.cuda.stream(stream):
+                slots = slots_host.to(self.device, non_blocking=True)
+                stream.wait_stream(main)
+                io.started.record(stream)
+                self.graphs.run(("codec_lane", frames, b), lambda s: self._codec_fn(
+                    s, frames, lane.static[b], lane.wav_out, lane.codes_out), [slots])
+                host.copy_(lane.wav_out[:n, :samples], non_blocking=True)
+                codes_host.copy_(lane.codes_out[:n, :frames], non_blocking=True)
+                io.done.record(stream)
+        except Exception:
+            stream.synchronize()  # the engine frees these slots once the launch failed
+            raise
+        lane.handle = _AsyncCodecHandle(n, frames, host=host, codes_host=codes_host, started=io.started,
+                                        done=io.done)
+        return lane.handle
+
     def codec_collect(self, handle: CodecHandle) -> list[np.ndarray] | None:
         if handle.pcm is None:
             if not self._settled(handle, block=False):
@@ -1295,6 +1389,8 @@ class Qwen3ModelRunner(ModelRunner):
     def _forget(self, handle: CodecHandle) -> None:
         if handle in self._codec_in_flight:
             self._codec_in_flight.remove(handle)
+        if self.lane is not None and self.lane.handle is handle:
+            self.lane.handle = None
 
     def _take_pcm(self, handle: _AsyncCodecHandle) -> None:
         self._forget(handle)
@@ -1388,6 +1484,18 @@ class _CodecIO:
     codes_host: torch.Tensor
     started: torch.cuda.Event
     done: torch.cuda.Event
+
+
+@dataclass
+class _CodecLane:
+    """The first-chunk lane's stream and everything its graphs read or write but the per-slot state."""
+
+    stream: torch.cuda.Stream
+    static: dict  # batch bucket -> CodecState, the captured graphs' static codec state
+    wav_out: torch.Tensor
+    codes_out: torch.Tensor
+    io: _CodecIO
+    handle: CodecHandle | None = None  # the batch in flight
 
 
 @dataclass(eq=False)

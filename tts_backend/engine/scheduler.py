@@ -79,6 +79,9 @@ class Batch:
     requests: list[RequestState]
     frames: int = 0  # codec only: frames each request decodes in this call
     rule: str = ""  # which urgency rule chose it (for tests and tracing)
+    # Codec only: the batch runs on the runner's first-chunk lane, beside the queued codec batches (decide's
+    # `first_chunk_lane`): every request in it has no audio out yet, and it fits the lane's shape.
+    first_chunk_lane: bool = False
 
 
 class _Item:
@@ -117,7 +120,7 @@ class _Ready:
     the full list, to order them."""
 
     __slots__ = ("now", "by_stage", "frames", "round_robin_frame", "urgent_codec", "urgent_generation", "startup",
-                 "pressing")
+                 "pressing", "codec_cap")
 
     def __init__(self, now: float) -> None:
         self.now = now
@@ -128,6 +131,7 @@ class _Ready:
         self.urgent_generation: list[_Item] = []
         self.startup: list[_Item] = []
         self.pressing: list[_Item] = []
+        self.codec_cap: int | None = None  # a codec batch's most requests where it is not the stage's batch cap
 
 
 class _Holder:
@@ -431,7 +435,7 @@ class Scheduler:
         return self._requests.get(request_id)
 
     # ---- readiness --------------------------------------------------------------------------------
-    def _ready(self, now: float, codec_in_flight: bool) -> _Ready:
+    def _ready(self, now: float, codec_in_flight: bool, first_chunk_lane: tuple[int, int] | None = None) -> _Ready:
         """Every piece of work ready now: at most one generation item and one codec item per request holding
         a slot, each sorted into the urgency rules it qualifies for (frame work as `_Ready` says). What each
         holder is ready for is kept by `_Readiness`; this applies the clock and the measured costs to it."""
@@ -451,7 +455,21 @@ class Scheduler:
                     startup.append(item)
                 elif deadline <= pressing_limit:
                     pressing.append(item)
-        codec_items = () if codec_in_flight else readiness.codec_items()
+        if not codec_in_flight:
+            codec_items = readiness.codec_items()
+        elif first_chunk_lane is not None:
+            # The codec queue is full but the first-chunk lane is free: the first chunks it can take are ready,
+            # unless a playing stream's codec work is urgent (rule 1 would go first: the lane's batch would
+            # delay the queue that stream waits for).
+            most, lane_frames = first_chunk_lane
+            codec_items = readiness.codec_items()
+            if any(it.deadline is not None and it.deadline <= codec_limit for it in codec_items):
+                codec_items = ()
+            else:
+                codec_items = [it for it in codec_items if it.deadline is None and it.frames == lane_frames]
+                ready.codec_cap = most
+        else:
+            codec_items = ()
         if codec_items:
             ready.by_stage[Stage.CODEC] = codec_items
             urgent_codec = ready.urgent_codec
@@ -531,13 +549,20 @@ class Scheduler:
         return items, priority
 
     # ---- the decision -----------------------------------------------------------------------------
-    def decide(self, now: float, codec_in_flight: bool = False) -> Batch | None:
+    def decide(self, now: float, codec_in_flight: bool = False,
+               first_chunk_lane: tuple[int, int] | None = None) -> Batch | None:
         """The next batch, or None when nothing is ready. `codec_in_flight`: the runner takes no more codec
         batches now (as many are in flight as it queues), so no codec work is ready. A stream in a codec
         batch in flight (`codec_busy`) has no codec work either: its frames_decoded has not advanced yet, and
         if its audio is about to run out, rule 1 picks it as soon as the engine has collected that batch
-        (at the start of a step, before it decides)."""
-        ready = self._ready(now, codec_in_flight)
+        (at the start of a step, before it decides).
+
+        `first_chunk_lane`: (most requests, frames each) of the runner's first-chunk lane while it is free
+        (ModelRunner.first_chunk_lane), else None. A first chunk queued behind bulk codec batches waits for
+        them (H100, 60 RPS: 7-9 ms each, two queued); the lane runs it beside them. While the queue is full
+        the first chunks that fit the lane are ready codec work (rule 3 picks them); the decision is otherwise
+        the one without the lane, and a codec batch it makes that fits the lane is marked for it."""
+        ready = self._ready(now, codec_in_flight, first_chunk_lane)
         if not ready.by_stage:
             return None
         self._gather_arrivals(ready, now)
@@ -570,11 +595,20 @@ class Scheduler:
                 anchor = min(ready.by_stage[stage], key=lambda it: (it.deadline or 0.0, it.arrival))
             batch = self._fill(anchor, ready, [], "round_robin", bulk=True)
         if batch.stage is Stage.CODEC:
-            self._bulk_codec_due = batch.rule == "startup"
+            if first_chunk_lane is not None and self._fits_lane(batch, first_chunk_lane):
+                batch.first_chunk_lane = True  # it takes no turn of the codec queue: bulk_codec_due stays
+            else:
+                self._bulk_codec_due = batch.rule == "startup"
         self._decisions += 1
         self._served_at[batch.stage] = self._decisions
         self._readiness.ran(batch)
         return batch
+
+    @staticmethod
+    def _fits_lane(batch: Batch, first_chunk_lane: tuple[int, int]) -> bool:
+        most, frames = first_chunk_lane
+        return (batch.frames == frames and len(batch.requests) <= most
+                and all(_deadline(r) is None for r in batch.requests))
 
     def _gather_arrivals(self, ready: _Ready, now: float) -> None:
         """Hold a prefill of a few fresh arrivals back for one frame while other streams can step, so that
@@ -638,6 +672,8 @@ class Scheduler:
             return stage is not Stage.CODEC or it.frames <= frames <= it.request.pending_frames
 
         cap = self.config.max_batch[stage]
+        if stage is Stage.CODEC and ready.codec_cap is not None:
+            cap = min(cap, ready.codec_cap)
         everyone = ready.by_stage[stage]
         if stage is Stage.FRAME:
             lead = anchor.request
