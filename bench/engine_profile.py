@@ -164,6 +164,7 @@ def engine_breakdown(diff: dict[str, Any]) -> dict[str, Any]:
         "codec_batches_by_frames": dict(sorted(diff["codec_frames"].items())),
         "codec_collected": codec["collected"],
         "codec_in_flight_share": codec["in_flight_s"] / wall,
+        "codec_lane_batches": codec.get("lane_batches", 0),  # of the codec batches, those on the first-chunk lane
         "codec_device_share": codec["device_s"] / wall if codec["timed"] else None,
         "codec_device_ms_per_batch": 1000 * codec["device_s"] / codec["timed"] if codec["timed"] else None,
         "rules": {rule: sum(by_stage.values()) for rule, by_stage in sorted(diff["rules"].items())},

@@ -18,6 +18,11 @@ EngineStream consumers. What is simulated: the model runner (`SimRunner`) and th
 - The codec runs on a stream of its own: it starts once the generation queued before it is done (the runner's
   wait_stream), and `codec_collect` returns None until it is finished. While a codec batch is in flight,
   generation runs slower by (1 + contention). The codec costs its table figure (measured alone).
+- `--first-chunk-lane`: the runner's first-chunk lane (ModelRunner.first_chunk_lane, as the Qwen3 runner's on
+  CUDA: up to 4 requests of 2 frames): a codec batch of first chunks runs beside the codec queue, starting
+  once the generation queued before it is done. Its stream has the higher priority, so it runs at once and
+  every queued codec batch not done when it starts finishes its device time later (they yield the device to
+  it; at worst so, as if the codec stream were always busy then); generation is slowed while either runs.
 - Host time: the real time of the engine's own Python on this machine (everything inside `step` except the
   simulated runner and the simulated consumers; the thread's CPU time, which other processes on a shared
   machine do not inflate) times `--host-factor`, plus `--launch-us` per runner call
@@ -296,7 +301,7 @@ class SimRunner(ModelRunner):
 
     def __init__(self, costs: CostTable, clock: SimClock, runner_config: Qwen3RunnerConfig,
                  contention: float = DEFAULT_CONTENTION, launch_us: float = DEFAULT_LAUNCH_US, seed: int = 0,
-                 codec_slowdown: float = 1.0) -> None:
+                 codec_slowdown: float = 1.0, first_chunk_lane: bool = False) -> None:
         self.costs = costs
         self.clock = clock
         self.config = runner_config
@@ -309,6 +314,11 @@ class SimRunner(ModelRunner):
         self.launch_s = launch_us / 1e6
         self.device_free = 0.0  # when the generation queue is empty
         self.codec_busy_until = 0.0
+        # The first-chunk lane, as the Qwen3 runner captures it (its batch buckets, the first chunk's frames).
+        if first_chunk_lane:
+            self.first_chunk_lane = (max(runner_config.first_chunk_lane_buckets), runner_config.first_chunk_frames)
+        self.lane_busy_until = 0.0
+        self._queued: list[SimCodecHandle] = []  # the codec queue's batches not finished at the last launch
         self.generation_device_s = 0.0  # device seconds charged to the generation queue (table figures)
         self.codec_device_s = 0.0
         self.calls: dict[str, int] = {}
@@ -332,7 +342,7 @@ class SimRunner(ModelRunner):
         work = ms / 1000.0
         self.generation_device_s += work
         start = max(now, self.device_free)
-        shared = max(0.0, self.codec_busy_until - start)
+        shared = max(0.0, max(self.codec_busy_until, self.lane_busy_until) - start)
         if work * self.slow <= shared:
             self.device_free = start + work * self.slow
         else:
@@ -368,14 +378,29 @@ class SimRunner(ModelRunner):
         self.code_predict(requests)
         return [False] * len(requests)
 
-    def codec_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
+    def codec_launch(self, requests: list[RequestState], frames: int, lane: bool = False) -> CodecHandle:
         now = self._launch("codec_launch")
         work = self.costs.codec_ms(len(requests), frames) * self.codec_slowdown / 1000.0
         self.codec_device_s += work
+        if lane:
+            # Beside the codec queue, at the higher priority: it waits only for the frames queued before it, and
+            # the queue's batches not yet done when it starts finish its work later.
+            start = max(now, self.device_free, self.lane_busy_until)
+            handle = SimCodecHandle(count=len(requests), frames=frames, device_s=work, done_at=start + work)
+            self.lane_busy_until = handle.done_at
+            self._queued = [h for h in self._queued if h.done_at > start]
+            for queued in self._queued:
+                queued.done_at += work
+            if self._queued:
+                self.codec_busy_until = self._queued[-1].done_at
+            self.clock.resume()
+            return handle
         # The codec stream waits for the frames queued before it, and runs its batches one after the other.
         start = max(now, self.device_free, self.codec_busy_until)
         handle = SimCodecHandle(count=len(requests), frames=frames, device_s=work, done_at=start + work)
         self.codec_busy_until = handle.done_at
+        if self.first_chunk_lane is not None:
+            self._queued = [h for h in self._queued if h.done_at > now] + [handle]
         self.clock.resume()
         return handle
 
@@ -465,9 +490,9 @@ def meter_decisions(engine: Engine, clock: SimClock, meter: DecideMeter) -> None
     decide = engine.scheduler.decide
     scheduler = engine.scheduler
 
-    def metered(now: float, codec_in_flight: bool = False):
+    def metered(now: float, codec_in_flight: bool = False, **lane):
         started = time.thread_time()
-        batch = decide(now, codec_in_flight)
+        batch = decide(now, codec_in_flight, **lane)
         if meter.measuring:
             meter.decide_s += time.thread_time() - started
             meter.decides += 1
@@ -506,6 +531,7 @@ def engine_breakdown(diff: dict[str, Any], wall: float) -> dict[str, Any]:
         "schedule_us_per_decision": 1e6 * diff["schedule_s"] / diff["decisions"] if diff["decisions"] else None,
         "codec_batches_by_frames": dict(sorted(diff["codec_frames"].items())),
         "codec_in_flight_share": codec["in_flight_s"] / wall,
+        "codec_lane_batches": codec["lane_batches"],  # of the CODEC batches, those on the first-chunk lane
         "codec_device_ms_per_batch": 1000 * codec["device_s"] / codec["timed"] if codec["timed"] else None,
         "rules": {rule: sum(by_stage.values()) for rule, by_stage in sorted(diff["rules"].items())},
         "late_chunks": diff["late_chunks"],
@@ -534,6 +560,7 @@ class SimOptions:
     agent_sentences: int = 0  # > 0: the agent workload, each reply that many sentences pushed word by word
     words_per_s: float = 40.0
     codec_in_flight: int = Qwen3RunnerConfig.codec_in_flight  # codec batches queued at once (the runner's)
+    first_chunk_lane: bool = False  # the runner's first-chunk lane (SimRunner)
     scheduler: tuple = ()  # (field, value) pairs over the engine's SchedulerConfig (policy what-ifs)
 
 
@@ -606,7 +633,7 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
     prompts = prompts or load_prompts(options.prompts)
     clock = SimClock(options.host_factor)
     runner = SimRunner(costs, clock, runner_config, options.contention, options.launch_us, options.seed,
-                       options.codec_slowdown)
+                       options.codec_slowdown, options.first_chunk_lane)
     chunk_schedule = EngineConfig().chunk_schedule
     policy = dataclasses.replace(scheduler_config(runner, options.max_active, chunk_schedule), **dict(options.scheduler))
     engine = Engine(runner, EngineConfig(scheduler=policy), clock=clock)
@@ -889,6 +916,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--words-per-s", type=float, default=40.0, help="the agent workload's words per second")
     parser.add_argument("--codec-in-flight", type=int, default=Qwen3RunnerConfig.codec_in_flight,
                         help="codec batches the runner queues on its codec stream at once")
+    parser.add_argument("--first-chunk-lane", action="store_true",
+                        help="the runner's first-chunk lane: first chunks' codec beside the codec queue")
     parser.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a SchedulerConfig field (a number), e.g. --scheduler prefill_gather_s=0.02")
     parser.add_argument("--granularity", choices=["token"], default="token",
@@ -912,7 +941,8 @@ def main(argv: list[str] | None = None) -> int:
                          frame_cap_chars_per_second=args.frame_cap_chars_per_second, max_active=args.max_active,
                          cost_scale=args.cost_scale, prompts=args.prompts, agent_sentences=args.agent_sentences,
                          words_per_s=args.words_per_s, codec_in_flight=args.codec_in_flight,
-                         codec_slowdown=args.codec_slowdown, scheduler=tuple(_scheduler_overrides(args.scheduler)))
+                         codec_slowdown=args.codec_slowdown, first_chunk_lane=args.first_chunk_lane,
+                         scheduler=tuple(_scheduler_overrides(args.scheduler)))
     if args.calibrate and args.agent_sentences:
         build_parser().error("--calibrate fits against the one-sentence baseline: leave --agent-sentences out")
     prompts = load_prompts(args.prompts)
@@ -942,7 +972,8 @@ def main(argv: list[str] | None = None) -> int:
     report["parameters"] = {"contention": options.contention, "host_factor": options.host_factor,
                             "launch_us": options.launch_us, "cost_scale": options.cost_scale,
                             "warmup_s": options.warmup, "duration_s": options.duration, "seed": options.seed,
-                            "max_active": options.max_active, "agent_sentences": options.agent_sentences,
+                            "max_active": options.max_active, "first_chunk_lane": options.first_chunk_lane,
+                            "agent_sentences": options.agent_sentences,
                             "words_per_s": options.words_per_s if options.agent_sentences else None}
     params = report["parameters"]
     tables = (f"cost table {args.cost_table}; contention {params['contention']:g}, host-factor "

@@ -108,3 +108,23 @@ def test_scheduler_overrides_reach_the_simulated_engine():
     gathered = simulate(costs, rate=20.0, host_factor=0.0,
                         scheduler=(("prefill_gather_s", 0.05), ("prefill_gather_streams", 1)))
     assert gathered["engine"]["stages"]["PREFILL"]["batches"] < plain["engine"]["stages"]["PREFILL"]["batches"]
+
+
+def test_with_the_first_chunk_lane_every_request_gets_its_audio_and_first_chunks_use_the_lane():
+    costs = small_table()
+    # 30 RPS of this table keeps two codec batches queued often enough that first chunks meet a full queue.
+    entry = simulate(costs, rate=30.0, first_chunk_lane=True)
+    requests = entry["requests"]
+    assert len(requests) >= 40
+    for r in requests:
+        assert r.completed and not r.errors, r.errors
+        assert r.audio_s == pytest.approx(r.expected_audio_s), r.index
+    lane = entry["engine"]["codec_lane_batches"]
+    assert 0 < lane < entry["engine"]["stages"]["CODEC"]["batches"]
+    sim = entry["simulator"]
+    assert sim["simulated_s"] >= sim["generation_device_s"] > 0
+    # The floor of a first audio holds on the lane too: prefill, two frames, then its codec call.
+    alone = simulate(costs, first_chunk_lane=True, host_factor=0.0, launch_us=0.0)
+    floor_s = (PREFILL_MS + PREDICTOR_MS + TALKER_MS + PREDICTOR_MS + costs.codec_ms(1, 2)) / 1000
+    assert min(r.audible_ttfa_s for r in alone["requests"]) >= floor_s
+    assert alone["summary"]["underrun_events"] == 0
