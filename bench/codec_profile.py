@@ -11,7 +11,7 @@ decoder call, captured in a CUDA graph as the runner replays it, per variant:
   (the SNR of the bf16 output against the fp32 one, in dB; random weights, so a bound on the arithmetic only);
 - `fp32_fused`, `bf16_fused`: the same with the convolution stages fused (engine/fused.py
   `_route_codec_convolutions`: conv biases, SnakeBetas, history updates and residual adds inside compiled
-  functions and GEMMs), the runner's codec on CUDA (bf16_fused by default); fp32_fused's SNR against `fp32`
+  functions and GEMMs; the runner's with codec_fused_convolutions, off by default); fp32_fused's SNR against `fp32`
   shows the fused math is the same math (rounding only).
 
 and the top kernels of one `fp32` call and one `bf16_fused` call by device time (torch.profiler), to show

@@ -608,6 +608,9 @@ class AgentSession:
         self.sent = settled
 
 
+SIM_FIRST_CHUNK_LANE_BUCKETS = (2, 4)  # --first-chunk-lane: the lane's batch sizes
+
+
 def _scheduler_overrides(items: list[str]) -> list[tuple[str, float]]:
     """FIELD=VALUE pairs over SchedulerConfig's numeric fields (ints stay ints)."""
     from tts_backend.engine.scheduler import SchedulerConfig
@@ -625,8 +628,11 @@ def _scheduler_overrides(items: list[str]) -> list[tuple[str, float]]:
 def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | None = None,
              costs: CostTable | None = None) -> dict[str, Any]:
     """One rate: warm-up, measured phase, drain; the engine_profile-shaped entry plus the simulator's own."""
+    # The lane's batch sizes as the Qwen3 runner's would be turned on (it has none by default).
+    lane_buckets = SIM_FIRST_CHUNK_LANE_BUCKETS if options.first_chunk_lane else ()
     runner_config = Qwen3RunnerConfig(max_slots=options.max_active, max_len=options.max_len,
-                                      codec_in_flight=options.codec_in_flight, **BENCH_RUNNER_OPTIONS)
+                                      codec_in_flight=options.codec_in_flight, first_chunk_lane_buckets=lane_buckets,
+                                      **BENCH_RUNNER_OPTIONS)
     costs = costs or CostTable.from_file(options.cost_table, runner_config)
     if options.cost_scale != 1.0:
         costs = costs.scaled(options.cost_scale)

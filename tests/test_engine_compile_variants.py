@@ -57,3 +57,20 @@ def test_a_base_checkpoints_clone_prefills_trace_no_variant_of_their_own():
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts == {"decode": 2, "cp": 1, "codec": 3, "prefill": 1, "prefill_embeds": 0, "prefill_rest": 0,
                       "total": 7}, counts
+
+
+def test_the_fused_codec_convolutions_trace_six_variants_more():
+    """runner_options codec_fused_convolutions (off by default): the fused convolution stages' functions are
+    compiles of their own at a cold start; counted so that what they cost in start-up cannot grow unseen."""
+    code = textwrap.dedent("""
+        import json
+        from bench.compile_variants import count_variants
+        print(json.dumps(count_variants("small", config_overrides=dict(
+            max_slots=8, decode_buckets=(2, 4, 8), codec_batch_buckets=(2, 4, 8), codec_frames=(1, 2, 3, 4),
+            prefill_len_buckets=(16, 32), codec_fused_convolutions=True))))
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts == {"decode": 2, "cp": 1, "codec": 9, "prefill": 1, "total": 13}, counts

@@ -183,8 +183,9 @@ class Qwen3RunnerConfig:
     # The first-chunk lane (ModelRunner.first_chunk_lane; CUDA with codec_stream and graphs): a second codec
     # stream of the highest priority, with graphs captured for `first_chunk_frames` (the engine's chunk
     # schedule's first size, request.DEFAULT_CHUNK_SCHEDULE[0]) at these batch sizes only: first chunks come
-    # one or two at a time, and every graph costs start-up. Empty: no lane.
-    first_chunk_lane_buckets: tuple[int, ...] = (2, 4)
+    # one or two at a time, and every graph costs start-up. Empty: no lane, the default until a GPU shows it
+    # pays: bench/engine_sim.py --first-chunk-lane predicts no gain at 10-60 RPS and a loss at 80.
+    first_chunk_lane_buckets: tuple[int, ...] = ()
     first_chunk_frames: int = 2
     # The codec's precision on CUDA: "bfloat16", or "float32" (as released; TF32 matmuls and convolutions).
     # On the H100 (bench/results/codec_profile_h100.json) a call of 16 streams x 12 frames costs 11.3 ms in
@@ -195,8 +196,10 @@ class Qwen3RunnerConfig:
     # The codec's convolution stages fused on CUDA (engine/fused.py _route_codec_convolutions: conv biases,
     # SnakeBetas, history updates and residual adds inside compiled functions and GEMMs); False keeps only the
     # compiled SnakeBeta and pre-transformer layers. Its functions are Inductor compiles of their own at a
-    # start without the compile cache, so the two settings trade codec time against cold start-up.
-    codec_fused_convolutions: bool = True
+    # start without the compile cache (6 more traced variants than the 3 of the rest of the codec: at about
+    # 8 s each, a cold start's largest share), so the two trade codec time against cold start-up. Off until a
+    # GPU has measured what it saves (bench/codec_profile.py, variant bf16_fused).
+    codec_fused_convolutions: bool = False
     # How a resumed request (resume from codes) runs its delivered frames through the Talker: "batched" (one
     # pass over the prompt and the frames, as a prefill), "stepwise" (the prompt, then one decode step a frame,
     # exactly the steps the uninterrupted request took) or "auto": batched on CUDA, stepwise elsewhere. Why
