@@ -891,6 +891,11 @@ class Qwen3ModelRunner(ModelRunner):
         cap = self.config.trailing_capacity
         inputs = []
         started = time.perf_counter()
+        # Device time of the priming (with any codec work it waits for) and of the Talker pass, beside their
+        # host time, for the log below: a slow resume on the H100 was neither's host time alone.
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else []
+        if events:
+            events[0].record()
         for r in requests:
             codes = self._upload(r.resume)
             k = codes.shape[0]
@@ -909,6 +914,8 @@ class Qwen3ModelRunner(ModelRunner):
         slot_list = [r.slot for r in requests]
         slots_t = self._upload(torch.tensor(slot_list, dtype=torch.long))
         primed = time.perf_counter()
+        if events:
+            events[1].record()
         if self.resume_batched:
             prompts = [m.prompt_embeds(r.prompt) for r in requests]
             starts = self._voice_prefixes(requests, prompts)
@@ -942,11 +949,16 @@ class Qwen3ModelRunner(ModelRunner):
             self._after_talker(slots_t, torch.cat(last), new_pos)
         for r in requests:
             self.pos_host[r.slot] = len(r.prompt) + r.resume.shape[0]
+        passed = time.perf_counter()
+        if events:
+            events[2].record()
         eos = self.eos_out[: len(requests)].tolist()  # waits for the device
         # A resume is a failover or a hand-over: rare, and what it costs is the listener's pause.
-        log.info("resumed %d requests (%s frames) in %.1f ms: codec priming queued in %.1f ms",
-                 len(requests), ",".join(str(r.resume.shape[0]) for r in requests),
-                 1000 * (time.perf_counter() - started), 1000 * (primed - started))
+        device = (f"; on the device {events[0].elapsed_time(events[1]):.1f} and "
+                  f"{events[1].elapsed_time(events[2]):.1f} ms") if events else ""
+        log.info("resumed %d requests (%s frames) in %.1f ms: codec priming queued in %.1f ms, the Talker pass "
+                 "in %.1f ms%s", len(requests), ",".join(str(r.resume.shape[0]) for r in requests),
+                 1000 * (time.perf_counter() - started), 1000 * (primed - started), 1000 * (passed - primed), device)
         return eos
 
     def _resumed_counters(self, requests: list[RequestState]) -> None:
