@@ -366,20 +366,6 @@ class Qwen3ModelRunner(ModelRunner):
             log.info("checked the Triton kernels in %.1f s", time.perf_counter() - started)
         if self.graphs.enabled:
             self._capture_all()
-            if self.resume_batched and self.fused_prefill and self.compile and self.can_resume:
-                self._warm_resume()
-
-    @torch.inference_mode()
-    def _warm_resume(self) -> None:
-        """Run the resume pass's uncaptured Talker prefill once on the scratch slot, so that its compiled
-        variant (embeddings with per-row starts, which a checkpoint without cloned voices captures nowhere)
-        is traced now and not on the first resumed request, on the engine thread (H100, resume check: that
-        request's audio came 34 s late). Dynamic shapes: one trace serves every prompt-plus-frames length."""
-        started = time.perf_counter()
-        slots, emb, lengths, starts = self._embeds_example(2, 64)
-        self._prefill_embeds(slots, emb, lengths, starts, 64)
-        torch.cuda.synchronize(self.device)
-        log.info("warmed the resume pass in %.1f s", time.perf_counter() - started)
 
     def _check_kernels(self) -> None:
         """Serve on the Triton kernels only if they compute what the layers compute on this device (see
@@ -1319,30 +1305,38 @@ class Qwen3ModelRunner(ModelRunner):
         # The buffers of a batch that was collected: its copies out of them are complete.
         io = self.codec_io[0]
         self.codec_io.rotate(-1)
+        handle = self._launch_async(requests, frames, b, self.codec_stream, io, self.wav_out, self.codes_out,
+                                    lambda slots: self._run_codec(slots, frames, b))
+        self._codec_in_flight.append(handle)
+        return handle
+
+    def _launch_async(self, requests: list[RequestState], frames: int, b: int | None, stream, io: _CodecIO,
+                      wav_out: torch.Tensor, codes_out: torch.Tensor, run) -> _AsyncCodecHandle:
+        """`run(slots)` (a codec call writing wav_out / codes_out) on `stream` after the main stream's work,
+        its PCM and codes copied into io's pinned buffers, and the handle that collects them."""
+        n = len(requests)
+        samples = frames * self.samples_per_frame
         slots_host = io.slots_host[: b or n]
         slots_host.fill_(self.scratch)
         slots_host[:n] = torch.tensor([r.slot for r in requests], dtype=torch.long)
         host = io.pcm_host[: n * samples].view(n, samples)
         codes_host = io.codes_host[: n * frames * self.model.num_code_groups].view(n, frames, -1)
         main = torch.cuda.current_stream(self.device)
-        stream = self.codec_stream
         try:
             with torch.cuda.stream(stream):
                 slots = slots_host.to(self.device, non_blocking=True)
                 stream.wait_stream(main)
                 io.started.record(stream)
-                self._run_codec(slots, frames, b)
+                run(slots)
                 # wav_out[:n, :samples] is strided: copy_ makes it contiguous on this stream, then copies async.
-                host.copy_(self.wav_out[:n, :samples], non_blocking=True)
-                codes_host.copy_(self.codes_out[:n, :frames], non_blocking=True)
+                host.copy_(wav_out[:n, :samples], non_blocking=True)
+                codes_host.copy_(codes_out[:n, :frames], non_blocking=True)
                 io.done.record(stream)
         except Exception:
             # The engine frees these slots once the launch failed: let what was queued finish first.
             stream.synchronize()
             raise
-        handle = _AsyncCodecHandle(n, frames, host=host, codes_host=codes_host, started=io.started, done=io.done)
-        self._codec_in_flight.append(handle)
-        return handle
+        return _AsyncCodecHandle(n, frames, host=host, codes_host=codes_host, started=io.started, done=io.done)
 
     def _lane_launch(self, requests: list[RequestState], frames: int) -> CodecHandle:
         lane, n = self.lane, len(requests)
@@ -1354,28 +1348,10 @@ class Qwen3ModelRunner(ModelRunner):
         if b is None or frames != self.config.first_chunk_frames:
             raise ValueError(f"the first-chunk lane takes up to {max(self.lane_buckets)} requests of "
                              f"{self.config.first_chunk_frames} frames, not {n} of {frames}")
-        samples, io = frames * self.samples_per_frame, lane.io
-        slots_host = io.slots_host[:b]
-        slots_host.fill_(self.scratch)
-        slots_host[:n] = torch.tensor([r.slot for r in requests], dtype=torch.long)
-        host = io.pcm_host[: n * samples].view(n, samples)
-        codes_host = io.codes_host[: n * frames * self.model.num_code_groups].view(n, frames, -1)
-        main, stream = torch.cuda.current_stream(self.device), lane.stream
-        try:
-            with torch.cuda.stream(stream):
-                slots = slots_host.to(self.device, non_blocking=True)
-                stream.wait_stream(main)
-                io.started.record(stream)
-                self.graphs.run(("codec_lane", frames, b), lambda s: self._codec_fn(
-                    s, frames, lane.static[b], lane.wav_out, lane.codes_out), [slots])
-                host.copy_(lane.wav_out[:n, :samples], non_blocking=True)
-                codes_host.copy_(lane.codes_out[:n, :frames], non_blocking=True)
-                io.done.record(stream)
-        except Exception:
-            stream.synchronize()  # the engine frees these slots once the launch failed
-            raise
-        lane.handle = _AsyncCodecHandle(n, frames, host=host, codes_host=codes_host, started=io.started,
-                                        done=io.done)
+        lane.handle = self._launch_async(
+            requests, frames, b, lane.stream, lane.io, lane.wav_out, lane.codes_out,
+            lambda slots: self.graphs.run(("codec_lane", frames, b), lambda s: self._codec_fn(
+                s, frames, lane.static[b], lane.wav_out, lane.codes_out), [slots]))
         return lane.handle
 
     def codec_collect(self, handle: CodecHandle) -> list[np.ndarray] | None:
