@@ -26,8 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def count_variants(size: str = "small", model_type: str = "custom_voice", config_overrides: dict | None = None,
-                   reasons: bool = False) -> dict:
-    """{kind: variants compiled while capturing that kind, ..., "total": n, "recompiles": [...]}."""
+                   reasons: bool = False, resume_lengths: tuple[int, ...] = ()) -> dict:
+    """{kind: variants compiled while capturing that kind, ..., "total": n, "recompiles": [...]}; with
+    `resume_lengths`, also "resume": the variants the uncaptured resume pass (a Talker prefill of two rows,
+    a prompt plus delivered frames beside a one-position padding row, each from its own start) traces after
+    capture, at those lengths."""
     from torch._dynamo.utils import counters
 
     from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
@@ -70,6 +73,17 @@ def count_variants(size: str = "small", model_type: str = "custom_voice", config
             with torch.inference_mode():
                 runner._allocate()
                 runner._capture_all()
+                if resume_lengths:
+                    from tts_backend.qwen3.generate import right_padded
+
+                    before = int(counters["stats"]["unique_graphs"])
+                    width = model.talker.codec_head.weight.shape[1]
+                    for n in resume_lengths:
+                        up = torch.tensor([[n, 1], [0, 0]])
+                        runner._prefill_embeds(torch.tensor([0, runner.scratch]),
+                                               right_padded([torch.randn(n, width), torch.randn(1, width)]),
+                                               up[0], up[1], n)
+                    counts["resume"] = int(counters["stats"]["unique_graphs"]) - before
     finally:
         torch.compile = real_compile
         if reasons:

@@ -74,3 +74,21 @@ def test_the_fused_codec_convolutions_trace_six_variants_more():
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts == {"decode": 2, "cp": 1, "codec": 9, "prefill": 1, "total": 13}, counts
+
+
+def test_the_resume_pass_traces_no_variant_of_its_own():
+    """A resumed request's Talker pass (uncaptured: a prompt plus its delivered frames, two rows, per-row
+    starts) runs on what capture traced, at any length: no compile on the engine thread at a failover, and so
+    nothing to warm at start-up."""
+    code = textwrap.dedent("""
+        import json
+        from bench.compile_variants import count_variants
+        print(json.dumps(count_variants("small", config_overrides=dict(
+            max_slots=8, decode_buckets=(2, 4, 8), codec_batch_buckets=(2, 4), codec_frames=(1, 2),
+            prefill_len_buckets=(16, 32)), resume_lengths=(18, 45, 64, 130, 300))))
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["resume"] == 0 and counts["prefill"] == 1, counts
