@@ -118,5 +118,11 @@ class RequestState:
         return self.frames_generated - self.frames_decoded
 
     @property
+    def next_chunk_frames(self) -> int:
+        """The frames of its next chunk: the chunk schedule grows, then repeats its last size."""
+        schedule, chunks = self.chunk_schedule, self.chunks_decoded
+        return schedule[chunks] if chunks < len(schedule) else schedule[-1]
+
+    @property
     def playing(self) -> bool:
         return self.playback_start is not None

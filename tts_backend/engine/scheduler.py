@@ -105,6 +105,14 @@ def _deadline(request: RequestState) -> float | None:
     return request.playback_start + request.output.emitted_samples / request.sample_rate
 
 
+def _late_unless_now(request: RequestState, deadline: float, now: float, frame_cost: float,
+                     codec_cost: float) -> bool:
+    """Rule 2's test: the frames the request's next chunk still lacks, at the measured cost of a frame, then
+    its codec call, reach past its deadline unless it steps now."""
+    lacking = request.next_chunk_frames - (request.frames_generated - request.frames_decoded)
+    return lacking > 0 and now >= deadline - lacking * frame_cost - codec_cost
+
+
 def _fill_order(item: _Item) -> tuple:
     """Requests with no audio yet first (by arrival), then earliest deadline."""
     return (item.deadline is not None, item.deadline or 0.0, item.arrival)
@@ -264,9 +272,7 @@ class _Readiness:
                 deadline = None if playback_start is None \
                     else playback_start + output.emitted_samples / request.sample_rate
                 pending = request.frames_generated - request.frames_decoded
-                schedule, chunks = request.chunk_schedule, request.chunks_decoded
-                # The next chunk's frames: the schedule grows, then repeats its last size.
-                want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
+                want = request.next_chunk_frames
                 phase = request.phase
                 # Waiting for text (RequestState.waiting_for_text): no generation item, see the module doc.
                 waiting = request.text_open and phase is Phase.NEED_DECODE and (
@@ -517,12 +523,8 @@ class Scheduler:
         for deadline, _, holder in by_deadline:
             if deadline - furthest - codec_cost > now:
                 return None
-            request = holder.request
-            pending = request.frames_generated - request.frames_decoded
-            schedule, chunks = request.chunk_schedule, request.chunks_decoded
-            want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
-            if want > pending and now >= deadline - (want - pending) * frame_cost - codec_cost:
-                return _Item(request, Stage.FRAME, deadline)
+            if _late_unless_now(holder.request, deadline, now, frame_cost, codec_cost):
+                return _Item(holder.request, Stage.FRAME, deadline)
         return None
 
     def _frame_items(self, ready: _Ready) -> tuple[list[_Item], list[_Item]]:
@@ -540,11 +542,7 @@ class Scheduler:
             items.append(item)
             if deadline is None:
                 continue
-            pending = request.pending_frames
-            schedule, chunks = request.chunk_schedule, request.chunks_decoded
-            want = schedule[chunks] if chunks < len(schedule) else schedule[-1]
-            if (want > pending and now >= deadline - (want - pending) * frame_cost - codec_cost) \
-                    or deadline <= pressing_limit:
+            if _late_unless_now(request, deadline, now, frame_cost, codec_cost) or deadline <= pressing_limit:
                 priority.append(item)
         return items, priority
 
