@@ -612,17 +612,22 @@ SIM_FIRST_CHUNK_LANE_BUCKETS = (2, 4)  # --first-chunk-lane: the lane's batch si
 
 
 def _scheduler_overrides(items: list[str]) -> list[tuple[str, float]]:
-    """FIELD=VALUE pairs over SchedulerConfig's numeric fields (ints stay ints)."""
-    from tts_backend.engine.scheduler import SchedulerConfig
+    """FIELD=VALUE pairs (JSON numbers) over the scheduler's policy settings, checked as the qwen3 backend's
+    scheduler_options are."""
+    from tts_backend.base import SynthesisError
+    from tts_backend.qwen3_backend import _scheduler_options
 
-    fields = {f.name: f.type for f in dataclasses.fields(SchedulerConfig)}
     pairs = []
     for item in items:
         name, _, value = item.partition("=")
-        if name not in fields or name == "max_batch":
-            raise SystemExit(f"--scheduler: {name!r} is not a numeric SchedulerConfig field")
-        pairs.append((name, int(value) if fields[name] in (int, "int") else float(value)))
-    return pairs
+        try:
+            pairs.append((name, json.loads(value)))
+        except ValueError:
+            raise SystemExit(f"--scheduler: {item!r} is not FIELD=NUMBER") from None
+    try:
+        return list(_scheduler_options(dict(pairs)).items())
+    except SynthesisError as exc:
+        raise SystemExit(f"--scheduler: {exc}") from None
 
 
 def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | None = None,
