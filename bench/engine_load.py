@@ -326,14 +326,25 @@ def requests_by_outcome(before: dict, after: dict) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def bench_runner_options(overrides: dict | None = None) -> dict:
+    """The bench's Qwen3RunnerConfig fields with the caller's on top, field by field: a what-if such as
+    {"codec_in_flight": 1} keeps the bench's buckets instead of falling back to the runner's defaults."""
+    return {**BENCH_RUNNER_OPTIONS, **(overrides or {})}
+
+
 def engine_options(max_active: int, extra: list[str]) -> list[str]:
     """The backend options every run uses (as `-o KEY=VALUE` pairs), then the caller's -o items, which
-    override them."""
-    options = ["-o", "frame_cap_chars_per_second=15", "-o", f"max_active={max_active}", "-o",
-               f"max_len={BENCH_MAX_LEN}", "-o", "runner_options=" + json.dumps(BENCH_RUNNER_OPTIONS)]
+    override them (a caller's runner_options JSON object field by field, bench_runner_options)."""
+    runner_options = dict(BENCH_RUNNER_OPTIONS)
+    rest = []
     for item in extra:
-        options += ["-o", item]
-    return options
+        key, _, value = item.partition("=")
+        if key == "runner_options":
+            runner_options = bench_runner_options({**runner_options, **json.loads(value)})
+        else:
+            rest += ["-o", item]
+    return ["-o", "frame_cap_chars_per_second=15", "-o", f"max_active={max_active}", "-o",
+            f"max_len={BENCH_MAX_LEN}", "-o", "runner_options=" + json.dumps(runner_options), *rest]
 
 
 def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_file: str | None = None) -> dict:

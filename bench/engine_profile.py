@@ -36,7 +36,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_load import BENCH_MAX_ACTIVE, BENCH_MAX_LEN, BENCH_RUNNER_OPTIONS
+from bench.engine_load import BENCH_MAX_ACTIVE, BENCH_MAX_LEN, bench_runner_options
 from bench.loadgen import (
     DEFAULT_PROMPTS,
     ONSET_SEARCH_S,
@@ -340,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--instructions", help="voice description (VoiceDesign checkpoints)")
     parser.add_argument("--max-active", type=int, default=BENCH_MAX_ACTIVE, help="KV slots")
     parser.add_argument("--max-len", type=int, default=BENCH_MAX_LEN, help="Talker positions per slot")
-    parser.add_argument("--runner-options", type=json.loads, default=BENCH_RUNNER_OPTIONS,
-                        help="JSON object of Qwen3RunnerConfig fields (default: bench/engine_load.py's)")
+    parser.add_argument("--runner-options", type=lambda text: bench_runner_options(json.loads(text)),
+                        default=bench_runner_options(),
+                        help="JSON object of Qwen3RunnerConfig fields, over bench/engine_load.py's field by field")
     parser.add_argument("--scheduler-options", type=json.loads, default=None,
                         help="JSON overrides of the scheduler's policy, e.g. '{\"prefill_gather_s\": 0.02}'")
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)

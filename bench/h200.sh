@@ -23,7 +23,7 @@
 #                    the agent workload (3 sentences per session streamed word by word, bench/README.md):
 #                      LOAD_ARGS="--worker --agent-sentences 3 --words-per-s 40 --granularity token --keep-going" \
 #                        bash bench/h200.sh setup load:1,5,10,12
-#   nari:RATES       bench/nari_load.py --rates RATES    -> $OUT/nari_load.json: the peer's own harness (nari-labs
+#   nari:RATES[ FLAGS] bench/nari_load.py --rates RATES FLAGS -> $OUT/nari_load.json (then nari_load_2.json...): the peer's own harness (nari-labs
 #                    tts_bench, its vllm-omni target, ARCTIC prompts) at each rate against the gateway and one
 #                    `voxgate worker` (engine_load's --worker run, its engine flags), one harness command a rate:
 #                    per rate its p50/p95 audible TTFA, underrunning requests and failures, and the engine's
@@ -178,8 +178,9 @@ step_reference() {
 
 NARI_SITE=/tmp/nari-site
 NARI_RUNS=0
-step_nari() {  # step_nari RATES
-    local rates=$1 suffix=""
+step_nari() {  # step_nari "RATES [FLAGS]"
+    local rates=${1%% *} flags="" suffix=""
+    [[ $1 == *" "* ]] && flags=${1#* }
     [[ -n $rates ]] || { echo "nari needs rates, e.g. nari:1,10,20,60,80,100"; return 1; }
     if [[ -z ${DRY_RUN:-} && ! -d $REPO/.carry/nari/tts_bench/src/tts_bench ]]; then
         echo "no harness in .carry/nari (bench/carry.sh builds it)"
@@ -195,6 +196,8 @@ step_nari() {  # step_nari RATES
     # NARI_ARGS is split on whitespace on purpose: extra flags such as "-o max_batch=64 --arrival constant".
     # shellcheck disable=SC2206
     [[ -n ${NARI_ARGS:-} ]] && extra+=($NARI_ARGS)
+    # shellcheck disable=SC2206
+    [[ -n $flags ]] && extra+=($flags)
     # The harness runs on its own path (its source, its wheels, then the gateway's for pydantic and click),
     # under the image's python3 (numpy), as one harness command per rate.
     run "$PY" bench/nari_load.py --model "$CKPT" --rates "$rates" --warmup "${WARMUP:-10}" \

@@ -130,3 +130,14 @@ def test_a_worker_killed_mid_run_loses_no_request(tiny_custom_voice, tmp_path):
     assert summary["failed"] == 0 and summary["completed"] == summary["requests"] > 0
     assert entry["killed_worker"]["at_s"] == 3 and isinstance(entry["killed_worker"]["failover_pause_ms"], list)
     assert report["worker_exit_codes"][0] == -9
+
+
+def test_runner_options_override_the_bench_fields_one_by_one():
+    # A what-if names only the field it changes: the bench's buckets stay, the last -o wins per field.
+    args = engine_load.parse_args(["--model", "m", "--worker", "-o", 'runner_options={"codec_in_flight": 1}',
+                                   "-o", 'runner_options={"codec_dtype": "float32", "codec_in_flight": 2}'])
+    (spec,) = engine_load.plan_processes(args, 9100, {9100})["workers"]
+    opts = options(spec["command"])
+    assert json.loads(opts["runner_options"]) == {**engine_load.BENCH_RUNNER_OPTIONS, "codec_dtype": "float32",
+                                                  "codec_in_flight": 2}
+    assert option_values(spec["command"], "--option").count(f"runner_options={opts['runner_options']}") == 1
