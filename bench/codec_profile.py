@@ -150,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma separated, of {', '.join(VARIANTS)} (fp32 is always built: the SNR reference)")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
+    chosen = args.variants.split(",")
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}")
     if not torch.cuda.is_available():
         print("codec_profile needs CUDA")
         return 2
@@ -161,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = build(torch.float32, True)
     report["profile"] = [top_kernels(fp32, b, f, args.top) for b, f in ((2, 2), (16, 12))]
     print_profile("fp32", report["profile"])
-    for name, (dtype, bench, convolutions) in VARIANTS.items():
+    for name in chosen:
+        dtype, bench, convolutions = VARIANTS[name]
         torch.backends.cudnn.benchmark = bench
         codec = fp32 if name == "fp32" else build(dtype, True, convolutions)
         if name == "bf16_fused":

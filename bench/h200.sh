@@ -38,7 +38,7 @@
 #                    resumed from its codes in another batch company goes on after exactly the delivered frames,
 #                    without a click at the join, and how soon its first audio comes
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
-#   codecprofile     bench/codec_profile.py              -> $OUT/codec_profile.json: a codec call's top kernels,
+#   codecprofile[:ARGS] bench/codec_profile.py ARGS     -> $OUT/codec_profile.json: a codec call's top kernels,
 #                    and its captured cost in fp32 / fp32 + cuDNN benchmark / bf16 per batch x frames
 #   use:TYPE         build (once) the random 1.7B checkpoint of TYPE (custom_voice, base, voice_design) in
 #                    /tmp/ckpt-TYPE and point the later steps at it (setup's /tmp/ckpt is custom_voice), e.g.
@@ -311,7 +311,8 @@ for arg in "$@"; do
         aligner) step_aligner ;;
         alignercost) step_alignercost "$value" ;;
         tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
-        codecprofile) run "$PY" bench/codec_profile.py --output "$OUT/codec_profile.json" ;;
+        # shellcheck disable=SC2086
+        codecprofile) run "$PY" bench/codec_profile.py $value --output "$OUT/codec_profile.json" ;;
         savecache) step_savecache ;;
         *) echo "unknown step '$name' (setup, step, reference, load:RATES, nari:RATES, profile:ARGS, textstream:ARGS, resumecheck:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
     esac
