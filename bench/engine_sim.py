@@ -277,11 +277,13 @@ def engine_time(clock: SimClock) -> Iterator[None]:
 @dataclass(frozen=True)
 class SimPrompt:
     positions: int  # Talker positions of the prefill
+    submitted: float | None = None  # simulated time the request was handed to Engine.submit (whole-text runs)
 
 
 @dataclass(eq=False)
 class SimCodecHandle(CodecHandle):
     done_at: float = 0.0  # simulated time the codec stream finishes the batch
+    first_chunks: tuple[int, ...] = ()  # ids of the requests whose first chunk it decodes
 
 
 # Runner calls that queue generation work: method -> (cost-table key, when the host waits for the device). The
@@ -322,6 +324,11 @@ class SimRunner(ModelRunner):
         self.generation_device_s = 0.0  # device seconds charged to the generation queue (table figures)
         self.codec_device_s = 0.0
         self.calls: dict[str, int] = {}
+        # Request id -> simulated times on its way to its first audio (arrival, prefill launch, its first chunk's
+        # codec launch, start and end on the device, collection): where a slow first audio spent its time.
+        self.first_chunk_path: dict[int, dict[str, float]] = {}
+        # The driver's: hand the engine the events (arrivals, pushed words) due by now, mid-frame.
+        self.events_due: Callable[[], None] | None = None
         # Random weights speak noise: every sample loud enough (|x| >= 0.05, -26 dBFS) that the leading-silence
         # trimmer ships all of it and the audible onset is the first sample.
         rng = np.random.default_rng(seed)
@@ -360,6 +367,12 @@ class SimRunner(ModelRunner):
 
     # ---- ModelRunner -----------------------------------------------------------------------------------
     def prefill(self, requests: list[RequestState]) -> None:
+        now = self.clock.pause()
+        for r in requests:
+            submitted = r.prompt.submitted
+            self.first_chunk_path[r.request_id] = {"arrival": r.arrival if submitted is None else submitted,
+                                                   "accepted": r.arrival, "prefill": now}
+        self.clock.resume()
         self._generation("prefill", requests)
 
     def code_predict(self, requests: list[RequestState]) -> None:
@@ -369,13 +382,22 @@ class SimRunner(ModelRunner):
         self._generation("decode", requests)
         return [False] * len(requests)
 
-    def frame(self, requests: list[RequestState]) -> list[bool]:
-        """As the Qwen3 runner's: the Talker step of the streams that need one (reading its EOS flags back), then
-        the predictor on every stream that did not sample EOS (all: random weights never do), launched only."""
+    def frame(self, requests: list[RequestState],
+              admit: Callable[[], list[RequestState]] | None = None) -> list[bool]:
+        """As the Qwen3 runner's: the Talker step of the streams that need one (reading its EOS flags back), the
+        engine's `admit` (the arrivals' prefill), then the predictor on every stream that did not sample EOS
+        (all: random weights never do) and the admitted ones, launched only."""
         stepping = [r for r in requests if r.phase is Phase.NEED_DECODE]
         if stepping:
             self.decode(stepping)
-        self.code_predict(requests)
+        fresh = []
+        if admit is not None:
+            if self.events_due is not None:
+                self.clock.pause()
+                self.events_due()  # what the clients sent while the Talker step ran reaches the engine now
+                self.clock.resume()
+            fresh = admit()
+        self.code_predict(requests + fresh)
         return [False] * len(requests)
 
     def codec_launch(self, requests: list[RequestState], frames: int, lane: bool = False) -> CodecHandle:
@@ -387,6 +409,7 @@ class SimRunner(ModelRunner):
             # the queue's batches not yet done when it starts finish its work later.
             start = max(now, self.device_free, self.lane_busy_until)
             handle = SimCodecHandle(count=len(requests), frames=frames, device_s=work, done_at=start + work)
+            self._note_first_chunks(handle, requests, now, start)
             self.lane_busy_until = handle.done_at
             self._queued = [h for h in self._queued if h.done_at > start]
             for queued in self._queued:
@@ -398,11 +421,27 @@ class SimRunner(ModelRunner):
         # The codec stream waits for the frames queued before it, and runs its batches one after the other.
         start = max(now, self.device_free, self.codec_busy_until)
         handle = SimCodecHandle(count=len(requests), frames=frames, device_s=work, done_at=start + work)
+        self._note_first_chunks(handle, requests, now, start)
         self.codec_busy_until = handle.done_at
         if self.first_chunk_lane is not None:
             self._queued = [h for h in self._queued if h.done_at > now] + [handle]
         self.clock.resume()
         return handle
+
+    def _note_first_chunks(self, handle: SimCodecHandle, requests: list[RequestState], launched: float,
+                           start: float) -> None:
+        first = []
+        for r in requests:
+            path = self.first_chunk_path.get(r.request_id)
+            if path is not None and r.chunks_decoded == 0 and "codec_launch" not in path:
+                path.update(codec_launch=launched, codec_start=start, codec_done=handle.done_at)
+                first.append(r.request_id)
+        handle.first_chunks = tuple(first)
+
+    def _collected(self, handle: SimCodecHandle, now: float) -> list[np.ndarray]:
+        for request_id in handle.first_chunks:
+            self.first_chunk_path[request_id]["collected"] = now
+        return self._pcm(handle)
 
     def push_text(self, request: RequestState, tokens: list) -> None:
         """Text for a stream whose text is still being written: the real runner copies its embeddings into the
@@ -413,13 +452,14 @@ class SimRunner(ModelRunner):
         return [audio] * handle.count
 
     def codec_collect(self, handle: CodecHandle) -> list[np.ndarray] | None:
-        return self._pcm(handle) if self.clock() >= handle.done_at else None
+        now = self.clock()
+        return self._collected(handle, now) if now >= handle.done_at else None
 
     def codec_wait(self, handle: CodecHandle) -> list[np.ndarray]:
         now = self.clock.pause()
         self.clock.t = max(now, handle.done_at)
         self.clock.resume()
-        return self._pcm(handle)
+        return self._collected(handle, self.clock.t)
 
 
 # -- the engine under simulation -------------------------------------------------------------------------
@@ -611,9 +651,9 @@ class AgentSession:
 SIM_FIRST_CHUNK_LANE_BUCKETS = (2, 4)  # --first-chunk-lane: the lane's batch sizes
 
 
-def _scheduler_overrides(items: list[str]) -> list[tuple[str, float]]:
-    """FIELD=VALUE pairs (JSON numbers) over the scheduler's policy settings, checked as the qwen3 backend's
-    scheduler_options are."""
+def _scheduler_overrides(items: list[str]) -> list[tuple[str, float | bool]]:
+    """FIELD=VALUE pairs (JSON numbers, or true/false) over the scheduler's policy settings, checked as the
+    qwen3 backend's scheduler_options are."""
     from tts_backend.base import SynthesisError
     from tts_backend.qwen3_backend import _scheduler_options
 
@@ -623,7 +663,7 @@ def _scheduler_overrides(items: list[str]) -> list[tuple[str, float]]:
         try:
             pairs.append((name, json.loads(value)))
         except ValueError:
-            raise SystemExit(f"--scheduler: {item!r} is not FIELD=NUMBER") from None
+            raise SystemExit(f"--scheduler: {item!r} is not FIELD=VALUE (a JSON number, true or false)") from None
     try:
         return list(_scheduler_options(dict(pairs)).items())
     except SynthesisError as exc:
@@ -680,13 +720,20 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
             positions = prompt_positions(spec.text)
             frames = frame_cap(spec.text, positions, MAX_NEW_TOKENS, options.frame_cap_chars_per_second,
                                options.max_len)
-            consumer.stream = engine.submit(SimPrompt(positions), seed=index, max_frames=frames, loop=consumer)
+            consumer.stream = engine.submit(SimPrompt(positions, planned), seed=index, max_frames=frames, loop=consumer)
         consumers.append((spec, consumer, planned >= measure_start, planned, frames))
         if measure_start <= planned <= measure_end:
             peak = max(peak, len(consumers) - ended[0])
 
     for index, planned in enumerate(arrivals):
         at(planned, functools.partial(arrive, index, planned))
+
+    def events_due() -> None:
+        now = clock.t
+        while events and events[0][0] <= now:
+            heapq.heappop(events)[2]()
+
+    runner.events_due = events_due
     wall_started = time.perf_counter()
     device_s = 0.0
     with engine_time(clock):
@@ -786,9 +833,40 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
             "wall_s": wall_s,
             "wall_s_per_simulated_s": wall_s / simulated_s if simulated_s else None,
             "runner_calls": dict(runner.calls),
+            "first_chunk_path": first_chunk_path(runner.first_chunk_path, measure_start, measure_end),
         },
         "requests": results,
     }
+
+
+# The legs of a request's way to its first audio, between the times SimRunner.first_chunk_path notes: the
+# engine thread takes a submitted request in at its next decision (acceptance), which is also its arrival
+# time in the scheduler's order.
+FIRST_CHUNK_LEGS = (("acceptance", "arrival", "accepted"), ("admission", "accepted", "prefill"), ("prefill_and_frames", "prefill", "codec_launch"),
+                    ("codec_queue", "codec_launch", "codec_start"), ("codec", "codec_start", "codec_done"),
+                    ("collection", "codec_done", "collected"))
+
+
+def first_chunk_path(paths: dict[int, dict[str, float]], start: float, end: float) -> dict[str, Any]:
+    """Milliseconds per leg (p50, p95) over the requests that arrived in the measured phase, and the legs' means
+    over the slowest 5 % of them (by arrival to collection): which leg a p95 first audio waits in."""
+    whole = [p for p in paths.values() if start <= p["arrival"] <= end and "collected" in p]
+    if not whole:
+        return {}
+    whole.sort(key=lambda p: p["collected"] - p["arrival"])
+    slowest = whole[-max(1, len(whole) // 20):]
+
+    def ms(values: list[float]) -> dict[str, float]:
+        values = sorted(values)
+        return {"p50": round(1000 * values[len(values) // 2], 2),
+                "p95": round(1000 * values[min(len(values) - 1, int(0.95 * len(values)))], 2)}
+
+    report: dict[str, Any] = {"requests": len(whole), "total_ms": ms([p["collected"] - p["arrival"] for p in whole])}
+    for leg, a, b in FIRST_CHUNK_LEGS:
+        report[leg + "_ms"] = ms([p[b] - p[a] for p in whole])
+    report["slowest_5pct_mean_ms"] = {leg: round(1000 * sum(p[b] - p[a] for p in slowest) / len(slowest), 2)
+                                      for leg, a, b in (("total", "arrival", "collected"), *FIRST_CHUNK_LEGS)}
+    return report
 
 
 # -- reporting -------------------------------------------------------------------------------------------
@@ -930,7 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--first-chunk-lane", action="store_true",
                         help="the runner's first-chunk lane: first chunks' codec beside the codec queue")
     parser.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a SchedulerConfig field (a number), e.g. --scheduler prefill_gather_s=0.02")
+                        help="override a SchedulerConfig field (a number, or true/false), e.g. --scheduler prefill_gather_s=0.02")
     parser.add_argument("--granularity", choices=["token"], default="token",
                         help="the sessions' split_granularity: only token (text streamed into one request) "
                              "is simulated")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,8 +61,13 @@ class ScriptedRunnerTestDouble(ModelRunner):
 
     def __init__(self, max_slots: int = 8, samples_per_frame: int = 1920, sample_rate: int = 24000,
                  step_delay_s: float = 0.0, codec_polls: int = 0, codec_depth: int = 1,
-                 first_chunk_lane: tuple[int, int] | None = None) -> None:
+                 first_chunk_lane: tuple[int, int] | None = None, admits_between: bool = False,
+                 on_talker_step: Callable[[], None] | None = None) -> None:
         self.max_slots = max_slots
+        # Whether `frame` calls the engine's `admit` between the Talker step and the predictor, as the Qwen3
+        # runner does; then its calls read ("frame", ...) for the Talker step, the prefill, ("predict", ids).
+        self.admits_between = admits_between
+        self.on_talker_step = on_talker_step  # runs "during" the Talker step (a test submits from it)
         self.samples_per_frame = samples_per_frame
         self.sample_rate = sample_rate
         self.step_delay_s = step_delay_s
@@ -117,12 +123,21 @@ class ScriptedRunnerTestDouble(ModelRunner):
             return [r.resume is not None and r.frames_generated >= r.prompt.frames for r in requests]
         return None
 
-    def frame(self, requests):
+    def frame(self, requests, admit=None):
         self._record("frame", requests)
         stepping = [r for r in requests if r.phase is Phase.NEED_DECODE]
         self.talker_steps.update(r.request_id for r in stepping)
         # frames_generated frames exist; a Talker step samples EOS once the script's frames are all made.
-        return [r.phase is Phase.NEED_DECODE and r.frames_generated >= r.prompt.frames for r in requests]
+        stops = [r.phase is Phase.NEED_DECODE and r.frames_generated >= r.prompt.frames for r in requests]
+        if self.on_talker_step is not None:
+            self.on_talker_step()
+        if self.admits_between and admit is not None:
+            fresh = admit()
+            for r in fresh:
+                self._check(r.phase is Phase.NEED_CODE_PREDICT, f"request {r.request_id} admitted unprefilled")
+            self.calls.append(("predict", [r.request_id for r, stop in zip(requests, stops) if not stop]
+                               + [r.request_id for r in fresh], 0))
+        return stops
 
     def push_text(self, request, tokens):
         # Text is opaque here (the script says when EOS comes); the engine counts the tokens.

@@ -74,7 +74,10 @@ def assert_states_close(fast: CodecState, plain: CodecState) -> None:
     assert torch.equal(fast.positions, plain.positions)
     for key, tensor in plain.tensors.items():
         assert fast.tensors[key].shape == tensor.shape, key
-        assert (fast.tensors[key] - tensor).abs().max().item() <= 1e-5, key
+        # Float32 rounding relative to the history's scale (a late stage's values reach tens; the same sums in
+        # another order differ in the last bits of those).
+        scale = max(1.0, tensor.abs().max().item())
+        assert (fast.tensors[key] - tensor).abs().max().item() <= 1e-5 * scale, key
 
 
 def test_fused_convolutions_keep_every_history_row_by_row(decoder):

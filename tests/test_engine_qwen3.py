@@ -278,11 +278,16 @@ def test_scheduler_options_reach_the_engine_and_a_misspelt_one_fails_at_start(ti
         backend(max_active=8)  # the slots follow the runner's
     with pytest.raises(SynthesisError, match="must be a number"):
         backend(prefill_gather_s="soon")
-    tuned = backend(prefill_gather_s=0.02, prefill_gather_streams=8)
+    with pytest.raises(SynthesisError, match="must be a number"):
+        backend(prefill_gather_s=True)
+    with pytest.raises(SynthesisError, match="must be true or false"):
+        backend(admit_mid_frame=0)
+    tuned = backend(prefill_gather_s=0.02, prefill_gather_streams=8, admit_mid_frame=False)
     tuned._load_model()
     tuned._build()
     config = tuned.engine.scheduler.config
     assert (config.prefill_gather_s, config.prefill_gather_streams, config.max_active) == (0.02, 8, 2)
+    assert config.admit_mid_frame is False
     default = backend()
     default._load_model()
     default._build()

@@ -103,17 +103,22 @@ def scheduler_config(runner, max_active: int, chunk_schedule: tuple[int, ...]):
 
 
 def _scheduler_options(options: dict | None) -> dict:
-    """Overrides of the scheduler's policy settings (SchedulerConfig's numeric fields, e.g.
-    `-o scheduler_options='{"prefill_gather_s": 0.02}'`), checked here so a misspelt one fails at start-up;
-    the slots, batch caps and frame counts follow the runner (scheduler_config) and are not among them."""
+    """Overrides of the scheduler's policy settings (SchedulerConfig's numeric and true/false fields, e.g.
+    `-o scheduler_options='{"prefill_gather_s": 0.02, "admit_mid_frame": false}'`), checked here so a misspelt
+    one fails at start-up; the slots, batch caps and frame counts follow the runner (scheduler_config) and are
+    not among them."""
     from .engine.scheduler import SchedulerConfig
 
     options = dict(options or {})
-    allowed = {f.name for f in dataclasses.fields(SchedulerConfig)} - {"max_active", "max_batch", "max_codec_frames"}
+    fields = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
+    allowed = set(fields) - {"max_active", "max_batch", "max_codec_frames"}
     for name, value in options.items():
         if name not in allowed:
             raise SynthesisError(f"scheduler_options: {name!r} is not one of {sorted(allowed)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if fields[name].type in ("bool", bool):
+            if not isinstance(value, bool):
+                raise SynthesisError(f"scheduler_options: {name} must be true or false, not {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SynthesisError(f"scheduler_options: {name} must be a number, not {value!r}")
     return options
 

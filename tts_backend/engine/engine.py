@@ -384,7 +384,7 @@ class Engine:
             self._enter(_SCHEDULE)
             batch = self._decide(now)
         if batch is not None:
-            self._execute(batch)
+            self._execute(batch, now)
         self._enter(_OUTSIDE)
         return batch
 
@@ -403,10 +403,7 @@ class Engine:
         while self._commands:
             kind, arg = self._commands.popleft()
             if kind == "submit":
-                self._trimmers[arg.request_id] = LeadingSilenceTrimmer(
-                    arg.sample_rate, self.config.silence_threshold_dbfs
-                ) if self.config.trim_leading_silence and arg.resume is None else None
-                self.scheduler.add(arg)
+                self._add(arg)
             elif kind == "text":
                 request_id, tokens, final, max_frames = arg
                 merged = texts.setdefault(request_id, [[], False, None])
@@ -424,6 +421,31 @@ class Engine:
                     self._finish(request, None)
         if texts:
             self._take_texts(texts)
+
+    def _add(self, request: RequestState) -> None:
+        self._trimmers[request.request_id] = LeadingSilenceTrimmer(
+            request.sample_rate, self.config.silence_threshold_dbfs
+        ) if self.config.trim_leading_silence and request.resume is None else None
+        self.scheduler.add(request)
+
+    def _take_submissions(self) -> None:
+        """Take in the requests submitted since the turn began, and nothing else: mid-frame, the frame's own
+        requests must not change (a cancel or text waits for the next turn, as it would have anyway). A cancel
+        or text always comes after the submit of its request, so taking submits first keeps every request's
+        own order."""
+        commands = self._commands
+        if not any(kind == "submit" for kind, _ in list(commands)):
+            return
+        rest = collections.deque()
+        while commands:
+            kind, arg = commands.popleft()
+            if kind == "submit":
+                self._add(arg)
+            else:
+                rest.append((kind, arg))
+        # Commands appended meanwhile by other threads land after `rest` (deque appends are atomic).
+        while rest:
+            commands.appendleft(rest.pop())
 
     def _take_texts(self, texts: dict[int, list]) -> None:
         """Every push of the turn, one runner call for all (ModelRunner.push_texts)."""
@@ -469,48 +491,98 @@ class Engine:
             self._text_waiting.pop(request.request_id, None)
         request.text_wait_since = None
 
-    def _execute(self, batch: Batch) -> None:
+    def _execute(self, batch: Batch, now: float | None = None) -> None:
         if batch.stage is Stage.CODEC:
             self._launch_codec(batch)
+            return
+        if batch.stage is Stage.PREFILL:
+            self._prefill(batch)
             return
         runner = self.runner
         requests = batch.requests
         stage = batch.stage
         post = _POST[stage]
         started = self._enter(_RUNNER[stage])
+        between: list[float] = []  # thread seconds of a prefill run inside the frame (its own batch's)
+        fresh: list[RequestState] = []
+
+        def admit() -> list[RequestState]:
+            fresh.extend(self._prefill_between(batch, now, between))
+            return fresh
+
         try:
-            if stage is Stage.PREFILL:
-                eos = runner.prefill(requests)
-                self._enter(post)
-                for r in requests:
-                    r.phase = Phase.NEED_CODE_PREDICT
-                if eos is not None:  # a resumed request may sample EOS right after its delivered frames
-                    for r, stop in zip(requests, eos):
-                        if stop:
-                            r.phase = Phase.FINISHED
-            else:
-                eos = runner.frame(requests)
-                self._enter(post)
-                for r, stop in zip(requests, eos):
-                    if r.phase is Phase.NEED_DECODE:
-                        r.text_fed += 1  # its Talker step took one text token (or the pad)
-                    if stop:
-                        r.phase = Phase.FINISHED
-                        continue
-                    r.frames_generated += 1
-                    # While its text is open a request's cap may still grow: it waits for text there instead.
-                    capped = r.frames_generated >= r.max_frames and not r.text_open
-                    r.phase = Phase.FINISHED if capped else Phase.NEED_DECODE
-                self._note_text_waits(requests)
+            eos = runner.frame(requests, admit)
+            self._enter(post)
+            for r, stop in zip(requests, eos):
+                if r.phase is Phase.NEED_DECODE:
+                    r.text_fed += 1  # its Talker step took one text token (or the pad)
+                if stop:
+                    r.phase = Phase.FINISHED
+                    continue
+                self._frame_made(r)
+            for r in fresh:  # prefilled inside the frame: its predictor made their first frame
+                self._frame_made(r)
+            self._note_text_waits(requests)
         except Exception as exc:  # a failed batch fails its requests, not the engine
             self._enter(post)
             self._fail_batch(batch, exc)
+            if fresh:
+                self._fail_batch(Batch(Stage.FRAME, fresh), exc)
             return
         finally:
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - started - sum(between)
             self.scheduler.observe(stage, elapsed)
             self._count_batch(batch, elapsed)
         self._complete_finished(requests)
+        self._complete_finished(fresh)
+
+    @staticmethod
+    def _frame_made(r: RequestState) -> None:
+        r.frames_generated += 1
+        # While its text is open a request's cap may still grow: it waits for text there instead.
+        capped = r.frames_generated >= r.max_frames and not r.text_open
+        r.phase = Phase.FINISHED if capped else Phase.NEED_DECODE
+
+    def _prefill(self, batch: Batch) -> bool:
+        """Run a prefill batch; returns whether it ran (a failed one fails its requests, not the engine)."""
+        requests = batch.requests
+        post = _POST[Stage.PREFILL]
+        started = self._enter(_RUNNER[Stage.PREFILL])
+        try:
+            eos = self.runner.prefill(requests)
+            self._enter(post)
+            for r in requests:
+                r.phase = Phase.NEED_CODE_PREDICT
+            if eos is not None:  # a resumed request may sample EOS right after its delivered frames
+                for r, stop in zip(requests, eos):
+                    if stop:
+                        r.phase = Phase.FINISHED
+        except Exception as exc:
+            self._enter(post)
+            self._fail_batch(batch, exc)
+            return False
+        finally:
+            elapsed = time.perf_counter() - started
+            self.scheduler.observe(Stage.PREFILL, elapsed)
+            self._count_batch(batch, elapsed)
+        self._complete_finished(requests)
+        return True
+
+    def _prefill_between(self, frame: Batch, now: float | None, seconds: list[float]) -> list[RequestState]:
+        """Called by the runner between a frame's Talker step and its predictor (ModelRunner.frame's `admit`):
+        take in what was submitted meanwhile, prefill the fresh arrivals the scheduler admits now
+        (Scheduler.decide_between), and hand back those whose predictor joins this frame's. Their prefill is
+        a batch of its own in the counters; its thread time goes to `seconds`, not to the frame's cost."""
+        started = self._enter(_SCHEDULE)
+        self._take_submissions()
+        room = self.scheduler.config.max_batch[Stage.FRAME] - len(frame.requests)
+        urgent = frame.rule in ("urgent_codec", "urgent_generation")
+        batch = self.scheduler.decide_between(self._now(now), room, urgent)
+        prefilled: list[RequestState] = []
+        if batch is not None and self._prefill(batch):
+            prefilled = [r for r in batch.requests if r.phase is Phase.NEED_CODE_PREDICT and not r.done]
+        seconds.append(self._enter(_RUNNER[Stage.FRAME]) - started)
+        return prefilled
 
     def _fail_batch(self, batch: Batch, exc: Exception) -> None:
         log.exception("%s batch failed", batch.stage.name)

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,11 +58,17 @@ class ModelRunner(abc.ABC):
         sampled EOS (None: none did, as for requests that do not resume, whose first frame is never EOS)."""
 
     @abc.abstractmethod
-    def frame(self, requests: list[RequestState]) -> list[bool]:
+    def frame(self, requests: list[RequestState],
+              admit: Callable[[], list[RequestState]] | None = None) -> list[bool]:
         """One whole frame for each request: the Talker step of those in NEED_DECODE (a request just
         prefilled has its codebook 0 already), then the code predictor (codebooks 1..15), the frame appended
         to the request's frames. Returns, per request, whether its Talker step sampled EOS (never for one
-        that only predicted); the frame of a request that sampled EOS is never used."""
+        that only predicted); the frame of a request that sampled EOS is never used.
+
+        `admit`, where given, may be called once between the Talker step and the predictor: the engine
+        prefills the requests that arrived meanwhile (through this runner's `prefill`) and returns those
+        whose predictor runs in this frame's, in NEED_CODE_PREDICT; their first frame is made with this one.
+        A runner that cannot split its frame there never calls it."""
 
     # How many codec batches may be in flight at once; they run in launch order and are collected in it.
     codec_depth: int = 1
@@ -1230,15 +1236,20 @@ class Qwen3ModelRunner(ModelRunner):
         return None
 
     @torch.inference_mode()
-    def frame(self, requests: list[RequestState]) -> list[bool]:
+    def frame(self, requests: list[RequestState],
+              admit: Callable[[], list[RequestState]] | None = None) -> list[bool]:
         """The Talker step of the streams that need one, then the predictor for every stream that did not
         sample EOS. Reading the EOS flags between the two costs one launch latency of idle device per frame
         (tens of microseconds of a 5-11 ms frame); it keeps every frame the predictor makes a frame the
-        engine counts."""
+        engine counts. The host waits there for the Talker step, so that is where the engine takes in the
+        requests submitted meanwhile (`admit`): their prefill runs before this frame's predictor, which then
+        makes their first frame too."""
         stepping = [r for r in requests if r.phase is Phase.NEED_DECODE]
         eos = iter(self.decode(stepping) if stepping else [])
         stops = [next(eos) if r.phase is Phase.NEED_DECODE else False for r in requests]
         predicting = [r for r, stop in zip(requests, stops) if not stop]
+        if admit is not None:
+            predicting += admit()
         if predicting:
             self.code_predict(predicting)
         return stops

@@ -70,6 +70,8 @@ class SchedulerConfig:
     # A fresh arrival's prefill may wait this long for others while at least prefill_gather_streams step.
     prefill_gather_s: float = 0.010
     prefill_gather_streams: int = 24
+    # Fresh arrivals may be prefilled inside a frame, between its Talker step and its predictor (decide_between).
+    admit_mid_frame: bool = True
     initial_stage_cost_s: float = 0.005  # per-batch cost guess until the engine has measured each stage
 
 
@@ -380,6 +382,9 @@ class Scheduler:
         self._cost = {stage: self.config.initial_stage_cost_s for stage in Stage}  # EWMA seconds per batch
         self._bulk_codec_due = False  # the last codec call was a first chunk: the next decodes in bulk
         self._readiness = _Readiness(self.config)
+        # Requests given a slot and not yet prefilled, admission order (pruned as they move on): the candidates
+        # of decide_between, read once per frame without a pass over every slot holder.
+        self._unprefilled: dict[int, RequestState] = {}
 
     def observe(self, stage: Stage, seconds: float) -> None:
         """The engine reports how long a batch of `stage` took; rule 2 plans with these costs."""
@@ -404,6 +409,7 @@ class Scheduler:
         """Forget a request (finished or cancelled) and free its slot at once; returns the slot."""
         self._requests.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
+        self._unprefilled.pop(request.request_id, None)
         if self._active.pop(request.request_id, None) is not None:
             self._readiness.remove(request)
         slot = request.slot
@@ -421,6 +427,7 @@ class Scheduler:
             request.slot = self._free_slots.pop()
             request.phase = Phase.NEED_PREFILL
             self._active[request_id] = request
+            self._unprefilled[request_id] = request
             self._readiness.admit(request)
 
     def changed(self, request: RequestState) -> None:
@@ -608,18 +615,51 @@ class Scheduler:
         return (batch.frames == frames and len(batch.requests) <= most
                 and all(_deadline(r) is None for r in batch.requests))
 
+    def decide_between(self, now: float, room: int, urgent: bool = False) -> Batch | None:
+        """A prefill of fresh arrivals to run inside the frame under way, between its Talker step and its
+        predictor, or None. The engine asks once per frame, after taking in the requests submitted while the
+        Talker step ran; the prefilled requests' predictor then runs in that frame's, so their first frame is
+        out at its end. Decided between frames instead, an arrival that came during a frame's Talker step
+        waited for that frame's predictor, its prefill, then a whole frame more (some 5.5 ms on the H100),
+        because the next frame had already been decided without it.
+
+        `room`: streams the predictor's batch can still take (its largest bucket less the frame's). `urgent`:
+        the frame was decided for a stream about to run dry (rules 1 and 2), whose frame a prefill would delay:
+        none then. The rules otherwise are rule 3's: fresh arrivals (no audio out, first come first), held for
+        company under load as `_gather_arrivals` holds them."""
+        if not self.config.admit_mid_frame or urgent or room <= 0 or not self._unprefilled:
+            return None
+        fresh: list[RequestState] = []
+        for request_id, request in list(self._unprefilled.items()):
+            if request.phase is not Phase.NEED_PREFILL or request.done or request.cancelled:
+                del self._unprefilled[request_id]
+            elif request.playback_start is None:
+                fresh.append(request)
+        if not fresh or self._hold_for_company([r.arrival for r in fresh], len(self._readiness.stepping()), now):
+            return None
+        batch = Batch(Stage.PREFILL, fresh[:min(room, self.config.max_batch[Stage.PREFILL])], rule="between")
+        self._decisions += 1
+        self._served_at[Stage.PREFILL] = self._decisions
+        self._readiness.ran(batch)
+        return batch
+
+    def _hold_for_company(self, arrivals: list[float], stepping: int, now: float) -> bool:
+        """Whether a prefill of fresh arrivals (their arrival times) waits for company, `stepping` streams
+        being able to step: `_gather_arrivals`' test."""
+        gather = self.config.prefill_gather_s
+        if not gather or not stepping or stepping < self.config.prefill_gather_streams:
+            # At light load a prefill's device time is not what limits anyone: admit at once. With no stream
+            # stepping there is no frame to wait for (and nothing else to run: the decision would be empty).
+            return False
+        return len(arrivals) < self.config.max_batch[Stage.PREFILL] and all(now - a < gather for a in arrivals)
+
     def _gather_arrivals(self, ready: _Ready, now: float) -> None:
         """Hold a prefill of a few fresh arrivals back for one frame while other streams can step, so that
         arrivals are admitted in groups: a prefill costs about the same for 1 prompt as for 8 (H100: 2.8 ms
         for 2 x 32 positions, 3.6 ms for 8 x 32), and each is an engine step of its own."""
-        gather = self.config.prefill_gather_s
         items = ready.by_stage.get(Stage.PREFILL)
-        stepping = ready.by_stage.get(Stage.FRAME, ())
-        if not gather or not items or not stepping or len(stepping) < self.config.prefill_gather_streams:
-            # At light load a prefill's device time is not what limits anyone: admit at once. With no stream
-            # stepping there is no frame to wait for (and nothing else to run: the decision would be empty).
-            return
-        if len(items) >= self.config.max_batch[Stage.PREFILL] or any(now - it.arrival >= gather for it in items):
+        if not items or not self._hold_for_company([it.arrival for it in items],
+                                                   len(ready.by_stage.get(Stage.FRAME, ())), now):
             return
         del ready.by_stage[Stage.PREFILL]
         ready.startup = [it for it in ready.startup if it.stage is not Stage.PREFILL]
