@@ -45,6 +45,10 @@ def recording(base: type) -> type:
             def changed(self, request):  # the reference re-reads every holder at every decision
                 pass
 
+        if not hasattr(base, "decide_between"):
+            def decide_between(self, now, room, urgent=False):  # the reference admits between frames only
+                return None
+
     Recording.log = []
     return Recording
 
@@ -135,8 +139,9 @@ def test_the_simulated_loaded_engine_decides_as_the_reference(monkeypatch, agent
     pytest.importorskip("torch")  # the simulator's runner module imports torch
     from bench.engine_sim import SimOptions, run_rate
 
+    # Mid-frame admission (Scheduler.decide_between) is policy the reference never had: off in both runs.
     options = SimOptions(warmup=2.0, duration=6.0, seed=3, host_factor=0.0,
-                         agent_sentences=3 if agent else 0)
+                         agent_sentences=3 if agent else 0, scheduler=[("admit_mid_frame", False)])
     rate = 10.0 if agent else 60.0
 
     def workload() -> None:
