@@ -68,6 +68,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import (
+    DEFAULT_PROMPTS,
     GRANULARITIES,
     ClientOptions,
     RunPlan,
@@ -75,12 +76,13 @@ from bench.loadgen import (
     accelerator,
     across_seeds,
     add_agent_arguments,
+    add_output_argument,
     check_agent_arguments,
-    json_safe,
     load_prompts,
     markdown_table,
     run_load,
     sentences_per_request,
+    write_report,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -347,6 +349,17 @@ def engine_options(max_active: int, extra: list[str]) -> list[str]:
             f"max_len={BENCH_MAX_LEN}", "-o", "runner_options=" + json.dumps(runner_options), *rest]
 
 
+def worker_options(max_active: int, extra: list[str]) -> list[str]:
+    """engine_options for a `voxgate worker` command line, which spells -o only as --option."""
+    return ["--option" if a == "-o" else a for a in engine_options(max_active, extra)]
+
+
+def remote_gateway_command(port: int, pool: list[str]) -> list[str]:
+    """`voxgate serve --backend remote` on `port`, its pool of workers given by `pool`'s -o items."""
+    return [sys.executable, "-m", "gateway.cli", "serve", "--backend", "remote", *pool, "--port", str(port),
+            "--log-level", "info"]
+
+
 def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_file: str | None = None) -> dict:
     """The commands of one run, without starting anything: {"gateway": argv, "workers": [{"command": argv,
     "address": listen address or None, "health": health base URL or None, "log_suffix": ...}]}. `ports`
@@ -354,18 +367,16 @@ def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_f
     python = [sys.executable, "-m", "gateway.cli"]
     if args.worker:
         socket_path = f"/tmp/voxgate-bench-{port}.sock"
-        worker_options = ["--option" if a == "-o" else a for a in engine_options(BENCH_MAX_ACTIVE, args.option)]
         workers = [{"command": [*python, "worker", "--backend", "qwen3", "--model", args.model, "--device",
-                                args.device, "--socket", socket_path, *worker_options],
+                                args.device, "--socket", socket_path,
+                                *worker_options(BENCH_MAX_ACTIVE, args.option)],
                     "address": f"unix:{socket_path}", "health": None, "log_suffix": ".worker.log"}]
-        gateway = [*python, "serve", "--backend", "remote", "-o", f"socket={socket_path}",
-                   "--port", str(port), "--log-level", "info"]
+        gateway = remote_gateway_command(port, ["-o", f"socket={socket_path}"])
     elif args.tcp_workers:
         if token_file is None:
             raise ValueError("--tcp-workers needs a token file")
         n = args.tcp_workers
-        worker_options = ["--option" if a == "-o" else a
-                          for a in engine_options(max(1, BENCH_MAX_ACTIVE // n), args.option)]
+        options = worker_options(max(1, BENCH_MAX_ACTIVE // n), args.option)
         workers = []
         for i in range(1, n + 1):
             listen_port, health_port = free_port(ports), free_port(ports)
@@ -373,11 +384,10 @@ def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_f
             workers.append({
                 "command": [*python, "worker", "--backend", "qwen3", "--model", args.model, "--device", args.device,
                             "--listen", address, "--token-file", token_file, "--health-port", str(health_port),
-                            "--worker-id", f"bench-worker{i}", "--log-level", "info", *worker_options],
+                            "--worker-id", f"bench-worker{i}", "--log-level", "info", *options],
                 "address": address, "health": f"http://127.0.0.1:{health_port}", "log_suffix": f".worker{i}.log"})
-        gateway = [*python, "serve", "--backend", "remote",
-                   "-o", "workers=" + ",".join(w["address"] for w in workers), "-o", f"token_file={token_file}",
-                   "--port", str(port), "--log-level", "info"]
+        gateway = remote_gateway_command(port, ["-o", "workers=" + ",".join(w["address"] for w in workers),
+                                                "-o", f"token_file={token_file}"])
     else:
         workers = []
         gateway = [*python, "serve", "--backend", "qwen3", "--model", args.model, "--device", args.device,
@@ -416,13 +426,28 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(10)
 
 
+def add_rate_arguments(parser: argparse.ArgumentParser, rates: str) -> None:
+    """The rate sweep of the engine benches (this one, engine_profile.py, nari_load.py): each rate in turn, its
+    warm-up, then its measured window."""
+    parser.add_argument("--rates", default=rates, help="requests per second, comma separated")
+    parser.add_argument("--warmup", type=float, default=10.0,
+                        help="seconds of load per rate before the measured window")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds measured per rate")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, log_help: str) -> None:
+    """How a bench starts the gateway and its workers (this one, nari_load.py), and where their logs go."""
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--log", type=Path, help=log_help)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--rates", default="1,10,20,40,60,80")
-    parser.add_argument("--warmup", type=float, default=10.0)
-    parser.add_argument("--duration", type=float, default=30.0)
+    add_server_arguments(parser, "gateway log file (the workers' go beside it: .worker.log, .worker1.log, ...)")
+    add_rate_arguments(parser, "1,10,20,40,60,80")
     parser.add_argument("--seed", type=int, action="append",
                         help="schedule seed; repeat for several runs per rate, reported as bench/README.md says "
                              "(the median across seeds of each seed's percentiles); default 0")
@@ -433,7 +458,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_agent_arguments(parser)
     parser.add_argument("--granularity", choices=GRANULARITIES,
                         help="the sessions' split_granularity (default: the gateway's, sentence)")
-    parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
     parser.add_argument("--clone", choices=["x_vector", "icl"],
                         help="speak in a cloned voice of this kind (needs a Base checkpoint)")
     parser.add_argument("--clone-seconds", default="3,10,30", help="clip lengths registered with --clone")
@@ -444,10 +468,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "client flags instead: a label, then any of --rates --voice --clone --timestamps "
                              "--granularity --agent-sentences --words-per-s, e.g. 'ts-async --timestamps async "
                              "--rates 10,20,40'; repeatable; reported under `variants`")
-    parser.add_argument("--ready-timeout", type=float, default=900.0)
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--log", type=Path, help="gateway log file (the workers' go beside it: .worker.log, "
-                                                  ".worker1.log, ...)")
+    add_output_argument(parser)
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--worker", action="store_true",
                        help="run the engine in a `voxgate worker` process and the gateway on --backend remote "
@@ -600,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                                          worker_health=health, pool_size=args.tcp_workers)
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
-        prompts = load_prompts(ROOT / "bench" / "data" / "arctic_en.jsonl")
+        prompts = load_prompts(DEFAULT_PROMPTS)
         seeds = args.seed or [0]
         cloned: set[str] = set()  # clone modes whose voices are registered on this server
 
@@ -729,9 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     table += aligner_table(report)
     print(table)
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
-        args.output.with_suffix(".md").write_text(table + "\n")
+        write_report(args.output, report, table)
     return 0
 
 

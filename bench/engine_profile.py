@@ -36,7 +36,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_load import BENCH_MAX_ACTIVE, BENCH_MAX_LEN, bench_runner_options
+from bench.engine_load import BENCH_MAX_ACTIVE, BENCH_MAX_LEN, add_rate_arguments, bench_runner_options
 from bench.loadgen import (
     DEFAULT_PROMPTS,
     ONSET_SEARCH_S,
@@ -45,12 +45,13 @@ from bench.loadgen import (
     RequestSpec,
     Workload,
     accelerator,
+    add_output_argument,
     distribution,
-    json_safe,
     load_prompts,
     poisson_schedule,
     request_metrics,
     summarize,
+    write_report,
 )
 
 STAGES = ("PREFILL", "FRAME", "CODEC")
@@ -329,9 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="Qwen3-TTS checkpoint folder")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--rates", default="10,20,40", help="requests per second, comma separated")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the measured phase")
-    parser.add_argument("--duration", type=float, default=30.0, help="measured seconds")
+    add_rate_arguments(parser, "10,20,40")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--frame-cap-chars-per-second", type=float, default=15.0,
                         help="cap each request at the frames its text takes at this speaking rate (random weights "
@@ -349,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request limit in seconds")
     parser.add_argument("--drain-timeout", type=float, default=120.0, help="wait this long for requests in flight")
     parser.add_argument("--per-request", action="store_true", help="include every request in the JSON")
-    parser.add_argument("--output", type=Path, help="write the JSON report here (and the tables beside it as .md)")
+    add_output_argument(parser)
     return parser
 
 
@@ -395,9 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                           *(details(e) for e in report["rates"])])
     print("\n" + tables)
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(json_safe(report), indent=2, allow_nan=False) + "\n")
-        args.output.with_suffix(".md").write_text(tables + "\n")
+        write_report(args.output, report, tables)
     return 0
 
 

@@ -845,8 +845,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = asyncio.run(run_seeds(args))
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(json_safe(report), indent=2, allow_nan=False) + "\n")
+        write_report(args.output, report)
         print(f"wrote {args.output}")
     return 0 if report["across_seeds"]["passed"] else 1
 
@@ -862,6 +861,20 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def add_output_argument(parser: argparse.ArgumentParser) -> None:
+    """--output as the benches that write their tables beside the JSON take it (write_report)."""
+    parser.add_argument("--output", type=Path, help="write the JSON report here (and the tables beside it as .md)")
+
+
+def write_report(output: Path, report: dict[str, Any], tables: str | None = None) -> None:
+    """The report as strict JSON at `output` (json_safe has already made every NaN null, so allow_nan=False
+    never refuses it) and, where given, its tables beside it as OUTPUT.md."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(json_safe(report), indent=2, allow_nan=False) + "\n")
+    if tables is not None:
+        output.with_suffix(".md").write_text(tables + "\n")
 
 
 if __name__ == "__main__":

@@ -36,15 +36,18 @@ if __package__ in (None, ""):
 
 from bench.engine_load import (
     BENCH_MAX_ACTIVE,
+    add_rate_arguments,
+    add_server_arguments,
     engine_breakdown,
-    engine_options,
     free_port,
     gpu_memory_mib,
+    remote_gateway_command,
     scrape_counters,
     stop,
     wait_ready,
+    worker_options,
 )
-from bench.loadgen import accelerator, json_safe
+from bench.loadgen import DEFAULT_PROMPTS, accelerator, add_output_argument, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "vllm-omni"
@@ -56,13 +59,10 @@ def plan_processes(args: argparse.Namespace, port: int) -> dict:
     socket_path = f"/tmp/voxgate-nari-{port}.sock"
     worker = [*python, "worker", "--backend", args.backend, "--socket", socket_path]
     if args.backend == "qwen3":
-        worker += ["--model", args.model, "--device", args.device,
-                   *["--option" if a == "-o" else a for a in engine_options(BENCH_MAX_ACTIVE, args.option)]]
+        worker += ["--model", args.model, "--device", args.device, *worker_options(BENCH_MAX_ACTIVE, args.option)]
     else:
         worker += [item for option in args.option for item in ("--option", option)]
-    gateway = [*python, "serve", "--backend", "remote", "-o", f"socket={socket_path}", "--port", str(port),
-               "--log-level", "info"]
-    return {"worker": worker, "gateway": gateway}
+    return {"worker": worker, "gateway": remote_gateway_command(port, ["-o", f"socket={socket_path}"])}
 
 
 def harness_command(args: argparse.Namespace, base: str, rate: float, output: Path) -> list[str]:
@@ -121,16 +121,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="qwen3", help="the worker's backend (synthetic or piper on the CPU)")
     parser.add_argument("--model", help="checkpoint folder (qwen3)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--option", "-o", action="append", default=[], help="extra backend option KEY=VALUE")
-    parser.add_argument("--rates", default="1,10,20,60,80,100")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of warm-up per rate")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds measured per rate")
+    add_server_arguments(parser, "gateway log file (the worker's goes beside it: .worker.log)")
+    add_rate_arguments(parser, "1,10,20,60,80,100")
     parser.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=120.0, help="the harness's per-request timeout (s)")
     parser.add_argument("--voice", help="the harness's --voice (its default: Ryan)")
-    parser.add_argument("--dataset", type=Path, default=ROOT / "bench" / "data" / "arctic_en.jsonl")
+    parser.add_argument("--dataset", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--harness-src", type=Path, default=ROOT / ".carry" / "nari" / "tts_bench" / "src",
                         help="the folder holding the harness's tts_bench package")
     parser.add_argument("--harness-site", help="folders of the harness's dependencies (os.pathsep between them), "
@@ -139,9 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, help="where the harness writes each rate's results (default: a "
                                                    "temporary folder)")
     parser.add_argument("--keep-results", action="store_true", help="keep each rate's audio under --work")
-    parser.add_argument("--ready-timeout", type=float, default=900.0)
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--log", type=Path, help="gateway log file (the worker's goes beside it: .worker.log)")
+    add_output_argument(parser)
     args = parser.parse_args(argv)
     if args.backend == "qwen3" and not args.model:
         parser.error("--backend qwen3 needs --model")
@@ -214,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         text = table([e for e in report["rates"] if "summary" in e])
         print(text, flush=True)
         if args.output:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(json_safe(report), indent=2) + "\n")
-            args.output.with_suffix(".md").write_text(text + "\n")
+            write_report(args.output, report, text)
     return 1 if failed else 0
 
 
