@@ -26,8 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tts_backend.engine.engine import Engine, EngineConfig
 from tts_backend.engine.request import Phase, RequestState
 from tts_backend.engine.runner import CodecHandle, ModelRunner
+from tts_backend.engine.scheduler import SchedulerConfig
+
+SPF = 1920  # samples per frame of the test double's audio (the Qwen3 codec's, 80 ms at 24 kHz)
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class _ScriptedCodecHandle(CodecHandle):
 class ScriptedRunnerTestDouble(ModelRunner):
     """Deterministic stand-in for the Qwen3 model runner (test double, named as such)."""
 
-    def __init__(self, max_slots: int = 8, samples_per_frame: int = 1920, sample_rate: int = 24000,
+    def __init__(self, max_slots: int = 8, samples_per_frame: int = SPF, sample_rate: int = 24000,
                  step_delay_s: float = 0.0, codec_polls: int = 0, codec_depth: int = 1,
                  first_chunk_lane: tuple[int, int] | None = None, admits_between: bool = False,
                  on_talker_step: Callable[[], None] | None = None) -> None:
@@ -222,3 +226,49 @@ class ScriptedRunnerTestDouble(ModelRunner):
 
     def stages(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+
+# -- an engine on the test double, stepped by the test ---------------------------------------------------
+
+
+def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, codec_polls=0, codec_depth=1,
+                first_chunk_lane=None, **sched):
+    """An Engine on a ScriptedRunnerTestDouble and a ManualClock, started inline so that the test runs each
+    `engine.step()`; `sched` are SchedulerConfig fields. Returns (engine, runner, clock)."""
+    clock = ManualClock()
+    runner = ScriptedRunnerTestDouble(max_slots=max_active, codec_polls=codec_polls, codec_depth=codec_depth,
+                                      first_chunk_lane=first_chunk_lane)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule, max_queued=max_queued
+    )
+    engine = Engine(runner, config, clock=clock)
+    engine.start_inline()
+    return engine, runner, clock
+
+
+def submit(engine, frames, max_frames=10_000, silent_frames=0, chunk_schedule=None):
+    return engine.submit(Script(frames, silent_frames), seed=1, max_frames=max_frames,
+                         chunk_schedule=chunk_schedule)
+
+
+def run_until_idle(engine, limit=10_000):
+    """Step until the engine has nothing to do; the batches it ran, in order."""
+    batches = []
+    for _ in range(limit):
+        batch = engine.step()
+        if batch is None:
+            return batches
+        batches.append(batch)
+    raise AssertionError("engine never went idle")
+
+
+def run_until(engine, predicate, limit=10_000):
+    for _ in range(limit):
+        if predicate():
+            return
+        assert engine.step() is not None, "went idle before the condition held"
+    raise AssertionError("condition never held")
+
+
+async def collect(stream) -> bytes:
+    return b"".join([chunk async for chunk in stream])

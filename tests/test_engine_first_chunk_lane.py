@@ -3,29 +3,19 @@ request's first chunk runs beside the queued codec batches instead of behind the
 
 from __future__ import annotations
 
-from tests.engine_fixtures import ManualClock, Script, ScriptedRunnerTestDouble
-from tts_backend.engine.engine import Engine, EngineConfig
+from tests import engine_fixtures
+from tests.engine_fixtures import SPF, collect, run_until, run_until_idle, submit
 from tts_backend.engine.request import Phase, RequestState, Stage
 from tts_backend.engine.scheduler import Scheduler, SchedulerConfig
 
-SPF = 1920
 LANE = (4, 2)  # the Qwen3 runner's on CUDA: up to 4 requests of 2 frames
 
 
-def make_engine(max_active=6, schedule=(2, 4, 8, 12), codec_polls=0, codec_depth=2, lane=LANE, **sched):
-    clock = ManualClock()
-    runner = ScriptedRunnerTestDouble(max_slots=max_active, codec_polls=codec_polls, codec_depth=codec_depth,
-                                      first_chunk_lane=lane)
+def make_engine(max_active=6, codec_depth=2, lane=LANE, **options):
     # Nobody reads the streams here: no back-pressure pause however far ahead of their listeners they get.
-    sched.setdefault("max_buffered_s", 1e6)
-    config = EngineConfig(scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule)
-    engine = Engine(runner, config, clock=clock)
-    engine.start_inline()
-    return engine, runner, clock
-
-
-def submit(engine, frames, silent_frames=0):
-    return engine.submit(Script(frames, silent_frames), seed=1, max_frames=10_000)
+    options.setdefault("max_buffered_s", 1e6)
+    return engine_fixtures.make_engine(max_active=max_active, codec_depth=codec_depth, first_chunk_lane=lane,
+                                       **options)
 
 
 def state(engine, stream) -> RequestState:
@@ -33,25 +23,6 @@ def state(engine, stream) -> RequestState:
     if engine.scheduler.get(stream.request_id) is None:
         engine.step()
     return engine.scheduler.get(stream.request_id)
-
-
-def run_until(engine, predicate, limit=10_000):
-    for _ in range(limit):
-        if predicate():
-            return
-        assert engine.step() is not None, "went idle before the condition held"
-    raise AssertionError("condition never held")
-
-
-def run_until_idle(engine, limit=10_000):
-    for _ in range(limit):
-        if engine.step() is None:
-            return
-    raise AssertionError("engine never went idle")
-
-
-async def collect(stream) -> bytes:
-    return b"".join([chunk async for chunk in stream])
 
 
 def fill_the_codec_queue(engine, runner, streams=2):

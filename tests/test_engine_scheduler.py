@@ -11,52 +11,21 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.engine_fixtures import ManualClock, Script, ScriptedRunnerTestDouble
+from tests.engine_fixtures import (
+    SPF,
+    Script,
+    ScriptedRunnerTestDouble,
+    collect,
+    make_engine,
+    run_until,
+    run_until_idle,
+    submit,
+)
 from tts_backend.base import BackendOverloadedError, SynthesisError
 from tts_backend.engine.engine import Engine, EngineConfig
 from tts_backend.engine.request import Phase, Stage
 from tts_backend.engine.scheduler import SchedulerConfig
 from tts_backend.engine.silence import LeadingSilenceTrimmer, find_onset
-
-SPF = 1920
-
-
-def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, codec_polls=0, codec_depth=1, **sched):
-    clock = ManualClock()
-    runner = ScriptedRunnerTestDouble(max_slots=max_active, codec_polls=codec_polls, codec_depth=codec_depth)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule, max_queued=max_queued
-    )
-    engine = Engine(runner, config, clock=clock)
-    engine.start_inline()
-    return engine, runner, clock
-
-
-def submit(engine, frames, max_frames=10_000, silent_frames=0, chunk_schedule=None):
-    return engine.submit(Script(frames, silent_frames), seed=1, max_frames=max_frames,
-                         chunk_schedule=chunk_schedule)
-
-
-def run_until_idle(engine, limit=10_000):
-    batches = []
-    for _ in range(limit):
-        batch = engine.step()
-        if batch is None:
-            return batches
-        batches.append(batch)
-    raise AssertionError("engine never went idle")
-
-
-def run_until(engine, predicate, limit=10_000):
-    for _ in range(limit):
-        if predicate():
-            return
-        assert engine.step() is not None, "went idle before the condition held"
-    raise AssertionError("condition never held")
-
-
-async def collect(stream) -> bytes:
-    return b"".join([chunk async for chunk in stream])
 
 
 async def test_one_request_follows_chunk_schedule_and_ends_at_eos():

@@ -6,8 +6,7 @@ making, and joins the next batch as soon as its token comes.
 
 from __future__ import annotations
 
-from tests.engine_fixtures import Script
-from tests.test_engine_scheduler import SPF, collect, make_engine, run_until_idle, submit
+from tests.engine_fixtures import SPF, Script, collect, make_engine, run_until_idle, submit
 from tts_backend.engine.metrics import engine_metrics
 from tts_backend.engine.request import Phase, Stage
 
