@@ -232,12 +232,14 @@ class ScriptedRunnerTestDouble(ModelRunner):
 
 
 def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, codec_polls=0, codec_depth=1,
-                first_chunk_lane=None, **sched):
+                first_chunk_lane=None, admits_between=False, on_talker_step=None, **sched):
     """An Engine on a ScriptedRunnerTestDouble and a ManualClock, started inline so that the test runs each
-    `engine.step()`; `sched` are SchedulerConfig fields. Returns (engine, runner, clock)."""
+    `engine.step()`; `sched` are SchedulerConfig fields, the rest the runner's and the engine's. Returns
+    (engine, runner, clock)."""
     clock = ManualClock()
     runner = ScriptedRunnerTestDouble(max_slots=max_active, codec_polls=codec_polls, codec_depth=codec_depth,
-                                      first_chunk_lane=first_chunk_lane)
+                                      first_chunk_lane=first_chunk_lane, admits_between=admits_between,
+                                      on_talker_step=on_talker_step)
     config = EngineConfig(
         scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule, max_queued=max_queued
     )
@@ -260,6 +262,16 @@ def run_until_idle(engine, limit=10_000):
             return batches
         batches.append(batch)
     raise AssertionError("engine never went idle")
+
+
+def run_with_moving_clock(engine, clock, limit=10_000):
+    """Step until the engine goes idle (or `limit` steps), moving the clock 50 ms on after every 7th step: deadlines
+    come and go, so the urgency rules take part."""
+    for i in range(limit):
+        if engine.step() is None:
+            break
+        if i % 7 == 0:
+            clock.advance(0.05)
 
 
 def run_until(engine, predicate, limit=10_000):

@@ -4,7 +4,7 @@ request's first chunk runs beside the queued codec batches instead of behind the
 from __future__ import annotations
 
 from tests import engine_fixtures
-from tests.engine_fixtures import SPF, collect, run_until, run_until_idle, submit
+from tests.engine_fixtures import SPF, collect, run_until, run_until_idle, run_with_moving_clock, submit
 from tts_backend.engine.request import Phase, RequestState, Stage
 from tts_backend.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -96,11 +96,7 @@ async def _audio_of_a_mixed_workload(lane, codec_polls, codec_depth):
     engine, runner, clock = make_engine(max_active=4, codec_polls=codec_polls, codec_depth=codec_depth, lane=lane)
     scripts = ((13, 0), (25, 3), (7, 5), (40, 1), (19, 0), (9, 0), (30, 2))
     streams = [submit(engine, frames=n, silent_frames=k) for n, k in scripts]
-    for i in range(10_000):
-        if engine.step() is None:
-            break
-        if i % 7 == 0:
-            clock.advance(0.05)  # deadlines come and go, so the urgency rules take part
+    run_with_moving_clock(engine, clock)
     assert runner.violations == []
     assert engine.stats.completed == len(scripts) and engine.stats.failed == 0
     return [await collect(s) for s in streams], runner, engine

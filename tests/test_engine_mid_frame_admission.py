@@ -13,14 +13,13 @@ import threading
 
 import pytest
 
-from tests.engine_fixtures import ManualClock, Script, ScriptedRunnerTestDouble
+from tests import engine_fixtures
+from tests.engine_fixtures import SPF, collect, run_until_idle, submit
 from tests.qwen3_fixtures import tiny_custom_voice  # noqa: F401 - session fixture
 from tts_backend.base import SynthesisError, SynthesisRequest
-from tts_backend.engine.engine import Engine, EngineConfig
+from tts_backend.engine.engine import Engine
 from tts_backend.engine.request import Phase, RequestState, Stage
 from tts_backend.engine.scheduler import Scheduler, SchedulerConfig
-
-SPF = 1920
 
 
 class Arrivals:
@@ -42,27 +41,10 @@ class Arrivals:
 
 def make_engine(max_active=4, admits_between=True, **sched):
     arrivals = Arrivals()
-    runner = ScriptedRunnerTestDouble(max_slots=max_active, admits_between=admits_between, on_talker_step=arrivals)
-    config = EngineConfig(scheduler=SchedulerConfig(max_active=max_active, **sched))
-    engine = Engine(runner, config, clock=ManualClock())
-    engine.start_inline()
+    engine, runner, _ = engine_fixtures.make_engine(max_active=max_active, admits_between=admits_between,
+                                                    on_talker_step=arrivals, **sched)
     arrivals.engine = engine
     return engine, runner, arrivals
-
-
-def submit(engine, frames):
-    return engine.submit(Script(frames, 0), seed=1, max_frames=10_000)
-
-
-def run_until_idle(engine, limit=10_000):
-    for _ in range(limit):
-        if engine.step() is None:
-            return
-    raise AssertionError("engine never went idle")
-
-
-async def collect(stream) -> bytes:
-    return b"".join([chunk async for chunk in stream])
 
 
 def start_playing(engine, runner, frames=40):

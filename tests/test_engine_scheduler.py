@@ -19,6 +19,7 @@ from tests.engine_fixtures import (
     make_engine,
     run_until,
     run_until_idle,
+    run_with_moving_clock,
     submit,
 )
 from tts_backend.base import BackendOverloadedError, SynthesisError
@@ -335,11 +336,7 @@ async def test_generation_runs_while_a_codec_batch_is_in_flight_and_one_codec_ba
 async def _audio_of_a_mixed_workload(codec_polls, codec_depth=1):
     engine, runner, clock = make_engine(max_active=3, codec_polls=codec_polls, codec_depth=codec_depth)
     streams = [submit(engine, frames=n, silent_frames=k) for n, k in ((13, 0), (25, 3), (7, 5), (40, 1), (19, 0))]
-    for i in range(10_000):
-        if engine.step() is None:
-            break
-        if i % 7 == 0:
-            clock.advance(0.05)  # deadlines come and go, so the urgency rules take part
+    run_with_moving_clock(engine, clock)
     assert runner.violations == []
     return [await collect(s) for s in streams], runner
 
