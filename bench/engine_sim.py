@@ -118,14 +118,15 @@ from bench.loadgen import (
     DEFAULT_PROMPTS,
     RequestResult,
     Workload,
+    add_output_argument,
     distribution,
-    json_safe,
     last_piece_of,
     load_prompts,
     poisson_schedule,
     request_metrics,
     summarize,
     word_pieces,
+    write_report,
 )
 from tts_backend.engine import engine as engine_module
 from tts_backend.engine.engine import Engine, EngineConfig
@@ -1018,7 +1019,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bench/engine_profile.py's JSON measured on the GPU the cost table comes from")
     parser.add_argument("--contention-grid", type=_floats, default=[0.0, 0.25, 0.5, 1.0, 2.0, 3.0])
     parser.add_argument("--host-factor-grid", type=_floats, default=[1.0, 2.0, 3.0, 4.0])
-    parser.add_argument("--output", type=Path, help="write the JSON report here (and the tables beside it as .md)")
+    add_output_argument(parser)
     return parser
 
 
@@ -1069,9 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{params['host_factor']:g}, launch {params['launch_us']:g} us\n\n" + tables)
     print("\n" + tables)
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(json_safe(report), indent=2, allow_nan=False) + "\n")
-        args.output.with_suffix(".md").write_text(tables + "\n")
+        write_report(args.output, report, tables)
     return 0
 
 
