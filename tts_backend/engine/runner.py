@@ -200,6 +200,14 @@ class Qwen3RunnerConfig:
     # few large ones, so the frame no longer waits behind the codec's blocks (H100, 60-80 RPS: the codec on
     # the device 40-47 % of the time). None: the thread's default stream, as before (CUDA only).
     generation_stream_priority: int | None = None
+    # Whether PyTorch may pick cuDNN's attention for scaled_dot_product_attention (CUDA; process-wide when
+    # False: torch.backends.cuda.enable_cudnn_sdp). cuDNN builds an execution plan the first time it meets a
+    # shape, on the host. Captured graphs meet their shapes at capture; the uncaptured passes (a resume's
+    # batched Talker pass over prompt + delivered frames, whose length is new for nearly every request) meet
+    # them while serving, where a pause is a listener's pause: on the H100 and H200 some single resumes took
+    # 0.7-1.4 s, host and device clocks alike, where others of similar length took 15-80 ms. False leaves
+    # those passes to the memory-efficient kernel, which needs no plan (to be confirmed on the GPU).
+    cudnn_attention: bool = True
     # The codec's precision on CUDA: "bfloat16", or "float32" (as released; TF32 matmuls and convolutions).
     # On the H100 (bench/results/codec_profile_h100.json) a call of 16 streams x 12 frames costs 11.3 ms in
     # bfloat16 against 16.5 in float32, with the output 44.6 dB above its difference from float32's (random
@@ -371,6 +379,9 @@ class Qwen3ModelRunner(ModelRunner):
     @torch.inference_mode()
     def prepare(self) -> None:
         started = time.perf_counter()
+        if self.device.type == "cuda" and not self.config.cudnn_attention:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            log.info("cuDNN attention is off for this process (cudnn_attention=False)")
         if self.device.type == "cuda" and self.config.generation_stream_priority is not None:
             # Thread-local: the engine thread's work (and the graphs it replays) goes to this stream from here on.
             self.generation_stream = torch.cuda.Stream(self.device, priority=self.config.generation_stream_priority)
