@@ -602,6 +602,7 @@ class SimOptions:
     words_per_s: float = 40.0
     codec_in_flight: int = Qwen3RunnerConfig.codec_in_flight  # codec batches queued at once (the runner's)
     first_chunk_lane: bool = False  # the runner's first-chunk lane (SimRunner)
+    quick_start_below: int = 0  # EngineConfig.quick_start_below (the qwen3 backend's option)
     scheduler: tuple = ()  # (field, value) pairs over the engine's SchedulerConfig (policy what-ifs)
 
 
@@ -688,7 +689,7 @@ def run_rate(rate: float, options: SimOptions, prompts: list[dict[str, str]] | N
                        options.codec_slowdown, options.first_chunk_lane)
     chunk_schedule = EngineConfig().chunk_schedule
     policy = dataclasses.replace(scheduler_config(runner, options.max_active, chunk_schedule), **dict(options.scheduler))
-    engine = Engine(runner, EngineConfig(scheduler=policy), clock=clock)
+    engine = Engine(runner, EngineConfig(scheduler=policy, quick_start_below=options.quick_start_below), clock=clock)
     agent = options.agent_sentences > 0
     sentences = (options.agent_sentences,) * 2 if agent else (1, 1)
     workload = Workload(prompts, options.seed, sentences)
@@ -1008,6 +1009,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="codec batches the runner queues on its codec stream at once")
     parser.add_argument("--first-chunk-lane", action="store_true",
                         help="the runner's first-chunk lane: first chunks' codec beside the codec queue")
+    parser.add_argument("--quick-start-below", type=int, default=0,
+                        help="while fewer requests are in the engine, a request's first chunk is one frame "
+                             "(the qwen3 backend's quick_start_below)")
     parser.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a SchedulerConfig field (a number, or true/false), e.g. --scheduler prefill_gather_s=0.02")
     parser.add_argument("--granularity", choices=["token"], default="token",
@@ -1032,7 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
                          cost_scale=args.cost_scale, prompts=args.prompts, agent_sentences=args.agent_sentences,
                          words_per_s=args.words_per_s, codec_in_flight=args.codec_in_flight,
                          codec_slowdown=args.codec_slowdown, first_chunk_lane=args.first_chunk_lane,
-                         scheduler=tuple(_scheduler_overrides(args.scheduler)))
+                         quick_start_below=args.quick_start_below, scheduler=tuple(_scheduler_overrides(args.scheduler)))
     if args.calibrate and args.agent_sentences:
         build_parser().error("--calibrate fits against the one-sentence baseline: leave --agent-sentences out")
     prompts = load_prompts(args.prompts)
@@ -1063,6 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
                             "launch_us": options.launch_us, "cost_scale": options.cost_scale,
                             "warmup_s": options.warmup, "duration_s": options.duration, "seed": options.seed,
                             "max_active": options.max_active, "first_chunk_lane": options.first_chunk_lane,
+                            "quick_start_below": options.quick_start_below,
                             "agent_sentences": options.agent_sentences,
                             "words_per_s": options.words_per_s if options.agent_sentences else None}
     params = report["parameters"]

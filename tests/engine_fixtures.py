@@ -232,7 +232,7 @@ class ScriptedRunnerTestDouble(ModelRunner):
 
 
 def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, codec_polls=0, codec_depth=1,
-                first_chunk_lane=None, admits_between=False, on_talker_step=None, **sched):
+                first_chunk_lane=None, admits_between=False, on_talker_step=None, quick_start_below=0, **sched):
     """An Engine on a ScriptedRunnerTestDouble and a ManualClock, started inline so that the test runs each
     `engine.step()`; `sched` are SchedulerConfig fields, the rest the runner's and the engine's. Returns
     (engine, runner, clock)."""
@@ -241,7 +241,8 @@ def make_engine(max_active=4, schedule=(2, 4, 8, 12), max_queued=16, codec_polls
                                       first_chunk_lane=first_chunk_lane, admits_between=admits_between,
                                       on_talker_step=on_talker_step)
     config = EngineConfig(
-        scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule, max_queued=max_queued
+        scheduler=SchedulerConfig(max_active=max_active, **sched), chunk_schedule=schedule, max_queued=max_queued,
+        quick_start_below=quick_start_below,
     )
     engine = Engine(runner, config, clock=clock)
     engine.start_inline()

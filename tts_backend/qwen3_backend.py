@@ -143,6 +143,9 @@ class Qwen3Synthesizer(Synthesizer):
     streaming_text: feed the text one token per frame (fixed 10-position prefill) instead of all at once; the
       default of requests that do not choose (SynthesisRequest.streaming_text).
     chunk_schedule: default frames per codec chunk. max_new_tokens: cap on sampled codebook-0 tokens.
+    quick_start_below: while fewer requests than this are in the engine, one that names no chunk schedule ships
+      its first frame alone, a frame sooner (EngineConfig.quick_start_below); 0, the default until a GPU has
+      measured it, never.
     frame_cap_chars_per_second: for random-weight checkpoints, whose EOS never comes naturally: cap each
       request at the frames its text takes at this speaking rate (bench/README.md: 15 characters/s).
     warmup: run one request through every stage before reporting ready.
@@ -169,6 +172,7 @@ class Qwen3Synthesizer(Synthesizer):
         greedy: bool = False,
         streaming_text: bool = False,
         chunk_schedule: tuple[int, ...] | list[int] = (2, 4, 8, 12),
+        quick_start_below: int = 0,
         max_new_tokens: int | None = None,
         frame_cap_chars_per_second: float | None = None,
         max_queued: int = 256,
@@ -195,6 +199,7 @@ class Qwen3Synthesizer(Synthesizer):
         self.greedy = bool(greedy)
         self.streaming_text = bool(streaming_text)
         self.chunk_schedule = tuple(chunk_schedule)
+        self.quick_start_below = int(quick_start_below)
         self.max_new_tokens = max_new_tokens
         self.frame_cap_chars_per_second = frame_cap_chars_per_second
         self.max_queued = int(max_queued)
@@ -262,7 +267,7 @@ class Qwen3Synthesizer(Synthesizer):
             scheduler=dataclasses.replace(scheduler_config(runner, self.max_active, self.chunk_schedule),
                                           **self.scheduler_options),
             max_queued=self.max_queued, chunk_schedule=self.chunk_schedule,
-            trim_leading_silence=self.trim_leading_silence,
+            quick_start_below=self.quick_start_below, trim_leading_silence=self.trim_leading_silence,
         ))
         config = self.model.config
         if config.tts_model_type == "base":
