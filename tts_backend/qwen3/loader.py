@@ -124,8 +124,8 @@ def load_tensors_strict(
 
     with torch.no_grad():
         for name, target in name_map.items():
-            dest = state[target]
-            dest.copy_(source.tensor(name).to(device=dest.device, dtype=dest.dtype))
+            # copy_ converts dtype and device in one pass, without a temporary on the destination's device.
+            state[target].copy_(source.tensor(name))
 
 
 MODEL_FILE = "model.safetensors"
@@ -181,7 +181,9 @@ def load_model_weights(
     path = Path(folder) / MODEL_FILE
     with torch.device("meta"):
         weights = ModelWeights(cfg)
-    weights = weights.to_empty(device=device).to(dtype)
+    # Cast while the parameters are still meta: to_empty then allocates them in `dtype` at once, instead of
+    # allocating float32 (6.8 GB at 1.7B) and converting its garbage (9.5 s on a CPU) before the copy.
+    weights = weights.to(dtype).to_empty(device=device)
     load_tensors_strict(weights, SafetensorsFile(path), path, model_name_map(weights))
     return weights.eval()
 
@@ -196,11 +198,16 @@ def load_codec_decoder(folder: str | Path, device: torch.device | str = "cpu"):
         CodecDecoder, CodecDecoderConfig, codec_checkpoint_name_map, is_ignored_codec_tensor)
 
     tokenizer_dir, config_path = _speech_tokenizer_config(folder)
-    decoder = CodecDecoder(CodecDecoderConfig.from_json(config_path))
+    # Built on the meta device and allocated where it will run: every parameter is overwritten from the file
+    # (load_tensors_strict covers the module's whole state), so the random initialisation of a real build
+    # only cost start-up time (2 s of a CPU for the released codec).
+    with torch.device("meta"):
+        decoder = CodecDecoder(CodecDecoderConfig.from_json(config_path))
+    decoder = decoder.to_empty(device=device)
     weights = tokenizer_dir / "model.safetensors"
     load_tensors_strict(decoder, SafetensorsFile(weights), weights, codec_checkpoint_name_map(decoder),
                         ignore=is_ignored_codec_tensor)
-    return decoder.to(device).eval()
+    return decoder.eval()
 
 
 def _speech_tokenizer_config(folder: str | Path) -> tuple[Path, Path]:
