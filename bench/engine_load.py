@@ -238,6 +238,8 @@ def engine_breakdown(before: dict, after: dict) -> dict | None:
     batches = delta("voxgate_engine_batches_total", "stage")
     items = delta("voxgate_engine_batch_items_total", "stage")
     decisions = delta("voxgate_engine_decisions_total").get("", 0.0)
+    decide_calls = delta("voxgate_engine_decide_calls_total").get("", 0.0)
+    decide_cpu = delta("voxgate_engine_decide_cpu_seconds_total").get("", 0.0)
     rules: dict[str, float] = {}
     for (sample, labels), value in after.items():
         if sample == "voxgate_engine_rule_batches_total":
@@ -255,6 +257,7 @@ def engine_breakdown(before: dict, after: dict) -> dict | None:
         "schedule_share": sections.get("schedule", 0.0) / wall,
         "idle_share": sections.get("idle", 0.0) / wall,
         "schedule_us_per_decision": sections.get("schedule", 0.0) / decisions * 1e6 if decisions else None,
+        "decide_cpu_us": 1e6 * decide_cpu / decide_calls if decide_calls else None,  # the scheduler's own cost
         "codec_device_share": delta("voxgate_engine_codec_device_seconds_total").get("", 0.0) / wall,
         "rules": {rule: int(count) for rule, count in sorted(rules.items())},
         "voice_kv": voice_kv_breakdown(delta),
@@ -842,17 +845,18 @@ def engine_table(entries: list[dict]) -> str:
         return f"{pct(st['thread_share'])} ({st['mean_batch']:.1f})"
 
     lines = ["| RPS | frame (mean batch) | codec thread | codec device | prefill | schedule "
-             "(us/decision) | idle | decisions | rules |", "|---|---|---|---|---|---|---|---|---|"]
+             "(us/decision; the scheduler's CPU us) | idle | decisions | rules |", "|---|---|---|---|---|---|---|---|---|"]
     for entry in entries:
         e = entry.get("engine")
         if not e:
             continue
         us = e["schedule_us_per_decision"]
+        cpu = e.get("decide_cpu_us")
         rules = ", ".join(f"{rule} {count}" for rule, count in e["rules"].items())
         rps = entry["rps"] if isinstance(entry["rps"], str) else f"{entry['rps']:g}"
         lines.append(f"| {rps} | {stage(e, 'frame')} | {stage(e, 'codec')} | "
                      f"{pct(e['codec_device_share'])} | {stage(e, 'prefill')} | {pct(e['schedule_share'])} "
-                     f"({'-' if us is None else f'{us:.0f}'}) | {pct(e['idle_share'])} | {e['decisions']} | {rules} |")
+                     f"({'-' if us is None else f'{us:.0f}'}; {'-' if cpu is None else f'{cpu:.0f}'}) | {pct(e['idle_share'])} | {e['decisions']} | {rules} |")
     return "\n".join(lines)
 
 

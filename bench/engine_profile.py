@@ -158,6 +158,7 @@ def engine_breakdown(diff: dict[str, Any]) -> dict[str, Any]:
         "busy_share": stage_s / wall,
         "schedule_share": diff["schedule_s"] / wall,
         "schedule_us_per_decision": 1e6 * diff["schedule_s"] / decisions if decisions else None,
+        "decide_cpu_us": 1e6 * diff["decide_cpu_s"] / diff["decide_calls"] if diff["decide_calls"] else None,
         "idle_share": diff["idle_s"] / wall,
         "outside_step_share": diff["outside_step_s"] / wall,
         "accounted_share": accounted / wall,
@@ -308,10 +309,12 @@ def details(entry: dict) -> str:
     runner = ", ".join(f"{n} {_pct(g['stages'][n]['runner_share'])} + {_pct(g['stages'][n]['post_share'])}"
                        for n in STAGES)
     per_decision = g["schedule_us_per_decision"]
+    decide_cpu = g["decide_cpu_us"]
     codec_ms = "-" if g["codec_device_ms_per_batch"] is None else f"{g['codec_device_ms_per_batch']:.2f}"
     return "\n".join([
         f"{entry['rps']:g} RPS: runner call + engine result handling per stage: {runner}",
-        f"  scheduling per decision {'-' if per_decision is None else f'{per_decision:.0f}'} us; "
+        f"  scheduling per decision {'-' if per_decision is None else f'{per_decision:.0f}'} us "
+        f"(the scheduler's CPU {'-' if decide_cpu is None else f'{decide_cpu:.0f}'} us); "
         f"idle waits {g['idle_waits']}; CUDA graph replays {g['graph_replays']}, runner steps run eagerly (no captured graph) "
         f"{g['graph_eager_runs']}",
         f"  codec batches by frames: {g['codec_batches_by_frames']}",

@@ -265,7 +265,8 @@ def engine_time(clock: SimClock) -> Iterator[None]:
     """Point the engine module's `time` at the simulated clock for the run: the engine times its sections and
     the batches it reports to the scheduler (Scheduler.observe) with time.perf_counter."""
     saved = engine_module.time
-    engine_module.time = SimpleNamespace(perf_counter=clock, monotonic=clock, time=time.time, sleep=time.sleep)
+    engine_module.time = SimpleNamespace(perf_counter=clock, monotonic=clock, time=time.time, sleep=time.sleep,
+                                         thread_time=time.thread_time)
     try:
         yield
     finally:

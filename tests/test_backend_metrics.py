@@ -49,6 +49,11 @@ async def test_the_engines_counters_follow_what_it_did(tiny_custom_voice):
         if name == "voxgate_engine_rule_batches_total":
             by_rule[labels] = value - before.get((name, labels), 0.0)
     assert sum(by_rule.values()) == decisions
+    # The scheduler's own CPU seconds: within the schedule section's wall seconds, which also hold the drain.
+    calls = after[("voxgate_engine_decide_calls_total", ())] - before[("voxgate_engine_decide_calls_total", ())]
+    cpu = (after[("voxgate_engine_decide_cpu_seconds_total", ())]
+           - before[("voxgate_engine_decide_cpu_seconds_total", ())])
+    assert calls >= decisions and 0 < cpu <= delta("voxgate_engine_thread_seconds_total", "section")["schedule"]
     # The engine thread's sections add up to its wall time between the two scrapes.
     thread = sum(delta("voxgate_engine_thread_seconds_total", "section").values())
     assert thread == pytest.approx(elapsed, rel=0.25, abs=0.2)

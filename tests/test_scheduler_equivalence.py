@@ -78,7 +78,8 @@ def scripted_workload(seed: int):
             max_active=max_active, max_batch=batch_caps, max_buffered_s=rng.choice((0.5, 10.0)),
             max_pending_frames=rng.choice((8, 48)), prefill_gather_streams=rng.choice((2, 24))))
         saved_time = engine_module.time
-        engine_module.time = SimpleNamespace(perf_counter=clock, monotonic=clock, time=time.time, sleep=time.sleep)
+        engine_module.time = SimpleNamespace(perf_counter=clock, monotonic=clock, time=time.time, sleep=time.sleep,
+                                             thread_time=time.thread_time)
         loop = asyncio.new_event_loop()
         try:
             engine = Engine(runner, config, clock=clock)

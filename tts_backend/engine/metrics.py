@@ -56,6 +56,11 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
     return extra + [
         BackendMetric("engine_decisions", "counter", "Scheduling decisions of the engine thread (one per batch)",
                       samples=(((), float(snapshot["decisions"])),)),
+        BackendMetric("engine_decide_calls", "counter", "Calls of the scheduler's decision (those that found "
+                      "nothing to run included)", samples=(((), float(snapshot["decide_calls"])),)),
+        BackendMetric("engine_decide_cpu_seconds", "counter", "CPU seconds of the engine thread inside the "
+                      "scheduler's decisions (the schedule section's wall seconds also hold the command drain and "
+                      "waits for the interpreter lock)", samples=(((), snapshot["decide_cpu_s"]),)),
         BackendMetric("engine_batches", "counter", "Batches run, by stage", ("stage",),
                       tuple(((stage,), float(s["batches"])) for stage, s in stages.items())),
         BackendMetric("engine_batch_items", "counter", "Requests carried by batches, by stage (mean batch: "
