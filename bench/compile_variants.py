@@ -7,6 +7,7 @@ functions go through `torch.compile(..., backend="eager")`, and every step the G
 at each captured shape, in the order the runner captures them.
 
     TRITON_INTERPRET=1 python bench/compile_variants.py [--size small] [--json out.json]
+    TRITON_INTERPRET=1 python bench/compile_variants.py --option codec_fused_convolutions=true --codec-serving --reasons
 
 Prints, per kind of step, the variants compiled and, with --reasons, why each recompilation happened.
 """
@@ -26,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def count_variants(size: str = "small", model_type: str = "custom_voice", config_overrides: dict | None = None,
-                   reasons: bool = False, resume_lengths: tuple[int, ...] = ()) -> dict:
+                   reasons: bool = False, resume_lengths: tuple[int, ...] = (), codec_serving: bool = False) -> dict:
     """{kind: variants compiled while capturing that kind, ..., "total": n, "recompiles": [...]}; with
     `resume_lengths`, also "resume": the variants the uncaptured resume pass (a Talker prefill of two rows,
     a prompt plus delivered frames beside a one-position padding row, each from its own start) traces after
-    capture, at those lengths."""
+    capture, at those lengths; with `codec_serving`, also "codec_serving": the variants the codec calls a
+    server makes after capture trace (`serve_codec`)."""
     from torch._dynamo.utils import counters
 
     from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
@@ -68,6 +70,9 @@ def count_variants(size: str = "small", model_type: str = "custom_voice", config
                 with torch.inference_mode():
                     fn(*[t.clone() for t in example_inputs])
                 counts[kind] = counts.get(kind, 0) + int(counters["stats"]["unique_graphs"]) - before
+                # Known as captured, so that serving calls split and pick shapes as on CUDA; a "replay" runs
+                # the step through TorchDynamo again, so a call whose inputs the capture's guards reject shows.
+                runner.graphs._steps[key] = _TracedStep(fn)
 
             runner.graphs.capture = capture
             with torch.inference_mode():
@@ -84,6 +89,10 @@ def count_variants(size: str = "small", model_type: str = "custom_voice", config
                                                right_padded([torch.randn(n, width), torch.randn(1, width)]),
                                                up[0], up[1], n)
                     counts["resume"] = int(counters["stats"]["unique_graphs"]) - before
+                if codec_serving:
+                    before = int(counters["stats"]["unique_graphs"])
+                    serve_codec(runner)
+                    counts["codec_serving"] = int(counters["stats"]["unique_graphs"]) - before
     finally:
         torch.compile = real_compile
         if reasons:
@@ -95,14 +104,57 @@ def count_variants(size: str = "small", model_type: str = "custom_voice", config
     return counts
 
 
+class _TracedStep:
+    """A captured step whose replay calls the step again (on CUDA a replay runs no Python at all)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self, inputs) -> None:
+        self.fn(*inputs)
+
+
+def serve_codec(runner) -> None:
+    """Every shape of codec call a server makes after start-up: each batch bucket (padded: one request fewer
+    than the bucket, padding rows on the scratch slot) at each frame count the scheduler asks for (1 to
+    max(codec_frames): captured counts, the others as captured pieces); a resumed request's priming (two
+    rows, in its chunk schedule's pieces); a cloned voice's reference priming (64-frame pieces)."""
+    import types
+
+    from tts_backend.engine.runner import codec_pieces
+
+    requests = [types.SimpleNamespace(slot=slot) for slot in range(runner.config.max_slots)]
+    counts, groups = runner.config.codec_frames, runner.model.num_code_groups
+    generator = torch.Generator().manual_seed(0)
+
+    def codes(frames: int) -> torch.Tensor:
+        return torch.randint(0, runner.codebook_size, (frames, groups), generator=generator)
+
+    with torch.inference_mode():
+        for bucket in runner.codec_buckets:
+            for frames in range(1, max(counts) + 1):
+                runner.codec_wait(runner.codec_launch(requests[: max(1, bucket - 1)], frames))
+        for frames in (5, 7, 2 * max(counts) + 3):
+            runner._prime_codec_frames(1, codes(frames), codec_pieces(frames, counts))
+        runner._prime_codec(2, codes(100))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="small")
     parser.add_argument("--model-type", default="custom_voice")
     parser.add_argument("--reasons", action="store_true")
+    parser.add_argument("--codec-serving", action="store_true",
+                        help="also count what the codec calls after start-up trace (serve_codec)")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=JSON",
+                        help="a Qwen3RunnerConfig field, e.g. codec_fused_convolutions=true (repeatable)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    result = count_variants(args.size, args.model_type, reasons=args.reasons)
+    # JSON lists become tuples: the config's bucket fields are tuples (codec_frames is concatenated with one).
+    overrides = {name: tuple(v) if isinstance(v := json.loads(value), list) else v
+                 for name, value in (o.split("=", 1) for o in args.option)}
+    result = count_variants(args.size, args.model_type, config_overrides=overrides, reasons=args.reasons,
+                            codec_serving=args.codec_serving)
     for line in result.pop("recompiles", []):
         print(line)
     print(json.dumps(result))
