@@ -12,7 +12,8 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,6 +209,11 @@ class Qwen3RunnerConfig:
     # 0.7-1.4 s, host and device clocks alike, where others of similar length took 15-80 ms. False leaves
     # those passes to the memory-efficient kernel, which needs no plan (to be confirmed on the GPU).
     cudnn_attention: bool = True
+    # cuDNN's benchmark mode while the codec's graphs are captured (CUDA; restored afterwards): each convolution
+    # shape is timed once before capture and the graph keeps the fastest kernel, where the default takes the
+    # heuristics' pick. bench/codec_profile.py timed the fused convolutions with it on (16 x 12 frames 9.6 ms on
+    # an H200), while under load without it the fused codec's calls took about 400 ms each: to measure.
+    codec_cudnn_benchmark: bool = False
     # The codec's precision on CUDA: "bfloat16", or "float32" (as released; TF32 matmuls and convolutions).
     # On the H100 (bench/results/codec_profile_h100.json) a call of 16 streams x 12 frames costs 11.3 ms in
     # bfloat16 against 16.5 in float32, with the output 44.6 dB above its difference from float32's (random
@@ -230,6 +236,17 @@ class Qwen3RunnerConfig:
     # the company already varies the numerics, and the batched pass costs one prefill where the steps cost k
     # decode steps (100 frames: 100 launches of a few ms against one pass).
     resume_prefill: str = "auto"
+
+
+@contextmanager
+def _cudnn_benchmark(on: bool) -> Iterator[None]:
+    """cuDNN's benchmark mode on for the block when `on` (never turned off where the process had it on)."""
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = saved or on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
 
 
 def codec_pieces(frames: int, counts: Sequence[int]) -> list[int]:
@@ -531,8 +548,10 @@ class Qwen3ModelRunner(ModelRunner):
         mark = self._capture_mark()
         self._capture_generation_with_fallbacks()
         mark = self._log_capture("Talker decode and code-predictor", mark)
+        benchmark = self.config.codec_cudnn_benchmark and dev.type == "cuda"
         try:
-            self._capture_codec()
+            with _cudnn_benchmark(benchmark):
+                self._capture_codec()
         except Exception:
             if not self.fused:
                 raise
@@ -543,11 +562,13 @@ class Qwen3ModelRunner(ModelRunner):
             fuse_codec_activations(self.codec_module, compile=False)  # the RVQ tables need no compiler
             self.codec_compiled = False
             self.graphs.discard("codec")
-            self._capture_codec()
+            with _cudnn_benchmark(benchmark):
+                self._capture_codec()
         mark = self._log_capture("codec", mark)
         if self.lane is not None:
             try:
-                self._capture_codec_lane()
+                with _cudnn_benchmark(benchmark):
+                    self._capture_codec_lane()
                 self.first_chunk_lane = (max(self.lane_buckets), self.config.first_chunk_frames)
             except Exception:
                 log.exception("capturing the first-chunk codec lane failed; first chunks queue with the others")
