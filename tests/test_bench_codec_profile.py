@@ -24,8 +24,11 @@ def test_without_cuda_it_stops_before_building_anything(tmp_path, capsys):
 
 def test_the_variants_time_the_fused_convolutions_beside_the_unfused():
     assert {name: fused for name, (_, _, fused) in codec_profile.VARIANTS.items()} == {
-        "fp32": False, "fp32_bench": False, "bf16": False, "fp32_fused": True, "bf16_fused": True}
+        "fp32": False, "fp32_bench": False, "bf16": False, "fp32_fused": True, "bf16_fused": True,
+        "bf16_fused_heuristic": True}
     assert codec_profile.VARIANTS["bf16_fused"][0] is torch.bfloat16
+    # The runner's own case (no benchmark mode unless codec_cudnn_benchmark) beside the benchmarked one.
+    assert codec_profile.VARIANTS["bf16_fused_heuristic"] == (torch.bfloat16, False, True)
 
 
 def test_deviation_of_the_fused_stages_is_rounding_only():
