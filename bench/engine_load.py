@@ -62,6 +62,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -80,10 +81,12 @@ from bench.loadgen import (
     check_agent_arguments,
     load_prompts,
     markdown_table,
+    nearest_rank,
     run_load,
     sentences_per_request,
     write_report,
 )
+from tts_backend.remote.launcher import gpu_list
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,6 +128,196 @@ def free_port(taken: set[int] | None = None) -> int:
             if taken is not None:
                 taken.add(port)
             return port
+
+
+def consecutive_free_ports(count: int, taken: set[int] | None = None) -> int:
+    """The first of `count` consecutive loopback ports that are all free now and none of `taken` (they are
+    added to it). For `voxgate worker --gpus`, which counts its children's ports up from one given base (GPU
+    i takes PORT+i) and refuses port 0, so the ports cannot be left to the kernel: the whole block is bound
+    at once here to check it, then let go. Another socket may still take one before a child binds it; that
+    child then exits at once, which wait_ready reports (it watches each child), rather than a run that hangs."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        block = range(first, first + count)
+        if first + count > 65535 or (taken is not None and taken & set(block)):
+            continue
+        held = []
+        try:
+            for port in block:
+                probe = socket.socket()
+                held.append(probe)
+                probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for probe in held:
+                probe.close()
+        if taken is not None:
+            taken.update(block)
+        return first
+    raise RuntimeError(f"no {count} consecutive free loopback ports")
+
+
+def launcher_plan(gpus: list[str], backend_args: list[str], token_file: str, ports: set[int]) -> dict:
+    """One `voxgate worker --gpus` launcher for `gpus` on loopback TCP with the token file: {"command": argv,
+    "workers": [{"gpu", "address", "health", "log_suffix"}]}, child i listening on P+i with its health port
+    on P+N+i (one block of 2N free ports, consecutive_free_ports). `backend_args`: the children's backend
+    flags (--backend ... and its options), passed through by the launcher."""
+    n = len(gpus)
+    first = consecutive_free_ports(2 * n, ports)
+    command = [sys.executable, "-m", "gateway.cli", "worker", "--gpus", ",".join(gpus), *backend_args,
+               "--listen", f"tcp://127.0.0.1:{first}", "--token-file", token_file, "--health-port", str(first + n),
+               "--worker-id", "bench", "--log-level", "info"]
+    workers = [{"gpu": gpu, "address": f"tcp://127.0.0.1:{first + i}", "health": f"http://127.0.0.1:{first + n + i}",
+                "log_suffix": ".workers.log"} for i, gpu in enumerate(gpus)]
+    return {"command": command, "workers": workers}
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, ...), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet waited for by its parent, does not)."""
+    fields = _proc_stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def launcher_children(launcher_pid: int, gpus: list[str], timeout_s: float = 60.0) -> dict[str, int]:
+    """{GPU: PID} of the worker processes a `voxgate worker --gpus` launcher started: the processes whose parent
+    is the launcher (read from /proc), each matched to its GPU by the CUDA_VISIBLE_DEVICES the launcher gave it
+    (/proc/PID/environ). Waits until every GPU has its child; raises if the launcher exits first or a GPU has
+    none after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    found: dict[str, int] = {}
+    while True:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in found.values():
+                continue
+            fields = _proc_stat(int(entry))
+            if fields is None or int(fields[1]) != launcher_pid:
+                continue
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in environ:
+                if item.startswith(b"CUDA_VISIBLE_DEVICES="):
+                    gpu = item.split(b"=", 1)[1].decode()
+                    if gpu in gpus:
+                        found[gpu] = int(entry)
+        if len(found) == len(gpus):
+            return {gpu: found[gpu] for gpu in gpus}
+        if not pid_alive(launcher_pid):
+            raise RuntimeError(f"the worker launcher exited before it started every child (found {found})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the worker launcher's children for GPUs {gpus}: found only {found} "
+                               f"after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def pause_summary(pauses_ms: list[float] | None) -> dict | None:
+    """p50 / p99 / max (nearest rank) of the listeners' pauses the pool logged, and how many."""
+    if pauses_ms is None:
+        return None
+    if not pauses_ms:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    return {"n": len(pauses_ms), "p50": nearest_rank(pauses_ms, 50), "p99": nearest_rank(pauses_ms, 99),
+            "max": max(pauses_ms)}
+
+
+POOL_COUNTERS = ("failovers", "handovers", "resumed_from_codes", "drain_moves")
+
+
+def pool_deltas(before: dict, after: dict) -> dict[str, int] | None:
+    """The pool's voxgate_pool_* counters between two scrapes of the gateway: streams failed over (a worker lost
+    them: cut, then sent again), handed over by a draining worker, gone on from their codes, and sessions moved
+    off a draining worker. None where the gateway has no pool."""
+    out: dict[str, int] = {}
+    for name in POOL_COUNTERS:
+        for sample in (f"voxgate_pool_{name}_total", f"voxgate_pool_{name}"):
+            if (sample, ()) in after:
+                out[name] = int(round(after[(sample, ())] - before.get((sample, ()), 0.0)))
+                break
+    return out or None
+
+
+SIGNAL_GRACE_S = 5.0
+
+
+def pool_streams(base: str, worker_id: str) -> int | None:
+    """The streams the gateway's pool runs on worker `worker_id` now (voxgate_pool_streams); None if unknown."""
+    try:
+        counters = scrape_counters(base)
+    except (OSError, ValueError):
+        return None
+    value = counters.get(("voxgate_pool_streams", (("worker", worker_id),)))
+    return None if value is None else int(value)
+
+
+def signal_worker(kind: str, at_s: float, pid: int, gpu: str | None, streams: Callable[[], int | None]) -> threading.Timer:
+    """A timer that sends SIGKILL (`kind` "kill") or SIGTERM ("drain") to worker process `pid` `at_s` seconds
+    from now, or, where `streams()` (the streams the gateway runs on that worker) says it has none then, at the
+    first moment within SIGNAL_GRACE_S more that it has one: a kill or drain that hits no stream shows nothing
+    (at a GPU's rates it has dozens). Its `sent` event is set once it has sent it, `sent_at_s` says when
+    (seconds from the timer's start) and `streams_at_signal` what `streams()` said just before."""
+    import signal as signals
+
+    started = time.monotonic()
+
+    def send() -> None:
+        deadline = time.monotonic() + SIGNAL_GRACE_S
+        while not (open_streams := streams()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        timer.streams_at_signal = open_streams
+        timer.sent_at_s = round(time.monotonic() - started, 3)
+        print(f"{'SIGKILL' if kind == 'kill' else 'SIGTERM'} to worker pid {pid}"
+              f"{f' (GPU {gpu})' if gpu is not None else ''} at {timer.sent_at_s:g} s, "
+              f"{timer.streams_at_signal} streams open on it", flush=True)
+        os.kill(pid, signals.SIGKILL if kind == "kill" else signals.SIGTERM)
+        timer.sent.set()
+
+    timer = threading.Timer(at_s, send)
+    timer.sent = threading.Event()  # set once the signal went: a run shorter than at_s sends none
+    timer.streams_at_signal = timer.sent_at_s = None
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def disturbance_report(kind: str, at_s: float, gpu: str | None, pid: int, log_path: Path | None,
+                       pool: dict | None, requests: list[dict]) -> dict:
+    """What a --kill-worker-at / --drain-worker-at did: which worker, when, the listeners' pauses the pool
+    logged (lost to the next audio of each stream), its counters, and the disturbed rate's requests (warm-up
+    included; loadgen's per-request results) that failed, told apart: `requests_cut`, whose audio had begun
+    and that did not end whole (an error, no session.done); `requests_refused`, that failed before any audio
+    (the gateway refusing new sessions as overloaded while one worker carries the load of two is admission
+    control, not a cut stream). For a drain, whether a stream was cut: a drained worker hands each open stream
+    over (it goes on elsewhere from its codes) or finishes it, so a failover (a stream lost with its worker) or
+    a request cut means one was."""
+    pauses = failover_pauses(log_path) if log_path else None
+    failed = [r for r in requests if not r["ok"]]
+    cut = [r for r in failed if r["bytes"] > 0]
+    entry = {"gpu": gpu, "pid": pid, "at_s": at_s, "failover_pause_ms": pauses, "pause_ms": pause_summary(pauses),
+             "pool": pool, "requests": len(requests), "requests_cut": len(cut),
+             "requests_refused": len(failed) - len(cut),
+             "failed_errors": sorted({e for r in failed for e in r["errors"]})}
+    if kind == "drain":
+        deadline = time.monotonic() + 30
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        entry["exited"] = not pid_alive(pid)
+        entry["streams_cut"] = None if pool is None else pool.get("failovers")
+        entry["no_stream_cut"] = bool(entry["exited"] and pool is not None and pool.get("failovers") == 0
+                                      and not cut)
+    return entry
 
 
 def gpu_memory_mib() -> float | None:
@@ -171,11 +364,12 @@ def pool_ready_workers(base: str) -> float | None:
 
 def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None,
                worker: subprocess.Popen | None = None, workers: list[subprocess.Popen] = (),
-               worker_health: list[str] = (), pool_size: int = 0) -> float:
-    """Seconds until the gateway (and every worker) is ready. `worker`: the one --worker process;
-    `workers` and `worker_health`: the --tcp-workers processes and their health servers' base URLs, each of
-    which must answer /ready; `pool_size`: then wait (up to 60 s more) for that many ready workers in the
-    gateway's pool, where its /metrics reports them. Any of the processes exiting first raises at once."""
+               worker_health: list[str] = (), pool_size: int = 0, worker_pids: dict[str, int] | None = None) -> float:
+    """Seconds until the gateway (and every worker) is ready. `worker`: the one --worker process (or the
+    --gpus launcher); `workers` and `worker_health`: the --tcp-workers processes and their health servers' base
+    URLs, each of which must answer /ready; `worker_pids`: {GPU: PID} of a launcher's children, which are not
+    ours to poll; `pool_size`: then wait (up to 60 s more) for that many ready workers in the gateway's pool,
+    where its /metrics reports them. Any of the processes exiting first raises at once."""
     started = time.monotonic()
     watched = [("worker", worker)] if worker is not None else []
     watched += [(f"worker {i}", w) for i, w in enumerate(workers, 1)]
@@ -187,6 +381,9 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float, log_path: Pa
         for name, process in watched:
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited with {process.returncode} before it was ready")
+        for gpu, pid in (worker_pids or {}).items():
+            if not pid_alive(pid):
+                raise RuntimeError(f"the worker of GPU {gpu} (pid {pid}) exited before it was ready")
         if log_path is not None and "backend failed to start" in log_path.read_text(errors="replace"):
             raise RuntimeError(f"the backend failed to start; see {log_path}")
         for i, health in enumerate(worker_health, 1):
@@ -365,8 +562,9 @@ def remote_gateway_command(port: int, pool: list[str]) -> list[str]:
 
 def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_file: str | None = None) -> dict:
     """The commands of one run, without starting anything: {"gateway": argv, "workers": [{"command": argv,
-    "address": listen address or None, "health": health base URL or None, "log_suffix": ...}]}. `ports`
-    holds the ports already handed out (the gateway's); worker ports are added to it."""
+    "address": listen address or None, "health": health base URL or None, "log_suffix": ...}]}; with --gpus,
+    "launcher": the one `voxgate worker --gpus` argv, and each worker names its "gpu" instead of a command.
+    `ports` holds the ports already handed out (the gateway's); worker ports are added to it."""
     python = [sys.executable, "-m", "gateway.cli"]
     if args.worker:
         socket_path = f"/tmp/voxgate-bench-{port}.sock"
@@ -375,6 +573,16 @@ def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_f
                                 *worker_options(BENCH_MAX_ACTIVE, args.option)],
                     "address": f"unix:{socket_path}", "health": None, "log_suffix": ".worker.log"}]
         gateway = remote_gateway_command(port, ["-o", f"socket={socket_path}"])
+    elif args.gpus:
+        if token_file is None:
+            raise ValueError("--gpus needs a token file")
+        launcher = launcher_plan(args.gpu_list, ["--backend", "qwen3", "--model", args.model, "--device", args.device,
+                                                 *worker_options(worker_max_active(args), args.option)],
+                                 token_file, ports)
+        workers = launcher["workers"]
+        gateway = remote_gateway_command(port, ["-o", "workers=" + ",".join(w["address"] for w in workers),
+                                                "-o", f"token_file={token_file}"])
+        return {"gateway": gateway, "workers": workers, "launcher": launcher["command"]}
     elif args.tcp_workers:
         if token_file is None:
             raise ValueError("--tcp-workers needs a token file")
@@ -399,7 +607,8 @@ def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_f
 
 
 def worker_max_active(args: argparse.Namespace) -> int:
-    """Each --tcp-workers engine's KV slots: the in-process run's shared out, unless -o max_active= says."""
+    """Each --tcp-workers engine's KV slots: the in-process run's shared out, unless -o max_active= says. A
+    --gpus worker has a GPU of its own, so all of them."""
     slots = max(1, BENCH_MAX_ACTIVE // max(1, args.tcp_workers))
     for item in args.option:
         key, _, value = item.partition("=")
@@ -478,8 +687,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             "(the deployment that keeps the engine thread and the event loop in separate "
                             "interpreters)")
     parser.add_argument("--kill-worker-at", type=float, metavar="S",
-                        help="SIGKILL worker 1 this many seconds into the first rate's run (warm-up included): "
-                             "its streams fail over to the others; the report gives the pool's failover pauses")
+                        help="SIGKILL worker 1 (with --gpus: the first GPU's worker, not the launcher) this many "
+                             "seconds into the first rate's run (warm-up included): its streams fail over to the "
+                             "others; the report gives the pool's failover pauses (p50/p99/max)")
+    parser.add_argument("--drain-worker-at", type=float, metavar="S",
+                        help="SIGTERM that worker instead: it drains, its streams finish or go on elsewhere from "
+                             "their codes; the report says whether any was cut (a failover or a failed request)")
+    where.add_argument("--gpus", metavar="LIST",
+                       help="run the engines as ONE `voxgate worker --gpus LIST` (one child per GPU, each with "
+                            f"max_active={BENCH_MAX_ACTIVE}) on loopback TCP with a token, behind the gateway's "
+                            "static pool; e.g. 0,1")
     where.add_argument("--tcp-workers", type=int, default=0, metavar="N",
                        help=f"run N `voxgate worker` processes on the one device, on loopback TCP with a token, "
                             f"each with max_active={BENCH_MAX_ACTIVE}//N, behind the gateway's static pool "
@@ -487,8 +704,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tcp_workers < 0:
         parser.error("--tcp-workers N needs N >= 1")
-    if args.kill_worker_at is not None and args.tcp_workers < 2:
-        parser.error("--kill-worker-at needs --tcp-workers 2 or more (the pool needs a worker to fail over to)")
+    args.gpu_list = gpu_list(args.gpus) if args.gpus else []
+    pooled = max(args.tcp_workers, len(args.gpu_list))
+    for flag, value in (("--kill-worker-at", args.kill_worker_at), ("--drain-worker-at", args.drain_worker_at)):
+        if value is not None and pooled < 2:
+            parser.error(f"{flag} needs --tcp-workers 2 or --gpus with two GPUs or more (the pool needs a worker "
+                         "to move streams to)")
+    if args.kill_worker_at is not None and args.drain_worker_at is not None:
+        parser.error("--kill-worker-at and --drain-worker-at: one disturbance a run")
     args.sentences = (1, 1)
     check_agent_arguments(args, parser)
     args.clone_seconds_text = args.clone_seconds
@@ -584,12 +807,28 @@ def register_clones(base: str, mode: str, lengths: list[float]) -> list[dict]:
     return entries
 
 
+def disturb_first_worker(args: argparse.Namespace, workers: list[subprocess.Popen], children: dict[str, int],
+                         base: str) -> tuple[str, threading.Timer, str | None, int] | None:
+    """Start --kill-worker-at's or --drain-worker-at's timer on worker 1: the first --tcp-workers process, or
+    with --gpus the first GPU's child of the launcher (found in /proc, launcher_children), never the launcher.
+    Returns (kind, timer, GPU or None, PID), or None when neither flag is given."""
+    if args.kill_worker_at is None and args.drain_worker_at is None:
+        return None
+    kind, at_s = ("kill", args.kill_worker_at) if args.kill_worker_at is not None else ("drain", args.drain_worker_at)
+    if args.gpus:
+        gpu = args.gpu_list[0]
+        pid, worker_id = children[gpu], f"bench-gpu{gpu}"  # the launcher's id for GPU gpu's child
+    else:
+        gpu, pid, worker_id = None, workers[0].pid, "bench-worker1"
+    return kind, signal_worker(kind, at_s, pid, gpu, lambda: pool_streams(base, worker_id)), gpu, pid
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ports: set[int] = set()
     port = free_port(ports)
     base = f"http://127.0.0.1:{port}"
-    token_file = write_token_file() if args.tcp_workers else None
+    token_file = write_token_file() if args.tcp_workers or args.gpus else None
     layout = plan_processes(args, port, ports, str(token_file) if token_file else None)
     command = layout["gateway"]
     if args.log:
@@ -597,7 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     workers: list[subprocess.Popen] = []
     worker_logs = []
-    proc = None
+    proc = launcher = None
+    children: dict[str, int] = {}  # --gpus: {GPU: PID} of the launcher's children
     report = {"tool": "bench/engine_load.py", "command": " ".join(["python", "bench/engine_load.py", *(argv or sys.argv[1:])]),
               "gateway_command": " ".join(command),
               "worker_command": " ".join(layout["workers"][0]["command"]) if args.worker else None,
@@ -609,8 +849,22 @@ def main(argv: list[str] | None = None) -> int:
                               "log": str(args.log.with_suffix(w["log_suffix"])) if args.log else None}
                              for i, w in enumerate(layout["workers"], 1)]
         report["token_file"] = str(token_file)  # the path only: the token itself is never written out
+    if args.gpus:
+        report["launcher_command"] = " ".join(layout["launcher"])
+        report["workers"] = [{"worker": i, "gpu": w["gpu"], "address": w["address"], "health": w["health"],
+                              "max_active": worker_max_active(args)} for i, w in enumerate(layout["workers"], 1)]
+        report["workers_log"] = str(args.log.with_suffix(".workers.log")) if args.log else None
+        report["token_file"] = str(token_file)
     try:
-        for spec in layout["workers"]:
+        if args.gpus:
+            worker_log = open(args.log.with_suffix(".workers.log"), "w") if args.log else subprocess.DEVNULL
+            worker_logs.append(worker_log)
+            launcher = subprocess.Popen(layout["launcher"], cwd=ROOT, stdout=worker_log, stderr=subprocess.STDOUT,
+                                        env=env)
+            children = launcher_children(launcher.pid, args.gpu_list)
+            for w in report["workers"]:
+                w["pid"] = children[w["gpu"]]
+        for spec in ([] if args.gpus else layout["workers"]):
             worker_log = open(args.log.with_suffix(spec["log_suffix"]), "w") if args.log else subprocess.DEVNULL
             worker_logs.append(worker_log)
             workers.append(subprocess.Popen(spec["command"], cwd=ROOT, stdout=worker_log, stderr=subprocess.STDOUT,
@@ -619,9 +873,10 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         health = [w["health"] for w in layout["workers"] if w["health"]]
         report["startup_s"] = wait_ready(base, proc, args.ready_timeout, args.log,
-                                         worker=workers[0] if args.worker else None,
+                                         worker=workers[0] if args.worker else launcher,
                                          workers=workers if args.tcp_workers else [],
-                                         worker_health=health, pool_size=args.tcp_workers)
+                                         worker_health=health, pool_size=args.tcp_workers or len(args.gpu_list),
+                                         worker_pids=children)
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s, GPU memory {report['gpu_memory_idle_MiB']} MiB", flush=True)
         prompts = load_prompts(DEFAULT_PROMPTS)
@@ -674,15 +929,16 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         sampler.cancel()
 
-                per_seed = []
+                per_seed, requests = [], []
                 counters_before = scrape_counters(base)
                 workers_before = scrape_workers()
-                kill = None
-                if args.kill_worker_at is not None and cfg is args and not results:
-                    kill = threading.Timer(args.kill_worker_at, workers[0].kill)
-                    kill.start()
+                disturbance = None
+                if cfg is args and not results:  # the first rate of the main run only
+                    disturbance = disturb_first_worker(args, workers, children, base)
                 for seed in seeds:
-                    per_seed.append(asyncio.run(run_with_memory(seed))["summary"])
+                    result = asyncio.run(run_with_memory(seed))
+                    per_seed.append(result["summary"])
+                    requests += result["requests"]
                     if len(seeds) > 1:
                         print(markdown_table(per_seed[-1], f"{rate:g} RPS, seed {seed}"), flush=True)
                 summary = combine_seeds(per_seed)
@@ -695,20 +951,30 @@ def main(argv: list[str] | None = None) -> int:
                          "seeds": seeds, "summary": summary, "engine": engine,
                          "aligner": aligner_breakdown(counters_before, counters_after, engine),
                          "gateway_loop_lag": loop_lag_breakdown(counters_before, counters_after)}
+                if disturbance is not None:
+                    kind, timer, gpu, pid = disturbance
+                    timer.cancel()
+                    key = "killed_worker" if kind == "kill" else "drained_worker"
+                    # First: a drain's report waits (30 s at most) for the drained worker to exit.
+                    entry[key] = {"worker": 1, "sent": timer.sent.is_set(), "sent_at_s": timer.sent_at_s,
+                                  "streams_at_signal": timer.streams_at_signal, **disturbance_report(
+                        kind, args.kill_worker_at if kind == "kill" else args.drain_worker_at, gpu, pid, args.log,
+                        pool_deltas(counters_before, scrape_counters(base)), requests)}
+                    print(f"worker 1{f' (GPU {gpu})' if gpu is not None else ''} {kind} at "
+                          f"{entry[key]['at_s']:g} s with {entry[key]['streams_at_signal']} streams open: listeners' pauses (ms, the pool's log) {entry[key]['pause_ms']}, "
+                          f"pool {entry[key]['pool']}, requests cut {entry[key]['requests_cut']}, refused "
+                          f"{entry[key]['requests_refused']}"
+                          + (f", no stream cut: {entry[key]['no_stream_cut']}" if kind == "drain" else ""),
+                          flush=True)
                 if health:
                     entry["workers"] = [
                         {"worker": i, "address": spec["address"],
                          "engine": engine_breakdown(b, a) if b is not None and a is not None else None,
                          "requests": requests_by_outcome(b, a) if b is not None and a is not None else None,
-                         "exit_code": process.poll()}
-                        for i, (spec, process, b, a) in enumerate(zip(layout["workers"], workers, workers_before,
-                                                                       scrape_workers()), 1)]
-                if kill is not None:
-                    kill.cancel()
-                    entry["killed_worker"] = {"worker": 1, "at_s": args.kill_worker_at,
-                                              "failover_pause_ms": failover_pauses(args.log) if args.log else None}
-                    print(f"worker 1 killed at {args.kill_worker_at:g} s; failover pauses (ms, the pool's log): "
-                          f"{entry['killed_worker']['failover_pause_ms']}", flush=True)
+                         **({"gpu": spec["gpu"], "pid": children[spec["gpu"]],
+                             "running": pid_alive(children[spec["gpu"]])} if args.gpus else
+                            {"exit_code": workers[i - 1].poll()})}
+                        for i, (spec, b, a) in enumerate(zip(layout["workers"], workers_before, scrape_workers()), 1)]
                 if len(seeds) > 1:
                     entry["per_seed"] = per_seed
                 results.append(entry)
@@ -731,9 +997,11 @@ def main(argv: list[str] | None = None) -> int:
             report.setdefault("variants", []).append(entry)
             entry["load"] = run_configuration(variant, entry["rates"])
     finally:
-        for process in ([proc] if proc is not None else []) + workers:
+        for process in ([proc] if proc is not None else []) + workers + ([launcher] if launcher is not None else []):
             stop(process)
         report["worker_exit_codes"] = [process.returncode for process in workers] or None
+        if launcher is not None:  # the worst of its children's: 9 after a SIGKILL, 0 after drains
+            report["launcher_exit_code"] = launcher.returncode
         for f in worker_logs:
             if f is not subprocess.DEVNULL:
                 f.close()
