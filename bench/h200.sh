@@ -31,6 +31,18 @@
 #                    .carry/nari (bench/carry.sh), not .carry/optwhl; issue 29's table in one call:
 #                      bash bench/h200.sh setup nari:1,10,20,60,80,100 savecache
 #                    carrying .carry/whl .carry/voxgate_cache .carry/nari .carry/compile_cache.txz
+#   multigpu:RATE[ FLAGS] issue 35 on a two-GPU host (kind nvidia-h100-x2), four bench/nari_load.py runs, each
+#                    its own `voxgate worker --gpus` launcher behind the gateway's static pool (TCP, token file):
+#                      --gpus 0   at RATE                               -> $OUT/multigpu_1gpu.json (the baseline)
+#                      --gpus 0,1 at 2xRATE                             -> $OUT/multigpu_2gpu.json (the scaling)
+#                      --gpus 0,1 at 2xRATE, --kill-worker-at KILL_AT   -> $OUT/multigpu_kill.json
+#                      --gpus 0,1 at 2xRATE, --drain-worker-at KILL_AT  -> $OUT/multigpu_drain.json
+#                    (GPUS=0,1 names the pair; KILL_AT defaults to the middle of the measured window, WARMUP +
+#                    DURATION/2; FLAGS and NARI_ARGS go to every run). The kill's and the drain's entries give the
+#                    listeners' pauses p50/p99/max, the pool's failovers and hand-overs, the requests cut and
+#                    refused, and the drain's no_stream_cut; the scaling factor is multigpu_2gpu's successful
+#                    requests per second over multigpu_1gpu's, each at its verdict. Needs .carry/nari, as nari:
+#                      WARMUP=5 DURATION=15 bash bench/h200.sh setup multigpu:20 savecache
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
 #   textstream[:ARGS] bench/text_stream_check.py ARGS    -> $OUT/text_stream.json: text pushed word by word
 #                    says exactly what the whole text says (CUDA graphs, Triton), and its first-audio times
@@ -182,13 +194,7 @@ step_nari() {  # step_nari "RATES [FLAGS]"
     local rates=${1%% *} flags="" suffix=""
     [[ $1 == *" "* ]] && flags=${1#* }
     [[ -n $rates ]] || { echo "nari needs rates, e.g. nari:1,10,20,60,80,100"; return 1; }
-    if [[ -z ${DRY_RUN:-} && ! -d $REPO/.carry/nari/tts_bench/src/tts_bench ]]; then
-        echo "no harness in .carry/nari (bench/carry.sh builds it)"
-        return 1
-    fi
-    if [[ ! -d $NARI_SITE ]]; then
-        install_wheels "$REPO/.carry/nari/whl" "$NARI_SITE" || return 1
-    fi
+    nari_site || return 1
     NARI_RUNS=$((NARI_RUNS + 1))
     ((NARI_RUNS > 1)) && suffix=_$NARI_RUNS
     local extra=()
@@ -204,6 +210,50 @@ step_nari() {  # step_nari "RATES [FLAGS]"
         --duration "${DURATION:-30}" --harness-src "$REPO/.carry/nari/tts_bench/src" \
         --harness-site "$NARI_SITE:$SITE" --harness-python "$PY" "${extra[@]}" \
         --output "$OUT/nari_load$suffix.json" --log "$OUT/nari_gateway$suffix.log"
+}
+
+nari_site() {  # the harness's source carried, its wheels installed in NARI_SITE (once)
+    if [[ -z ${DRY_RUN:-} && ! -d $REPO/.carry/nari/tts_bench/src/tts_bench ]]; then
+        echo "no harness in .carry/nari (bench/carry.sh builds it)"
+        return 1
+    fi
+    if [[ ! -d $NARI_SITE ]]; then
+        install_wheels "$REPO/.carry/nari/whl" "$NARI_SITE" || return 1
+    fi
+}
+
+step_multigpu() {  # step_multigpu "RATE [FLAGS]"
+    local rate=${1%% *} flags="" gpus=${GPUS:-0,1} warmup=${WARMUP:-10} duration=${DURATION:-30}
+    [[ $1 == *" "* ]] && flags=${1#* }
+    [[ $rate =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "multigpu needs one rate, e.g. multigpu:20"; return 1; }
+    [[ $gpus == *,* ]] || { echo "multigpu needs two GPUs or more in GPUS (got '$gpus')"; return 1; }
+    nari_site || return 1
+    local double at
+    double=$(awk -v r="$rate" 'BEGIN { printf "%g", 2 * r }')
+    at=${KILL_AT:-$(awk -v w="$warmup" -v d="$duration" 'BEGIN { printf "%g", w + d / 2 }')}
+    local common=(--model "$CKPT" --warmup "$warmup" --duration "$duration"
+                  --harness-src "$REPO/.carry/nari/tts_bench/src" --harness-site "$NARI_SITE:$SITE"
+                  --harness-python "$PY")
+    [[ -n ${SEED:-} ]] && common+=(--seed "$SEED")
+    # shellcheck disable=SC2206
+    [[ -n ${NARI_ARGS:-} ]] && common+=($NARI_ARGS)
+    # shellcheck disable=SC2206
+    [[ -n $flags ]] && common+=($flags)
+    # Each run starts its own launcher (a killed or drained worker is not restarted); a failing run is
+    # reported and the next one still runs.
+    local failed=0 name gpu_arg rps extra
+    for name in 1gpu 2gpu kill drain; do
+        gpu_arg=$gpus rps=$double extra=()
+        case $name in
+            1gpu) gpu_arg=${gpus%%,*} rps=$rate ;;
+            kill) extra=(--kill-worker-at "$at") ;;
+            drain) extra=(--drain-worker-at "$at") ;;
+        esac
+        echo "--- multigpu $name: --gpus $gpu_arg at $rps RPS ${extra[*]}"
+        run "$PY" bench/nari_load.py "${common[@]}" --gpus "$gpu_arg" --rates "$rps" "${extra[@]}" \
+            --output "$OUT/multigpu_$name.json" --log "$OUT/multigpu_${name}_gateway.log" || failed=1
+    done
+    return $failed
 }
 
 LOAD_RUNS=0
@@ -304,6 +354,7 @@ for arg in "$@"; do
         reference) step_reference ;;
         load) step_load "$value" ;;
         nari) step_nari "$value" ;;
+        multigpu) step_multigpu "$value" ;;
         profile) step_profile "$value" ;;
         textstream) step_textstream "$value" ;;
         resumecheck) step_resumecheck "$value" ;;
@@ -314,7 +365,7 @@ for arg in "$@"; do
         # shellcheck disable=SC2086
         codecprofile) run "$PY" bench/codec_profile.py $value --output "$OUT/codec_profile.json" ;;
         savecache) step_savecache ;;
-        *) echo "unknown step '$name' (setup, step, reference, load:RATES, nari:RATES, profile:ARGS, textstream:ARGS, resumecheck:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
+        *) echo "unknown step '$name' (setup, step, reference, load:RATES, nari:RATES, multigpu:RATE, profile:ARGS, textstream:ARGS, resumecheck:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
     esac
     rc=$?
     if ((rc != 0)); then

@@ -17,6 +17,15 @@ wheels), under `--harness-python` (this interpreter unless given). Its per-reque
 deleted after each rate (gigabytes at 100 RPS); --keep-results keeps it under --work.
 
 `--backend synthetic` (or piper) runs the same path on the CPU, as tests/test_nari_load.py does.
+
+Several GPUs on one host (issue 35): `--gpus 0,1` starts ONE `voxgate worker --gpus 0,1` launcher (one child per
+GPU, each with the whole run's engine flags, on loopback TCP with a random token in a 0600 file) behind the
+gateway's static pool, as bench/engine_load.py --gpus does; `--gpus 0` is the single-GPU baseline on the same
+path. With two GPUs or more, --kill-worker-at S SIGKILLs the first GPU's child (never the launcher) S seconds
+into the first rate's harness run and --drain-worker-at S SIGTERMs it; that rate's entry then reports the
+listeners' pauses the pool logged (p50/p99/max), its failovers and hand-overs, and the harness's requests that
+failed, told apart as cut (audio had begun) or refused (none had), from its requests.jsonl. bench/h200.sh's
+`multigpu:RATE` step runs the baseline, the scaling run at twice RATE, the kill and the drain in one call.
 """
 
 from __future__ import annotations
@@ -38,31 +47,76 @@ from bench.engine_load import (
     BENCH_MAX_ACTIVE,
     add_rate_arguments,
     add_server_arguments,
+    disturb_first_worker,
+    disturbance_report,
     engine_breakdown,
     free_port,
     gpu_memory_mib,
+    launcher_children,
+    launcher_plan,
+    pid_alive,
+    pool_deltas,
     remote_gateway_command,
+    requests_by_outcome,
     scrape_counters,
     stop,
     wait_ready,
     worker_options,
+    write_token_file,
 )
+from tts_backend.remote.launcher import gpu_list
 from bench.loadgen import DEFAULT_PROMPTS, accelerator, add_output_argument, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "vllm-omni"
 
 
-def plan_processes(args: argparse.Namespace, port: int) -> dict:
-    """The worker's and the gateway's commands (bench/engine_load.py --worker's, for any worker backend)."""
-    python = [sys.executable, "-m", "gateway.cli"]
-    socket_path = f"/tmp/voxgate-nari-{port}.sock"
-    worker = [*python, "worker", "--backend", args.backend, "--socket", socket_path]
+def backend_arguments(args: argparse.Namespace) -> list[str]:
+    """A worker's backend flags: bench/engine_load.py's engine options for qwen3 (each worker has a GPU of its
+    own: all of BENCH_MAX_ACTIVE), the caller's -o items for any other backend."""
     if args.backend == "qwen3":
-        worker += ["--model", args.model, "--device", args.device, *worker_options(BENCH_MAX_ACTIVE, args.option)]
-    else:
-        worker += [item for option in args.option for item in ("--option", option)]
+        return ["--backend", "qwen3", "--model", args.model, "--device", args.device,
+                *worker_options(BENCH_MAX_ACTIVE, args.option)]
+    return ["--backend", args.backend, *(item for option in args.option for item in ("--option", option))]
+
+
+def plan_processes(args: argparse.Namespace, port: int, token_file: str | None = None) -> dict:
+    """The worker's and the gateway's commands (bench/engine_load.py --worker's, for any worker backend); with
+    --gpus, {"launcher": argv, "workers": [{"gpu", "address", "health"}], "gateway": argv} (launcher_plan)."""
+    if args.gpus:
+        if token_file is None:
+            raise ValueError("--gpus needs a token file")
+        launcher = launcher_plan(args.gpu_list, backend_arguments(args), token_file, {port})
+        pool = ["-o", "workers=" + ",".join(w["address"] for w in launcher["workers"]), "-o", f"token_file={token_file}"]
+        return {"launcher": launcher["command"], "workers": launcher["workers"],
+                "gateway": remote_gateway_command(port, pool)}
+    socket_path = f"/tmp/voxgate-nari-{port}.sock"
+    worker = [sys.executable, "-m", "gateway.cli", "worker", *backend_arguments(args), "--socket", socket_path]
     return {"worker": worker, "gateway": remote_gateway_command(port, ["-o", f"socket={socket_path}"])}
+
+
+def scrape_or_none(url: str) -> dict | None:
+    """A worker's /metrics, or None where it does not answer (a worker that was killed or drained)."""
+    try:
+        return scrape_counters(url)
+    except (OSError, ValueError):
+        return None
+
+
+def harness_requests(output: Path) -> list[dict]:
+    """The harness's per-request records (its requests.jsonl, warm-up included) as disturbance_report takes
+    them: ok, the audio bytes received, and the error."""
+    path = output / "requests.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            out.append({"ok": bool(record.get("success")), "bytes": int(record.get("output_bytes") or 0),
+                        "errors": [str(record.get("error_kind") or record.get("status_code"))]
+                        if not record.get("success") else []})
+    return out
 
 
 def harness_command(args: argparse.Namespace, base: str, rate: float, output: Path) -> list[str]:
@@ -136,8 +190,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, help="where the harness writes each rate's results (default: a "
                                                    "temporary folder)")
     parser.add_argument("--keep-results", action="store_true", help="keep each rate's audio under --work")
+    parser.add_argument("--gpus", metavar="LIST",
+                        help="ONE `voxgate worker --gpus LIST` launcher (one worker per GPU) on loopback TCP behind "
+                             "the gateway's static pool, instead of one worker on a Unix socket; e.g. 0 or 0,1")
+    parser.add_argument("--kill-worker-at", type=float, metavar="S",
+                        help="with --gpus of two or more: SIGKILL the first GPU's worker S seconds into the first "
+                             "rate's harness run (its warm-up included)")
+    parser.add_argument("--drain-worker-at", type=float, metavar="S",
+                        help="with --gpus of two or more: SIGTERM it instead (a drain)")
     add_output_argument(parser)
     args = parser.parse_args(argv)
+    args.gpu_list = gpu_list(args.gpus) if args.gpus else []
+    for flag, value in (("--kill-worker-at", args.kill_worker_at), ("--drain-worker-at", args.drain_worker_at)):
+        if value is not None and len(args.gpu_list) < 2:
+            parser.error(f"{flag} needs --gpus with two GPUs or more (the pool needs a worker to move streams to)")
+    if args.kill_worker_at is not None and args.drain_worker_at is not None:
+        parser.error("--kill-worker-at and --drain-worker-at: one disturbance a run")
     if args.backend == "qwen3" and not args.model:
         parser.error("--backend qwen3 needs --model")
     if not (args.harness_src / "tts_bench").is_dir():
@@ -152,8 +220,14 @@ def main(argv: list[str] | None = None) -> int:
               **accelerator(), "target": TARGET, "dataset": str(args.dataset), "rates": []}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    layout = plan_processes(args, port)
-    report.update(gateway_command=" ".join(layout["gateway"]), worker_command=" ".join(layout["worker"]))
+    token_file = write_token_file() if args.gpus else None
+    layout = plan_processes(args, port, str(token_file) if token_file else None)
+    report.update(gateway_command=" ".join(layout["gateway"]),
+                  worker_command=" ".join(layout.get("launcher") or layout["worker"]))
+    if args.gpus:
+        report["workers"] = [{"worker": i, "gpu": w["gpu"], "address": w["address"], "health": w["health"]}
+                             for i, w in enumerate(layout["workers"], 1)]
+        report["token_file"] = str(token_file)  # the path only: the token itself is never written out
     commit = args.harness_src.parent / "COMMIT"
     report["harness"] = {"src": str(args.harness_src),
                          "commit": commit.read_text().strip() if commit.is_file() else None}
@@ -165,11 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     logs = [open(args.log.with_suffix(".worker.log"), "w"), open(args.log, "w")] if args.log else []
     sink = (lambda i: logs[i]) if logs else (lambda i: subprocess.DEVNULL)
     worker = gateway = None
+    children: dict[str, int] = {}  # --gpus: {GPU: PID} of the launcher's children
     failed = False
     try:
-        worker = subprocess.Popen(layout["worker"], cwd=ROOT, stdout=sink(0), stderr=subprocess.STDOUT, env=env)
+        worker = subprocess.Popen(layout.get("launcher") or layout["worker"], cwd=ROOT, stdout=sink(0),
+                                  stderr=subprocess.STDOUT, env=env)
+        if args.gpus:
+            children = launcher_children(worker.pid, args.gpu_list)
+            for w in report["workers"]:
+                w["pid"] = children[w["gpu"]]
         gateway = subprocess.Popen(layout["gateway"], cwd=ROOT, stdout=sink(1), stderr=subprocess.STDOUT, env=env)
-        report["startup_s"] = wait_ready(base, gateway, args.ready_timeout, args.log, worker=worker)
+        health = [w["health"] for w in layout.get("workers", [])]
+        report["startup_s"] = wait_ready(base, gateway, args.ready_timeout, args.log, worker=worker,
+                                         worker_health=health, pool_size=len(args.gpu_list), worker_pids=children)
         report["gpu_memory_idle_MiB"] = gpu_memory_mib()
         print(f"gateway ready in {report['startup_s']:.1f} s", flush=True)
         for rate in [float(r) for r in args.rates.split(",")]:
@@ -177,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             command = harness_command(args, base, rate, output)
             print("+ " + " ".join(command), flush=True)
             before = scrape_counters(base)
+            workers_before = [scrape_or_none(url) for url in health]
+            disturbance = disturb_first_worker(args, [], children, base) if not report["rates"] else None
             started = time.monotonic()
             result = subprocess.run(command, cwd=work, env=harness_env(args), capture_output=True, text=True,
                                     timeout=args.warmup + args.duration + args.timeout + 300)
@@ -191,7 +275,27 @@ def main(argv: list[str] | None = None) -> int:
             entry = rate_entry(rate, json.loads(summary_path.read_text()), result.returncode)
             entry["wall_s"] = round(time.monotonic() - started, 1)
             entry["gpu_memory_MiB"] = gpu_memory_mib()
-            entry["engine"] = engine_breakdown(before, scrape_counters(base))
+            after = scrape_counters(base)
+            entry["engine"] = engine_breakdown(before, after)
+            if disturbance is not None:
+                kind, timer, gpu, pid = disturbance
+                timer.cancel()
+                at_s = args.kill_worker_at if kind == "kill" else args.drain_worker_at
+                entry["killed_worker" if kind == "kill" else "drained_worker"] = disturbed = {
+                    "worker": 1, "sent": timer.sent.is_set(), "sent_at_s": timer.sent_at_s,
+                    "streams_at_signal": timer.streams_at_signal,
+                    **disturbance_report(kind, at_s, gpu, pid, args.log, pool_deltas(before, after),
+                                         harness_requests(output))}
+                print(f"GPU {gpu}'s worker: {kind} at {disturbed['sent_at_s']} s with {disturbed['streams_at_signal']} "
+                      f"streams open: listeners' pauses (ms) {disturbed['pause_ms']}, pool {disturbed['pool']}, "
+                      f"requests cut {disturbed['requests_cut']}, refused {disturbed['requests_refused']}"
+                      + (f", no stream cut: {disturbed['no_stream_cut']}" if kind == "drain" else ""), flush=True)
+            if children:
+                entry["workers"] = [
+                    {"worker": i, "gpu": w["gpu"], "pid": children[w["gpu"]], "running": pid_alive(children[w["gpu"]]),
+                     "requests": requests_by_outcome(b, a) if b is not None and a is not None else None}
+                    for i, (w, b, a) in enumerate(zip(layout["workers"], workers_before,
+                                                      [scrape_or_none(url) for url in health]), 1)]
             report["rates"].append(entry)
             failed |= result.returncode != 0
             print(table([entry]), flush=True)
@@ -201,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         for process in (gateway, worker):
             if process is not None:
                 stop(process)
+        # With --gpus, the launcher's: the worst of its children's (9 after a SIGKILL, 0 after drains).
         report["worker_exit_code"] = worker.returncode if worker is not None else None
+        if token_file is not None:
+            shutil.rmtree(token_file.parent, ignore_errors=True)
         for f in logs:
             f.close()
         if not args.keep_results and args.work is None:
