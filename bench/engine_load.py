@@ -24,6 +24,20 @@ Where the engine runs:
                        exports voxgate_pool_workers) N workers ready in its pool; a worker that exits first
                        fails the run at once. Each rate's entry adds `workers`: per worker, the engine
                        breakdown and requests by outcome read from that worker's own /metrics.
+    --gpus LIST        ONE `voxgate worker --gpus LIST` launcher (tts_backend/remote/launcher.py: one child per
+                       GPU with CUDA_VISIBLE_DEVICES set, ports counted up from one base), each child with all
+                       max_active = 128 slots (a GPU of its own), on loopback TCP with the token file, behind
+                       the gateway's static pool naming every child; each child's PID is read from /proc (the
+                       launcher's children, told apart by the CUDA_VISIBLE_DEVICES it gave each). Its log is
+                       FILE with suffix .workers.log (the children share the launcher's output).
+
+A worker killed or drained mid-run (a pool of two or more): --kill-worker-at S SIGKILLs worker 1 (with --gpus,
+the first GPU's child, not the launcher), --drain-worker-at S SIGTERMs it, S seconds into the first rate (or
+the first moment within 5 s more that the gateway's pool runs a stream on it). That rate's entry adds
+`killed_worker` / `drained_worker`: when it went and the streams open on it then, the listeners' pauses the
+pool logged (from a worker's loss to the stream's next audio elsewhere; p50/p99/max), the pool's failovers,
+hand-overs and resumes from codes, the requests cut (audio had begun and did not end whole) and refused
+(failed before any audio), and for a drain whether the worker exited and `no_stream_cut`.
 
 The agent workload (bench/README.md): --agent-sentences N --words-per-s R sends each session's reply of N
 prompts one word per input.text; each rate then reports the audible TTFA from the first word and from the
@@ -41,8 +55,8 @@ and, for timestamps, `-o aligner=DIR` (bench/make_checkpoint.py --aligner):
     --timestamps sync|async  every session asks for word timestamps (timestamp_type "word") in that transport;
                            each rate's entry adds the aligner's counters where the backend exports them
 
-With --log FILE the workers log beside it: FILE with suffix .worker.log (--worker) or .worker1.log,
-.worker2.log, ... (--tcp-workers). On the H200: `LOAD_ARGS="--tcp-workers 2" bash bench/h200.sh setup
+With --log FILE the workers log beside it: FILE with suffix .worker.log (--worker), .worker1.log,
+.worker2.log, ... (--tcp-workers) or .workers.log (--gpus). On the H200: `LOAD_ARGS="--tcp-workers 2" bash bench/h200.sh setup
 load:10,20` (bench/h200.sh).
 """
 

@@ -41,8 +41,11 @@
 #                    DURATION/2; FLAGS and NARI_ARGS go to every run). The kill's and the drain's entries give the
 #                    listeners' pauses p50/p99/max, the pool's failovers and hand-overs, the requests cut and
 #                    refused, and the drain's no_stream_cut; the scaling factor is multigpu_2gpu's successful
-#                    requests per second over multigpu_1gpu's, each at its verdict. Needs .carry/nari, as nari:
+#                    requests per second over multigpu_1gpu's, each at its verdict. Needs .carry/nari, as nari;
+#                    with WARMUP=5 DURATION=15 each run is its start-up (30 s with a carried compile cache, 2 min
+#                    cold) and about 25 s of load, so the whole step fits one 10-minute call:
 #                      WARMUP=5 DURATION=15 bash bench/h200.sh setup multigpu:20 savecache
+#                    carrying .carry/whl .carry/voxgate_cache .carry/nari .carry/compile_cache.txz
 #   profile:ARGS     bench/engine_profile.py ARGS        -> $OUT/engine_profile.json
 #   textstream[:ARGS] bench/text_stream_check.py ARGS    -> $OUT/text_stream.json: text pushed word by word
 #                    says exactly what the whole text says (CUDA graphs, Triton), and its first-audio times
