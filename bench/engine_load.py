@@ -289,6 +289,8 @@ def signal_worker(kind: str, at_s: float, pid: int, gpu: str | None, streams: Ca
     def send() -> None:
         deadline = time.monotonic() + SIGNAL_GRACE_S
         while not (open_streams := streams()) and time.monotonic() < deadline:
+            if timer.finished.is_set():  # cancelled (the run ended) while waiting for a stream: send nothing
+                return
             time.sleep(0.02)
         timer.streams_at_signal = open_streams
         timer.sent_at_s = round(time.monotonic() - started, 3)

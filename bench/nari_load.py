@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             result = subprocess.run(command, cwd=work, env=harness_env(args), capture_output=True, text=True,
                                     timeout=args.warmup + args.duration + args.timeout + 300)
+            if disturbance is not None:  # not sent by now: the harness's run ended first (the entry says so)
+                disturbance[1].cancel()
             print(result.stdout[-6000:] + result.stderr[-3000:], flush=True)
             summary_path = output / "summary.json"
             if not summary_path.is_file():
@@ -279,7 +281,6 @@ def main(argv: list[str] | None = None) -> int:
             entry["engine"] = engine_breakdown(before, after)
             if disturbance is not None:
                 kind, timer, gpu, pid = disturbance
-                timer.cancel()
                 at_s = args.kill_worker_at if kind == "kill" else args.drain_worker_at
                 entry["killed_worker" if kind == "kill" else "drained_worker"] = disturbed = {
                     "worker": 1, "sent": timer.sent.is_set(), "sent_at_s": timer.sent_at_s,
