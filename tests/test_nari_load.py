@@ -19,9 +19,9 @@ from tests.nari_bench_env import HarnessUnavailable, harness_python, source_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="the harness's source needs Python 3.11 (asyncio.timeout)")
-@pytest.mark.third_party
-def test_the_harness_runs_against_a_gateway_and_worker(tmp_path):
+def run_nari_load(tmp_path, flags: list[str], timeout: float) -> tuple[dict, Path]:
+    """bench/nari_load.py with `flags` and the cached harness (failing in CI where it is missing, skipped
+    elsewhere), its work folder, report and gateway log in `tmp_path`: (the report, the report's path)."""
     try:
         src = source_dir() / "tts_bench" / "src"
     except HarnessUnavailable as exc:
@@ -30,12 +30,19 @@ def test_the_harness_runs_against_a_gateway_and_worker(tmp_path):
         pytest.skip(str(exc))
     output = tmp_path / "nari_load.json"
     result = subprocess.run(
-        [sys.executable, "bench/nari_load.py", "--backend", "synthetic", "--voice", "tone-mid", "--rates", "2,4",
-         "--warmup", "1", "--duration", "3", "--harness-src", str(src), "--harness-python", str(harness_python()),
-         "--work", str(tmp_path / "work"), "--output", str(output), "--log", str(tmp_path / "gateway.log")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [sys.executable, "bench/nari_load.py", *flags, "--harness-src", str(src),
+         "--harness-python", str(harness_python()), "--work", str(tmp_path / "work"), "--output", str(output),
+         "--log", str(tmp_path / "gateway.log")],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    report = json.loads(output.read_text())
+    return json.loads(output.read_text()), output
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the harness's source needs Python 3.11 (asyncio.timeout)")
+@pytest.mark.third_party
+def test_the_harness_runs_against_a_gateway_and_worker(tmp_path):
+    report, output = run_nari_load(tmp_path, ["--backend", "synthetic", "--voice", "tone-mid", "--rates", "2,4",
+                                              "--warmup", "1", "--duration", "3"], timeout=600)
     assert report["target"] == "vllm-omni" and "gpu" in report and "compile_cache" in report
     assert " worker --backend synthetic --socket " in report["worker_command"]
     assert " serve --backend remote -o socket=" in report["gateway_command"]
@@ -79,22 +86,10 @@ def test_h200_nari_step_runs_the_harness_on_its_own_path(tmp_path):
 
 
 def run_harness_on_two_workers(tmp_path, flag: str) -> tuple[dict, dict]:
-    try:
-        src = source_dir() / "tts_bench" / "src"
-    except HarnessUnavailable as exc:
-        if IN_CI:
-            pytest.fail(f"{exc}; CI must provide it", pytrace=False)
-        pytest.skip(str(exc))
-    output = tmp_path / "nari_load.json"
-    result = subprocess.run(
-        # Paced at 1.5x real time: each stream lasts seconds, as an engine's do, so the signal finds some open.
-        [sys.executable, "bench/nari_load.py", "--backend", "synthetic", "-o", "speed=1.5", "--voice", "tone-mid",
-         "--rates", "4", "--warmup", "1", "--duration", "4", "--gpus", "0,1", flag, "3", "--harness-src", str(src),
-         "--harness-python", str(harness_python()), "--work", str(tmp_path / "work"), "--output", str(output),
-         "--log", str(tmp_path / "gateway.log")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    report = json.loads(output.read_text())
+    # Paced at 1.5x real time: each stream lasts seconds, as an engine's do, so the signal finds some open.
+    report, _ = run_nari_load(tmp_path, ["--backend", "synthetic", "-o", "speed=1.5", "--voice", "tone-mid",
+                                         "--rates", "4", "--warmup", "1", "--duration", "4", "--gpus", "0,1", flag,
+                                         "3"], timeout=300)
     assert " worker --gpus 0,1 --backend synthetic " in report["worker_command"]
     assert " serve --backend remote -o workers=tcp://127.0.0.1:" in report["gateway_command"]
     assert [w["gpu"] for w in report["workers"]] == ["0", "1"] and len({w["pid"] for w in report["workers"]}) == 2
