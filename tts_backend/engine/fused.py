@@ -424,7 +424,11 @@ def fuse_codec_activations(codec, compile: bool, convolutions: bool = True) -> i
                 x.contiguous(), alpha, beta)
             count += 1
     if convolutions:
-        count += _route_codec_convolutions(codec, True)
+        # The tensors routing makes (zeros for an absent bias, folded weights) are arguments of compiled
+        # functions beside detached parameters: made under inference mode (the runner's start-up) they would
+        # carry other dispatch keys than those, and TorchDynamo traces each combination as a variant of its own.
+        with torch.inference_mode(False), torch.no_grad():
+            count += _route_codec_convolutions(codec, True)
     return count + _route_codec_layers(codec, True)
 
 

@@ -223,7 +223,7 @@ class Qwen3RunnerConfig:
     # The codec's convolution stages fused on CUDA (engine/fused.py _route_codec_convolutions: conv biases,
     # SnakeBetas, history updates and residual adds inside compiled functions and GEMMs); False keeps only the
     # compiled SnakeBeta and pre-transformer layers. Its functions are Inductor compiles of their own at a
-    # start without the compile cache (6 more traced variants than the 3 of the rest of the codec: at about
+    # start without the compile cache (5 more traced variants than the 3 of the rest of the codec: at about
     # 8 s each, a cold start's largest share), so the two trade codec time against cold start-up. Off until a
     # GPU has measured what it saves (bench/codec_profile.py, variant bf16_fused).
     codec_fused_convolutions: bool = False
