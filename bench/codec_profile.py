@@ -12,10 +12,14 @@ decoder call, captured in a CUDA graph as the runner replays it, per variant:
 - `fp32_fused`, `bf16_fused`: the same with the convolution stages fused (engine/fused.py
   `_route_codec_convolutions`: conv biases, SnakeBetas, history updates and residual adds inside compiled
   functions and GEMMs; the runner's with codec_fused_convolutions, off by default); fp32_fused's SNR against `fp32`
-  shows the fused math is the same math (rounding only).
+  shows the fused math is the same math (rounding only);
+- `bf16_fused_nlc`: the fused stages on channels-last activations (engine/codec_channels_last.py: NHWC
+  convolutions on [B, T, C] views, SnakeBetas and history windows along whole rows; the runner's with
+  codec_channels_last, off by default), and `bf16_fused_nlc_heuristic` beside it as `bf16_fused_heuristic` is
+  beside `bf16_fused`;
 
-and the top kernels of one `fp32` call and one `bf16_fused` call by device time (torch.profiler), to show
-what is left to cut.
+and the top kernels of one `fp32` call, one `bf16_fused` call and one `bf16_fused_nlc` call by device time
+(torch.profiler), to show what is left to cut.
 
     python bench/codec_profile.py --output /tmp/codec_profile.json          # CUDA only
 """
@@ -35,26 +39,30 @@ from tts_backend.qwen3.codec import CodecDecoder, CodecDecoderConfig  # noqa: E4
 from tts_backend.qwen3.testing.codec_checkpoint import speech_tokenizer_config  # noqa: E402
 
 SHAPES = ((1, 2), (2, 2), (4, 2), (8, 12), (16, 12), (32, 12), (64, 12), (16, 4), (32, 4))
-# name -> (weights and state dtype, cuDNN benchmark mode, fused convolution stages)
+# name -> (weights and state dtype, cuDNN benchmark mode, fused convolution stages, channels-last stages)
 VARIANTS = {
-    "fp32": (torch.float32, False, False),
-    "fp32_bench": (torch.float32, True, False),
-    "bf16": (torch.bfloat16, True, False),
-    "fp32_fused": (torch.float32, True, True),
-    "bf16_fused": (torch.bfloat16, True, True),
+    "fp32": (torch.float32, False, False, False),
+    "fp32_bench": (torch.float32, True, False, False),
+    "bf16": (torch.bfloat16, True, False, False),
+    "fp32_fused": (torch.float32, True, True, False),
+    "bf16_fused": (torch.bfloat16, True, True, False),
     # As the runner captures it unless codec_cudnn_benchmark is on: cuDNN's heuristics pick the kernels.
-    "bf16_fused_heuristic": (torch.bfloat16, False, True),
+    "bf16_fused_heuristic": (torch.bfloat16, False, True, False),
+    "bf16_fused_nlc": (torch.bfloat16, True, True, True),
+    "bf16_fused_nlc_heuristic": (torch.bfloat16, False, True, True),
 }
+# Variants whose kernels are profiled (report key profile_<name>) besides fp32's.
+PROFILED = ("bf16_fused", "bf16_fused_nlc")
 
 
 def build(dtype: torch.dtype, compile: bool, convolutions: bool = False, device: str = "cuda",
-          size: str = "full") -> CodecDecoder:
+          size: str = "full", channels_last: bool = False) -> CodecDecoder:
     """A random codec of the released shapes (same weights for every variant: seed 0) on its fast path."""
     from tts_backend.engine.fused import fuse_codec_activations
 
     torch.manual_seed(0)
     codec = CodecDecoder(CodecDecoderConfig.from_dict(speech_tokenizer_config(size))).to(device, dtype).eval()
-    fuse_codec_activations(codec, compile, convolutions=convolutions)
+    fuse_codec_activations(codec, compile, convolutions=convolutions, channels_last=channels_last)
     return codec
 
 
@@ -170,16 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     report["profile"] = [top_kernels(fp32, b, f, args.top) for b, f in ((2, 2), (16, 12))]
     print_profile("fp32", report["profile"])
     for name in chosen:
-        dtype, bench, convolutions = VARIANTS[name]
+        dtype, bench, convolutions, channels_last = VARIANTS[name]
         torch.backends.cudnn.benchmark = bench
-        codec = fp32 if name == "fp32" else build(dtype, True, convolutions)
-        if name == "bf16_fused":
+        codec = fp32 if name == "fp32" else build(dtype, True, convolutions, channels_last=channels_last)
+        if name in PROFILED:
+            key = f"profile_{name}"
             try:
-                report["profile_bf16_fused"] = [top_kernels(codec, b, f, args.top) for b, f in ((2, 2), (16, 12))]
-                print_profile(name, report["profile_bf16_fused"])
+                report[key] = [top_kernels(codec, b, f, args.top) for b, f in ((2, 2), (16, 12))]
+                print_profile(name, report[key])
             except Exception as exc:  # noqa: BLE001 - reported, the timings still run
-                report["profile_bf16_fused"] = f"failed: {type(exc).__name__}: {exc}"[:500]
-                print(report["profile_bf16_fused"], flush=True)
+                report[key] = f"failed: {type(exc).__name__}: {exc}"[:500]
+                print(report[key], flush=True)
         rows = {}
         for b, f in SHAPES:
             try:

@@ -80,35 +80,44 @@ def assert_states_close(fast: CodecState, plain: CodecState) -> None:
         assert (fast.tensors[key] - tensor).abs().max().item() <= 1e-5 * scale, key
 
 
-def test_fused_convolutions_keep_every_history_row_by_row(decoder):
-    """The engine's use: a pool of stream rows, each call gathering some rows (fresh ones among streams in
-    mid-flight, in any order) into a static state, decoding t frames and scattering the state back. The fast
-    path leaves every output sample and every history tensor of the pool where the modules leave them."""
-    calls = [([0, 1], 3), ([1, 0, 2], 1), ([3, 2], 7), ([2, 0, 1, 3], 12), ([1, 3], 2), ([0, 1, 2, 3], 5)]
+# The engine's use: (rows, frames) per call over a pool of 4 stream rows; fresh rows join streams in mid-flight.
+ENGINE_CALLS = [([0, 1], 3), ([1, 0, 2], 1), ([3, 2], 7), ([2, 0, 1, 3], 12), ([1, 3], 2), ([0, 1, 2, 3], 5)]
+
+
+def decode_rows(decoder, codes: torch.Tensor, calls=ENGINE_CALLS) -> tuple[list[torch.Tensor], CodecState]:
+    """Each call gathers its rows of a pool (in any order) into a static state, decodes t frames of each and
+    scatters the state back, as the engine does; returns every call's output and the pool."""
+    pool, done, outputs = decoder.init_state(codes.shape[0]), [0] * codes.shape[0], []
+    with torch.inference_mode():
+        for rows, t in calls:
+            static = decoder.init_state(len(rows)).copy_rows_from_(pool, rows)
+            batch = torch.stack([codes[r, :, done[r]:done[r] + t] for r in rows])
+            outputs.append(decoder.decode_chunk(batch, static))
+            pool.index_copy_(rows, static)
+            for r in rows:
+                done[r] += t
+    return outputs, pool
+
+
+def assert_rows_decode_as_the_modules(decoder, route) -> CodecState:
+    """With `route(decoder)`'s fast path, every output sample and every history tensor of the engine's pool
+    (decode_rows) is where the modules leave it; returns the modules' pool."""
     codes = random_codes(4, 40, decoder.config, seed=4)
-
-    def run() -> tuple[list[torch.Tensor], CodecState]:
-        pool, done, outputs = decoder.init_state(4), [0] * 4, []
-        with torch.inference_mode():
-            for rows, t in calls:
-                static = decoder.init_state(len(rows)).copy_rows_from_(pool, rows)
-                batch = torch.stack([codes[r, :, done[r]:done[r] + t] for r in rows])
-                outputs.append(decoder.decode_chunk(batch, static))
-                pool.index_copy_(rows, static)
-                for r in rows:
-                    done[r] += t
-        return outputs, pool
-
-    plain_out, plain_pool = run()
+    plain_out, plain_pool = decode_rows(decoder, codes)
     try:
-        route_fast_path(decoder)
-        fast_out, fast_pool = run()
+        route(decoder)
+        fast_out, fast_pool = decode_rows(decoder, codes)
     finally:
         unfuse_codec_activations(decoder)
     for fast, plain in zip(fast_out, plain_out):
         assert fast.shape == plain.shape
         assert (fast - plain).abs().max().item() <= 1e-5
     assert_states_close(fast_pool, plain_pool)
+    return plain_pool
+
+
+def test_fused_convolutions_keep_every_history_row_by_row(decoder):
+    plain_pool = assert_rows_decode_as_the_modules(decoder, route_fast_path)
     assert plain_pool.tensors["decoder.4.block.4.conv1"].abs().max() > 0  # the histories were written
 
 

@@ -94,23 +94,26 @@ def test_the_resume_pass_traces_no_variant_of_its_own():
     assert counts["resume"] == 0 and counts["prefill"] == 1, counts
 
 
-def test_the_fused_codec_serves_every_call_on_what_capture_traced():
-    """With codec_fused_convolutions on, no codec call after start-up traces anything (a trace on the engine
-    thread is an Inductor compile of seconds): every batch bucket at every frame count the scheduler asks for
-    (the captured counts, the others as captured pieces, first chunks and bulk calls alike), a resumed
-    request's two-row priming and a cloned voice's 64-frame reference priming run on the variants capture
-    traced. Here every call, captured or not, goes through TorchDynamo's guards again (on CUDA a captured call
-    replays without them), so a shape, layout or dispatch key that capture did not trace fails this test.
-    Priming one row instead of two, for one, traces all 8 codec variants again."""
-    code = textwrap.dedent("""
+@pytest.mark.parametrize("channels_last, codec_variants", [(False, 8), (True, 7)])
+def test_the_fused_codec_serves_every_call_on_what_capture_traced(channels_last, codec_variants):
+    """With codec_fused_convolutions on (and codec_channels_last: its stages on [B, T, C] activations, one
+    compiled function fewer), no codec call after start-up traces anything (a trace on the engine thread is
+    an Inductor compile of seconds): every batch bucket at every frame count the scheduler asks for (the
+    captured counts, the others as captured pieces, first chunks and bulk calls alike), a resumed request's
+    two-row priming and a cloned voice's 64-frame reference priming run on the variants capture traced. Here
+    every call, captured or not, goes through TorchDynamo's guards again (on CUDA a captured call replays
+    without them), so a shape, layout or dispatch key that capture did not trace fails this test. Priming one
+    row instead of two, for one, traces all the codec variants again."""
+    code = textwrap.dedent(f"""
         import json
         from bench.compile_variants import count_variants
         print(json.dumps(count_variants("small", config_overrides=dict(
             max_slots=4, decode_buckets=(2, 4), codec_batch_buckets=(2, 4), codec_frames=(1, 2, 4, 8, 12),
-            prefill_len_buckets=(16,), codec_fused_convolutions=True), codec_serving=True)))
+            prefill_len_buckets=(16,), codec_fused_convolutions=True, codec_channels_last={channels_last}),
+            codec_serving=True)))
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert counts["codec"] == 8 and counts["codec_serving"] == 0, counts
+    assert counts["codec"] == codec_variants and counts["codec_serving"] == 0, counts

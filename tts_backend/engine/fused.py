@@ -109,11 +109,14 @@ def _compile(fn, enabled: bool):
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+def _snake(x, a, b):
+    """SnakeBeta's formula, a = e^alpha and b = e^beta shaped to broadcast over x's channels."""
+    return x + (1.0 / (b + 1e-9)) * torch.pow(torch.sin(x * a), 2)
+
+
 def _snake_beta(x, alpha, beta):
     """qwen3.codec.SnakeBeta.forward, as one function of its weights."""
-    a = torch.exp(alpha)[None, :, None]
-    b = torch.exp(beta)[None, :, None]
-    return x + (1.0 / (b + 1e-9)) * torch.pow(torch.sin(x * a), 2)
+    return _snake(x, torch.exp(alpha)[None, :, None], torch.exp(beta)[None, :, None])
 
 
 def unfuse_codec_activations(codec) -> None:
@@ -250,12 +253,19 @@ def _convnext_input(x, past, out_bias):
     return _conv_window(x, past), x + _bias(out_bias)
 
 
-def make_convnext_hidden_fn(eps: float):
-    """ConvNeXt's depthwise-conv output (bias deferred) -> GELU(pwconv1(LayerNorm(.))) [B, t, 4C]."""
+def make_convnext_hidden_fn(eps: float, channels_last: bool = False):
+    """ConvNeXt's depthwise-conv output d (bias deferred; [B, C, t], or [B, t, C] when `channels_last`) ->
+    GELU(pwconv1(LayerNorm(.))) [B, t, 4C]."""
 
-    def hidden(d, d_bias, ln_weight, ln_bias, w1, b1):
-        h = (d + _bias(d_bias)).transpose(1, 2)
+    def mlp(h, ln_weight, ln_bias, w1, b1):
         return F.gelu(F.linear(F.layer_norm(h, (h.shape[-1],), ln_weight, ln_bias, eps), w1, b1))
+
+    if channels_last:
+        def hidden(d, d_bias, ln_weight, ln_bias, w1, b1):
+            return mlp(d + d_bias, ln_weight, ln_bias, w1, b1)
+    else:
+        def hidden(d, d_bias, ln_weight, ln_bias, w1, b1):
+            return mlp((d + _bias(d_bias)).transpose(1, 2), ln_weight, ln_bias, w1, b1)
 
     return hidden
 
@@ -388,27 +398,36 @@ def _route_codec_convolutions(codec, compile: bool) -> int:
     for _, convnext in codec.upsample:
         convnext.forward = _convnext_forward(convnext, fns)
         count += 1
+    return count + _route_decoder(codec, lambda block: _decoder_block_forward(block, fns),
+                                  lambda snake, conv: _final_conv_forward(snake, conv, fns))
+
+
+def _route_decoder(codec, block_forward, final_conv_forward) -> int:
+    """The decoder blocks through `block_forward(block)` and the final SnakeBeta + conv through
+    `final_conv_forward(snake, conv)`; returns how many modules were routed."""
     for block in codec.decoder[1:-2]:
-        block.forward = _decoder_block_forward(block, fns)
-        count += 1
+        block.forward = block_forward(block)
     # decode_chunk calls decoder[-1](decoder[-2](x)): the final SnakeBeta runs inside the last conv's window.
     final_snake, final_conv = codec.decoder[-2], codec.decoder[-1]
     final_snake.forward = _identity
-    final_conv.forward = _final_conv_forward(final_snake, final_conv, fns)
-    return count + 2
+    final_conv.forward = final_conv_forward(final_snake, final_conv)
+    return len(codec.decoder) - 3 + 2
 
 
-def fuse_codec_activations(codec, compile: bool, convolutions: bool = True) -> int:
+def fuse_codec_activations(codec, compile: bool, convolutions: bool = True, channels_last: bool = False) -> int:
     """The codec's fast path: the RVQ dequantisation as one gather over projected tables (always), and with
     `compile`, each pre-transformer layer through one compiled function and (with `convolutions`) the decoder's
     convolution stages through `_route_codec_convolutions` (every SnakeBeta, conv bias, history update and
-    residual add inside a compiled function or a GEMM); any SnakeBeta left runs as one compiled kernel (7
-    elementwise kernels become 1). Changes the instances' `forward` only (undone by
-    `unfuse_codec_activations`); returns how many modules were routed."""
+    residual add inside a compiled function or a GEMM), or with `channels_last` too through
+    codec_channels_last.py's (the same stages on [B, T, C] activations and NHWC convolutions); any SnakeBeta
+    left runs as one compiled kernel (7 elementwise kernels become 1). Changes the instances' `forward` only
+    (undone by `unfuse_codec_activations`); returns how many modules were routed."""
     import functools
 
     from tts_backend.qwen3.codec import SnakeBeta
 
+    if channels_last and not convolutions:
+        raise ValueError("channels_last is a layout of the fused convolution stages: it needs convolutions=True")
     quantizer = codec.quantizer
     tables = _codec_rvq_tables(quantizer)
     books = torch.arange(tables.shape[0], device=tables.device)
@@ -424,11 +443,15 @@ def fuse_codec_activations(codec, compile: bool, convolutions: bool = True) -> i
                 x.contiguous(), alpha, beta)
             count += 1
     if convolutions:
+        if channels_last:
+            from .codec_channels_last import route_codec_convolutions_channels_last as route
+        else:
+            route = _route_codec_convolutions
         # The tensors routing makes (zeros for an absent bias, folded weights) are arguments of compiled
         # functions beside detached parameters: made under inference mode (the runner's start-up) they would
         # carry other dispatch keys than those, and TorchDynamo traces each combination as a variant of its own.
         with torch.inference_mode(False), torch.no_grad():
-            count += _route_codec_convolutions(codec, True)
+            count += route(codec, True)
     return count + _route_codec_layers(codec, True)
 
 

@@ -227,6 +227,14 @@ class Qwen3RunnerConfig:
     # 8 s each, a cold start's largest share), so the two trade codec time against cold start-up. Off until a
     # GPU has measured what it saves (bench/codec_profile.py, variant bf16_fused).
     codec_fused_convolutions: bool = False
+    # Those fused stages with the activations kept [B, T, C] from the pre-transformer's output to the final
+    # conv (engine/codec_channels_last.py: every conv an NHWC 2-D conv on channels-last views and weights,
+    # SnakeBetas and history windows along whole rows). A layout of the fused stages, so it needs
+    # codec_fused_convolutions; one traced variant fewer than those (4 more than the rest of the codec). On the
+    # H200 the fused path's call of 16 x 12 frames spent 1.44 of 9.7 ms in cuDNN's NCHW<->NHWC transforms and
+    # 3.3 ms in SnakeBeta kernels 5x below memory bandwidth (bench/results/codec_profile_h200_fused.json); off
+    # until a GPU has measured what this saves (bench/codec_profile.py, variant bf16_fused_nlc).
+    codec_channels_last: bool = False
     # How a resumed request (resume from codes) runs its delivered frames through the Talker: "batched" (one
     # pass over the prompt and the frames, as a prefill), "stepwise" (the prompt, then one decode step a frame,
     # exactly the steps the uninterrupted request took) or "auto": batched on CUDA, stepwise elsewhere. Why
@@ -289,6 +297,9 @@ class Qwen3ModelRunner(ModelRunner):
             raise ValueError("the runner needs the codec decoder (load_codec=True)")
         if cfg.codec_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"codec_dtype must be float32 or bfloat16, not {cfg.codec_dtype!r}")
+        if cfg.codec_channels_last and not cfg.codec_fused_convolutions:
+            raise ValueError("codec_channels_last is a layout of the fused convolution stages: it needs "
+                             "codec_fused_convolutions too")
         if cfg.codec_dtype == "bfloat16" and self.device.type == "cuda":
             model.codec.to(torch.bfloat16)
         self.codec_module = model.codec
@@ -455,7 +466,8 @@ class Qwen3ModelRunner(ModelRunner):
             self.fused_cp = FusedCodePredictor(m.code_predictor, m.talker, self.params, self.compile, self.triton,
                                                max_rows=cp_rows)
             self.talker_sample_fn = talker_sampler(self.params, self.compile)
-            fuse_codec_activations(self.codec_module, self.compile, convolutions=cfg.codec_fused_convolutions)
+            fuse_codec_activations(self.codec_module, self.compile, convolutions=cfg.codec_fused_convolutions,
+                                   channels_last=cfg.codec_channels_last)
             self.codec_compiled = self.compile
             if dev.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 codec's matmuls (convs already use TF32)
