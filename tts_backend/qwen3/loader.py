@@ -16,43 +16,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
+from .safetensors_file import CheckpointError, SafetensorsFile
 
 # What a checkpoint's weights may be stored in; each is cast to the module's dtype on load.
 CHECKPOINT_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint folder does not hold exactly the tensors and files this model needs."""
-
-
-class SafetensorsFile:
-    """Lazy access to one `.safetensors` file: names, shapes and dtypes without reading the data."""
-
-    def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise CheckpointError(f"missing file {self.path}")
-        self._handle = safe_open(str(self.path), framework="pt", device="cpu")
-
-    def keys(self) -> list[str]:
-        return list(self._handle.keys())
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle.get_slice(name).get_shape())
-
-    def dtype(self, name: str) -> torch.dtype:
-        return SAFETENSORS_DTYPES[self._handle.get_slice(name).get_dtype()]
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._handle.get_tensor(name)
 
 
 class _InMemoryTensors:
@@ -123,9 +90,80 @@ def load_tensors_strict(
         raise CheckpointError(f"checkpoint file {file} does not match the model:\n  {shown}{more}")
 
     with torch.no_grad():
+        if isinstance(source, SafetensorsFile):
+            source.copy_into([(name, state[target].data) for name, target in name_map.items()])
+            return
         for name, target in name_map.items():
             # copy_ converts dtype and device in one pass, without a temporary on the destination's device.
             state[target].copy_(source.tensor(name))
+
+
+# The initialisers a module's constructor may call; build_empty turns them into no-ops while it builds.
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                 "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                 "sparse_")
+
+
+def build_empty(make: Callable[[], nn.Module], device: torch.device | str,
+                dtype: torch.dtype | None = None) -> nn.Module:
+    """`make()`'s module with uninitialised memory on `device` (in `dtype`, else as built), for a module whose
+    whole state load_tensors_strict then overwrites from a file.
+
+    Built on the meta device, so a real build's random initialisation (2 s of a CPU for the released codec)
+    is not paid, with torch.nn.init's initialisers made no-ops meanwhile: even on meta, `normal_` (every
+    nn.Embedding's) goes through a Python reference that imports torch._dynamo, 6 s of start-up on a 2-core
+    CPU. Cast while still meta, so the memory is allocated in `dtype` at once rather than float32 first (6.8 GB
+    at 1.7B). Not thread-safe against another thread initialising modules meanwhile (the worker builds none).
+    """
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS if hasattr(nn.init, name)}
+    try:
+        for name in saved:
+            setattr(nn.init, name, _skip_init)
+        with torch.device("meta"):
+            module = make()
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+    if dtype is not None:
+        module = module.to(dtype)
+    return _allocate_in_one_block(module, torch.device(device))
+
+
+def _skip_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
+# Bytes: what a fresh CUDA allocation is aligned to, so a kernel sees each view as it would a tensor of its own.
+_ALIGNMENT = 256
+
+
+def _allocate_in_one_block(module: nn.Module, device: torch.device) -> nn.Module:
+    """The meta module's tensors as contiguous views of one allocation on `device`, in the module's order.
+
+    One allocation instead of hundreds, and weights registered one after another (q/k/v, gate/up) end up back
+    to back, so the engine's fused stack (engine/fused.py) joins them as a view instead of a copy: no second
+    copy of the Talker's weights (2.7 GB at 1.7B) and no time copying them at start-up. Not to_empty: its
+    empty_like of a meta tensor goes through a Python reference that imports sympy (1.7 s of a 2-core CPU).
+    A tensor shared by two modules stays shared."""
+    offsets: dict[int, int] = {}
+    size = 0
+    tensors = [t for _, t in module.named_parameters(remove_duplicate=False)]
+    tensors += [t for _, t in module.named_buffers(remove_duplicate=False)]
+    for t in tensors:
+        if id(t) not in offsets:
+            size = -(-size // _ALIGNMENT) * _ALIGNMENT
+            offsets[id(t)] = size
+            size += t.numel() * t.element_size()
+    block = torch.empty(size, dtype=torch.uint8, device=device)
+    views: dict[int, torch.Tensor] = {}
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in views:
+            start = offsets[id(t)]
+            views[id(t)] = block[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        return views[id(t)]
+
+    return module._apply(place)
 
 
 MODEL_FILE = "model.safetensors"
@@ -179,11 +217,7 @@ def load_model_weights(
     """Talker, code predictor and (Base) speaker encoder from `<folder>/model.safetensors` (bf16, fp16 or fp32),
     cast to `dtype` on `device`."""
     path = Path(folder) / MODEL_FILE
-    with torch.device("meta"):
-        weights = ModelWeights(cfg)
-    # Cast while the parameters are still meta: to_empty then allocates them in `dtype` at once, instead of
-    # allocating float32 (6.8 GB at 1.7B) and converting its garbage (9.5 s on a CPU) before the copy.
-    weights = weights.to(dtype).to_empty(device=device)
+    weights = build_empty(lambda: ModelWeights(cfg), device, dtype)
     load_tensors_strict(weights, SafetensorsFile(path), path, model_name_map(weights))
     return weights.eval()
 
@@ -198,12 +232,7 @@ def load_codec_decoder(folder: str | Path, device: torch.device | str = "cpu"):
         CodecDecoder, CodecDecoderConfig, codec_checkpoint_name_map, is_ignored_codec_tensor)
 
     tokenizer_dir, config_path = _speech_tokenizer_config(folder)
-    # Built on the meta device and allocated where it will run: every parameter is overwritten from the file
-    # (load_tensors_strict covers the module's whole state), so the random initialisation of a real build
-    # only cost start-up time (2 s of a CPU for the released codec).
-    with torch.device("meta"):
-        decoder = CodecDecoder(CodecDecoderConfig.from_json(config_path))
-    decoder = decoder.to_empty(device=device)
+    decoder = build_empty(lambda: CodecDecoder(CodecDecoderConfig.from_json(config_path)), device)
     weights = tokenizer_dir / "model.safetensors"
     load_tensors_strict(decoder, SafetensorsFile(weights), weights, codec_checkpoint_name_map(decoder),
                         ignore=is_ignored_codec_tensor)
@@ -231,8 +260,8 @@ def load_codec_encoder(folder: str | Path, device: torch.device | str = "cpu"):
 
     tokenizer_dir, config_path = _speech_tokenizer_config(folder)
     cfg = CodecEncoderConfig.from_json(config_path)
-    encoder = CodecEncoder(cfg)
+    encoder = build_empty(lambda: CodecEncoder(cfg), device)
     weights = tokenizer_dir / MODEL_FILE
     load_tensors_strict(encoder, SafetensorsFile(weights), weights, codec_encoder_name_map(encoder),
                         ignore=lambda name: name.startswith(CODEC_DECODER_PREFIX) or is_unused_encoder_tensor(name, cfg))
-    return encoder.to(device).eval()
+    return encoder.eval()
