@@ -117,6 +117,9 @@ class Qwen3TTS:
     codec_encoder: torch.nn.Module | None = None
     identity: str = ""  # what this checkpoint's voice prompts carry as their maker (see checkpoint_identity)
     _suppress: torch.Tensor | None = field(default=None, repr=False)
+    # from_pretrained's phases, seconds each (config, model_weights, codec_decoder, codec_encoder, tokenizer,
+    # identity): start-up is a target of its own (issue 29), bench/startup_load.py reports them.
+    load_seconds: dict[str, float] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_pretrained(
@@ -132,13 +135,26 @@ class Qwen3TTS:
         (as stored) unless `codec_dtype` says otherwise; a Base checkpoint's codec encoder is always fp32 (the
         reference runs it in the model dtype; fp32 is what its codes are compared against). Raises
         CheckpointError/ConfigError on a bad folder."""
+        import time
+
         from .loader import check_model_folder, load_codec_decoder, load_codec_encoder, load_model_weights
+
+        seconds: dict[str, float] = {}
+        mark = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            seconds[name] = now - mark
+            mark = now
 
         folder = check_model_folder(path)
         config = Qwen3TTSConfig.from_json(folder / "config.json")
         gen_path = folder / "generation_config.json"
         generation = GenerationConfig.from_json(gen_path) if gen_path.is_file() else GenerationConfig()
+        phase("config")
         weights = load_model_weights(folder, config, device, dtype)
+        phase("model_weights")
         codec = codec_config = None
         if load_codec:
             from .codec import CodecDecoderConfig
@@ -152,10 +168,17 @@ class Qwen3TTS:
                 raise CheckpointError(f"{folder / 'speech_tokenizer' / 'config.json'}: codec codebooks "
                                       f"({codec_config.num_quantizers} x {codec_config.codebook_size}) do not match "
                                       f"the talker ({config.talker.num_code_groups} x {config.talker.codebook_size})")
-        codec_encoder = load_codec_encoder(folder, device) if config.tts_model_type == "base" else None
-        return cls(config, generation, weights.talker, weights.code_predictor, codec,
-                   TextTokenizer.from_folder(folder), codec_config, weights.speaker_encoder, codec_encoder,
-                   checkpoint_identity(folder))
+            phase("codec_decoder")
+        codec_encoder = None
+        if config.tts_model_type == "base":
+            codec_encoder = load_codec_encoder(folder, device)
+            phase("codec_encoder")
+        tokenizer = TextTokenizer.from_folder(folder)
+        phase("tokenizer")
+        identity = checkpoint_identity(folder)
+        phase("identity")
+        return cls(config, generation, weights.talker, weights.code_predictor, codec, tokenizer, codec_config,
+                   weights.speaker_encoder, codec_encoder, identity, load_seconds=seconds)
 
     # ------------------------------------------------------------------ properties
 
