@@ -98,6 +98,14 @@ def test_truncated_weights_are_refused_naming_the_file(model_file):
     assert str(path) in str(err.value)
 
 
+def test_trailing_bytes_after_the_tensors_are_refused(model_file):
+    folder, path = model_file
+    path.write_bytes(path.read_bytes() + b"\0" * 64)
+    with pytest.raises(CheckpointError, match="data section holds") as err:
+        Qwen3TTS.from_pretrained(folder, "cpu", torch.bfloat16, load_codec=False)
+    assert str(path) in str(err.value)
+
+
 @pytest.mark.parametrize("damage", ["header_cut", "header_garbage", "offsets_off_shape"])
 def test_corrupt_header_is_refused_naming_the_file(model_file, damage):
     folder, path = model_file

@@ -195,4 +195,13 @@ def _parse_entries(path: Path, header: object, data_size: int) -> dict[str, _Ent
             raise CheckpointError(f"{path}: tensor {name!r} ends at byte {end} of a {data_size}-byte data "
                                        "section - a truncated download?")
         entries[name] = _Entry(dtype, shape, begin, end)
+    # As safetensors itself requires: the tensors tile the data section, no gap, no overlap, nothing after.
+    covered = 0
+    for name, entry in sorted(entries.items(), key=lambda item: item[1].begin):
+        if entry.begin != covered:
+            raise CheckpointError(f"{path}: tensor {name!r} starts at byte {entry.begin} of the data section, the "
+                                  f"tensors before it end at {covered} (a gap or an overlap: a corrupt header)")
+        covered = entry.end
+    if covered != data_size:
+        raise CheckpointError(f"{path}: the data section holds {data_size} bytes, its tensors {covered}")
     return entries
