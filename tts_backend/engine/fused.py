@@ -290,7 +290,10 @@ class _CodecConvFns:
 
 
 def _weights(*tensors):
-    return tuple(t.detach() for t in tensors)
+    # Each with a storage of its own: a view into a larger one (a checkpoint's tensors on the CPU can be) has a
+    # storage offset, which TorchDynamo specialises 0/1 apart from the rest, so a bias at offset 0 (the zeros
+    # standing in for an absent one) and one at an offset trace a compiled variant each.
+    return tuple(t.detach() if t.storage_offset() == 0 else t.detach().clone() for t in tensors)
 
 
 def _residual_unit_fn(unit, fns: _CodecConvFns):
