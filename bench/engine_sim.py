@@ -603,7 +603,7 @@ class SimOptions:
     words_per_s: float = 40.0
     codec_in_flight: int = Qwen3RunnerConfig.codec_in_flight  # codec batches queued at once (the runner's)
     first_chunk_lane: bool = False  # the runner's first-chunk lane (SimRunner)
-    quick_start_below: int = 0  # EngineConfig.quick_start_below (the qwen3 backend's option)
+    quick_start_below: int = EngineConfig.quick_start_below  # the qwen3 backend's option
     scheduler: tuple = ()  # (field, value) pairs over the engine's SchedulerConfig (policy what-ifs)
 
 
@@ -1010,9 +1010,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="codec batches the runner queues on its codec stream at once")
     parser.add_argument("--first-chunk-lane", action="store_true",
                         help="the runner's first-chunk lane: first chunks' codec beside the codec queue")
-    parser.add_argument("--quick-start-below", type=int, default=0,
+    parser.add_argument("--quick-start-below", type=int, default=EngineConfig.quick_start_below,
                         help="while fewer requests are in the engine, a request's first chunk is one frame "
-                             "(the qwen3 backend's quick_start_below)")
+                             "(the qwen3 backend's quick_start_below; 0: never)")
     parser.add_argument("--scheduler", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a SchedulerConfig field (a number, or true/false), e.g. --scheduler prefill_gather_s=0.02")
     parser.add_argument("--granularity", choices=["token"], default="token",

@@ -23,7 +23,7 @@ from tests.test_aligner_backend import tiny_aligner  # noqa: F401 - fixture
 from tests.test_qwen3_clone_parity import REF_TEXT, _clip
 from tts_backend.base import ReferenceAudio, SynthesisError, SynthesisRequest, TextStream
 from tts_backend.engine.engine import Engine, EngineConfig
-from tts_backend.engine.request import RequestState, schedule_pieces
+from tts_backend.engine.request import RequestState, quick_start_schedule, schedule_pieces
 from tts_backend.engine.scheduler import SchedulerConfig
 from tts_backend.registry import create_backend
 
@@ -66,10 +66,12 @@ async def test_an_all_silent_stream_ships_its_held_tail_with_every_code():
     assert chunks[-1][0]  # the flushed quiet tail carries the codes held with it
 
 
-async def scripted_run(frames: int, resume_frames: int = 0, schedule=(2, 4, 8, 12), continues: bool = True):
+async def scripted_run(frames: int, resume_frames: int = 0, schedule=(2, 4, 8, 12), continues: bool = True,
+                       quick_start_below: int = 0):
     runner = ScriptedRunnerTestDouble(max_slots=2)
     runner.resume_continues_schedule = continues
-    engine = Engine(runner, EngineConfig(scheduler=SchedulerConfig(max_active=2), chunk_schedule=schedule))
+    engine = Engine(runner, EngineConfig(scheduler=SchedulerConfig(max_active=2), chunk_schedule=schedule,
+                                         quick_start_below=quick_start_below))
     engine.start_inline()
     stream = engine.submit(Script(frames), seed=1, max_frames=1000, resume=resume_frames or None,
                            resume_frames=resume_frames)
@@ -79,21 +81,24 @@ async def scripted_run(frames: int, resume_frames: int = 0, schedule=(2, 4, 8, 1
     return chunks, [c[2] for c in runner.calls if c[0] == "codec"], runner
 
 
+@pytest.mark.parametrize("quick", [0, 16], ids=["plain-start", "quick-start"])
 @pytest.mark.parametrize("continues", [True, False], ids=["schedule-goes-on", "schedule-restarts"])
 @pytest.mark.parametrize("k", [1, 2, 5, 6, 14, 30])
-async def test_the_engine_resumes_where_the_uninterrupted_stream_was(k, continues):
+async def test_the_engine_resumes_where_the_uninterrupted_stream_was(k, continues, quick):
     # The scripted runner's audio and codes follow frames_decoded: a resumed request that starts its counters
     # where the uninterrupted one had them yields exactly its audio and codes after frame k. Its codec calls go
     # on with the chunk schedule where that run's were, or (a GPU runner) start again at the smallest chunk.
-    whole, calls, _ = await scripted_run(40)
-    rest, rest_calls, runner = await scripted_run(40, k, continues=continues)
+    whole, calls, _ = await scripted_run(40, quick_start_below=quick)
+    rest, rest_calls, runner = await scripted_run(40, k, continues=continues, quick_start_below=quick)
+    schedule = quick_start_schedule((2, 4, 8, 12)) if quick else (2, 4, 8, 12)
     pcm, codes = joined(whole, 0), joined(whole, 1)
     assert joined(rest, 0) == pcm[k * SPF * 2:]
     assert np.frombuffer(joined(rest, 1), "<u2").tolist() == list(range(k, 40))
+    assert calls == schedule_pieces(schedule, 40)
     if not continues:
-        assert rest_calls == schedule_pieces((2, 4, 8, 12), 40 - k)
-    elif schedule_pieces((2, 4, 8, 12), k) == calls[: len(schedule_pieces((2, 4, 8, 12), k))]:  # k ends a call
-        assert rest_calls == calls[len(schedule_pieces((2, 4, 8, 12), k)):]
+        assert rest_calls == schedule_pieces(schedule, 40 - k)
+    elif schedule_pieces(schedule, k) == calls[: len(schedule_pieces(schedule, k))]:  # k ends a call
+        assert rest_calls == calls[len(schedule_pieces(schedule, k)):]
     assert runner.talker_steps[1] == 40 - k  # steps k+1..40 (the last samples EOS); step k ran in the prefill
     assert len(codes) == 2 * 40
 

@@ -50,13 +50,18 @@ def test_every_request_gets_its_frame_cap_of_audio_and_time_covers_the_device():
     assert engine_module.time is time
 
 
-def test_audible_ttfa_is_prefill_two_frames_and_a_codec_call_at_least():
+@pytest.mark.parametrize("quick_start_below", [0, 16])
+def test_audible_ttfa_is_prefill_the_first_chunks_frames_and_a_codec_call_at_least(quick_start_below):
     costs = small_table()
     # No host time measured here (it would pad every figure): the device and the runner's fixed host work set
-    # the times. The first audio needs the prefill (codebook 0 of frame 0), the predictor (frame 0), a Talker
-    # step and the predictor (frame 1), then the codec on the first chunk of 2 frames.
-    entry = simulate(costs, host_factor=0.0, launch_us=0.0)
-    floor_s = (PREFILL_MS + PREDICTOR_MS + TALKER_MS + PREDICTOR_MS + costs.codec_ms(1, 2)) / 1000
+    # the times. The first audio needs the prefill (codebook 0 of frame 0) and the predictor (frame 0); with
+    # the plain schedule a Talker step and the predictor (frame 1) too; then the codec on the first chunk: 2
+    # frames, or 1 where the engine starts lightly loaded requests quick (EngineConfig.quick_start_below).
+    entry = simulate(costs, host_factor=0.0, launch_us=0.0, quick_start_below=quick_start_below)
+    if quick_start_below:
+        floor_s = (PREFILL_MS + PREDICTOR_MS + costs.codec_ms(1, 1)) / 1000
+    else:
+        floor_s = (PREFILL_MS + PREDICTOR_MS + TALKER_MS + PREDICTOR_MS + costs.codec_ms(1, 2)) / 1000
     ttfa = [r.audible_ttfa_s for r in entry["requests"]]
     assert all(t is not None for t in ttfa)
     assert min(ttfa) >= floor_s
@@ -124,7 +129,7 @@ def test_with_the_first_chunk_lane_every_request_gets_its_audio_and_first_chunks
     sim = entry["simulator"]
     assert sim["simulated_s"] >= sim["generation_device_s"] > 0
     # The floor of a first audio holds on the lane too: prefill, two frames, then its codec call.
-    alone = simulate(costs, first_chunk_lane=True, host_factor=0.0, launch_us=0.0)
+    alone = simulate(costs, first_chunk_lane=True, host_factor=0.0, launch_us=0.0, quick_start_below=0)
     floor_s = (PREFILL_MS + PREDICTOR_MS + TALKER_MS + PREDICTOR_MS + costs.codec_ms(1, 2)) / 1000
     assert min(r.audible_ttfa_s for r in alone["requests"]) >= floor_s
     assert alone["summary"]["underrun_events"] == 0

@@ -144,8 +144,8 @@ class Qwen3Synthesizer(Synthesizer):
       default of requests that do not choose (SynthesisRequest.streaming_text).
     chunk_schedule: default frames per codec chunk. max_new_tokens: cap on sampled codebook-0 tokens.
     quick_start_below: while fewer requests than this are in the engine, one that names no chunk schedule ships
-      its first frame alone, a frame sooner (EngineConfig.quick_start_below); 0, the default until a GPU has
-      measured it, never.
+      its first frame alone, a frame sooner (EngineConfig.quick_start_below, whose default this repeats: importing the engine here would import torch); 0:
+      never.
     frame_cap_chars_per_second: for random-weight checkpoints, whose EOS never comes naturally: cap each
       request at the frames its text takes at this speaking rate (bench/README.md: 15 characters/s).
     warmup: run one request through every stage before reporting ready.
@@ -172,7 +172,7 @@ class Qwen3Synthesizer(Synthesizer):
         greedy: bool = False,
         streaming_text: bool = False,
         chunk_schedule: tuple[int, ...] | list[int] = (2, 4, 8, 12),
-        quick_start_below: int = 0,
+        quick_start_below: int = 16,
         max_new_tokens: int | None = None,
         frame_cap_chars_per_second: float | None = None,
         max_queued: int = 256,

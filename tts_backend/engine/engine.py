@@ -27,6 +27,7 @@ from .request import (
     Phase,
     RequestState,
     Stage,
+    quick_start_schedule,
     schedule_pieces,
     validate_schedule,
 )
@@ -45,11 +46,14 @@ class EngineConfig:
     max_queued: int = 256  # requests waiting for a slot beyond which submit refuses (overload)
     chunk_schedule: tuple[int, ...] = DEFAULT_CHUNK_SCHEDULE
     # While fewer than this many requests are in the engine (holding a slot or waiting for one), a request whose
-    # caller named no chunk schedule ships its first frame alone, then goes on with `chunk_schedule`: its first
-    # audio comes a frame sooner (a frame is 5.3-5.5 ms on the H100 at light load), and while the engine is
+    # caller named no chunk schedule ships its first frame alone, then the rest of `chunk_schedule`'s first
+    # chunk, then the rest of it (request.quick_start_schedule): its first audio comes a frame sooner (a frame is 5.3-5.5 ms on the H100 at light load), and while the engine is
     # lightly loaded the extra small codec call costs no other stream anything. Under load a first chunk of one
     # frame is one more codec call per request, which the codec cannot spare. 0: never.
-    quick_start_below: int = 0
+    # 16: on the H100 through the gateway, p95 audible TTFA 25.0 / 28.3 / 30.4 -> 16.3 / 22.7 / 28.3 ms at
+    # 1 / 10 / 20 RPS, and no loss at 60-100 RPS, where more than 16 are in flight
+    # (bench/results/engine_h100.md, 2026-12-07).
+    quick_start_below: int = 16
     trim_leading_silence: bool = True
     silence_threshold_dbfs: float = -45.0
     # The engine thread shares the interpreter lock with the event loop. After each device sync it needs the
@@ -302,8 +306,10 @@ class Engine:
             raise BackendOverloadedError("engine queue is full")
         if chunk_schedule:
             schedule = validate_schedule(chunk_schedule)
-        elif len(self._streams) < self.config.quick_start_below and self.config.chunk_schedule[0] > 1:
-            schedule = validate_schedule((1, *self.config.chunk_schedule))
+        elif self.config.quick_start_below and (resume_frames or len(self._streams) < self.config.quick_start_below):
+            # A resumed request takes the quick schedule whatever the load: its boundaries include the plain
+            # schedule's, so it goes on in the chunks of the first attempt, which may have started quick.
+            schedule = validate_schedule(quick_start_schedule(self.config.chunk_schedule))
         else:
             schedule = validate_schedule(self.config.chunk_schedule)
         request = RequestState(

@@ -45,6 +45,17 @@ def validate_schedule(schedule: tuple[int, ...]) -> tuple[int, ...]:
     return schedule
 
 
+def quick_start_schedule(schedule: tuple[int, ...]) -> tuple[int, ...]:
+    """`schedule` with its first chunk split into one frame and the rest of it (2, 4, 8 -> 1, 1, 4, 8): the
+    first audio comes a frame sooner, and every chunk boundary of `schedule` is still one, so the chunks after
+    any of them are the same chunks (a resumed request goes on in the calls the uninterrupted one made, whichever
+    of the two it started with)."""
+    if schedule[0] == 1:
+        return schedule
+    # The last size repeats: a one-size schedule keeps repeating its size, not the remainder.
+    return (1, schedule[0] - 1, *(schedule[1:] or schedule))
+
+
 def schedule_pieces(schedule: tuple[int, ...], frames: int) -> list[int]:
     """The codec calls a chunk schedule makes of `frames` frames: its sizes in turn, the last repeated, the
     final call what is left."""
