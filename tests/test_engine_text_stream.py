@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -345,22 +346,36 @@ async def test_token_sessions_through_the_gateway_on_the_qwen3_engine(tiny_custo
     text = "Hello world, this is the engine. It speaks while the words come in. Done"
     words = [w + " " for w in text.split(" ")[:-1]] + [text.split(" ")[-1]]
 
-    async def speak(url, **config):
+    # The words that end the two long sentences: in token mode each is held back until the engine has that
+    # sentence, so that it is opened before its text is complete however slowly this machine runs the gateway.
+    sentence_ends = [i for i, w in enumerate(words) if w.rstrip().endswith(".")]
+    submits = threading.Semaphore(0)
+
+    async def speak(url, wait_for_submits=False, **config):
         async with websockets.connect(url, max_size=None) as ws:
             await ws.send(json.dumps({"type": "session.config", "stream_audio": True, "voice": "ryan", "seed": 4,
                                       "response_format": "pcm", **config}))
             started = json.loads(await ws.recv())
-            for word in words:
+            for i, word in enumerate(words):
+                if wait_for_submits and i in sentence_ends:
+                    assert await asyncio.to_thread(submits.acquire, timeout=60), "the sentence was not opened"
                 await ws.send(json.dumps({"type": "input.text", "text": word}))
                 await asyncio.sleep(0.02)
             await ws.send(json.dumps({"type": "input.done"}))
             return started, await receive_until(ws, "session.done")
 
     with running_gateway(backend) as server:
-        engine_push = backend.engine.push_text
+        engine_push, engine_submit = backend.engine.push_text, backend.engine.submit
         pushes = []
-        backend.engine.push_text = lambda *args, **kw: (pushes.append(args[0]), engine_push(*args, **kw))
-        token_started, token = await speak(server.ws_url, split_granularity="token")
+        backend.engine.push_text = lambda *args, **kw: (pushes.append(args[0]), engine_push(*args, **kw))[1]
+
+        def submit(*args, **kw):
+            stream = engine_submit(*args, **kw)
+            submits.release()
+            return stream
+
+        backend.engine.submit = submit
+        token_started, token = await speak(server.ws_url, wait_for_submits=True, split_granularity="token")
         # The two long sentences were opened before their text was complete ("Done" comes with input.done).
         assert len(set(pushes)) >= 2
         sentence_started, sentence = await speak(server.ws_url, split_granularity="sentence", non_streaming_mode=False)
