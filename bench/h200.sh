@@ -54,7 +54,9 @@
 #                    without a click at the join, and how soon its first audio comes
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
 #   codecprofile[:ARGS] bench/codec_profile.py ARGS     -> $OUT/codec_profile.json: a codec call's top kernels,
-#                    and its captured cost in fp32 / fp32 + cuDNN benchmark / bf16 per batch x frames
+#                    and its captured cost per batch x frames in each of --variants (bench/codec_profile.py's
+#                    VARIANTS: fp32, bf16, the fused convolutions, the channels-last ones, with and without
+#                    cuDNN's benchmark mode), e.g. codecprofile:"--variants bf16_fused,bf16_fused_nlc"
 #   use:TYPE         build (once) the random 1.7B checkpoint of TYPE (custom_voice, base, voice_design) in
 #                    /tmp/ckpt-TYPE and point the later steps at it (setup's /tmp/ckpt is custom_voice), e.g.
 #                      LOAD_ARGS="--worker --clone icl" bash bench/h200.sh setup use:base load:1,10,20
