@@ -498,22 +498,6 @@ def kernels_fit(cfg) -> bool:
             and head_dim // 2 >= 16 and all(w % 16 == 0 for w in widths))
 
 
-def rows_joined(*weights: torch.Tensor) -> torch.Tensor:
-    """torch.cat of the weights along rows; a view instead where they already lie back to back in one
-    allocation, as the checkpoint loader lays them out (qwen3/loader.py build_empty): no copy to make at
-    start-up and no second copy of the weights in memory."""
-    first = weights[0]
-    at = first.data_ptr()
-    for w in weights:
-        if (not w.is_contiguous() or w.dtype != first.dtype or w.device != first.device
-                or w.shape[1:] != first.shape[1:] or w.data_ptr() != at
-                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
-            return torch.cat(weights)
-        at += w.numel() * w.element_size()
-    rows = sum(w.shape[0] for w in weights)
-    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
-
-
 class FusedStack:
     """A qwen3 DecoderStack's weights, regrouped for `make_layer_fn`; `forward` mirrors `run_layers`.
     With `triton`, `decode` runs one new position per row through the Triton layer kernels (kernels.py)."""
@@ -530,10 +514,10 @@ class FusedStack:
                 a, m = layer.self_attn, layer.mlp
                 self.layers.append((
                     layer.input_layernorm.weight.detach(),
-                    rows_joined(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight).detach(),
+                    torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)).detach(),
                     a.q_norm.weight.detach(), a.k_norm.weight.detach(), a.o_proj.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
-                    rows_joined(m.gate_proj.weight, m.up_proj.weight).detach(), m.down_proj.weight.detach(),
+                    torch.cat((m.gate_proj.weight, m.up_proj.weight)).detach(), m.down_proj.weight.detach(),
                 ))
         self.norm_weight = stack.norm.weight.detach()
         self.layer_fn = _compile(make_layer_fn(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,

@@ -126,44 +126,15 @@ def build_empty(make: Callable[[], nn.Module], device: torch.device | str,
             setattr(nn.init, name, fn)
     if dtype is not None:
         module = module.to(dtype)
-    return _allocate_in_one_block(module, torch.device(device))
+    # Not to_empty: its empty_like of a meta tensor goes through a Python reference that imports sympy (1.7 s of
+    # a 2-core CPU). One allocation per tensor, each at storage offset 0: a view into a shared block would have
+    # an offset, which TorchDynamo specialises 0/1, so compiled functions taking the weights would trace more
+    # variants (tests/test_engine_compile_variants.py).
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def _skip_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return tensor
-
-
-# Bytes: what a fresh CUDA allocation is aligned to, so a kernel sees each view as it would a tensor of its own.
-_ALIGNMENT = 256
-
-
-def _allocate_in_one_block(module: nn.Module, device: torch.device) -> nn.Module:
-    """The meta module's tensors as contiguous views of one allocation on `device`, in the module's order.
-
-    One allocation instead of hundreds, and weights registered one after another (q/k/v, gate/up) end up back
-    to back, so the engine's fused stack (engine/fused.py) joins them as a view instead of a copy: no second
-    copy of the Talker's weights (2.7 GB at 1.7B) and no time copying them at start-up. Not to_empty: its
-    empty_like of a meta tensor goes through a Python reference that imports sympy (1.7 s of a 2-core CPU).
-    A tensor shared by two modules stays shared."""
-    offsets: dict[int, int] = {}
-    size = 0
-    tensors = [t for _, t in module.named_parameters(remove_duplicate=False)]
-    tensors += [t for _, t in module.named_buffers(remove_duplicate=False)]
-    for t in tensors:
-        if id(t) not in offsets:
-            size = -(-size // _ALIGNMENT) * _ALIGNMENT
-            offsets[id(t)] = size
-            size += t.numel() * t.element_size()
-    block = torch.empty(size, dtype=torch.uint8, device=device)
-    views: dict[int, torch.Tensor] = {}
-
-    def place(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in views:
-            start = offsets[id(t)]
-            views[id(t)] = block[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        return views[id(t)]
-
-    return module._apply(place)
 
 
 MODEL_FILE = "model.safetensors"
