@@ -6,6 +6,7 @@ On the CPU the routed functions run eagerly (compile=False); on CUDA the engine 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -15,15 +16,9 @@ import torch.nn.functional as F
 from bench.codec_profile import snr_db
 from bench.engine_load import engine_options
 from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice  # noqa: F401 - fixtures
-from tests.test_engine_codec_fast import assert_rows_decode_as_the_modules, decode_rows
+from tests.test_engine_codec_fast import assert_rows_decode_as_the_modules, decode_rows, route_fast_path
 from tests.test_qwen3_codec import decode_in_chunks, random_codes, schedule
-from tts_backend.engine.codec_channels_last import route_codec_convolutions_channels_last
-from tts_backend.engine.fused import (
-    _route_codec_convolutions,
-    _route_codec_layers,
-    fuse_codec_activations,
-    unfuse_codec_activations,
-)
+from tts_backend.engine.fused import fuse_codec_activations, unfuse_codec_activations
 from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
 from tts_backend.qwen3.loader import load_codec_decoder
 from tts_backend.qwen3.testing.codec_checkpoint import write_speech_tokenizer
@@ -45,19 +40,12 @@ def decoder(checkpoint):
     return load_codec_decoder(checkpoint)
 
 
-def route(decoder, channels_last: bool = True) -> int:
-    """Everything the engine routes on CUDA with codec_fused_convolutions (and codec_channels_last), eagerly."""
-    convolutions = route_codec_convolutions_channels_last if channels_last else _route_codec_convolutions
-    return (fuse_codec_activations(decoder, compile=False) + _route_codec_layers(decoder, compile=False)
-            + convolutions(decoder, compile=False))
-
-
 def test_channels_last_equals_the_modules_in_chunks_and_unfuses(decoder):
     codes = random_codes(3, 23, decoder.config, seed=2)
     sizes = schedule([2, 4, 8, 12], 23)
     plain = decode_in_chunks(decoder, codes, sizes)
     try:
-        assert route(decoder) == 1 + decoder.config.num_hidden_layers + ROUTED_STAGES
+        assert route_fast_path(decoder, channels_last=True) == 1 + decoder.config.num_hidden_layers + ROUTED_STAGES
         assert all("forward" in m.__dict__ for m in (decoder.upsample[0][0], decoder.decoder[0], decoder.decoder[-1]))
         fast = decode_in_chunks(decoder, codes, sizes)
     finally:
@@ -71,7 +59,7 @@ def test_channels_last_equals_the_modules_in_chunks_and_unfuses(decoder):
 def test_channels_last_keeps_every_history_row_by_row_fp32(decoder):
     """The engine's pool (streams at different positions gathered into each call and scattered back): every
     output and every history tensor where the modules leave them, in the state's own [B, C, H] layout."""
-    plain_pool = assert_rows_decode_as_the_modules(decoder, route)
+    plain_pool = assert_rows_decode_as_the_modules(decoder, functools.partial(route_fast_path, channels_last=True))
     assert plain_pool.tensors["decoder.0"].abs().max() > 0  # the first conv's history (routed here only)
 
 
@@ -84,10 +72,10 @@ def test_channels_last_keeps_every_history_row_by_row_bf16(checkpoint):
     reference, _ = decode_rows(load_codec_decoder(checkpoint), codes)
     decoder = load_codec_decoder(checkpoint).to(torch.bfloat16)
     try:
-        route(decoder, channels_last=False)
+        route_fast_path(decoder)
         fused_out, fused_pool = decode_rows(decoder, codes)
         unfuse_codec_activations(decoder)
-        route(decoder)
+        route_fast_path(decoder, channels_last=True)
         fast_out, fast_pool = decode_rows(decoder, codes)
     finally:
         unfuse_codec_activations(decoder)
@@ -133,7 +121,7 @@ def test_the_convolutions_get_channels_last_4d_tensors(decoder, monkeypatch):
     monkeypatch.setattr(F, "conv_transpose1d", lambda *a, **k: one_d.append("t") or real_transpose1d(*a, **k))
     codes = random_codes(2, 6, decoder.config, seed=8)
     try:
-        route(decoder)
+        route_fast_path(decoder, channels_last=True)
         decode_in_chunks(decoder, codes, [2, 4])
     finally:
         unfuse_codec_activations(decoder)

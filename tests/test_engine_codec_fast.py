@@ -10,6 +10,7 @@ import torch
 
 from tests.qwen3_fixtures import single_torch_thread  # noqa: F401 - autouse fixture
 from tests.test_qwen3_codec import decode_in_chunks, random_codes, schedule
+from tts_backend.engine.codec_channels_last import route_codec_convolutions_channels_last
 from tts_backend.engine.fused import (
     _route_codec_convolutions,
     _route_codec_layers,
@@ -33,10 +34,12 @@ def decoder(tmp_path_factory):
 ROUTED_CONVOLUTION_STAGES = 2 + 4 + 2
 
 
-def route_fast_path(decoder) -> int:
-    """Everything the engine routes on CUDA, run eagerly (what compile=True compiles)."""
+def route_fast_path(decoder, channels_last: bool = False) -> int:
+    """Everything the engine routes on CUDA with codec_fused_convolutions (and with `channels_last`,
+    codec_channels_last's [B, T, C] stages), run eagerly (what compile=True compiles)."""
+    convolutions = route_codec_convolutions_channels_last if channels_last else _route_codec_convolutions
     return (fuse_codec_activations(decoder, compile=False) + _route_codec_layers(decoder, compile=False)
-            + _route_codec_convolutions(decoder, compile=False))
+            + convolutions(decoder, compile=False))
 
 
 def test_fast_path_equals_the_modules_in_chunks(decoder):
