@@ -7,6 +7,7 @@ one's engine counters in the report, and the token in neither the report nor any
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -141,3 +142,10 @@ def test_runner_options_override_the_bench_fields_one_by_one():
     assert json.loads(opts["runner_options"]) == {**engine_load.BENCH_RUNNER_OPTIONS, "codec_dtype": "float32",
                                                   "codec_in_flight": 2}
     assert option_values(spec["command"], "--option").count(f"runner_options={opts['runner_options']}") == 1
+
+
+def test_cpu_workers_share_the_cores_out_and_a_callers_thread_count_is_kept():
+    cores = os.cpu_count() or 1
+    assert engine_load.cpu_worker_env({}, 2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert engine_load.cpu_worker_env({}, 4 * cores)["OMP_NUM_THREADS"] == "1"
+    assert engine_load.cpu_worker_env({"OMP_NUM_THREADS": "3"}, 2) == {"OMP_NUM_THREADS": "3"}
