@@ -17,15 +17,11 @@ from bench.codec_profile import snr_db
 from bench.engine_load import engine_options
 from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice  # noqa: F401 - fixtures
 from tests.test_engine_codec_fast import assert_rows_decode_as_the_modules, decode_rows, route_fast_path
-from tests.test_qwen3_codec import decode_in_chunks, random_codes, schedule
+from tests.test_qwen3_codec import decode_in_chunks, random_codes
 from tts_backend.engine.fused import fuse_codec_activations, unfuse_codec_activations
 from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
 from tts_backend.qwen3.loader import load_codec_decoder
 from tts_backend.qwen3.testing.codec_checkpoint import write_speech_tokenizer
-
-# The routed modules: 2 upsampling transposed convs and 2 ConvNeXt blocks, the decoder's first conv, its 4
-# blocks, the final SnakeBeta and conv.
-ROUTED_STAGES = 2 + 2 + 1 + 4 + 2
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +34,6 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def decoder(checkpoint):
     return load_codec_decoder(checkpoint)
-
-
-def test_channels_last_equals_the_modules_in_chunks_and_unfuses(decoder):
-    codes = random_codes(3, 23, decoder.config, seed=2)
-    sizes = schedule([2, 4, 8, 12], 23)
-    plain = decode_in_chunks(decoder, codes, sizes)
-    try:
-        assert route_fast_path(decoder, channels_last=True) == 1 + decoder.config.num_hidden_layers + ROUTED_STAGES
-        assert all("forward" in m.__dict__ for m in (decoder.upsample[0][0], decoder.decoder[0], decoder.decoder[-1]))
-        fast = decode_in_chunks(decoder, codes, sizes)
-    finally:
-        unfuse_codec_activations(decoder)
-    assert not any("forward" in m.__dict__ for m in decoder.modules())
-    assert fast.shape == plain.shape
-    assert (fast - plain).abs().max().item() <= 1e-5
-    assert torch.equal(decode_in_chunks(decoder, codes, sizes), plain)  # undone: the modules' own forwards
 
 
 def test_channels_last_keeps_every_history_row_by_row_fp32(decoder):

@@ -42,14 +42,22 @@ def route_fast_path(decoder, channels_last: bool = False) -> int:
             + convolutions(decoder, compile=False))
 
 
-def test_fast_path_equals_the_modules_in_chunks(decoder):
+# codec_channels_last also routes the 2 upsampling transposed convs and the decoder's first conv.
+ROUTED_CHANNELS_LAST_STAGES = ROUTED_CONVOLUTION_STAGES + 2 + 1
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["ncl", "nlc"])
+def test_fast_path_equals_the_modules_in_chunks(decoder, channels_last):
     codes = random_codes(3, 23, decoder.config, seed=2)
     sizes = schedule([2, 4, 8, 12], 23)
     plain = decode_in_chunks(decoder, codes, sizes)
+    stages = ROUTED_CHANNELS_LAST_STAGES if channels_last else ROUTED_CONVOLUTION_STAGES
     try:
-        routed = route_fast_path(decoder)
-        assert routed == 1 + decoder.config.num_hidden_layers + ROUTED_CONVOLUTION_STAGES
+        routed = route_fast_path(decoder, channels_last)
+        assert routed == 1 + decoder.config.num_hidden_layers + stages
         assert "forward" in decoder.quantizer.__dict__ and "forward" in decoder.decoder[1].__dict__
+        if channels_last:
+            assert all("forward" in m.__dict__ for m in (decoder.upsample[0][0], decoder.decoder[0]))
         fast = decode_in_chunks(decoder, codes, sizes)
     finally:
         unfuse_codec_activations(decoder)
