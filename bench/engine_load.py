@@ -623,13 +623,14 @@ def plan_processes(args: argparse.Namespace, port: int, ports: set[int], token_f
 
 
 def cpu_worker_env(env: dict[str, str], workers: int) -> dict[str, str]:
-    """The environment of each of `workers` CPU engines on this host: the cores shared out among them. Each
-    OpenMP runtime otherwise starts a thread per core and spins its idle threads waiting for the next parallel
-    region, so two engines on two cores each run a frame 10-30 times slower than one alone (seen on the 2-core
-    CI machine). A caller's own OMP_NUM_THREADS is kept."""
+    """The environment of each of `workers` CPU engines on this host: the cores shared out among them and one
+    more share for the gateway and the load generator. Each OpenMP runtime otherwise starts a thread per core
+    and spins its idle threads waiting for the next parallel region, so beside other busy processes an engine
+    on the 2-core CI machine ran every frame 10-30 times slower, its pace passed the pool's limit and the
+    gateway shed the run as overloaded. A caller's own OMP_NUM_THREADS is kept."""
     if "OMP_NUM_THREADS" in env:
         return env
-    return dict(env, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // max(1, workers))))
+    return dict(env, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // (max(1, workers) + 1))))
 
 
 def worker_max_active(args: argparse.Namespace) -> int:
@@ -890,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
             children = launcher_children(launcher.pid, args.gpu_list)
             for w in report["workers"]:
                 w["pid"] = children[w["gpu"]]
-        worker_env = cpu_worker_env(env, args.tcp_workers) if args.device == "cpu" and args.tcp_workers else env
+        cpu_workers = args.tcp_workers or (1 if args.worker else 0)
+        worker_env = cpu_worker_env(env, cpu_workers) if args.device == "cpu" and cpu_workers else env
         for spec in ([] if args.gpus else layout["workers"]):
             worker_log = open(args.log.with_suffix(spec["log_suffix"]), "w") if args.log else subprocess.DEVNULL
             worker_logs.append(worker_log)

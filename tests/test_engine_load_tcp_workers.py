@@ -146,6 +146,6 @@ def test_runner_options_override_the_bench_fields_one_by_one():
 
 def test_cpu_workers_share_the_cores_out_and_a_callers_thread_count_is_kept():
     cores = os.cpu_count() or 1
-    assert engine_load.cpu_worker_env({}, 2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert engine_load.cpu_worker_env({}, 2)["OMP_NUM_THREADS"] == str(max(1, cores // 3))
     assert engine_load.cpu_worker_env({}, 4 * cores)["OMP_NUM_THREADS"] == "1"
     assert engine_load.cpu_worker_env({"OMP_NUM_THREADS": "3"}, 2) == {"OMP_NUM_THREADS": "3"}
