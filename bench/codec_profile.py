@@ -58,7 +58,7 @@ PROFILED = ("bf16_fused", "bf16_fused_nlc")
 def build(dtype: torch.dtype, compile: bool, convolutions: bool = False, device: str = "cuda",
           size: str = "full", channels_last: bool = False) -> CodecDecoder:
     """A random codec of the released shapes (same weights for every variant: seed 0) on its fast path."""
-    from tts_backend.engine.fused import fuse_codec_activations
+    from tts_backend.engine.codec_fast import fuse_codec_activations
 
     torch.manual_seed(0)
     codec = CodecDecoder(CodecDecoderConfig.from_dict(speech_tokenizer_config(size))).to(device, dtype).eval()

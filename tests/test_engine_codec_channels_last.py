@@ -18,7 +18,8 @@ from bench.engine_load import engine_options
 from tests.qwen3_fixtures import single_torch_thread, tiny_custom_voice  # noqa: F401 - fixtures
 from tests.test_engine_codec_fast import assert_rows_decode_as_the_modules, decode_rows, route_fast_path
 from tests.test_qwen3_codec import decode_in_chunks, random_codes
-from tts_backend.engine.fused import fuse_codec_activations, unfuse_codec_activations
+from tts_backend.engine.codec_fast import fuse_codec_activations
+from tts_backend.engine.fused import unfuse_codec_activations
 from tts_backend.engine.runner import Qwen3ModelRunner, Qwen3RunnerConfig
 from tts_backend.qwen3.loader import load_codec_decoder
 from tts_backend.qwen3.testing.codec_checkpoint import write_speech_tokenizer

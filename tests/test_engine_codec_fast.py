@@ -11,12 +11,8 @@ import torch
 from tests.qwen3_fixtures import single_torch_thread  # noqa: F401 - autouse fixture
 from tests.test_qwen3_codec import decode_in_chunks, random_codes, schedule
 from tts_backend.engine.codec_channels_last import route_codec_convolutions_channels_last
-from tts_backend.engine.fused import (
-    _route_codec_convolutions,
-    _route_codec_layers,
-    fuse_codec_activations,
-    unfuse_codec_activations,
-)
+from tts_backend.engine.codec_fast import fuse_codec_activations
+from tts_backend.engine.fused import _route_codec_convolutions, _route_codec_layers, unfuse_codec_activations
 from tts_backend.qwen3.codec import CodecState
 from tts_backend.qwen3.loader import load_codec_decoder
 from tts_backend.qwen3.testing.codec_checkpoint import write_speech_tokenizer

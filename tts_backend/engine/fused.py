@@ -417,47 +417,6 @@ def _route_decoder(codec, block_forward, final_conv_forward) -> int:
     return len(codec.decoder) - 3 + 2
 
 
-def fuse_codec_activations(codec, compile: bool, convolutions: bool = True, channels_last: bool = False) -> int:
-    """The codec's fast path: the RVQ dequantisation as one gather over projected tables (always), and with
-    `compile`, each pre-transformer layer through one compiled function and (with `convolutions`) the decoder's
-    convolution stages through `_route_codec_convolutions` (every SnakeBeta, conv bias, history update and
-    residual add inside a compiled function or a GEMM), or with `channels_last` too through
-    codec_channels_last.py's (the same stages on [B, T, C] activations and NHWC convolutions); any SnakeBeta
-    left runs as one compiled kernel (7 elementwise kernels become 1). Changes the instances' `forward` only
-    (undone by `unfuse_codec_activations`); returns how many modules were routed."""
-    import functools
-
-    from tts_backend.qwen3.codec import SnakeBeta
-
-    if channels_last and not convolutions:
-        raise ValueError("channels_last is a layout of the fused convolution stages: it needs convolutions=True")
-    quantizer = codec.quantizer
-    tables = _codec_rvq_tables(quantizer)
-    books = torch.arange(tables.shape[0], device=tables.device)
-    quantizer.forward = functools.partial(_codec_rvq, tables=tables, books=books)
-    count = 1
-    if not compile:
-        return count
-    snake = _compile(_snake_beta, True)
-    for module in codec.modules():
-        if isinstance(module, SnakeBeta):
-            # Contiguous input: a strided one (a trimmed transposed convolution's output) is a variant of its own.
-            module.forward = lambda x, alpha=module.alpha.detach(), beta=module.beta.detach(): snake(
-                x.contiguous(), alpha, beta)
-            count += 1
-    if convolutions:
-        if channels_last:
-            from .codec_channels_last import route_codec_convolutions_channels_last as route
-        else:
-            route = _route_codec_convolutions
-        # The tensors routing makes (zeros for an absent bias, folded weights) are arguments of compiled
-        # functions beside detached parameters: made under inference mode (the runner's start-up) they would
-        # carry other dispatch keys than those, and TorchDynamo traces each combination as a variant of its own.
-        with torch.inference_mode(False), torch.no_grad():
-            count += route(codec, True)
-    return count + _route_codec_layers(codec, True)
-
-
 class PerLayerKV:
     """A Talker/predictor KV cache with one tensor per layer (same interface as qwen3.talker.KVCache: `k[i]`,
     `v[i]`, `max_len`), so every layer's cache has identical metadata and one compiled layer serves all."""

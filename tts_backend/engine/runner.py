@@ -458,7 +458,8 @@ class Qwen3ModelRunner(ModelRunner):
         dtype = m.dtype
         cp_rows = max(self.decode_buckets)
         if self.fused:
-            from .fused import FusedCodePredictor, FusedStack, PerLayerKV, fuse_codec_activations, talker_sampler
+            from .codec_fast import fuse_codec_activations
+            from .fused import FusedCodePredictor, FusedStack, PerLayerKV, talker_sampler
 
             self.kv = PerLayerKV.for_stack(tcfg, S, cfg.max_len, dev, dtype)
             self.cp_cache = PerLayerKV.for_stack(tcfg.code_predictor, cp_rows, G, dev, dtype)
@@ -567,7 +568,8 @@ class Qwen3ModelRunner(ModelRunner):
         except Exception:
             if not self.fused:
                 raise
-            from .fused import fuse_codec_activations, unfuse_codec_activations
+            from .codec_fast import fuse_codec_activations
+            from .fused import unfuse_codec_activations
 
             log.exception("codec capture failed with the compiled codec functions; capturing without them")
             unfuse_codec_activations(self.codec_module)
