@@ -1,6 +1,7 @@
 """Quick start (EngineConfig.quick_start_below): while the engine is lightly loaded, a request that names no
 chunk schedule ships its first frame alone, then the rest of the default schedule's first chunk, then the rest of
-it; under load, or when the caller chose a schedule, nothing changes. The audio is the same audio either way, and
+it (so does a request whose text is still being written, at any load); under load, or when the caller
+chose a schedule, nothing changes. The audio is the same audio either way, and
 a resumed request goes on in the chunks of its first attempt, whichever schedule that took."""
 
 from __future__ import annotations
@@ -36,6 +37,26 @@ async def test_under_load_or_with_a_chosen_schedule_nothing_changes():
     assert codec_frames(runner, chosen.request_id)[0] == 3
     for s in streams + [chosen]:
         assert len(await collect(s)) == 20 * SPF * 2
+
+
+async def test_text_still_being_written_starts_quick_whatever_the_load():
+    # Its second frame waits for the next word anyway, so the first ships alone even in a busy engine.
+    engine, runner, _ = make_engine(max_active=4, quick_start_below=2)
+    busy = [submit(engine, frames=20) for _ in range(2)]
+    streaming = engine.submit(Script(20), seed=1, max_frames=10_000, text_tokens=30)
+    complete = submit(engine, frames=20)
+    engine.push_text(streaming.request_id, ["t"] * 40, final=True)
+    run_until_idle(engine)
+    assert codec_frames(runner, streaming.request_id) == [1, 1, 4, 8, 6]
+    assert codec_frames(runner, complete.request_id)[0] == 2
+    for s in busy + [streaming, complete]:
+        assert len(await collect(s)) == 20 * SPF * 2
+    # 0 still means never.
+    engine, runner, _ = make_engine(max_active=4, quick_start_below=0)
+    streaming = engine.submit(Script(20), seed=1, max_frames=10_000, text_tokens=30)
+    engine.push_text(streaming.request_id, ["t"] * 40, final=True)
+    run_until_idle(engine)
+    assert codec_frames(runner, streaming.request_id)[0] == 2
 
 
 async def test_0_turns_it_off_and_a_silent_first_frame_does_not_use_up_the_one_frame_chunk():

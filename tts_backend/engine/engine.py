@@ -50,7 +50,8 @@ class EngineConfig:
     # chunk, then the rest of it (request.quick_start_schedule): its first audio comes a frame sooner (a frame
     # is 5.3-5.5 ms on the H100 at light load), and while the engine is lightly loaded the extra small codec
     # call costs no other stream anything. Under load a first chunk of one
-    # frame is one more codec call per request, which the codec cannot spare. 0: never.
+    # frame is one more codec call per request, which the codec cannot spare, except for a request whose text
+    # is still being written (submit says why). 0: never, for any request.
     # 16: on the H100 through the gateway, p95 audible TTFA 25.0 / 28.3 / 30.4 -> 16.3 / 22.7 / 28.3 ms at
     # 1 / 10 / 20 RPS, and no loss at 60-100 RPS, where more than 16 are in flight
     # (bench/results/engine_h100.md, 2026-12-07).
@@ -307,9 +308,14 @@ class Engine:
             raise BackendOverloadedError("engine queue is full")
         if chunk_schedule:
             schedule = validate_schedule(chunk_schedule)
-        elif self.config.quick_start_below and (resume_frames or len(self._streams) < self.config.quick_start_below):
+        elif self.config.quick_start_below and (resume_frames or text_tokens is not None
+                                                or len(self._streams) < self.config.quick_start_below):
             # A resumed request takes the quick schedule whatever the load: its boundaries include the plain
             # schedule's, so it goes on in the chunks of the first attempt, which may have started quick.
+            # So does text still being written: its second frame waits for the next word (25 ms at an LLM's
+            # 40 words/s, against a frame's 5-7 ms), so holding the first frame for it costs a word, not a
+            # frame. bench/engine_sim.py, the agent workload at 20 / 30 sessions/s with 256 slots: p95 83 /
+            # 105 -> 67 / 87 ms, underrunning 4 / 11 -> 0 / 4.
             schedule = validate_schedule(quick_start_schedule(self.config.chunk_schedule))
         else:
             schedule = validate_schedule(self.config.chunk_schedule)
