@@ -1,14 +1,13 @@
 """Start-up cost of loading a Qwen3-TTS checkpoint folder, phase by phase (issue 29's start-up target).
 
-    python bench/startup_load.py --model /tmp/ckpt --device cuda --runner [--preimport] --output $OUT/startup_load.json
+    python bench/startup_load.py --model /tmp/ckpt --device cuda --runner --output $OUT/startup_load.json
     python bench/startup_load.py --model /tmp/startup-ckpt --device cpu --runner --max-slots 4 --max-len 256
 
 In one fresh process, as a `voxgate worker` starts: importing torch and the model code, initialising the device
 (CUDA context), `Qwen3TTS.from_pretrained` (its own phases: config, model_weights, codec_decoder, codec_encoder,
 tokenizer, identity; each ends with its copies on the device finished), and with --runner the engine runner's
 "allocated the slots and fused the weights" phase (Qwen3ModelRunner._allocate, nothing compiled or captured)
-with its imports of the compiler stack timed first, apart (with --preimport, what is left of them after a
-side thread imported them during the load, as the worker does on CUDA). Where the file's pages sit (page cache or disk) is
+with its imports of the compiler stack timed first, apart. Where the file's pages sit (page cache or disk) is
 the machine's state: run it twice for a warm-cache number. --profile adds the functions with the most own time.
 Writes JSON naming the device (`gpu` as torch reports it, or cpu) and the checkpoint's size.
 """
@@ -41,8 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runner", action="store_true", help="also time the runner's allocation phase")
     parser.add_argument("--max-slots", type=int, default=64, help="the runner's KV slots (the worker's default)")
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--preimport", action="store_true", help="import the compiler stack on a side thread "
-                        "during the load, as the worker does on CUDA (runner.import_compiler is then what is left)")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="report the N functions with the "
                         "most own time in from_pretrained (cProfile; it slows Python-heavy phases)")
     parser.add_argument("--output", type=Path)
@@ -61,10 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize(device)
     seconds["device_init"] = time.perf_counter() - mark
 
-    if args.preimport:
-        from tts_backend.engine.compiler_preimport import import_compiler_in_background
-
-        import_compiler_in_background()
     profiler = None
     if args.profile:
         import cProfile
@@ -89,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model),
         "weights_bytes": {str(p.relative_to(args.model)): p.stat().st_size for p in files},
         "dtype": args.dtype,
-        "preimport": args.preimport,
         "seconds": {name: round(s, 3) for name, s in {**seconds, **phases}.items()},
     }
     if profiler is not None:

@@ -232,11 +232,6 @@ class Qwen3Synthesizer(Synthesizer):
         from .qwen3.generate import Qwen3TTS
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if torch.device(device).type == "cuda" and self.runner_options.get("fused", "auto") is not False \
-                and self.runner_options.get("compile", True):
-            from .engine.compiler_preimport import import_compiler_in_background
-
-            import_compiler_in_background()
         aligner_process = None
         if self.aligner_path and self.aligner_process:
             from .aligner.process import AlignerProcess
