@@ -57,7 +57,9 @@ def count_variants(size: str = "small", model_type: str = "custom_voice", config
         with tempfile.TemporaryDirectory() as tmp:
             path = write_checkpoint(Path(tmp) / "ckpt", size, seed=3, model_type=model_type)
             model = Qwen3TTS.from_pretrained(str(path), device="cpu", dtype=torch.float32)
-            options = dict(sampler="stateless", fused=True, kernels="triton", max_len=512)
+            # The fused path as CUDA resolves its "auto" options (the codec's fused, channels-last stages too).
+            options = dict(sampler="stateless", fused=True, kernels="triton", max_len=512,
+                           codec_fused_convolutions=True, codec_channels_last=True)
             options.update(config_overrides or {})
             runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(**options))
             runner.compile = True  # what CUDA does; the CPU default runs the functions uncompiled

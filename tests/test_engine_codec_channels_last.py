@@ -131,7 +131,25 @@ def test_the_runner_option_round_trips_through_the_bench_options():
     passed = json.loads(next(o for o in options if o.startswith("runner_options="))[len("runner_options="):])
     config = Qwen3RunnerConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in passed.items()})
     assert config.codec_channels_last and config.codec_fused_convolutions
-    assert not Qwen3RunnerConfig().codec_channels_last  # off until a GPU has measured it
+
+
+def test_the_fast_codec_is_the_cuda_default_and_stays_off_elsewhere(tiny_custom_voice):
+    """"auto" (the default) turns the fused, channels-last stages on for the fused path on CUDA only (on the CPU
+    they are off unless asked), channels-last follows the fused stages, and a value that is neither a bool nor
+    "auto" is refused by name."""
+    from tts_backend.qwen3.generate import Qwen3TTS
+
+    defaults = Qwen3RunnerConfig()
+    assert defaults.codec_fused_convolutions == "auto" and defaults.codec_channels_last == "auto"
+    assert defaults.codec_cudnn_benchmark is True
+    model = Qwen3TTS.from_pretrained(str(tiny_custom_voice), device="cpu", dtype=torch.float32)
+    runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=64, fused=True, sampler="stateless"))
+    assert runner.fused and not runner.codec_fused_convolutions and not runner.codec_channels_last
+    asked = Qwen3ModelRunner(model, Qwen3RunnerConfig(max_slots=2, max_len=64, fused=True, sampler="stateless",
+                                                      codec_fused_convolutions=True))
+    assert asked.codec_fused_convolutions and asked.codec_channels_last  # "auto" follows the fused stages
+    with pytest.raises(ValueError, match="codec_channels_last must be true, false or"):
+        Qwen3ModelRunner(model, Qwen3RunnerConfig(codec_channels_last="yes"))
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])

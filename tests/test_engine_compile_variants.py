@@ -32,11 +32,12 @@ def test_capture_traces_one_variant_per_function_and_shape_class():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    # decode: the Talker's sampler and the final norm; cp: the frame embedding; codec: SnakeBeta, the
-    # pre-transformer layer at one frame and at several; prefill: the layer over several positions. Batch
-    # size, frame count and prompt length within a class add none (duck sizing, 1-row batches and strided
-    # inputs each added some before).
-    assert counts == {"decode": 2, "cp": 1, "codec": 3, "prefill": 1, "total": 7}, counts
+    # decode: the Talker's sampler and the final norm; cp: the frame embedding; codec: the pre-transformer
+    # layer at one frame and at several, and the compiled functions of the fused channels-last convolution
+    # stages, CUDA's default (3 without them: SnakeBeta and the layer twice); prefill: the layer over several
+    # positions. Batch size, frame count and prompt length within a class add none (duck sizing, 1-row
+    # batches and strided inputs each added some before).
+    assert counts == {"decode": 2, "cp": 1, "codec": 7, "prefill": 1, "total": 11}, counts
 
 
 def test_a_base_checkpoints_clone_prefills_trace_no_variant_of_their_own():
@@ -55,19 +56,20 @@ def test_a_base_checkpoints_clone_prefills_trace_no_variant_of_their_own():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert counts == {"decode": 2, "cp": 1, "codec": 3, "prefill": 1, "prefill_embeds": 0, "prefill_rest": 0,
-                      "total": 7}, counts
+    assert counts == {"decode": 2, "cp": 1, "codec": 7, "prefill": 1, "prefill_embeds": 0, "prefill_rest": 0,
+                      "total": 11}, counts
 
 
 def test_the_fused_codec_convolutions_trace_five_variants_more():
-    """runner_options codec_fused_convolutions (off by default): the fused convolution stages' functions are
-    compiles of their own at a cold start; counted so that what they cost in start-up cannot grow unseen."""
+    """runner_options codec_fused_convolutions (on CUDA by default) in their [B, C, T] layout: the fused
+    convolution stages' functions are compiles of their own at a cold start; counted so that what they cost in
+    start-up cannot grow unseen (the channels-last layout, the default with them, below)."""
     code = textwrap.dedent("""
         import json
         from bench.compile_variants import count_variants
         print(json.dumps(count_variants("small", config_overrides=dict(
             max_slots=8, decode_buckets=(2, 4, 8), codec_batch_buckets=(2, 4, 8), codec_frames=(1, 2, 3, 4),
-            prefill_len_buckets=(16, 32), codec_fused_convolutions=True))))
+            prefill_len_buckets=(16, 32), codec_fused_convolutions=True, codec_channels_last=False))))
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -210,10 +210,13 @@ class Qwen3RunnerConfig:
     # those passes to the memory-efficient kernel, which needs no plan (to be confirmed on the GPU).
     cudnn_attention: bool = True
     # cuDNN's benchmark mode while the codec's graphs are captured (CUDA; restored afterwards): each convolution
-    # shape is timed once before capture and the graph keeps the fastest kernel, where the default takes the
-    # heuristics' pick. bench/codec_profile.py timed the fused convolutions with it on (16 x 12 frames 9.6 ms on
-    # an H200), while under load without it the fused codec's calls took about 400 ms each: to measure.
-    codec_cudnn_benchmark: bool = False
+    # shape is timed once before capture and the graph keeps the fastest kernel, where without it cuDNN's
+    # heuristics pick. At some of the shapes the engine captures they pick kernels that make the fused codec
+    # collapse under load: on the H100 the channels-last codec without it served 61 of 875 requests at 60 RPS
+    # (p95 4.2 s), with it all, p95 51 ms (bench/results/engine_h100.md, 2026-12-07 second session). The price
+    # is start-up: cuDNN times every convolution shape of the codec's graphs at every start (their capture
+    # 16 -> 52 s on the H100 with the compile cache warm).
+    codec_cudnn_benchmark: bool = True
     # The codec's precision on CUDA: "bfloat16", or "float32" (as released; TF32 matmuls and convolutions).
     # On the H100 (bench/results/codec_profile_h100.json) a call of 16 streams x 12 frames costs 11.3 ms in
     # bfloat16 against 16.5 in float32, with the output 44.6 dB above its difference from float32's (random
@@ -224,17 +227,20 @@ class Qwen3RunnerConfig:
     # SnakeBetas, history updates and residual adds inside compiled functions and GEMMs); False keeps only the
     # compiled SnakeBeta and pre-transformer layers. Its functions are Inductor compiles of their own at a
     # start without the compile cache (5 more traced variants than the 3 of the rest of the codec: at about
-    # 8 s each, a cold start's largest share), so the two trade codec time against cold start-up. Off until a
-    # GPU has measured what it saves (bench/codec_profile.py, variant bf16_fused).
-    codec_fused_convolutions: bool = False
+    # 8 s each, a cold start's largest share), so the two trade codec time against cold start-up. "auto": on
+    # CUDA (with codec_channels_last and codec_cudnn_benchmark, the H100's fastest codec under load).
+    codec_fused_convolutions: bool | str = "auto"
     # Those fused stages with the activations kept [B, T, C] from the pre-transformer's output to the final
     # conv (engine/codec_channels_last.py: every conv an NHWC 2-D conv on channels-last views and weights,
     # SnakeBetas and history windows along whole rows). A layout of the fused stages, so it needs
     # codec_fused_convolutions; one traced variant fewer than those (4 more than the rest of the codec). On the
     # H200 the fused path's call of 16 x 12 frames spent 1.44 of 9.7 ms in cuDNN's NCHW<->NHWC transforms and
-    # 3.3 ms in SnakeBeta kernels 5x below memory bandwidth (bench/results/codec_profile_h200_fused.json); off
-    # until a GPU has measured what this saves (bench/codec_profile.py, variant bf16_fused_nlc).
-    codec_channels_last: bool = False
+    # 3.3 ms in SnakeBeta kernels 5x below memory bandwidth (bench/results/codec_profile_h200_fused.json). On
+    # the H100 a call of 16 x 12 frames takes 7.9 ms against the fused NCHW stages' 11.6 (0.68-0.73 x at every
+    # size), and under load with cuDNN's benchmark mode p95 first audio fell from 72.6 to 51.1 ms at 60 RPS and
+    # from 100.7 to 72.6 at 80 (bench/results/engine_h100.md, 2026-12-07 second session). "auto": on wherever
+    # the fused convolution stages are.
+    codec_channels_last: bool | str = "auto"
     # How a resumed request (resume from codes) runs its delivered frames through the Talker: "batched" (one
     # pass over the prompt and the frames, as a prefill), "stepwise" (the prompt, then one decode step a frame,
     # exactly the steps the uninterrupted request took) or "auto": batched on CUDA, stepwise elsewhere. Why
@@ -255,6 +261,15 @@ def _cudnn_benchmark(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.benchmark = saved
+
+
+def _auto_flag(name: str, setting: bool | str, auto: bool) -> bool:
+    """A runner option that is True, False or "auto" (then `auto`)."""
+    if setting == "auto":
+        return auto
+    if not isinstance(setting, bool):
+        raise ValueError(f"{name} must be true, false or \"auto\", not {setting!r}")
+    return setting
 
 
 def codec_pieces(frames: int, counts: Sequence[int]) -> list[int]:
@@ -297,9 +312,6 @@ class Qwen3ModelRunner(ModelRunner):
             raise ValueError("the runner needs the codec decoder (load_codec=True)")
         if cfg.codec_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"codec_dtype must be float32 or bfloat16, not {cfg.codec_dtype!r}")
-        if cfg.codec_channels_last and not cfg.codec_fused_convolutions:
-            raise ValueError("codec_channels_last is a layout of the fused convolution stages: it needs "
-                             "codec_fused_convolutions too")
         if cfg.codec_dtype == "bfloat16" and self.device.type == "cuda":
             model.codec.to(torch.bfloat16)
         self.codec_module = model.codec
@@ -318,6 +330,14 @@ class Qwen3ModelRunner(ModelRunner):
         self.fused = bool(fused)
         self.fused_prefill = self.fused
         self.compile = bool(cfg.compile and self.fused and self.device.type == "cuda")
+        # The codec's fast stages ("auto": on CUDA on the fused path, the only path that has them).
+        self.codec_fused_convolutions = _auto_flag("codec_fused_convolutions", cfg.codec_fused_convolutions,
+                                                   self.fused and self.device.type == "cuda")
+        self.codec_channels_last = _auto_flag("codec_channels_last", cfg.codec_channels_last,
+                                              self.codec_fused_convolutions)
+        if self.codec_channels_last and not self.codec_fused_convolutions:
+            raise ValueError("codec_channels_last is a layout of the fused convolution stages: it needs "
+                             "codec_fused_convolutions too")
         self.triton = self.fused and self._use_triton(cfg.kernels, model)
         params = model.sampling_params()
         self.params: SamplingParams = params.greedy() if cfg.greedy else params
@@ -467,8 +487,8 @@ class Qwen3ModelRunner(ModelRunner):
             self.fused_cp = FusedCodePredictor(m.code_predictor, m.talker, self.params, self.compile, self.triton,
                                                max_rows=cp_rows)
             self.talker_sample_fn = talker_sampler(self.params, self.compile)
-            fuse_codec_activations(self.codec_module, self.compile, convolutions=cfg.codec_fused_convolutions,
-                                   channels_last=cfg.codec_channels_last)
+            fuse_codec_activations(self.codec_module, self.compile, convolutions=self.codec_fused_convolutions,
+                                   channels_last=self.codec_channels_last)
             self.codec_compiled = self.compile
             if dev.type == "cuda":
                 torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 codec's matmuls (convs already use TF32)
