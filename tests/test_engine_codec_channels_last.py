@@ -180,3 +180,21 @@ def test_the_compiled_functions_trace_whole_and_few(tmp_path, kv_heads, monkeypa
     finally:
         unfuse_codec_activations(decoder)
         torch._dynamo.reset()
+
+
+def test_benchmark_mode_and_its_limit_hold_for_the_capture_only(tiny_custom_voice):
+    """codec_cudnn_benchmark_limit: how many algorithms cuDNN's benchmark mode times per shape while the codec is
+    captured; both settings are the process's again afterwards, and a limit that is not a count is refused."""
+    from tts_backend.engine.runner import _cudnn_benchmark
+    from tts_backend.qwen3.generate import Qwen3TTS
+
+    before = torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit
+    with _cudnn_benchmark(True, 3):
+        assert torch.backends.cudnn.benchmark and torch.backends.cudnn.benchmark_limit == 3
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit) == before
+    with _cudnn_benchmark(False, 3):  # off: the limit is not touched
+        assert torch.backends.cudnn.benchmark_limit == before[1]
+    model = Qwen3TTS.from_pretrained(str(tiny_custom_voice), device="cpu", dtype=torch.float32)
+    for bad in (-1, 2.5, True, "3"):
+        with pytest.raises(ValueError, match="codec_cudnn_benchmark_limit"):
+            Qwen3ModelRunner(model, Qwen3RunnerConfig(codec_cudnn_benchmark_limit=bad))

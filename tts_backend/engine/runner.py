@@ -217,6 +217,10 @@ class Qwen3RunnerConfig:
     # is start-up: cuDNN times every convolution shape of the codec's graphs at every start (their capture
     # 16 -> 52 s on the H100 with the compile cache warm).
     codec_cudnn_benchmark: bool = True
+    # How many of cuDNN's algorithms benchmark mode times per convolution shape (torch.backends.cudnn
+    # .benchmark_limit; 0: all of them); None leaves PyTorch's 10. Fewer is a shorter start-up, if the fastest
+    # kernels are among cuDNN's first suggestions: to measure (start-up and p95 at 60-80 RPS, e.g. 3 against 10).
+    codec_cudnn_benchmark_limit: int | None = None
     # The codec's precision on CUDA: "bfloat16", or "float32" (as released; TF32 matmuls and convolutions).
     # On the H100 (bench/results/codec_profile_h100.json) a call of 16 streams x 12 frames costs 11.3 ms in
     # bfloat16 against 16.5 in float32, with the output 44.6 dB above its difference from float32's (random
@@ -253,14 +257,18 @@ class Qwen3RunnerConfig:
 
 
 @contextmanager
-def _cudnn_benchmark(on: bool) -> Iterator[None]:
-    """cuDNN's benchmark mode on for the block when `on` (never turned off where the process had it on)."""
-    saved = torch.backends.cudnn.benchmark
+def _cudnn_benchmark(on: bool, limit: int | None = None) -> Iterator[None]:
+    """cuDNN's benchmark mode on for the block when `on` (never turned off where the process had it on), trying
+    at most `limit` algorithms per convolution shape when given (None: PyTorch's own limit, 10); both restored."""
+    saved, saved_limit = torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit
     torch.backends.cudnn.benchmark = saved or on
+    if on and limit is not None:
+        torch.backends.cudnn.benchmark_limit = limit
     try:
         yield
     finally:
         torch.backends.cudnn.benchmark = saved
+        torch.backends.cudnn.benchmark_limit = saved_limit
 
 
 def _auto_flag(name: str, setting: bool | str, auto: bool) -> bool:
@@ -338,6 +346,9 @@ class Qwen3ModelRunner(ModelRunner):
         if self.codec_channels_last and not self.codec_fused_convolutions:
             raise ValueError("codec_channels_last is a layout of the fused convolution stages: it needs "
                              "codec_fused_convolutions too")
+        limit = cfg.codec_cudnn_benchmark_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"codec_cudnn_benchmark_limit must be a whole number >= 0 or null, not {limit!r}")
         self.triton = self.fused and self._use_triton(cfg.kernels, model)
         params = model.sampling_params()
         self.params: SamplingParams = params.greedy() if cfg.greedy else params
@@ -583,7 +594,7 @@ class Qwen3ModelRunner(ModelRunner):
         mark = self._log_capture("Talker decode and code-predictor", mark)
         benchmark = self.config.codec_cudnn_benchmark and dev.type == "cuda"
         try:
-            with _cudnn_benchmark(benchmark):
+            with _cudnn_benchmark(benchmark, self.config.codec_cudnn_benchmark_limit):
                 self._capture_codec()
         except Exception:
             if not self.fused:
@@ -596,12 +607,12 @@ class Qwen3ModelRunner(ModelRunner):
             fuse_codec_activations(self.codec_module, compile=False)  # the RVQ tables need no compiler
             self.codec_compiled = False
             self.graphs.discard("codec")
-            with _cudnn_benchmark(benchmark):
+            with _cudnn_benchmark(benchmark, self.config.codec_cudnn_benchmark_limit):
                 self._capture_codec()
         mark = self._log_capture("codec", mark)
         if self.lane is not None:
             try:
-                with _cudnn_benchmark(benchmark):
+                with _cudnn_benchmark(benchmark, self.config.codec_cudnn_benchmark_limit):
                     self._capture_codec_lane()
                 self.first_chunk_lane = (max(self.lane_buckets), self.config.first_chunk_frames)
             except Exception:
