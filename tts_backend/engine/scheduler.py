@@ -36,15 +36,16 @@ decision after its token arrives (the engine applies pushed text before it decid
 decision's batch like any other item.
 
 What each slot holder is ready for is kept between decisions (`_Readiness`), not rebuilt in a pass over every
-holder per decision: that pass cost 58-80 us per decision at 128 streams on the CPU VM and 99-243 us on a loaded
-H100 host, GPU idle time all of it. A decision re-reads only the requests of the batch it returned last (the
-engine runs it before deciding again) and those the engine names through `changed` (text arrived, a codec batch
-was collected, a request finished); a frame moves its streams one frame on, and each is re-read in full only
-when that crosses one of its limits (its next chunk, max_pending_frames, its text). The codec work is kept in
-the order a batch is filled in, so each rule's share of it is a slice. The clock and the measured costs apply at
-every decision, to the playing streams in deadline order, read only as far as a rule needs. Decisions are those
-of the pass (tests/test_scheduler_equivalence.py holds them to it; tests/test_scheduler_readiness.py holds what
-is kept to a reading from scratch).
+holder per decision: that pass cost 58-80 us per decision at 128 streams on the CPU VM and 99-243 us on a
+loaded H100 host, GPU idle time all of it. A decision re-reads only the requests of the batch it returned last
+(the engine runs it before deciding again) and those the engine names through `changed` (text arrived, a codec
+batch was collected, a request finished); a frame moves its streams one frame on, and each is re-read in full
+only when that crosses one of its limits (its next chunk, max_pending_frames, its text); a codec batch's launch
+only puts its streams' codec work in flight, and takes it out of the ready work without a re-read. The codec
+work is kept in the order a batch is filled in, so each rule's share of it is a slice. The clock and the
+measured costs apply at every decision, to the playing streams in deadline order, read only as far as a rule
+needs. Decisions are those of the pass (tests/test_scheduler_equivalence.py holds them to it;
+tests/test_scheduler_readiness.py holds what is kept to a reading from scratch).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from .request import Phase, RequestState, Stage
 _CODEC, _PREFILL, _FRAME = Stage.CODEC, Stage.PREFILL, Stage.FRAME
 _NEED_PREFILL, _NEED_CODE_PREDICT, _NEED_DECODE, _FINISHED = (
     Phase.NEED_PREFILL, Phase.NEED_CODE_PREDICT, Phase.NEED_DECODE, Phase.FINISHED)
+_STEPPABLE = (_NEED_DECODE, _NEED_CODE_PREDICT)  # the phases of a stream that can step
 
 # Round-robin tie order when several stages were served equally long ago.
 _ROUND_ROBIN_ORDER = (Stage.PREFILL, Stage.FRAME, Stage.CODEC)
@@ -119,11 +121,18 @@ def _deadline(request: RequestState) -> float | None:
     return request.playback_start + request.output.emitted_samples / request.sample_rate
 
 
+def _next_chunk_frames(request: RequestState) -> int:
+    """RequestState.next_chunk_frames, without the property's call: read for every holder re-read and every
+    rule 2 candidate, a dozen or more times per decision."""
+    schedule, chunks = request.chunk_schedule, request.chunks_decoded
+    return schedule[chunks] if chunks < len(schedule) else schedule[-1]
+
+
 def _late_unless_now(request: RequestState, deadline: float, now: float, frame_cost: float,
                      codec_cost: float) -> bool:
     """Rule 2's test: the frames the request's next chunk still lacks, at the measured cost of a frame, then
     its codec call, reach past its deadline unless it steps now."""
-    lacking = request.next_chunk_frames - (request.frames_generated - request.frames_decoded)
+    lacking = _next_chunk_frames(request) - (request.frames_generated - request.frames_decoded)
     return lacking > 0 and now >= deadline - lacking * frame_cost - codec_cost
 
 
@@ -160,7 +169,7 @@ class _Holder:
     """What one slot holder is ready for, as of the last time the scheduler read its request (`_Readiness`)."""
 
     __slots__ = ("request", "order", "stepping", "deadline_key", "codec", "codec_key", "prefill",
-                 "generated_limit", "fed_limit", "paused", "gone")
+                 "generated_limit", "fed_limit", "chunk_end", "paused", "gone")
 
     def __init__(self, request: RequestState, order: int) -> None:
         self.request = request
@@ -175,6 +184,9 @@ class _Holder:
         # text_fed reaches fed_limit (it waits for text); short of that the frame changed nothing here.
         self.generated_limit = 0
         self.fed_limit = 0
+        # While it can step: frames_generated once its next chunk's frames are there (frames_decoded and the
+        # chunk change only when a codec batch is collected, which has it re-read), for rule 2's test.
+        self.chunk_end = 0
         self.paused = False  # back-pressure: its consumer stopped reading
         self.gone = False  # removed from the scheduler
 
@@ -190,17 +202,18 @@ class _Readiness:
     A holder is re-read (`refresh`) only when its request may have changed: the requests of the batch the
     scheduler returned last (the engine runs it before it decides again), and those the engine names through
     `Scheduler.changed` (text arrived, a codec batch was collected, a request finished or was cancelled). A
-    frame batch moves every stream in it one frame on, so its streams get the cheap check of `_Holder`'s
-    limits first. The one change nobody reports is a consumer reading audio (another thread): holders paused
-    by back-pressure are re-read at every decision.
+    frame batch moves every stream in it one frame on, so its streams get the cheap check of `_Holder`'s limits
+    first; a codec batch's streams, once it is launched, only lose their codec work (`catch_up`). The one
+    change nobody reports is a consumer reading audio (another thread): holders paused by back-pressure are
+    re-read at every decision.
 
     Kept: the streams that can step in admission order, the playing ones among them sorted by deadline (the
     anchors of rules 2, 4 and 5 are at its front, so a decision reads only its first few), the fresh ones
     (rule 3), the prefill items, and the codec items in fill order (`_codec_key`): under load most slot holders
     have codec work waiting (about 90 of 134 at 100 RPS in bench/engine_sim.py), and in that order each rule's
     codec candidates are a slice found by bisection, a batch is filled without sorting them, and a re-read that
-    leaves a holder's item as it was changes nothing. An item is rebuilt only when its frames or deadline
-    change."""
+    leaves a holder's item as it was changes nothing. An item is rebuilt only when its deadline changes (its
+    place in that order); a change of its frames alone is made in place."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -208,6 +221,7 @@ class _Readiness:
         self._order = 0
         self._dirty: dict[_Holder, None] = {}  # re-read in full at the next decision
         self._stepped: list[_Holder] = []  # the last frame batch's holders: the cheap check first
+        self._launched: list[_Holder] = []  # the last codec batch's holders: in flight, unless the engine says more
         self._paused: dict[_Holder, None] = {}
         self.by_deadline: list[tuple] = []  # (deadline, order, holder) of playing holders that can step
         self.fresh: dict[_Holder, None] = {}  # holders that can step and have no audio out yet
@@ -215,10 +229,13 @@ class _Readiness:
         self.codec_keys: list[tuple] = []
         self.codec_items: list[_Item] = []
         self._prefill: dict[_Holder, None] = {}
-        # Lists in admission order, rebuilt only after their membership changed.
-        self._stepping_list: list[_Holder] | None = []
+        # The holders that can step and their requests, in admission order, kept in place as holders flip (rebuilt
+        # from every holder after one flipped, they cost about 2 us a decision at 100 RPS in bench/engine_sim.py).
+        self._stepping_list: list[_Holder] = []
         self._stepping_requests: list[RequestState] = []
-        self._prefill_items: list[_Item] | None = []
+        self._prefill_items: list[_Item] | None = []  # admission order, rebuilt only after membership changed
+        self._max_pending = config.max_pending_frames
+        self._max_buffered_s = config.max_buffered_s
         self.most_frames_wanted = 1  # the largest chunk of any holder's schedule: bounds rule 2's plan
 
     def admit(self, request: RequestState) -> None:
@@ -245,11 +262,15 @@ class _Readiness:
     def ran(self, batch: Batch) -> None:
         """The batch just decided runs before the next decision: its requests are re-read then."""
         if batch.stage is _FRAME and len(batch.requests) == len(self._stepping_requests):
-            self._stepped = self._stepping_list  # every stream that can step is in it
+            # Every stream that can step is in it. The kept list itself, not a copy: a holder removed before the
+            # next decision leaves it, and nothing else changes it until that decision has read it.
+            self._stepped = self._stepping_list
             return
         holders = [self.holders[r.request_id] for r in batch.requests]
         if batch.stage is _FRAME:
             self._stepped = holders
+        elif batch.stage is _CODEC:
+            self._launched = holders
         else:
             self._dirty.update(dict.fromkeys(holders))
 
@@ -260,44 +281,66 @@ class _Readiness:
             dirty = self._dirty
             for holder in self._stepped:
                 request = holder.request
-                phase = request.phase
-                if (phase is not _NEED_DECODE and phase is not _NEED_CODE_PREDICT) \
-                        or request.frames_generated >= holder.generated_limit or request.text_fed >= holder.fed_limit:
+                if request.frames_generated >= holder.generated_limit or request.text_fed >= holder.fed_limit \
+                        or request.phase not in _STEPPABLE:
                     dirty[holder] = None
             self._stepped = []
         if self._paused:
             self._dirty.update(self._paused)
+        if self._launched:
+            # A codec batch's launch changes nothing of its streams but codec_busy (collecting it is reported):
+            # each had codec work, so was not paused and had the limits of a stream with codec work, which a
+            # stream in flight has too. Its codec work is in flight: that is all a re-reading would change.
+            # One named through `changed` as well, or not in flight (not launched, or collected at once), is
+            # re-read in full.
+            dirty = self._dirty
+            for holder in self._launched:
+                if holder.gone or holder in dirty:
+                    continue
+                if holder.request.codec_busy and holder.codec is not None:
+                    self._drop_codec(holder)
+                    holder.codec = None
+                else:
+                    dirty[holder] = None
+            self._launched = []
         if self._dirty:
             dirty, self._dirty = self._dirty, {}
+            refresh = self.refresh
             for holder in dirty:
                 if not holder.gone:
-                    self.refresh(holder)
+                    refresh(holder)
 
     def refresh(self, holder: _Holder) -> None:
         """Read the request and file the holder under the work it has ready (the checks `decide` made per
-        holder before, unchanged)."""
+        holder before, unchanged). About 12 holders a decision under load (bench/engine_sim.py, 100 RPS): each
+        attribute is read once into a local, and what did not change is left where it is filed."""
         request = holder.request
-        config = self.config
         stepping = False
         deadline = codec = prefill = None
         generated_limit = fed_limit = _NEVER
         paused = False
         if not (request.cancelled or request.done):
             output = request.output
-            if output.emitted_samples - output.consumed_samples >= config.max_buffered_s * request.sample_rate:
+            emitted = output.emitted_samples
+            sample_rate = request.sample_rate
+            if emitted - output.consumed_samples >= self._max_buffered_s * sample_rate:
                 paused = True  # back-pressure: a consumer that stopped reading stops its stream's work (slot kept)
             else:
                 playback_start = request.playback_start
-                deadline = None if playback_start is None \
-                    else playback_start + output.emitted_samples / request.sample_rate
-                pending = request.frames_generated - request.frames_decoded
-                want = request.next_chunk_frames
+                if playback_start is not None:
+                    deadline = playback_start + emitted / sample_rate
+                generated = request.frames_generated
+                decoded = request.frames_decoded
+                pending = generated - decoded
+                want = _next_chunk_frames(request)
                 phase = request.phase
+                text_open = request.text_open
                 # Waiting for text (RequestState.waiting_for_text): no generation item, see the module doc.
-                waiting = request.text_open and phase is _NEED_DECODE and (
-                    request.text_fed >= request.text_ready or request.frames_generated >= request.max_frames)
+                waiting = text_open and phase is _NEED_DECODE and (
+                    request.text_fed >= request.text_ready or generated >= request.max_frames)
+                max_pending = self._max_pending
                 # Generation waits for the codec to catch up once max_pending frames are not decoded yet.
-                if pending < config.max_pending_frames and not waiting:
+                if pending < max_pending and not waiting:
                     if phase is _NEED_DECODE or phase is _NEED_CODE_PREDICT:
                         stepping = True
                     elif phase is _NEED_PREFILL:
@@ -306,41 +349,50 @@ class _Readiness:
                             prefill = _Item(request, _PREFILL, deadline, order=holder.order)
                 # Codec work is ready once the next chunk's frames are there, or whatever is left once
                 # generation has finished or waits for text; it decodes the chunk's frames (or the rest).
-                if pending > 0 and not request.codec_busy \
-                        and (pending >= want or phase is _FINISHED or waiting):
+                codec_busy = request.codec_busy
+                if pending > 0 and not codec_busy and (pending >= want or phase is _FINISHED or waiting):
                     codec = holder.codec
-                    frames = min(pending, want)
-                    if codec is None or codec.frames != frames or codec.deadline != deadline:
+                    frames = pending if pending < want else want
+                    if codec is None or codec.deadline != deadline:
                         codec = _Item(request, _CODEC, deadline, frames, holder.order)
+                    else:
+                        codec.frames = frames  # its place in the fill order is its deadline's, not its frames'
                 if stepping:
-                    generated_limit = request.frames_decoded + config.max_pending_frames
-                    if codec is None and not request.codec_busy:
-                        generated_limit = min(generated_limit, request.frames_decoded + want)
-                    if request.text_open:
+                    holder.chunk_end = chunk_end = decoded + want
+                    generated_limit = decoded + max_pending
+                    if codec is None and not codec_busy:
+                        generated_limit = min(generated_limit, chunk_end)
+                    if text_open:
                         generated_limit = min(generated_limit, request.max_frames)
                         fed_limit = request.text_ready
         holder.generated_limit, holder.fed_limit = generated_limit, fed_limit
-        if paused != holder.paused:
+        if paused is not holder.paused:
             holder.paused = paused
             if paused:
                 self._paused[holder] = None
             else:
                 self._paused.pop(holder, None)
-        deadline_key = (deadline, holder.order) if stepping and deadline is not None else None
-        if stepping != holder.stepping:
+        was_stepping, old_key = holder.stepping, holder.deadline_key
+        if stepping is not was_stepping:
             holder.stepping = stepping
-            self._stepping_list = None
-        if deadline_key != holder.deadline_key:
-            if holder.deadline_key is not None:
-                index = bisect_left(self.by_deadline, holder.deadline_key)
-                del self.by_deadline[index]
-            if deadline_key is not None:
-                insort(self.by_deadline, (*deadline_key, holder))
-            holder.deadline_key = deadline_key
-        if stepping and deadline is None:
-            self.fresh[holder] = None
+            self._file_stepping(holder, stepping)
+        if stepping and deadline is not None:
+            deadline_key = old_key if old_key is not None and old_key[0] == deadline else (deadline, holder.order)
         else:
-            self.fresh.pop(holder, None)
+            deadline_key = None
+        if deadline_key is not old_key:
+            by_deadline = self.by_deadline
+            if old_key is not None:
+                del by_deadline[bisect_left(by_deadline, old_key)]
+            if deadline_key is not None:
+                insort(by_deadline, (*deadline_key, holder))
+            holder.deadline_key = deadline_key
+        fresh = stepping and deadline is None  # it is in `fresh` when it was so at its last reading
+        if fresh is not (was_stepping and old_key is None):
+            if fresh:
+                self.fresh[holder] = None
+            else:
+                del self.fresh[holder]
         if codec is not holder.codec:
             if holder.codec is not None:
                 self._drop_codec(holder)
@@ -360,6 +412,16 @@ class _Readiness:
             holder.prefill = prefill
             self._prefill_items = None
 
+    def _file_stepping(self, holder: _Holder, stepping: bool) -> None:
+        """Add the holder to the streams that can step, or take it out, in its admission order's place."""
+        index = bisect_left(self._stepping_list, holder.order, key=_admission)
+        if stepping:
+            self._stepping_list.insert(index, holder)
+            self._stepping_requests.insert(index, holder.request)
+        else:
+            del self._stepping_list[index]
+            del self._stepping_requests[index]
+
     def _drop_codec(self, holder: _Holder) -> None:
         index = bisect_left(self.codec_keys, holder.codec_key)
         del self.codec_keys[index]
@@ -368,7 +430,7 @@ class _Readiness:
 
     def _clear(self, holder: _Holder) -> None:
         if holder.stepping:
-            self._stepping_list = None
+            self._file_stepping(holder, False)
         if holder.deadline_key is not None:
             del self.by_deadline[bisect_left(self.by_deadline, holder.deadline_key)]
         self.fresh.pop(holder, None)
@@ -380,9 +442,6 @@ class _Readiness:
     # ---- what a decision reads ---------------------------------------------------------------------
     def stepping(self) -> list[RequestState]:
         """The requests that can step, in admission order."""
-        if self._stepping_list is None:
-            self._stepping_list = [h for h in self.holders.values() if h.stepping]
-            self._stepping_requests = [h.request for h in self._stepping_list]
         return self._stepping_requests
 
     def prefill_items(self) -> list[_Item]:
@@ -557,7 +616,9 @@ class Scheduler:
         for deadline, _, holder in by_deadline:
             if deadline - furthest - codec_cost > now:
                 return None
-            if _late_unless_now(holder.request, deadline, now, frame_cost, codec_cost):
+            # _late_unless_now's test, read through what the holder keeps: a dozen or more streams a decision.
+            lacking = holder.chunk_end - holder.request.frames_generated
+            if lacking > 0 and now >= deadline - lacking * frame_cost - codec_cost:
                 return _Item(holder.request, _FRAME, deadline)
         return None
 
@@ -599,7 +660,7 @@ class Scheduler:
             return None
         self._gather_arrivals(ready, now)
         if ready.urgent_codec:
-            anchor = min(ready.urgent_codec, key=lambda it: (it.deadline, it.arrival))
+            anchor = ready.urgent_codec[0]  # in fill order: the earliest deadline, then arrival, then admission
             batch = self._fill(anchor, ready, ready.urgent_codec, "urgent_codec")
         elif ready.urgent_generation:
             anchor = min(ready.urgent_generation, key=lambda it: (it.deadline, int(it.stage), it.arrival))
@@ -761,7 +822,8 @@ class Scheduler:
             lead = anchor.request
             if len(everyone) <= cap:
                 # Every stream that can step fits: no order to decide (the anchor first, as always).
-                return Batch(stage, [lead] + [r for r in everyone if r is not lead], rule=rule)
+                index = everyone.index(lead)
+                return Batch(stage, [lead, *everyone[:index], *everyone[index + 1:]], rule=rule)
             # More can step than the largest bucket holds: urgent and pressing ones first (`_Ready`).
             everyone, priority = self._frame_items(ready)
             anchor = next(it for it in everyone if it.request is lead)
@@ -786,10 +848,13 @@ class Scheduler:
         of them is a slice of that list, so the compatible ones are taken as they come, without a sort, and
         only until the batch is full."""
         frames = anchor.frames
+        everyone = ready.by_stage[_CODEC]
         if bulk:
-            frames, takers = self._bulk_frames(ready.by_stage[_CODEC])
-            if anchor not in takers:  # the most urgent of the streams that can take the bulk count
-                anchor = takers[0]
+            # The streams that can take the bulk count are exactly those compatible with it, in fill order: the
+            # rest of the batch comes from them, not from a second reading of every codec item.
+            frames, everyone = self._bulk_frames(everyone)
+            if anchor not in everyone:  # the most urgent of the streams that can take the bulk count
+                anchor = everyone[0]
         if ready.codec_cap is not None:
             cap = min(cap, ready.codec_cap)
         chosen = [anchor.request]
@@ -803,7 +868,7 @@ class Scheduler:
                     if len(chosen) >= cap:
                         break
         if len(chosen) < cap:
-            for it in ready.by_stage[_CODEC]:
+            for it in everyone:
                 if it.frames <= frames and id(it) not in taken:
                     request = it.request
                     if frames <= request.frames_generated - request.frames_decoded:
