@@ -49,9 +49,9 @@ class EngineConfig:
     # caller named no chunk schedule ships its first frame alone, then the rest of `chunk_schedule`'s first
     # chunk, then the rest of it (request.quick_start_schedule): its first audio comes a frame sooner (a frame
     # is 5.3-5.5 ms on the H100 at light load), and while the engine is lightly loaded the extra small codec
-    # call costs no other stream anything. Under load a first chunk of one
-    # frame is one more codec call per request, which the codec cannot spare, except for a request whose text
-    # is still being written (submit says why). 0: never, for any request.
+    # call costs no other stream anything. Under load a first chunk of one frame is one more codec call per
+    # request, which the codec cannot spare, except for a request whose text is still being written (submit
+    # says why). 0: never, for any request.
     # 16: on the H100 through the gateway, p95 audible TTFA 25.0 / 28.3 / 30.4 -> 16.3 / 22.7 / 28.3 ms at
     # 1 / 10 / 20 RPS, and no loss at 60-100 RPS, where more than 16 are in flight
     # (bench/results/engine_h100.md, 2026-12-07).

@@ -593,8 +593,9 @@ class Qwen3ModelRunner(ModelRunner):
         self._capture_generation_with_fallbacks()
         mark = self._log_capture("Talker decode and code-predictor", mark)
         benchmark = self.config.codec_cudnn_benchmark and dev.type == "cuda"
+        benchmark_limit = self.config.codec_cudnn_benchmark_limit
         try:
-            with _cudnn_benchmark(benchmark, self.config.codec_cudnn_benchmark_limit):
+            with _cudnn_benchmark(benchmark, benchmark_limit):
                 self._capture_codec()
         except Exception:
             if not self.fused:
@@ -607,12 +608,12 @@ class Qwen3ModelRunner(ModelRunner):
             fuse_codec_activations(self.codec_module, compile=False)  # the RVQ tables need no compiler
             self.codec_compiled = False
             self.graphs.discard("codec")
-            with _cudnn_benchmark(benchmark, self.config.codec_cudnn_benchmark_limit):
+            with _cudnn_benchmark(benchmark, benchmark_limit):
                 self._capture_codec()
         mark = self._log_capture("codec", mark)
         if self.lane is not None:
             try:
-                with _cudnn_benchmark(benchmark, self.config.codec_cudnn_benchmark_limit):
+                with _cudnn_benchmark(benchmark, benchmark_limit):
                     self._capture_codec_lane()
                 self.first_chunk_lane = (max(self.lane_buckets), self.config.first_chunk_frames)
             except Exception:

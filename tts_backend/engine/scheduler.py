@@ -51,7 +51,7 @@ tests/test_scheduler_readiness.py holds what is kept to a reading from scratch).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
-from itertools import accumulate
+from itertools import accumulate, chain
 from operator import attrgetter
 from dataclasses import dataclass, field
 
@@ -859,20 +859,13 @@ class Scheduler:
             cap = min(cap, ready.codec_cap)
         chosen = [anchor.request]
         taken = {id(anchor)}
-        for it in priority:  # the rule's candidates first, then the rest; the cheapest test first
-            if it.frames <= frames and it.stage is _CODEC and it is not anchor:
+        # The rule's candidates first (they may hold other stages' items), then the rest; the cheapest test first.
+        for it in chain(priority, everyone):
+            if len(chosen) >= cap:
+                break
+            if it.frames <= frames and it.stage is _CODEC and id(it) not in taken:
                 request = it.request
                 if frames <= request.frames_generated - request.frames_decoded:
                     chosen.append(request)
                     taken.add(id(it))
-                    if len(chosen) >= cap:
-                        break
-        if len(chosen) < cap:
-            for it in everyone:
-                if it.frames <= frames and id(it) not in taken:
-                    request = it.request
-                    if frames <= request.frames_generated - request.frames_decoded:
-                        chosen.append(request)
-                        if len(chosen) >= cap:
-                            break
         return Batch(_CODEC, chosen, frames=frames, rule=rule)
