@@ -206,9 +206,11 @@ class Qwen3RunnerConfig:
     # shape, on the host. Captured graphs meet their shapes at capture; the uncaptured passes (a resume's
     # batched Talker pass over prompt + delivered frames, whose length is new for nearly every request) meet
     # them while serving, where a pause is a listener's pause: on the H100 and H200 some single resumes took
-    # 0.7-1.4 s, host and device clocks alike, where others of similar length took 15-80 ms. False leaves
-    # those passes to the memory-efficient kernel, which needs no plan (to be confirmed on the GPU).
-    cudnn_attention: bool = True
+    # 0.7-1.4 s, host and device clocks alike, where others of similar length took 15-80 ms. False (the
+    # default) leaves those passes to the memory-efficient kernel, which needs no plan: on the H100 the resume
+    # check's resumed first audio went from median 81.5 / p95 829 ms with cuDNN to 43.4 / 59.8 ms without
+    # (bench/results/resume_h100.md).
+    cudnn_attention: bool = False
     # cuDNN's benchmark mode while the codec's graphs are captured (CUDA; restored afterwards): each convolution
     # shape is timed once before capture and the graph keeps the fastest kernel, where without it cuDNN's
     # heuristics pick. At some of the shapes the engine captures they pick kernels that make the fused codec
@@ -218,9 +220,12 @@ class Qwen3RunnerConfig:
     # 16 -> 52 s on the H100 with the compile cache warm).
     codec_cudnn_benchmark: bool = True
     # How many of cuDNN's algorithms benchmark mode times per convolution shape (torch.backends.cudnn
-    # .benchmark_limit; 0: all of them); None leaves PyTorch's 10. Fewer is a shorter start-up, if the fastest
-    # kernels are among cuDNN's first suggestions: to measure (start-up and p95 at 60-80 RPS, e.g. 3 against 10).
-    codec_cudnn_benchmark_limit: int | None = None
+    # .benchmark_limit; 0: all of them; None: PyTorch's 10). On the H100 with the compile cache warm, 3 took
+    # the codec's capture from 40-50 s to 29 s and the worker's start to ready in 50.5 s, and served 80 RPS
+    # in-process as 10 did (p95 64 against 62 ms, codec 4.99 against 5.13 ms per batch on the device): the
+    # fastest kernels are among cuDNN's first three suggestions (bench/results/engine_h100.md, 2026-12-07
+    # third session).
+    codec_cudnn_benchmark_limit: int | None = 3
     # The codec's precision on CUDA: "bfloat16", or "float32" (as released; TF32 matmuls and convolutions).
     # On the H100 (bench/results/codec_profile_h100.json) a call of 16 streams x 12 frames costs 11.3 ms in
     # bfloat16 against 16.5 in float32, with the output 44.6 dB above its difference from float32's (random
