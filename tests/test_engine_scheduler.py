@@ -587,3 +587,84 @@ def test_fresh_arrivals_are_gathered_for_one_prefill_only_while_many_streams_ste
     light, fresh = scheduler_with(stepping=2)  # light load: admitted at once
     batch = light.decide(now=100.002)
     assert batch.stage is Stage.PREFILL and batch.requests == [fresh]
+
+
+def _resume_request(request_id: int, arrival: float):
+    from tts_backend.engine.request import RequestState
+
+    return RequestState(request_id=request_id, prompt=None, seed=1, max_frames=1000, chunk_schedule=(2, 4, 8, 12),
+                         arrival=arrival, sample_rate=24000, samples_per_frame=SPF, resume=object())
+
+
+def test_a_failovers_resumes_are_gathered_into_one_prefill_while_other_work_runs():
+    # A worker's death sends its streams to another within a few ms: each resume pass is a pause for its
+    # listeners, so the first waits (resume_gather_s after the latest, resume_gather_most_s after the first)
+    # for the rest, at light load too, as long as something else can run meanwhile.
+    from tts_backend.engine.scheduler import Scheduler
+
+    def scheduler_with(stepping, **config):
+        config = {"resume_gather_s": 0.004, "resume_gather_most_s": 0.012, **config}
+        scheduler = Scheduler(SchedulerConfig(max_active=stepping + 8, **config))
+        for i in range(1, stepping + 1):
+            r = _resume_request(i, float(i))
+            r.resume = None
+            scheduler.add(r)
+            r.phase = Phase.NEED_DECODE
+            r.frames_generated = r.frames_decoded = 8
+            r.chunks_decoded = 2
+            r.output.emitted_samples = 8 * SPF
+            r.playback_start = 105.0 - 8 * SPF / 24000  # 5 s of audio left at t=100: nothing urgent
+        return scheduler
+
+    scheduler = scheduler_with(stepping=2)  # light load: a fresh arrival would be admitted at once
+    first = _resume_request(50, 100.000)
+    scheduler.add(first)
+    batch = scheduler.decide(now=100.001)  # the frame runs; the resume waits for company
+    assert batch.stage is Stage.FRAME and first not in batch.requests
+    second = _resume_request(51, 100.003)
+    scheduler.add(second)
+    batch = scheduler.decide(now=100.005)  # 2 ms after the latest: still gathering
+    assert batch.stage is Stage.FRAME
+    batch = scheduler.decide(now=100.0071)  # 4 ms after the latest: both in one pass
+    assert batch.stage is Stage.PREFILL and batch.requests == [first, second]
+
+    trickle = scheduler_with(stepping=2)  # resumes that keep coming: held at most resume_gather_most_s
+    held = [_resume_request(60 + i, 100.0 + 0.003 * i) for i in range(5)]
+    for i, r in enumerate(held[:4]):
+        trickle.add(r)
+        batch = trickle.decide(now=r.arrival + 0.001)
+        assert batch.stage is Stage.FRAME, i
+    trickle.add(held[4])
+    batch = trickle.decide(now=100.0121)  # the latest came 0.1 ms ago, the first 12.1 ms ago
+    assert batch.stage is Stage.PREFILL and batch.requests == held
+
+    full = scheduler_with(stepping=2)  # a full prefill batch goes at once
+    burst = [_resume_request(70 + i, 100.0) for i in range(8)]
+    for r in burst:
+        full.add(r)
+    batch = full.decide(now=100.0005)
+    assert batch.stage is Stage.PREFILL and batch.requests == burst
+
+    alone = scheduler_with(stepping=0)  # nothing else to run: held, the engine would only idle
+    lone = _resume_request(80, 100.0)
+    alone.add(lone)
+    batch = alone.decide(now=100.0005)
+    assert batch.stage is Stage.PREFILL and batch.requests == [lone]
+
+    off = scheduler_with(stepping=2, resume_gather_s=0.0)
+    lone = _resume_request(81, 100.0)
+    off.add(lone)
+    batch = off.decide(now=100.0005)
+    assert batch.stage is Stage.PREFILL and batch.requests == [lone]
+
+
+def test_resumes_are_gathered_mid_frame_too():
+    # decide_between admits fresh arrivals inside a frame; a resume is held there as between frames.
+    from tts_backend.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_active=8, resume_gather_s=0.004, resume_gather_most_s=0.012))
+    first = _resume_request(1, 100.0)
+    scheduler.add(first)
+    assert scheduler.decide_between(now=100.001, room=8) is None
+    batch = scheduler.decide_between(now=100.0041, room=8)
+    assert batch.stage is Stage.PREFILL and batch.requests == [first]

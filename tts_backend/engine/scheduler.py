@@ -82,6 +82,15 @@ class SchedulerConfig:
     # A fresh arrival's prefill may wait this long for others while at least prefill_gather_streams step.
     prefill_gather_s: float = 0.010
     prefill_gather_streams: int = 24
+    # A resumed request's prefill (RequestState.resume) waits this long after the latest resume's arrival for
+    # more, at any load while other work is ready (a frame, a codec call), and never longer than
+    # resume_gather_most_s after the first: a worker's death or drain sends its streams to the others within a
+    # few ms of each other, and each resume pass is a pause for its listeners (H100, 20 RPS, a worker killed
+    # with 8 streams open: the first 2 resumed in a pass of 50 ms, the other 6 arrived during it and waited for
+    # it before their own of 64 ms, and heard audio 153 ms after the loss against 67 ms;
+    # bench/results/resume_h100.md). With nothing else ready a resume is not held: the engine would idle.
+    resume_gather_s: float = 0.004
+    resume_gather_most_s: float = 0.012
     # Fresh arrivals may be prefilled inside a frame, between its Talker step and its predictor (decide_between).
     admit_mid_frame: bool = True
     initial_stage_cost_s: float = 0.005  # per-batch cost guess until the engine has measured each stage
@@ -723,7 +732,7 @@ class Scheduler:
                 del self._unprefilled[request_id]
             elif request.playback_start is None:
                 fresh.append(request)
-        if not fresh or self._hold_for_company([r.arrival for r in fresh], len(self._readiness.stepping()), now):
+        if not fresh or self._hold_for_company(fresh, len(self._readiness.stepping()), now):
             return None
         batch = Batch(_PREFILL, fresh[:min(room, self.config.max_batch[_PREFILL])], rule="between")
         self._decisions += 1
@@ -731,24 +740,37 @@ class Scheduler:
         self._readiness.ran(batch)
         return batch
 
-    def _hold_for_company(self, arrivals: list[float], stepping: int, now: float) -> bool:
-        """Whether a prefill of fresh arrivals (their arrival times) waits for company, `stepping` streams
-        being able to step: `_gather_arrivals`' test."""
-        gather = self.config.prefill_gather_s
-        if not gather or not stepping or stepping < self.config.prefill_gather_streams:
+    def _hold_for_company(self, requests: list[RequestState], stepping: int, now: float) -> bool:
+        """Whether a prefill of fresh arrivals waits for company, `stepping` streams being able to step, other
+        work being ready: `_gather_arrivals`' test (the callers hold nothing when nothing else would run)."""
+        config = self.config
+        if len(requests) >= config.max_batch[_PREFILL]:
+            return False
+        resume_gather = config.resume_gather_s
+        if resume_gather:
+            latest = first = None
+            for r in requests:
+                if r.resume is not None:
+                    latest = r.arrival if latest is None else max(latest, r.arrival)
+                    first = r.arrival if first is None else min(first, r.arrival)
+            if latest is not None and now < min(latest + resume_gather,
+                                                first + max(resume_gather, config.resume_gather_most_s)):
+                return True
+        gather = config.prefill_gather_s
+        if not gather or not stepping or stepping < config.prefill_gather_streams:
             # At light load a prefill's device time is not what limits anyone: admit at once. With no stream
             # stepping there is no frame to wait for (and nothing else to run: the decision would be empty).
             return False
-        return len(arrivals) < self.config.max_batch[_PREFILL] and all(now - a < gather for a in arrivals)
+        return all(now - r.arrival < gather for r in requests)
 
     def _gather_arrivals(self, ready: _Ready, now: float) -> None:
         """Hold a prefill of a few fresh arrivals back for one frame while other streams can step, so that
         arrivals are admitted in groups: a prefill costs about the same for 1 prompt as for 8 (H100: 2.8 ms
         for 2 x 32 positions, 3.6 ms for 8 x 32), and each is an engine step of its own."""
         items = ready.by_stage.get(_PREFILL)
-        if not items or not self._hold_for_company([it.arrival for it in items],
-                                                   len(ready.by_stage.get(_FRAME, ())), now):
-            return
+        if not items or len(ready.by_stage) == 1 or not self._hold_for_company(
+                [it.request for it in items], len(ready.by_stage.get(_FRAME, ())), now):
+            return  # (with only prefill work ready, holding it would leave the engine idle)
         del ready.by_stage[_PREFILL]
         ready.startup = [it for it in ready.startup if it.stage is not _PREFILL]
 
