@@ -430,3 +430,30 @@ async def test_a_resumed_sentences_words_keep_its_time_base(tiny_custom_voice, t
             assert [w for c in rest for w in c.words] == words, cut
     finally:
         await backend.stop()
+
+
+def test_the_priming_of_a_failovers_resumes_takes_few_calls_and_gives_each_slot_its_frames_in_order():
+    # _prime_codec_captured (CUDA only) primes every resumed request's codec state in these calls: each slot's
+    # frames exactly once and in order (so its state is what its own priming would leave), slots with as many
+    # frames left decoded together, no call wider than the largest captured codec batch.
+    import random
+
+    from tts_backend.engine.runner import priming_calls
+
+    failover = [(3, 27), (5, 27), (7, 15), (9, 7), (11, 7), (13, 2), (15, 2), (17, 2)]  # the H100 kill run's 8
+    calls = priming_calls(failover, most=12, widest=16)
+    assert calls == [(0, 12, [3, 5, 7]), (0, 7, [9, 11]), (0, 2, [13, 15, 17]),
+                     (12, 12, [3, 5]), (12, 3, [7]), (24, 3, [3, 5])]  # 6 calls, against 13 one request at a time
+    rng = random.Random(0)
+    for _ in range(200):
+        frames = [(slot, rng.randint(1, 80)) for slot in rng.sample(range(64), rng.randint(1, 40))]
+        most, widest = rng.choice([4, 8, 12]), rng.choice([1, 2, 4, 16])
+        calls = priming_calls(frames, most, widest)
+        covered = {slot: 0 for slot, _ in frames}
+        for start, n, slots in calls:
+            assert 1 <= n <= most and 1 <= len(slots) <= widest
+            for slot in slots:
+                assert covered[slot] == start  # in order, nothing skipped or decoded twice
+                covered[slot] += n
+        assert covered == dict(frames)
+    assert priming_calls([], 12, 16) == []

@@ -299,6 +299,24 @@ def codec_pieces(frames: int, counts: Sequence[int]) -> list[int]:
     return pieces if left == 0 and pieces else [frames]
 
 
+def priming_calls(frames: Sequence[tuple[int, int]], most: int, widest: int) -> list[tuple[int, int, list[int]]]:
+    """The codec calls that prime resumed requests' states with their delivered frames (slot, frames
+    delivered) together: (first frame, frames, slots) per call, in order. Round r decodes frames from
+    r x most on: every slot with `most` or more left takes `most`, the others what they have left, and the
+    slots with as many left go in one call of at most `widest` (the largest captured batch). Each slot's
+    calls cover its frames once, in order, so its state ends as one request's priming alone leaves it."""
+    calls = []
+    longest = max((k for _, k in frames), default=0)
+    for start in range(0, longest, most):
+        by_count: dict[int, list[int]] = {}
+        for slot, k in frames:
+            if k > start:
+                by_count.setdefault(min(most, k - start), []).append(slot)
+        for n, slots in by_count.items():
+            calls += [(start, n, slots[i: i + widest]) for i in range(0, len(slots), widest)]
+    return calls
+
+
 def _bucket(value: int, buckets: Sequence[int]) -> int | None:
     for b in buckets:
         if b >= value:
@@ -984,6 +1002,10 @@ class Qwen3ModelRunner(ModelRunner):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else []
         if events:
             events[0].record()
+        # The codec's priming through its captured calls, for every resumed request at once, on the codec
+        # stream beside the Talker pass (_prime_codec_captured); else one request at a time, before it.
+        captured = self._codec_priming_buckets()
+        primes = []
         for r in requests:
             codes = self._upload(r.resume)
             k = codes.shape[0]
@@ -991,14 +1013,18 @@ class Qwen3ModelRunner(ModelRunner):
             text = self.trail_buf[r.slot, steps.clamp(max=cap - 1)]
             text = torch.where((steps < self.trail_len_host[r.slot])[:, None], text, self.pad_embed)
             inputs.append(m.frame_embeds(codes[:, 0], codes[:, 1:]) + text)
+            self.trail_pos[r.slot] = k
+            self.written[r.slot] = k
+            if captured:
+                primes.append((r.slot, codes))  # the priming leaves decoded[slot] at k
+                continue
             # The codec state the uninterrupted request's codec batches left. Where the schedule goes on (the
             # CPU) in the pieces its chunk schedule decoded (the codec's output depends on its call sizes in the
             # last bits; with the same pieces the state is the same, bit for bit); else in 64-frame pieces.
             pieces = schedule_pieces(r.chunk_schedule, k) if self.resume_continues_schedule else [64] * (-(-k // 64))
             self._prime_codec_frames(r.slot, codes, pieces)
-            self.trail_pos[r.slot] = k
-            self.written[r.slot] = k
             self.decoded[r.slot] = k
+        priming = self._prime_codec_captured(primes, captured) if primes else None
         slot_list = [r.slot for r in requests]
         slots_t = self._upload(torch.tensor(slot_list, dtype=torch.long))
         primed = time.perf_counter()
@@ -1040,10 +1066,18 @@ class Qwen3ModelRunner(ModelRunner):
         passed = time.perf_counter()
         if events:
             events[2].record()
+        if priming is not None:
+            # The slots' next frames write their frame rings, which the priming reads: they wait for it.
+            torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)
         eos = self.eos_out[: len(requests)].tolist()  # waits for the device
         # A resume is a failover or a hand-over: rare, and what it costs is the listener's pause.
-        device = (f"; on the device {events[0].elapsed_time(events[1]):.1f} and "
-                  f"{events[1].elapsed_time(events[2]):.1f} ms") if events else ""
+        device = ""
+        if events:
+            device = (f"; on the device {events[0].elapsed_time(events[1]):.1f} and "
+                      f"{events[1].elapsed_time(events[2]):.1f} ms")
+            if priming is not None:
+                priming[1].synchronize()
+                device += f", the priming {priming[0].elapsed_time(priming[1]):.1f} ms on the codec stream beside them"
         log.info("resumed %d requests (%s frames) in %.1f ms: codec priming queued in %.1f ms, the Talker pass "
                  "in %.1f ms%s", len(requests), ",".join(str(r.resume.shape[0]) for r in requests),
                  1000 * (time.perf_counter() - started), 1000 * (primed - started), 1000 * (passed - primed), device)
@@ -1069,36 +1103,52 @@ class Qwen3ModelRunner(ModelRunner):
         """Run a resumed request's delivered frames [k, G] through its slot's codec state in `pieces`, audio
         dropped, so the next frame's audio joins the last delivered sample (the codec's left context is that
         of the uninterrupted request). After a cloned voice's reference priming, which it continues. On the
-        main stream, like the slot's reset (see the ordering notes at codec_launch); with captured codec calls
-        on the codec stream, through them (_prime_codec_captured)."""
-        b = self._graph_bucket(1, self.codec_buckets)
-        if self.codec_async and b is not None and ("codec", max(self.config.codec_frames), b) in self.graphs:
-            self._prime_codec_captured(slot, codes, b)
-            return
+        main stream, like the slot's reset (see the ordering notes at codec_launch), uncaptured; where the
+        codec's calls are captured, _prime_codec_captured primes every resumed request through them."""
         rows = self._upload(torch.tensor([slot], dtype=torch.long))
         frames = codes.clamp(0, self.codebook_size - 1).T[None].contiguous()  # [1, G, k]
         self.codec_pool.index_copy_(rows, self._codec_through(self.codec_pool.index_select(rows), frames, pieces))
 
-    def _prime_codec_captured(self, slot: int, codes: torch.Tensor, b: int) -> None:
-        """_prime_codec_frames through the captured codec calls: the frames go into the slot's frame ring, at
-        most the largest captured count at a time, and each batch decodes them as a codec batch of its own
-        would (audio dropped). Uncaptured, each frame count the codec had not run before cost 100-250 ms on
-        the H100 (a failover of 7 streams: 1.7 s of priming before any of them spoke again).
+    def _codec_priming_buckets(self) -> tuple[int, ...]:
+        """The codec batch buckets whose largest frame count is captured, where the codec runs on its own
+        stream: _prime_codec_captured's calls (empty: prime uncaptured, _prime_codec_frames)."""
+        if not self.codec_async:
+            return ()
+        most = max(self.config.codec_frames)
+        return tuple(b for b in self.codec_buckets if ("codec", most, b) in self.graphs)
 
-        On the codec stream, after what is queued there (the captured calls share its static buffers), and the
-        main stream waits for it: a resume is rare, and the slot's counters are set on the main stream next."""
+    def _prime_codec_captured(self, primes: list[tuple[int, torch.Tensor]],
+                              buckets: tuple[int, ...]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """_prime_codec_frames for every resumed request (slot, delivered frames [k, G]) through the captured
+        codec calls: the frames go into each slot's frame ring, at most the largest captured count at a time,
+        and the requests with as many frames left are decoded together, as a codec batch of their own would
+        be (audio dropped). Uncaptured, each frame count the codec had not run before cost 100-250 ms on the
+        H100 (a failover of 7 streams: 1.7 s of priming before any of them spoke again); one request at a
+        time, 8 resumed requests took 25-34 ms.
+
+        On the codec stream, after what is queued there (the captured calls share its static buffers) and
+        after the main stream's work so far (the slots' resets). The main stream does not wait for it here:
+        the Talker pass neither reads nor writes the rings, the codec state or `decoded`, so the two run side
+        by side, and `_resume` has the main stream wait before the slots' next frames write their rings.
+        Returns the priming's start and end events on the codec stream."""
         stream, main = self.codec_stream, torch.cuda.current_stream(self.device)
-        slots = self._upload(torch.tensor([slot] + [self.scratch] * (b - 1), dtype=torch.long))
-        codes = codes.to(self.ring.dtype)
-        ring, most = self.config.frame_ring, max(self.config.codec_frames)
+        ring = self.config.frame_ring
+        codes_of = {slot: codes.to(self.ring.dtype) for slot, codes in primes}
+        calls = priming_calls([(slot, codes.shape[0]) for slot, codes in primes], max(self.config.codec_frames),
+                              max(buckets))
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         with torch.cuda.stream(stream):
             stream.wait_stream(main)
-            self.decoded[slot] = 0
-            for start in range(0, codes.shape[0], most):
-                n = min(most, codes.shape[0] - start)
-                self.ring[slot, (start + self.frame_offsets[:n]) % ring] = codes[start: start + n]
-                self._run_codec(slots, n, b)  # advances decoded[slot] by n
-        main.wait_stream(stream)
+            events[0].record(stream)
+            self.decoded[self._upload(torch.tensor(list(codes_of), dtype=torch.long))] = 0
+            for start, n, slots in calls:
+                for slot in slots:
+                    self.ring[slot, (start + self.frame_offsets[:n]) % ring] = codes_of[slot][start: start + n]
+                b = _bucket(len(slots), buckets)
+                rows = self._upload(torch.tensor(slots + [self.scratch] * (b - len(slots)), dtype=torch.long))
+                self._run_codec(rows, n, b)  # advances decoded[slot] by n for each
+            events[1].record(stream)
+        return events
 
     def _codec_through(self, state: CodecState, codes: torch.Tensor, pieces: list[int]) -> CodecState:
         """A one-row codec state after frames [1, G, F] went through it in `pieces` (audio dropped), uncaptured.
