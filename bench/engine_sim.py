@@ -85,6 +85,19 @@ Underruns agree at 80 RPS; p95 there (slots full, arrivals queueing) is still 40
 what-ifs from 60 RPS up; the defaults stay those fitted at 30 / 40 RPS. The simulated scheduling cost per decision
 (235 us) is 2.4x the H100's (99 us) since the scheduler's pass got cheaper: host-factor 3 now overstates it.
 
+Refit for the channels-last codec (third session of 2026-12-07, against engine_profile_h100_s7_256slots.json: 256
+slots, 5 s warm-up + 15 s; bench/results/engine_sim_calibration_h100_s7.json): the cost table's codec figures are
+the old codec's (16 x 12 frames 16.9 ms; channels-last 7.9 ms alone), so `--codec-slowdown 0.65 --contention 4`
+(host-factor 3, `--max-active 256`):
+
+    | RPS | mean frame batch sim / H100 | p95 audible TTFA ms sim / H100 | underruns sim / H100 | codec ms per batch sim / H100 |
+    |---|---|---|---|---|
+    | 80 | 33.6 / 31.3 (+7 %) | 53 / 62 (-15 %) | 0 / 8 | 4.45 / 5.13 |
+    | 100 | 48.9 / 43.1 (+13 %) | 79 / 81 (-3 %) | 20 / 32 | 5.21 / 5.97 |
+
+Repeats at these parameters vary more than the fit's error (100 RPS: p95 58-79 ms; the host side is this
+machine's real time), so compare policies over two seeds or more, and confirm on the GPU.
+
 Speed: 30 simulated s of 40 RPS take 4.5-8 s wall (2.1-2.3 CPU-s) on the shared 2-core VM.
 """
 
