@@ -1133,13 +1133,16 @@ class Qwen3ModelRunner(ModelRunner):
         Returns the priming's start and end events on the codec stream."""
         stream, main = self.codec_stream, torch.cuda.current_stream(self.device)
         ring = self.config.frame_ring
-        codes_of = {slot: codes.to(self.ring.dtype) for slot, codes in primes}
         calls = priming_calls([(slot, codes.shape[0]) for slot, codes in primes], max(self.config.codec_frames),
                               max(buckets))
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         with torch.cuda.stream(stream):
             stream.wait_stream(main)
             events[0].record(stream)
+            # Made on the codec stream, so that when they are freed only its later work may reuse their memory:
+            # made on the main stream, the Talker pass could be handed it while these calls still read it.
+            # (`primes`' own tensors, the main stream's, are the caller's until the main stream waits.)
+            codes_of = {slot: codes.to(self.ring.dtype) for slot, codes in primes}
             self.decoded[self._upload(torch.tensor(list(codes_of), dtype=torch.long))] = 0
             for start, n, slots in calls:
                 for slot in slots:
