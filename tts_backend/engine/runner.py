@@ -997,8 +997,9 @@ class Qwen3ModelRunner(ModelRunner):
         cap = self.config.trailing_capacity
         inputs = []
         started = time.perf_counter()
-        # Device time of the priming (with any codec work it waits for) and of the Talker pass, beside their
-        # host time, for the log below: a slow resume on the H100 was neither's host time alone.
+        # Device time on the main stream of the inputs (with an uncaptured priming) and of the Talker pass, and
+        # of a captured priming on the codec stream (with any codec work queued before it), beside their host
+        # time, for the log below: a slow resume on the H100 was neither's host time alone.
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.device.type == "cuda" else []
         if events:
             events[0].record()
