@@ -658,6 +658,29 @@ def test_a_failovers_resumes_are_gathered_into_one_prefill_while_other_work_runs
     assert batch.stage is Stage.PREFILL and batch.requests == [lone]
 
 
+def test_a_resumed_request_takes_the_next_free_slot_before_new_ones():
+    from tts_backend.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_active=1))
+    holder = _resume_request(1, 100.0)
+    holder.resume = None
+    scheduler.add(holder)
+    assert holder.slot is not None
+    fresh, resumed, later_fresh, later_resumed = (
+        _resume_request(2, 100.1), _resume_request(3, 100.2), _resume_request(4, 100.3), _resume_request(5, 100.4))
+    fresh.resume = later_fresh.resume = None
+    for r in (fresh, resumed, later_fresh, later_resumed):
+        scheduler.add(r)
+        assert r.slot is None
+    admitted = []
+    for _ in range(4):
+        current = next(r for r in (holder, fresh, resumed, later_fresh, later_resumed)
+                       if r.slot is not None and r.request_id not in admitted)
+        admitted.append(current.request_id)
+        scheduler.remove(current)
+    assert admitted == [1, 3, 5, 2]  # the resumed ones first, in their order, then the new ones in theirs
+
+
 def test_resumes_are_gathered_mid_frame_too():
     # decide_between admits fresh arrivals inside a frame; a resume is held there as between frames.
     from tts_backend.engine.scheduler import Scheduler

@@ -90,6 +90,30 @@ def test_at_most_capacity_produce_and_the_rest_wait_in_order():
     assert backend._producing == 0 and backend.queued() == 0 and backend.load() == 0.0
 
 
+def test_a_resumed_stream_waits_before_the_new_ones_after_the_resumed_ones():
+    # Its listener is mid-sentence, hearing nothing (a failover or a drain's hand-over): of those waiting for a
+    # slot it goes first, after the streams resumed before it; the new ones keep their order behind them.
+    async def scenario():
+        backend = SyntheticSynthesizer(speed=20.0, chunk_ms=40, capacity=1)
+        codes = b""
+        async for chunk in backend.synthesize(request()):
+            codes = chunk.codes  # the first chunk's codes: a stream cut after it
+            break
+        resumed = SynthesisRequest(text=TEXT, voice="tone-mid", seed=7, resume_codes=codes)
+        first_chunks: list[str] = []
+        tasks = []
+        for name, req in (("s0", request()), ("n1", request()), ("r1", resumed), ("n2", request()), ("r2", resumed)):
+            tasks.append(asyncio.create_task(collect(backend, req, first_chunks, name)))
+            await asyncio.sleep(0.002)  # start in a known order
+        await until(lambda: backend.queued() == 4)
+        await asyncio.gather(*tasks)
+        return backend, first_chunks
+
+    backend, first_chunks = asyncio.run(scenario())
+    assert first_chunks == ["s0", "r1", "r2", "n1", "n2"]
+    assert backend._producing == 0 and backend.queued() == 0 and not backend._resumed_waiters
+
+
 def test_a_waiting_stream_gets_no_chunk_until_a_slot_frees():
     async def scenario():
         backend = SyntheticSynthesizer(speed=1.0, chunk_ms=40, capacity=1)

@@ -98,7 +98,8 @@ class SyntheticSynthesizer(Synthesizer):
         self.words_delay_s = words_delay_s
         self._capacity = capacity
         self._producing = 0  # streams holding a slot
-        self._waiting: deque[asyncio.Future] = deque()  # streams waiting for one, oldest first
+        self._waiting: deque[asyncio.Future] = deque()  # streams waiting for one, oldest first (resumed first)
+        self._resumed_waiters: set[asyncio.Future] = set()  # those of them resumed from codes
         # Rendered waveforms by (voice, seed, text): load tests repeat sentences, and rendering one takes
         # milliseconds of this process's CPU, which a real backend spends on its GPU instead.
         self._rendered: dict[tuple[str, int | None, str], np.ndarray] = {}
@@ -114,15 +115,23 @@ class SyntheticSynthesizer(Synthesizer):
         """Streams producing / capacity (0 without a capacity)."""
         return self._producing / self._capacity if self._capacity else 0.0
 
-    async def _take_slot(self) -> None:
+    async def _take_slot(self, resumed: bool = False) -> None:
+        """A place among the capacity, in arrival order, except that a resumed stream (its listener is in the
+        middle of a sentence, hearing nothing) goes before the new ones waiting, after the resumed ones."""
         if self._producing < self._capacity and not self._waiting:
             self._producing += 1
             return
         waiter = asyncio.get_running_loop().create_future()
-        self._waiting.append(waiter)
+        if resumed:
+            ahead = sum(1 for w in self._waiting if w in self._resumed_waiters)
+            self._waiting.insert(ahead, waiter)
+            self._resumed_waiters.add(waiter)
+        else:
+            self._waiting.append(waiter)
         try:
             await waiter  # _give_slot hands its slot over: _producing already counts this stream
         except BaseException:
+            self._resumed_waiters.discard(waiter)
             if waiter.done() and not waiter.cancelled():
                 self._give_slot()  # handed over just as it was cancelled: pass it on
             else:
@@ -134,6 +143,7 @@ class SyntheticSynthesizer(Synthesizer):
     def _give_slot(self) -> None:
         while self._waiting:
             waiter = self._waiting.popleft()
+            self._resumed_waiters.discard(waiter)
             if not waiter.done():
                 waiter.set_result(None)  # the slot passes on; _producing stays
                 return
@@ -234,7 +244,7 @@ class SyntheticSynthesizer(Synthesizer):
         words = self.word_timings(request.text, len(samples)) if request.word_timestamps else ()
         resume_at = self._resume_point(request, samples)
         if self._capacity is not None:
-            await self._take_slot()
+            await self._take_slot(resumed=bool(request.resume_codes))
         try:
             if self.first_chunk_delay_s:
                 await asyncio.sleep(self.first_chunk_delay_s)
@@ -264,7 +274,7 @@ class SyntheticSynthesizer(Synthesizer):
         if request.voice not in _VOICES:
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
         if self._capacity is not None:
-            await self._take_slot()
+            await self._take_slot(resumed=bool(request.resume_codes))
         try:
             if self.first_chunk_delay_s:
                 await asyncio.sleep(self.first_chunk_delay_s)

@@ -476,7 +476,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
         self._requests: dict[int, RequestState] = {}  # insertion order = arrival order
-        self._waiting: dict[int, RequestState] = {}  # no slot yet, arrival order
+        self._waiting: dict[int, RequestState] = {}  # no slot yet, arrival order (resumed requests first)
         self._active: dict[int, RequestState] = {}  # holding a slot, admission (= arrival) order
         self._free_slots = list(range(self.config.max_active - 1, -1, -1))
         self._served_at = {stage: -1 for stage in Stage}
@@ -504,7 +504,15 @@ class Scheduler:
     def add(self, request: RequestState) -> None:
         request.phase = Phase.WAITING
         self._requests[request.request_id] = request
-        self._waiting[request.request_id] = request
+        if request.resume is not None and self._waiting:
+            # A resumed request's listener is in the middle of a sentence, hearing nothing: it takes the next
+            # free slot before the new requests waiting (after the resumed ones). Rare, so rebuilt in place.
+            waiting = self._waiting
+            self._waiting = {k: r for k, r in waiting.items() if r.resume is not None}
+            self._waiting[request.request_id] = request
+            self._waiting.update((k, r) for k, r in waiting.items() if r.resume is None)
+        else:
+            self._waiting[request.request_id] = request
         self._admit()
 
     def remove(self, request: RequestState) -> int | None:
@@ -522,7 +530,7 @@ class Scheduler:
         return slot
 
     def _admit(self) -> None:
-        """Slots go to waiting requests in arrival order."""
+        """Slots go to waiting requests in arrival order, resumed requests first (`add`)."""
         while self._free_slots and self._waiting:
             request_id = next(iter(self._waiting))
             request = self._waiting.pop(request_id)
