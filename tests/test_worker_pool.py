@@ -212,6 +212,30 @@ async def test_a_worker_says_it_is_full_to_a_gateway_that_has_not_heard_yet(toke
             await b.stop()
 
 
+async def test_a_burst_of_placements_never_takes_more_than_the_workers_capacity():
+    """A failover or a drain sends many streams at once, from several gateways: placements that reach a worker
+    in the same moment are each checked against the places the ones before them took, so the worker takes
+    exactly its capacity and answers "full" to the rest (which their pools place elsewhere), rather than
+    taking them all and making the last wait for a slot."""
+    with workers(synthetic_worker_args(speed=0.5, capacity=2)) as (worker,):
+        target = WorkerAddress.parse(worker.address)
+        connections = [await asyncio.open_connection(target.host, target.port) for _ in range(6)]
+        try:
+            for n, (_, writer) in enumerate(connections):
+                writer.write(framing.encode_json({"op": "synthesize", "place": True,
+                                                  "request": framing.request_to_json(request(f"burst{n}"))}))
+            await asyncio.gather(*(writer.drain() for _, writer in connections))
+            answers = []
+            for reader, _ in connections:
+                kind, payload = await asyncio.wait_for(framing.read_frame(reader, framing.MAX_ANSWER_FRAME), 10)
+                message = framing.decode_json(payload) if kind == framing.JSON else {}
+                answers.append(message.get("code") if message.get("op") == "error" else "served")
+            assert sorted(answers) == ["full", "full", "full", "full", "served", "served"], answers
+        finally:
+            for _, writer in connections:
+                writer.close()
+
+
 async def test_the_gateway_refuses_new_sessions_only_when_every_worker_is_full(token_file):
     args = synthetic_worker_args("--token-file", token_file, speed=4.0, capacity=1)
     with workers(args, args) as procs:

@@ -536,6 +536,19 @@ class WorkerServer:
 
     async def _synthesize(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                           text_stream: bool = False, takes: _Takes = _Takes()) -> None:
+        # The stream counts from its admission, before anything yields: a burst of requests checked against
+        # full() together (a failover's or a drain's streams, from several gateways) each see the places the
+        # ones before took. Counted once the producing task ran, all of them passed the check and the worker
+        # took more than its capacity: in the fleet simulation a handed-over stream then waited 268 ms for a
+        # slot while another worker had three free.
+        self.streams_in_flight += 1
+        try:
+            await self._synthesize_counted(data, reader, writer, text_stream, takes)
+        finally:
+            self.streams_in_flight -= 1
+
+    async def _synthesize_counted(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                  text_stream: bool, takes: _Takes) -> None:
         text = TextStream(data.get("text") if isinstance(data.get("text"), str) else "") if text_stream else None
         produce = asyncio.create_task(self._stream(data, writer, text, takes))
         # Any frame or end-of-file from the client while we stream means "stop" (but the text of a text stream).
@@ -574,12 +587,10 @@ class WorkerServer:
 
     async def _stream(self, data: dict, writer: asyncio.StreamWriter, text: TextStream | None = None,
                       takes: _Takes = _Takes()) -> None:
-        self.streams_in_flight += 1
         hands_over = takes.handover and self.has_codes
         try:
             await self._stream_inner(data, writer, text, takes, hands_over)
         finally:
-            self.streams_in_flight -= 1
             if not hands_over:
                 self._last_stream_at = time.monotonic()
 
