@@ -111,7 +111,7 @@ def test_a_resumed_stream_waits_before_the_new_ones_after_the_resumed_ones():
 
     backend, first_chunks = asyncio.run(scenario())
     assert first_chunks == ["s0", "r1", "r2", "n1", "n2"]
-    assert backend._producing == 0 and backend.queued() == 0 and not backend._resumed_waiters
+    assert backend._producing == 0 and backend.queued() == 0 and not backend._waiting_resumed
 
 
 def test_a_waiting_stream_gets_no_chunk_until_a_slot_frees():

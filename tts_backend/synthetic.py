@@ -98,8 +98,9 @@ class SyntheticSynthesizer(Synthesizer):
         self.words_delay_s = words_delay_s
         self._capacity = capacity
         self._producing = 0  # streams holding a slot
-        self._waiting: deque[asyncio.Future] = deque()  # streams waiting for one, oldest first (resumed first)
-        self._resumed_waiters: set[asyncio.Future] = set()  # those of them resumed from codes
+        # Streams waiting for one, oldest first: those resumed from codes, then the others (_take_slot).
+        self._waiting_resumed: deque[asyncio.Future] = deque()
+        self._waiting: deque[asyncio.Future] = deque()
         # Rendered waveforms by (voice, seed, text): load tests repeat sentences, and rendering one takes
         # milliseconds of this process's CPU, which a real backend spends on its GPU instead.
         self._rendered: dict[tuple[str, int | None, str], np.ndarray] = {}
@@ -109,7 +110,7 @@ class SyntheticSynthesizer(Synthesizer):
 
     def queued(self) -> int:
         """Streams waiting for a slot (always 0 without a capacity)."""
-        return sum(1 for waiter in self._waiting if not waiter.done())
+        return sum(1 for queue in (self._waiting_resumed, self._waiting) for waiter in queue if not waiter.done())
 
     def load(self) -> float:
         """Streams producing / capacity (0 without a capacity)."""
@@ -118,35 +119,30 @@ class SyntheticSynthesizer(Synthesizer):
     async def _take_slot(self, resumed: bool = False) -> None:
         """A place among the capacity, in arrival order, except that a resumed stream (its listener is in the
         middle of a sentence, hearing nothing) goes before the new ones waiting, after the resumed ones."""
-        if self._producing < self._capacity and not self._waiting:
+        if self._producing < self._capacity and not self._waiting_resumed and not self._waiting:
             self._producing += 1
             return
         waiter = asyncio.get_running_loop().create_future()
-        if resumed:
-            ahead = sum(1 for w in self._waiting if w in self._resumed_waiters)
-            self._waiting.insert(ahead, waiter)
-            self._resumed_waiters.add(waiter)
-        else:
-            self._waiting.append(waiter)
+        queue = self._waiting_resumed if resumed else self._waiting
+        queue.append(waiter)
         try:
             await waiter  # _give_slot hands its slot over: _producing already counts this stream
         except BaseException:
-            self._resumed_waiters.discard(waiter)
             if waiter.done() and not waiter.cancelled():
                 self._give_slot()  # handed over just as it was cancelled: pass it on
             else:
                 waiter.cancel()
                 with contextlib.suppress(ValueError):
-                    self._waiting.remove(waiter)
+                    queue.remove(waiter)
             raise
 
     def _give_slot(self) -> None:
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            self._resumed_waiters.discard(waiter)
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes on; _producing stays
-                return
+        for queue in (self._waiting_resumed, self._waiting):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the slot passes on; _producing stays
+                    return
         self._producing -= 1
 
     def voices(self) -> list[Voice]:

@@ -1005,7 +1005,7 @@ class Qwen3ModelRunner(ModelRunner):
             events[0].record()
         # The codec's priming through its captured calls, for every resumed request at once, on the codec
         # stream beside the Talker pass (_prime_codec_captured); else one request at a time, before it.
-        captured = self._codec_priming_buckets()
+        priming_buckets = self._codec_priming_buckets()
         primes = []
         for r in requests:
             codes = self._upload(r.resume)
@@ -1016,7 +1016,7 @@ class Qwen3ModelRunner(ModelRunner):
             inputs.append(m.frame_embeds(codes[:, 0], codes[:, 1:]) + text)
             self.trail_pos[r.slot] = k
             self.written[r.slot] = k
-            if captured:
+            if priming_buckets:
                 primes.append((r.slot, codes))  # the priming leaves decoded[slot] at k
                 continue
             # The codec state the uninterrupted request's codec batches left. Where the schedule goes on (the
@@ -1025,7 +1025,7 @@ class Qwen3ModelRunner(ModelRunner):
             pieces = schedule_pieces(r.chunk_schedule, k) if self.resume_continues_schedule else [64] * (-(-k // 64))
             self._prime_codec_frames(r.slot, codes, pieces)
             self.decoded[r.slot] = k
-        priming = self._prime_codec_captured(primes, captured) if primes else None
+        priming = self._prime_codec_captured(primes, priming_buckets) if primes else None
         slot_list = [r.slot for r in requests]
         slots_t = self._upload(torch.tensor(slot_list, dtype=torch.long))
         primed = time.perf_counter()
