@@ -534,6 +534,55 @@ def loop_lag_breakdown(before: dict, after: dict) -> dict | None:
             "p99_under_ms": None if p99 is None or p99 == float("inf") else p99 * 1000}
 
 
+def bucket_deltas(before: dict, after: dict, sample_name: str, **match: str) -> dict[float, float]:
+    """Cumulative `le` bucket counts of one histogram-like family between two scrapes, summed over the series
+    whose other labels equal `match` (a pool's workers each export their own)."""
+    buckets: dict[float, float] = {}
+    for (sample, labels), value in after.items():
+        named = dict(labels)
+        if sample == sample_name and "le" in named and all(named.get(k) == v for k, v in match.items()):
+            bound = float(named["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + value - before.get((sample, labels), 0.0)
+    return buckets
+
+
+def bucket_quantiles(buckets: dict[float, float], quantiles=(0.5, 0.95, 0.99)) -> dict | None:
+    """Quantiles (ms) read from cumulative bucket counts as Prometheus's histogram_quantile does: linear within
+    the bucket the rank falls in (the last finite bound where it falls above every bound). None without
+    samples."""
+    bounds = sorted(buckets)
+    count = buckets.get(float("inf"), buckets[bounds[-1]] if bounds else 0.0)
+    if count <= 0:
+        return None
+    out = {"count": int(round(count))}
+    for q in quantiles:
+        rank, lower, below = q * count, 0.0, 0.0
+        value = None
+        for bound in bounds:
+            if buckets[bound] >= rank:
+                if bound == float("inf"):
+                    value = lower
+                else:
+                    inside = buckets[bound] - below
+                    value = lower + (bound - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+                break
+            lower, below = bound, buckets[bound]
+        out[f"p{round(q * 100):d}"] = None if value is None else round(value * 1000, 2)
+    return out
+
+
+def latency_split(before: dict, after: dict) -> dict:
+    """Where a request's first audio spent its time between two scrapes, each from its own histogram: the
+    engine's (arrival in the engine to the first chunk shipped, voxgate_engine_first_chunks; a worker's when
+    the engine runs in one) and the gateway's (request or sentence released to its first audio byte sent,
+    voxgate_ttfa_seconds, by transport), p50/p95/p99 in ms. Beside the client's own TTFA the differences are
+    the worker link's and the client's shares. A part whose histogram is missing is None."""
+    return {"engine_first_chunk_ms": bucket_quantiles(bucket_deltas(before, after, "voxgate_engine_first_chunks_total")),
+            "gateway_ttfa_ms": {transport: bucket_quantiles(bucket_deltas(
+                before, after, "voxgate_ttfa_seconds_bucket", transport=transport))
+                for transport in ("http", "websocket")}}
+
+
 def requests_by_outcome(before: dict, after: dict) -> dict[str, int]:
     """voxgate_engine_requests_total between two scrapes, by outcome."""
     out: dict[str, int] = {}
@@ -979,7 +1028,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry = {"rps": rate, "passed": passed, "gpu_memory_max_MiB": max(memory) if memory else None,
                          "seeds": seeds, "summary": summary, "engine": engine,
                          "aligner": aligner_breakdown(counters_before, counters_after, engine),
-                         "gateway_loop_lag": loop_lag_breakdown(counters_before, counters_after)}
+                         "gateway_loop_lag": loop_lag_breakdown(counters_before, counters_after),
+                         "latency_split": latency_split(counters_before, counters_after)}
                 if disturbance is not None:
                     kind, timer, gpu, pid = disturbance
                     timer.cancel()

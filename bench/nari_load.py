@@ -52,6 +52,8 @@ from bench.engine_load import (
     engine_breakdown,
     free_port,
     gpu_memory_mib,
+    latency_split,
+    loop_lag_breakdown,
     launcher_children,
     launcher_plan,
     pid_alive,
@@ -162,12 +164,16 @@ def table(entries: list[dict]) -> str:
 
     lines = [f"The peer's harness (tts_bench, --target {TARGET}):", "",
              "| RPS | audible TTFA p50 / p95 / p99 (ms) | underrunning requests (underruns) | failed | requests |"
-             " peak in flight |", "|---|---|---|---|---|---|"]
+             " peak in flight | p50 / p95 (ms): engine's first chunk, gateway's first byte |",
+             "|---|---|---|---|---|---|---|"]
     for e in entries:
         a = e["audible_ttfa_ms"]
+        split = e.get("latency_split") or {}
+        engine, gateway = split.get("engine_first_chunk_ms") or {}, (split.get("gateway_ttfa_ms") or {}).get("http") or {}
         lines.append(f"| {e['rps']:g} | {ms(a['p50'])} / {ms(a['p95'])} / {ms(a['p99'])} | "
                      f"{e['underrun_requests']} ({e['underrun_count']}) | {e['failed_requests']} | "
-                     f"{e['started_requests']} | {e['peak_in_flight']} |")
+                     f"{e['started_requests']} | {e['peak_in_flight']} | {ms(engine.get('p50'))} / "
+                     f"{ms(engine.get('p95'))}, {ms(gateway.get('p50'))} / {ms(gateway.get('p95'))} |")
     return "\n".join(lines)
 
 
@@ -279,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["gpu_memory_MiB"] = gpu_memory_mib()
             after = scrape_counters(base)
             entry["engine"] = engine_breakdown(before, after)
+            entry["gateway_loop_lag"] = loop_lag_breakdown(before, after)
+            entry["latency_split"] = latency_split(before, after)
             if disturbance is not None:
                 kind, timer, gpu, pid = disturbance
                 at_s = args.kill_worker_at if kind == "kill" else args.drain_worker_at

@@ -104,3 +104,23 @@ async def test_engine_thread_idle_time_and_open_section_are_counted():
                                                                              rel=1e-6)
     finally:
         engine.stop()
+
+
+async def test_first_chunks_are_counted_by_their_latency_from_arrival():
+    """Each request's first chunk lands in the bucket of its arrival-to-shipment time on the engine's clock, and
+    the exported family is cumulative per bound, as a Prometheus histogram's buckets; later chunks do not count."""
+    from tests.engine_fixtures import collect, make_engine, run_until_idle, submit
+    from tts_backend.engine.metrics import engine_metrics
+
+    engine, _, clock = make_engine()
+    waited = submit(engine, frames=20)
+    clock.advance(0.032)  # arrived 32 ms before the engine first steps
+    run_until_idle(engine)
+    prompt = submit(engine, frames=20)
+    run_until_idle(engine)
+    assert len(await collect(waited)) > 0 and len(await collect(prompt)) > 0
+    counts = engine.stats_snapshot()["first_chunks"]
+    assert counts["0.035"] == 1 and counts["0.005"] == 1 and sum(counts.values()) == 2
+    exported = {le: value for (le,), value in
+                {m.name: dict(m.samples) for m in engine_metrics(engine.stats_snapshot())}["engine_first_chunks"].items()}
+    assert exported["0.005"] == 1 and exported["0.03"] == 1 and exported["0.035"] == 2 and exported["+Inf"] == 2

@@ -57,6 +57,12 @@ def test_the_harness_runs_against_a_gateway_and_worker(tmp_path):
         assert entry["underrun_requests"] == harness["underrun_requests"] == 0
         assert 0 < entry["audible_ttfa_ms"]["p50"] <= entry["audible_ttfa_ms"]["p95"] == harness["audible_ttfa_ms"]["p95"]
         assert not (tmp_path / "work" / f"rps-{entry['rps']:g}" / "audio").exists()  # gigabytes on the GPU
+        # The gateway's own first-byte times for the same requests and the harness's warm-up ones (its
+        # histogram), which the client's include;
+        # the synthetic worker has no engine, so no engine part.
+        gateway = entry["latency_split"]["gateway_ttfa_ms"]["http"]
+        assert gateway["count"] >= entry["started_requests"] and gateway["p50"] <= entry["audible_ttfa_ms"]["p50"]
+        assert entry["latency_split"]["engine_first_chunk_ms"] is None
     # The requests went through the gateway to the worker: the gateway logged them.
     assert "/v1/audio/speech" in (tmp_path / "gateway.log").read_text()
     assert "| 4 |" in output.with_suffix(".md").read_text()

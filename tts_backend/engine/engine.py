@@ -9,6 +9,7 @@ event loop. Only the engine thread touches scheduler and runner state.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import itertools
 import logging
@@ -38,6 +39,9 @@ from .silence import LeadingSilenceTrimmer
 log = logging.getLogger(__name__)
 
 _END = object()
+# Upper bounds (s) of the first-chunk latency counts (EngineStats.first_chunk_counts): 5 ms steps up to 100 ms,
+# where the peers' and our TTFA figures lie, coarser beyond.
+FIRST_CHUNK_BUCKETS_S = (*(i / 200 for i in range(1, 21)), 0.125, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,10 @@ class EngineStats:
     # text_wait_s their stream-seconds, gaps or not.
     late_chunks: int = 0
     late_s: float = 0.0
+    # First chunks by how long after the request's arrival they shipped: counts per FIRST_CHUNK_BUCKETS_S
+    # upper bound (not cumulative; the last entry counts those above every bound). With the gateway's TTFA
+    # and the client's, it tells which part of a request's first audio is the engine's.
+    first_chunk_counts: list = field(default_factory=lambda: [0] * (len(FIRST_CHUNK_BUCKETS_S) + 1))
     text_waits: int = 0
     text_wait_s: float = 0.0
     text_gaps: int = 0
@@ -802,6 +810,7 @@ class Engine:
                 "busy_s": stats.busy_s,
                 "late_chunks": stats.late_chunks,
                 "late_s": stats.late_s,
+                "first_chunks": dict(zip((*map(str, FIRST_CHUNK_BUCKETS_S), "+Inf"), stats.first_chunk_counts)),
                 "text": {
                     "waits": stats.text_waits,
                     # Open waits count up to now, as the open section's seconds do.
@@ -861,6 +870,8 @@ class Engine:
         now = self.clock()
         if request.playback_start is None:
             request.playback_start = now
+            with self._stats_lock:
+                self.stats.first_chunk_counts[bisect.bisect_left(FIRST_CHUNK_BUCKETS_S, now - request.arrival)] += 1
         else:
             late = now - (request.playback_start + request.output.emitted_samples / request.sample_rate)
             if late > 0:

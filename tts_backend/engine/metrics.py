@@ -82,6 +82,10 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
                       ("cause",), ((("engine",), float(snapshot["late_chunks"])), (("text",), float(text["gaps"])))),
         BackendMetric("engine_late_seconds", "counter", "How long listeners were out of audio before those chunks, "
                       "by cause", ("cause",), ((("engine",), snapshot["late_s"]), (("text",), text["gap_s"]))),
+        BackendMetric("engine_first_chunks", "counter", "Requests' first chunks by how long after the request "
+                      "reached the engine they shipped, cumulative per upper bound le in seconds as a Prometheus "
+                      "histogram's buckets (a text-streaming request's wait for its text included)", ("le",),
+                      tuple(((le,), float(count)) for le, count in _cumulative(snapshot["first_chunks"]))),
         BackendMetric("engine_text_waits", "counter", "Times a stream's next step needed text not yet pushed "
                       "(it waits outside the batches)", samples=(((), float(text["waits"])),)),
         BackendMetric("engine_text_wait_seconds", "counter", "Stream-seconds spent waiting for text",
@@ -95,3 +99,12 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
         BackendMetric("engine_streams", "gauge", "Requests in the engine now (holding a slot or queued for one)",
                       samples=(((), float(snapshot["streams"])),)),
     ]
+
+
+def _cumulative(counts: dict[str, int]) -> list[tuple[str, int]]:
+    """Per-bucket counts in bound order as running totals (Prometheus's `le` buckets)."""
+    total, out = 0, []
+    for le, count in counts.items():
+        total += count
+        out.append((le, total))
+    return out
