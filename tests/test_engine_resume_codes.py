@@ -282,6 +282,46 @@ async def test_the_gpus_path_resumes_with_the_same_frames(tiny_custom_voice):
         await backend.stop()
 
 
+async def test_resumes_beyond_the_resume_graphs_rows_go_in_groups_with_the_same_frames(tiny_custom_voice):
+    # The batched pass on the resume graphs' padded inputs (eager here, the inputs a GPU replays): rows padded
+    # on the scratch slot, positions right-padded, and more resumes than the graphs' rows in passes of that
+    # many, each with its own EOS flags. Every resumed request makes the uninterrupted run's frames.
+    backend = await started(tiny_custom_voice, trim_leading_silence=False,
+                            runner_options={"fused": True, "kernels": "inductor", "resume_prefill": "batched",
+                                            "resume_graph_shapes": [[2, 128]]})
+    runner = backend.engine.runner
+    runner.resume_continues_schedule = False
+    passes, groups = [], []
+    resume_pass, run = runner._resume_pass, runner.graphs.run
+
+    def recording_pass(requests, embeds, starts):
+        passes.append(len(requests))
+        return resume_pass(requests, embeds, starts)
+
+    def recording_run(key, fn, inputs):
+        if isinstance(key, tuple) and key[0] == "resume":
+            groups.append(key)
+        return run(key, fn, inputs)
+
+    runner._resume_pass, runner.graphs.run = recording_pass, recording_run
+    try:
+        assert runner.resume_shapes == {2: (128,)}
+        texts = [TEXT, *OTHERS]
+        wholes = [await chunks_of(backend, request(text=t, seed=20 + i)) for i, t in enumerate(texts)]
+        for cut in (1, 2):
+            passes.clear()
+            groups.clear()
+            resumed = await asyncio.gather(*(chunks_of(backend, request(
+                text=t, seed=20 + i, resume_codes=joined(w[:cut], 1))) for i, (t, w) in enumerate(zip(texts, wholes))))
+            for got, whole in zip(resumed, wholes):
+                assert joined(got, 1) == joined(whole[cut:], 1), cut
+                assert np.abs(pcm16(joined(got, 0)) - pcm16(joined(whole[cut:], 0))).max() <= 1
+            assert sum(passes) == len(texts) and groups == [("resume", 2, 128)] * sum(-(-n // 2) for n in passes)
+        assert max(passes) > 2, passes  # a pass of more resumes than the graphs' rows happened
+    finally:
+        await backend.stop()
+
+
 async def test_a_cut_inside_a_chunk_goes_on_with_the_same_frames(tiny_custom_voice):
     # A caller may hold codes that end inside one of the uninterrupted run's codec calls (a pool that had part
     # of a chunk keeps whole frames only). The frames after the cut are the same; the codec then decodes them

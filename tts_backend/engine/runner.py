@@ -259,6 +259,14 @@ class Qwen3RunnerConfig:
     # the company already varies the numerics, and the batched pass costs one prefill where the steps cost k
     # decode steps (100 frames: 100 launches of a few ms against one pass).
     resume_prefill: str = "auto"
+    # (rows, positions) of the batched resume pass's captured graphs, for requests without a voice prefix in
+    # the slot (a cloned voice's rest goes on the clone prefill's graphs): the rows padded on the scratch slot
+    # and every row's prompt + delivered frames right-padded to the positions, more resumes than the most rows
+    # in passes of that many. Uncaptured, the pass is the compiled layers launched from the host, which the
+    # GPU waits for: on the H100 one resume's pass took 14.7 ms, a drain's 8 together 55 ms, host and device
+    # alike, against 3-5 ms for a captured prefill of 2 x 64 to 8 x 64 positions (bench/results/resume_h100.md,
+    # fourth session). A longer request resumes uncaptured. Each shape is a graph at start-up (about 1 s).
+    resume_graph_shapes: tuple[tuple[int, int], ...] = ((2, 128), (8, 128), (8, 256))
 
 
 @contextmanager
@@ -405,6 +413,12 @@ class Qwen3ModelRunner(ModelRunner):
         self.resume_batched = cfg.resume_prefill == "batched" or (
             cfg.resume_prefill == "auto" and self.device.type == "cuda")
         self.resume_continues_schedule = self.device.type != "cuda"
+        # The resume pass's shapes by rows, each row count's positions ascending (see resume_graph_shapes).
+        self.resume_shapes: dict[int, tuple[int, ...]] = {}
+        for rows, positions in cfg.resume_graph_shapes:
+            if 0 < rows <= cfg.max_slots and 0 < positions <= cfg.max_len:
+                self.resume_shapes[rows] = tuple(sorted({*self.resume_shapes.get(rows, ()), positions}))
+        self.resume_shapes = dict(sorted(self.resume_shapes.items()))
         self._allocated = False
         self.kernel_check: dict | None = None  # the start-up kernel check's measurements, when it ran
         self.codec_compiled = False
@@ -756,6 +770,10 @@ class Qwen3ModelRunner(ModelRunner):
                            torch.full((b, n), -1, device=dev, dtype=torch.long),
                            torch.ones(b, device=dev, dtype=torch.long)]
                 self.graphs.capture(("prefill", b, n), self._prefill_fn, example)
+        if self.resume_batched and self.can_resume:
+            for b, lengths in self.resume_shapes.items():
+                for n in lengths:
+                    self.graphs.capture(("resume", b, n), self._prefill_embeds, self._embeds_example(b, n))
         if not self.clones:
             return
         for b in self.prefill_buckets:
@@ -987,8 +1005,6 @@ class Qwen3ModelRunner(ModelRunner):
         codebook 0 of frame k with the request's own noise for that step. Their slots were made fresh
         (_fresh_slots). Returns per request whether it sampled EOS. See Qwen3RunnerConfig.resume_prefill for
         why the Talker pass is batched on a GPU and stepwise on the CPU."""
-        from tts_backend.qwen3.generate import right_padded
-
         from .request import schedule_pieces
 
         if not self.can_resume:
@@ -1035,19 +1051,8 @@ class Qwen3ModelRunner(ModelRunner):
             prompts = [m.prompt_embeds(r.prompt) for r in requests]
             starts = self._voice_prefixes(requests, prompts)
             embeds = [torch.cat((e[s:], x)) for e, s, x in zip(prompts, starts, inputs)]
-            rows = slots_t
-            if self.fused_prefill and len(embeds) == 1:
-                # TorchDynamo traces a batch of one as a shape of its own, and each traced shape is an Inductor
-                # compile of seconds on the engine thread (see decode_buckets): a padding row on the scratch
-                # slot keeps the pass at two rows, as the captured prefill's buckets do.
-                embeds.append(embeds[0][:1])
-                starts = starts + [0]
-                rows = self._upload(torch.tensor(slot_list + [self.scratch], dtype=torch.long))
-            lengths = [e.shape[0] for e in embeds]
-            up = self._upload(torch.tensor([lengths, starts], dtype=torch.long))
             self._resumed_counters(requests)
-            self._host_slots = slot_list
-            self._prefill_embeds(rows, right_padded(embeds), up[0], up[1], max(s + n for s, n in zip(starts, lengths)))
+            eos_rows = self._resume_pass(requests, embeds, starts)
         else:
             self._prompt_pass(requests, slot_list, slots_t)  # its sample is drawn again below, counters set
             last = []
@@ -1070,7 +1075,7 @@ class Qwen3ModelRunner(ModelRunner):
         if priming is not None:
             # The slots' next frames write their frame rings, which the priming reads: they wait for it.
             torch.cuda.current_stream(self.device).wait_stream(self.codec_stream)
-        eos = self.eos_out[: len(requests)].tolist()  # waits for the device
+        eos = eos_rows.tolist() if self.resume_batched else self.eos_out[: len(requests)].tolist()  # waits
         # A resume is a failover or a hand-over: rare, and what it costs is the listener's pause.
         device = ""
         if events:
@@ -1083,6 +1088,50 @@ class Qwen3ModelRunner(ModelRunner):
                  "in %.1f ms%s", len(requests), ",".join(str(r.resume.shape[0]) for r in requests),
                  1000 * (time.perf_counter() - started), 1000 * (primed - started), 1000 * (passed - primed), device)
         return eos
+
+    def _resume_pass(self, requests: list[RequestState], embeds: list[torch.Tensor], starts: list[int]) -> torch.Tensor:
+        """The batched resume's Talker pass over each request's `embeds` (its prompt after the `starts`
+        positions its slot already holds, then its delivered frames), c0 sampled; returns the EOS flags [N].
+        Without voice prefixes, in groups of the most captured rows on the resume graphs where the longest
+        fits one (resume_graph_shapes; eager where graphs are off, on the same padded inputs); a cloned
+        voice's rest on the clone prefill's graphs (_prefill_rest); else uncaptured."""
+        from tts_backend.qwen3.generate import right_padded
+
+        longest = max(e.shape[0] for e in embeds)
+        most = max(self.resume_shapes, default=0)
+        if not any(starts) and any(longest <= n for n in self.resume_shapes.get(most, ())):
+            flags = []
+            for first in range(0, len(requests), most):
+                group, rest = requests[first: first + most], embeds[first: first + most]
+                rows = next(b for b in self.resume_shapes if b >= len(group) and longest <= max(self.resume_shapes[b]))
+                n = next(n for n in self.resume_shapes[rows] if n >= longest)
+                x = rest[0].new_zeros(rows, n, rest[0].shape[-1])
+                host = torch.zeros(2, rows, dtype=torch.long)
+                host[0] = 1  # padding rows: one position at the scratch slot's start
+                for i, e in enumerate(rest):
+                    x[i, : e.shape[0]] = e
+                    host[0, i] = e.shape[0]
+                up = self._upload(host)
+                self.graphs.run(("resume", rows, n), self._prefill_embeds, [self._slots(group, rows), x, up[0], up[1]])
+                flags.append(self.eos_out[: len(group)].clone())
+            return torch.cat(flags)
+        slot_list = [r.slot for r in requests]
+        if any(starts):
+            self._prefill_rest(requests, slot_list, self._upload(torch.tensor(slot_list, dtype=torch.long)), embeds,
+                               starts)
+            return self.eos_out[: len(requests)].clone()
+        rows = self._upload(torch.tensor(slot_list, dtype=torch.long))
+        if self.fused_prefill and len(embeds) == 1:
+            # TorchDynamo traces a batch of one as a shape of its own, and each traced shape is an Inductor
+            # compile of seconds on the engine thread (see decode_buckets): a padding row on the scratch slot
+            # keeps the pass at two rows, as the captured prefill's buckets do.
+            embeds, starts = embeds + [embeds[0][:1]], starts + [0]
+            rows = self._upload(torch.tensor(slot_list + [self.scratch], dtype=torch.long))
+        lengths = [e.shape[0] for e in embeds]
+        up = self._upload(torch.tensor([lengths, starts], dtype=torch.long))
+        self._host_slots = slot_list
+        self._prefill_embeds(rows, right_padded(embeds), up[0], up[1], max(s + n for s, n in zip(starts, lengths)))
+        return self.eos_out[: len(requests)].clone()
 
     def _resumed_counters(self, requests: list[RequestState]) -> None:
         """The sampler's per-slot state as the uninterrupted request had it before it sampled frame k's
