@@ -497,3 +497,34 @@ def test_the_priming_of_a_failovers_resumes_takes_few_calls_and_gives_each_slot_
                 covered[slot] += n
         assert covered == dict(frames)
     assert priming_calls([], 12, 16) == []
+
+
+def test_the_primings_ring_writes_put_each_call_s_frames_where_one_write_per_slot_did():
+    # _prime_codec_captured (CUDA only) writes each call's frames into the slots' frame rings with one indexed
+    # write; the same rings, call after call, as the write per slot and call it replaced, ring wrap included.
+    import random
+
+    from tts_backend.engine.runner import priming_calls, priming_ring_writes
+
+    rng = random.Random(1)
+    for _ in range(50):
+        ring, groups = rng.choice([16, 48, 64]), 16
+        frames = [(slot, rng.randint(1, 90)) for slot in rng.sample(range(12), rng.randint(1, 8))]
+        codes = {slot: torch.randint(0, 2048, (k, groups)) for slot, k in frames}
+        offsets, at = {}, 0
+        for slot, k in frames:
+            offsets[slot], at = at, at + k
+        stacked = torch.cat([codes[slot] for slot, _ in frames])
+        calls = priming_calls(frames, rng.choice([4, 12]), rng.choice([2, 16]))
+        writes = priming_ring_writes(calls, offsets, ring)
+        assert writes.shape == (3, sum(n * len(slots) for _, n, slots in calls))
+        one, each = torch.zeros(13, ring, groups, dtype=torch.long), torch.zeros(13, ring, groups, dtype=torch.long)
+        column = 0
+        for start, n, slots in calls:
+            w = writes[:, column: column + n * len(slots)]
+            column += n * len(slots)
+            one[w[0], w[1]] = stacked[w[2]]
+            for slot in slots:
+                each[slot, (start + torch.arange(n)) % ring] = codes[slot][start: start + n]
+            assert torch.equal(one, each)
+    assert priming_ring_writes([], {}, 64).shape == (3, 0)
