@@ -210,3 +210,26 @@ async def test_timestamp_type_word_through_the_gateway(tiny_custom_voice, tiny_a
         times = [t for pair in zip(alignment["word_start_times_seconds"], alignment["word_end_times_seconds"])
                  for t in pair]
         assert times == sorted(times) and 0 <= times[0] and times[-1] <= seconds + 1e-6
+
+
+async def test_a_pass_waits_its_gather_time_for_more_sentences(tiny_aligner):
+    # With gather_s, a sentence queued after the pass took its first one still joins that pass (here it fills
+    # the batch, so the pass goes at once); without, the first went alone (the test above's two passes).
+    aligner = load_aligner(tiny_aligner, "cpu", torch.float32)
+    rng = np.random.default_rng(2)
+    requests = [AlignRequest((0.2 * rng.standard_normal(n)).astype(np.float32), 16000, text)
+                for n, text in ((21000, "first sentence here"), (9000, "second"))]
+    alone = [aligner.align([r])[0] for r in requests]
+    batcher = AlignmentBatcher(aligner, max_batch=2, gather_s=60.0)
+    try:
+        first = asyncio.create_task(batcher.align(requests[0]))
+        await asyncio.sleep(0.2)  # the thread has taken it and waits for company
+        assert not first.done()
+        second = asyncio.create_task(batcher.align(requests[1]))
+        results = [await first, await second]
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert results == alone
+    assert (batcher.batches, batcher.sentences) == (1, 2)
+    with pytest.raises(ValueError, match="gather_s"):
+        AlignmentBatcher(aligner, gather_s=-1)

@@ -143,7 +143,8 @@ def test_a_sentence_withdrawn_before_the_process_takes_it_is_not_aligned(tiny_al
 
     pipe = Pipe([("align", 1, a.audio, a.sample_rate, a.text, None), ("cancel", 1),
                  ("align", 2, b.audio, b.sample_rate, b.text, None), ("align", 3, c.audio, c.sample_rate, c.text, None)])
-    serve(dict(folder=str(tiny_aligner), device="cpu", dtype="float32", max_batch=8, torch_threads=1), pipe, pipe)
+    serve(dict(folder=str(tiny_aligner), device="cpu", dtype="float32", max_batch=8, torch_threads=1,
+               gather_s=0.0), pipe, pipe)
     (ready, _), (kind, stats, answers) = pipe.sent
     assert (ready, kind) == ("ready", "batch")
     assert stats[:2] == (1, 2) and [job for job, _, _ in answers] == [2, 3]
@@ -220,7 +221,7 @@ async def test_a_killed_aligner_costs_timestamps_only_behind_a_gateway(tiny_cust
             os.kill(aligner, signal.SIGKILL)
             late = await _speak(gateway.ws_url, text)
             kinds = [m["type"] for m in late]
-            assert "error" not in kinds and kinds[-1] == "session.done", kinds
+            assert "error" not in kinds and kinds[-1] == "session.done", late
             (done,) = [m for m in late if m["type"] == "audio.done"]
             assert "timestamp_info" not in done and [w["code"] for w in done["warnings"]] == ["timestamps_late"]
             assert done["error"] is False
@@ -242,3 +243,18 @@ async def test_a_killed_aligner_costs_timestamps_only_behind_a_gateway(tiny_cust
             assert "voxgate_aligner_restarts_total 1.0" in metrics.splitlines()
     finally:
         worker.kill()
+
+
+async def test_the_process_waits_its_gather_time_for_more_sentences(tiny_aligner):
+    process = AlignerProcess(str(tiny_aligner), "cpu", "float32", max_batch=2, torch_threads=1, gather_s=60.0)
+    try:
+        await asyncio.to_thread(process.wait_ready, 120)
+        first, second = sentences()[:2]
+        task = asyncio.create_task(process.align(first))
+        await asyncio.sleep(0.5)  # the process has it and waits for company
+        assert not task.done()
+        other = asyncio.create_task(process.align(second))
+        words = [await task, await other]
+    finally:
+        process.close()
+    assert all(words) and (process.batches, process.sentences) == (1, 2)

@@ -151,6 +151,8 @@ class Qwen3Synthesizer(Synthesizer):
     warmup: run one request through every stage before reporting ready.
     aligner: a Qwen3-ForcedAligner checkpoint folder; when given, requests may ask for word timestamps.
     aligner_max_batch: sentences aligned in one forward pass at most.
+    aligner_gather_s: how long an aligner pass waits after its first sentence for more (up to aligner_max_batch):
+      fewer, fuller passes for words that much later; 0 (the default): a pass takes what is queued.
     aligner_process: run the aligner in a process of its own (aligner/process.py), so that it never holds the
       interpreter the engine thread needs; false: on a thread of this process (aligner/batcher.py). Either way
       it is captured in CUDA graphs on a GPU.
@@ -182,6 +184,7 @@ class Qwen3Synthesizer(Synthesizer):
         scheduler_options: dict | None = None,
         aligner: str | None = None,
         aligner_max_batch: int = 16,
+        aligner_gather_s: float = 0.0,
         aligner_process: bool = True,
     ) -> None:
         if not model:
@@ -209,6 +212,7 @@ class Qwen3Synthesizer(Synthesizer):
         self.scheduler_options = _scheduler_options(scheduler_options)
         self.aligner_path = aligner
         self.aligner_max_batch = int(aligner_max_batch)
+        self.aligner_gather_s = float(aligner_gather_s)
         self.aligner_process = bool(aligner_process)
         self.aligner_batcher = None
         if aligner:
@@ -237,7 +241,8 @@ class Qwen3Synthesizer(Synthesizer):
             from .aligner.process import AlignerProcess
 
             # Started first: it loads and captures its model while this process loads the speech model.
-            aligner_process = AlignerProcess(self.aligner_path, device, self.dtype, self.aligner_max_batch)
+            aligner_process = AlignerProcess(self.aligner_path, device, self.dtype, self.aligner_max_batch,
+                                             gather_s=self.aligner_gather_s)
         try:
             self.model = Qwen3TTS.from_pretrained(self.model_path, device=device, dtype=getattr(torch, self.dtype))
             if aligner_process is not None:
@@ -253,7 +258,7 @@ class Qwen3Synthesizer(Synthesizer):
 
             aligner = load_aligner(self.aligner_path, device=device, dtype=getattr(torch, self.dtype))
             aligner.capture(self.aligner_max_batch)  # before the engine runs: nothing else is on the device yet
-            self.aligner_batcher = AlignmentBatcher(aligner, self.aligner_max_batch)
+            self.aligner_batcher = AlignmentBatcher(aligner, self.aligner_max_batch, self.aligner_gather_s)
 
     def _build(self) -> None:
         from .engine.engine import Engine, EngineConfig

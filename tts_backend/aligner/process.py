@@ -84,11 +84,16 @@ class AlignerProcess:
     `sentences`, `seconds` (the process's forward passes, as it reports them), plus `restarts`."""
 
     def __init__(self, folder: str, device: str = "cpu", dtype: str = "bfloat16", max_batch: int = 16,
-                 max_pending: int = 256, torch_threads: int = 2, restart_after_s: float = 1.0) -> None:
+                 max_pending: int = 256, torch_threads: int = 2, restart_after_s: float = 1.0,
+                 gather_s: float = 0.0) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if not gather_s >= 0:
+            raise ValueError("gather_s must be a number of seconds >= 0")
+        # gather_s: as batcher.AlignmentBatcher's, in the process: a pass waits that long after its first
+        # sentence for more.
         self.options = dict(folder=str(folder), device=str(device), dtype=dtype, max_batch=max_batch,
-                            torch_threads=torch_threads)
+                            torch_threads=torch_threads, gather_s=gather_s)
         self.max_pending = max_pending
         self.restart_after_s = restart_after_s
         self.batches = 0
@@ -313,6 +318,10 @@ def serve(options: dict, requests, results) -> None:
                 if not take(requests.recv()):
                     return
             while requests.poll():  # everything queued now: more sentences for this batch, and withdrawals
+                if not take(requests.recv()):
+                    return
+            deadline = time.monotonic() + options["gather_s"]
+            while len(backlog) < options["max_batch"] and requests.poll(max(0.0, deadline - time.monotonic())):
                 if not take(requests.recv()):
                     return
         except (EOFError, OSError):  # the parent is gone
