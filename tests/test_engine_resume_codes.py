@@ -285,14 +285,21 @@ async def test_the_gpus_path_resumes_with_the_same_frames(tiny_custom_voice):
 async def test_resumes_beyond_the_resume_graphs_rows_go_in_groups_with_the_same_frames(tiny_custom_voice):
     # The batched pass on the resume graphs' padded inputs (eager here, the inputs a GPU replays): rows padded
     # on the scratch slot, positions right-padded, and more resumes than the graphs' rows in passes of that
-    # many, each with its own EOS flags. Every resumed request makes the uninterrupted run's frames.
+    # many, each with its own EOS flags. Every resumed request makes the uninterrupted run's frames. The three
+    # resumes reach the engine while its thread is held in another request's prefill, so that they are waiting
+    # together when it next schedules, as a failover's are: one pass of three, in groups of two and one.
+    import threading
+
+    from tests.worker_fixtures import wait_for_async
+
     backend = await started(tiny_custom_voice, trim_leading_silence=False,
                             runner_options={"fused": True, "kernels": "inductor", "resume_prefill": "batched",
                                             "resume_graph_shapes": [[2, 128]]})
     runner = backend.engine.runner
     runner.resume_continues_schedule = False
     passes, groups = [], []
-    resume_pass, run = runner._resume_pass, runner.graphs.run
+    resume_pass, run, prefill = runner._resume_pass, runner.graphs.run, runner.prefill
+    held, go = threading.Event(), threading.Event()
 
     def recording_pass(requests, embeds, starts):
         passes.append(len(requests))
@@ -303,22 +310,37 @@ async def test_resumes_beyond_the_resume_graphs_rows_go_in_groups_with_the_same_
             groups.append(key)
         return run(key, fn, inputs)
 
+    def holding_prefill(requests):
+        if not held.is_set():
+            held.set()
+            go.wait(60)
+        return prefill(requests)
+
     runner._resume_pass, runner.graphs.run = recording_pass, recording_run
     try:
         assert runner.resume_shapes == {2: (128,)}
         texts = [TEXT, *OTHERS]
         wholes = [await chunks_of(backend, request(text=t, seed=20 + i)) for i, t in enumerate(texts)]
+        runner.prefill = holding_prefill
         for cut in (1, 2):
             passes.clear()
             groups.clear()
-            resumed = await asyncio.gather(*(chunks_of(backend, request(
-                text=t, seed=20 + i, resume_codes=joined(w[:cut], 1))) for i, (t, w) in enumerate(zip(texts, wholes))))
-            for got, whole in zip(resumed, wholes):
+            held.clear()
+            go.clear()
+            blocker = asyncio.create_task(chunks_of(backend, request(text="Hold on.", seed=99)))
+            assert await asyncio.to_thread(held.wait, 60)
+            resumed = [asyncio.create_task(chunks_of(backend, request(
+                text=t, seed=20 + i, resume_codes=joined(w[:cut], 1)))) for i, (t, w) in enumerate(zip(texts, wholes))]
+            await wait_for_async(lambda: backend.engine.stats_snapshot()["streams"] == 1 + len(texts), 30,
+                                 "the resumes in the engine")
+            go.set()
+            await blocker
+            for got, whole in zip([await t for t in resumed], wholes):
                 assert joined(got, 1) == joined(whole[cut:], 1), cut
                 assert np.abs(pcm16(joined(got, 0)) - pcm16(joined(whole[cut:], 0))).max() <= 1
-            assert sum(passes) == len(texts) and groups == [("resume", 2, 128)] * sum(-(-n // 2) for n in passes)
-        assert max(passes) > 2, passes  # a pass of more resumes than the graphs' rows happened
+            assert passes == [3] and groups == [("resume", 2, 128)] * 2, (passes, groups)
     finally:
+        go.set()
         await backend.stop()
 
 

@@ -1118,7 +1118,8 @@ class Qwen3ModelRunner(ModelRunner):
         positions its slot already holds, then its delivered frames), c0 sampled; returns the EOS flags [N].
         Without voice prefixes, in groups of the most captured rows on the resume graphs where the longest
         fits one (resume_graph_shapes; eager where graphs are off, on the same padded inputs); a cloned
-        voice's rest on the clone prefill's graphs (_prefill_rest); else uncaptured."""
+        voice's rest on the clone prefill's graphs where one fits (_prefill_rest); else uncaptured, at two rows
+        at least."""
         from tts_backend.qwen3.generate import right_padded
 
         longest = max(e.shape[0] for e in embeds)
@@ -1140,7 +1141,9 @@ class Qwen3ModelRunner(ModelRunner):
                 flags.append(self.eos_out[: len(group)].clone())
             return torch.cat(flags)
         slot_list = [r.slot for r in requests]
-        if any(starts):
+        attend = max(s + e.shape[0] for s, e in zip(starts, embeds))
+        if any(starts) and self._embeds_graph(self._graph_bucket(len(requests), self.prefill_buckets), longest,
+                                              attend) is not None:
             self._prefill_rest(requests, slot_list, self._upload(torch.tensor(slot_list, dtype=torch.long)), embeds,
                                starts)
             return self.eos_out[: len(requests)].clone()
@@ -1154,7 +1157,7 @@ class Qwen3ModelRunner(ModelRunner):
         lengths = [e.shape[0] for e in embeds]
         up = self._upload(torch.tensor([lengths, starts], dtype=torch.long))
         self._host_slots = slot_list
-        self._prefill_embeds(rows, right_padded(embeds), up[0], up[1], max(s + n for s, n in zip(starts, lengths)))
+        self._prefill_embeds(rows, right_padded(embeds), up[0], up[1], attend)
         return self.eos_out[: len(requests)].clone()
 
     def _resumed_counters(self, requests: list[RequestState]) -> None:
