@@ -517,11 +517,7 @@ def loop_lag_breakdown(before: dict, after: dict) -> dict | None:
     """The gateway's event-loop lag between two scrapes (voxgate_event_loop_lag_seconds): samples, how many
     were later than 5 / 25 / 100 ms, and the bucket bound the 99th percentile lies under, in ms. Whether the
     gateway's loop is what stalls under load (issue 22). None when /metrics has no such histogram."""
-    buckets: dict[float, float] = {}
-    for (sample, labels), value in after.items():
-        if sample == "voxgate_event_loop_lag_seconds_bucket":
-            bound = float(dict(labels)["le"])
-            buckets[bound] = buckets.get(bound, 0.0) + value - before.get((sample, labels), 0.0)
+    buckets = bucket_deltas(before, after, "voxgate_event_loop_lag_seconds_bucket")
     if not buckets:
         return None
     count = buckets.get(float("inf"), 0.0)

@@ -11,6 +11,8 @@ shares come from differences between scrapes, as Prometheus does with any counte
 
 from __future__ import annotations
 
+import itertools
+
 from ..base import BackendMetric
 
 
@@ -85,7 +87,8 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
         BackendMetric("engine_first_chunks", "counter", "Requests' first chunks by how long after the request "
                       "reached the engine they shipped, cumulative per upper bound le in seconds as a Prometheus "
                       "histogram's buckets (a text-streaming request's wait for its text included)", ("le",),
-                      tuple(((le,), float(count)) for le, count in _cumulative(snapshot["first_chunks"]))),
+                      tuple(((le,), float(count)) for le, count in
+                            zip(snapshot["first_chunks"], itertools.accumulate(snapshot["first_chunks"].values())))),
         BackendMetric("engine_text_waits", "counter", "Times a stream's next step needed text not yet pushed "
                       "(it waits outside the batches)", samples=(((), float(text["waits"])),)),
         BackendMetric("engine_text_wait_seconds", "counter", "Stream-seconds spent waiting for text",
@@ -99,12 +102,3 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
         BackendMetric("engine_streams", "gauge", "Requests in the engine now (holding a slot or queued for one)",
                       samples=(((), float(snapshot["streams"])),)),
     ]
-
-
-def _cumulative(counts: dict[str, int]) -> list[tuple[str, int]]:
-    """Per-bucket counts in bound order as running totals (Prometheus's `le` buckets)."""
-    total, out = 0, []
-    for le, count in counts.items():
-        total += count
-        out.append((le, total))
-    return out

@@ -1130,14 +1130,7 @@ class Qwen3ModelRunner(ModelRunner):
                 group, rest = requests[first: first + most], embeds[first: first + most]
                 rows = next(b for b in self.resume_shapes if b >= len(group) and longest <= max(self.resume_shapes[b]))
                 n = next(n for n in self.resume_shapes[rows] if n >= longest)
-                x = rest[0].new_zeros(rows, n, rest[0].shape[-1])
-                host = torch.zeros(2, rows, dtype=torch.long)
-                host[0] = 1  # padding rows: one position at the scratch slot's start
-                for i, e in enumerate(rest):
-                    x[i, : e.shape[0]] = e
-                    host[0, i] = e.shape[0]
-                up = self._upload(host)
-                self.graphs.run(("resume", rows, n), self._prefill_embeds, [self._slots(group, rows), x, up[0], up[1]])
+                self._replay_embeds(("resume", rows, n), group, rest, [0] * len(group))
                 flags.append(self.eos_out[: len(group)].clone())
             return torch.cat(flags)
         slot_list = [r.slot for r in requests]
@@ -1439,21 +1432,29 @@ class Qwen3ModelRunner(ModelRunner):
         attend = max(s + n for s, n in zip(starts, lengths))
         b = self._graph_bucket(count, self.prefill_buckets)
         key = self._embeds_graph(b, max(lengths), attend)
-        rows = key[1] if key is not None else count
-        host = torch.zeros(2, rows, dtype=torch.long)
-        host[0] = 1  # padding rows: one position at the scratch slot's start
-        host[0, :count] = torch.tensor(lengths, dtype=torch.long)
-        host[1, :count] = torch.tensor(starts, dtype=torch.long)
-        up = self._upload(host)
         if key is not None:
-            x = rest[0].new_zeros(rows, key[2], rest[0].shape[-1])
-            for i, e in enumerate(rest):
-                x[i, : e.shape[0]] = e
-            self.graphs.run(key, lambda *a: self._prefill_embeds(*a, attend_len=key[-1]),
-                            [self._slots(requests, rows), x, up[0], up[1]])
+            self._replay_embeds(key, requests, rest, starts)
             return
+        up = self._upload(torch.tensor([lengths, starts], dtype=torch.long))
         self._host_slots = slot_list
         self._prefill_embeds(slots_t, right_padded(rest), up[0], up[1], attend)
+
+    def _replay_embeds(self, key: tuple, requests: list[RequestState], rest: list[torch.Tensor],
+                       starts: list[int]) -> None:
+        """Embeddings `rest` [S_i, D] of each request's positions starts[i].. on the captured embeddings prefill
+        `key` (key[1] rows, key[2] positions run, key[-1] attended; eager on the same inputs where graphs are
+        off): the rows padded on the scratch slot with one position each, every row right-padded."""
+        rows, count = key[1], len(requests)
+        host = torch.zeros(2, rows, dtype=torch.long)
+        host[0] = 1  # padding rows: one position at the scratch slot's start
+        host[0, :count] = torch.tensor([e.shape[0] for e in rest], dtype=torch.long)
+        host[1, :count] = torch.tensor(starts, dtype=torch.long)
+        up = self._upload(host)
+        x = rest[0].new_zeros(rows, key[2], rest[0].shape[-1])
+        for i, e in enumerate(rest):
+            x[i, : e.shape[0]] = e
+        self.graphs.run(key, lambda *a: self._prefill_embeds(*a, attend_len=key[-1]),
+                        [self._slots(requests, rows), x, up[0], up[1]])
 
     def _embeds_graph(self, b: int | None, rest: int, attend: int) -> tuple | None:
         """The captured embeddings prefill for `b` rows of at most `rest` new positions attending `attend`
