@@ -266,7 +266,9 @@ class Qwen3RunnerConfig:
     # GPU waits for: on the H100 one resume's pass took 14.7 ms, a drain's 8 together 55 ms, host and device
     # alike, against 3-5 ms for a captured prefill of 2 x 64 to 8 x 64 positions (bench/results/resume_h100.md,
     # fourth session). A longer request resumes uncaptured. Each shape is a graph at start-up (about 1 s).
-    resume_graph_shapes: tuple[tuple[int, int], ...] = ((2, 128), (8, 128), (8, 256))
+    # 8 x 64: a failover's streams are mostly early in their sentences (a streaming-text prompt is some ten
+    # positions; the H100 drain's 7 resumes had 8-28 frames), and 8 x 128 ran twice the positions they needed.
+    resume_graph_shapes: tuple[tuple[int, int], ...] = ((2, 128), (8, 64), (8, 128), (8, 256))
 
 
 @contextmanager
@@ -1072,7 +1074,7 @@ class Qwen3ModelRunner(ModelRunner):
         if events:
             events[1].record()
         if self.resume_batched:
-            prompts = [m.prompt_embeds(r.prompt) for r in requests]
+            prompts = [m.prompt_embeds(r.prompt, self._upload) for r in requests]
             starts = self._voice_prefixes(requests, prompts)
             embeds = [torch.cat((e[s:], x)) for e, s, x in zip(prompts, starts, inputs)]
             self._resumed_counters(requests)
@@ -1390,7 +1392,7 @@ class Qwen3ModelRunner(ModelRunner):
             # prefill is (pad rows on the scratch slot; positions past a row's end are overwritten by its own
             # decode steps before any query sees them). Without a bucket (too long a prompt) it runs uncaptured.
             # A voice prefix in the cache is copied into the slot first; only the rest is prefilled.
-            embeds = [m.prompt_embeds(r.prompt) for r in requests]
+            embeds = [m.prompt_embeds(r.prompt, self._upload) for r in requests]
             starts = self._voice_prefixes(requests, embeds)
             self._prefill_rest(requests, slot_list, slots_t, [e[s:] for e, s in zip(embeds, starts)], starts)
             return
@@ -1415,7 +1417,7 @@ class Qwen3ModelRunner(ModelRunner):
             return
         # Eager: exactly the model's own prefill (right-padded to the longest prompt of the batch).
         self._host_slots = slot_list
-        embeds = [m.prompt_embeds(r.prompt) for r in requests]
+        embeds = [m.prompt_embeds(r.prompt, self._upload) for r in requests]
         hidden = m.prefill(self.kv, slots_t, embeds)
         lengths_t = self._upload(torch.tensor([len(r.prompt) for r in requests], dtype=torch.long))
         self._after_talker(slots_t, hidden, lengths_t)

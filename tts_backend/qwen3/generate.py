@@ -272,9 +272,9 @@ class Qwen3TTS:
     def new_predictor_cache(self, num_slots: int) -> KVCache:
         return self.code_predictor.new_cache(num_slots)
 
-    def prompt_embeds(self, prompt: Prompt) -> torch.Tensor:
-        """-> [S, D]"""
-        return embed_prompt(self.talker, prompt, self.code_predictor)
+    def prompt_embeds(self, prompt: Prompt, upload=None) -> torch.Tensor:
+        """-> [S, D]; `upload` moves host tensors to the device (embed_prompt)"""
+        return embed_prompt(self.talker, prompt, self.code_predictor, upload)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, slots: torch.Tensor, embeds: Sequence[torch.Tensor]) -> torch.Tensor:

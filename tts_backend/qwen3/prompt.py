@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -171,23 +172,40 @@ def _layout(cfg: Qwen3TTSConfig, K: list[int], text_ids: list[int], instruct_ids
 
 
 @torch.inference_mode()
-def embed_prompt(talker, prompt: Prompt, code_predictor=None) -> torch.Tensor:
+def embed_prompt(talker, prompt: Prompt, code_predictor=None,
+                 upload: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """-> prefill embeddings [S, D] on the talker's device and dtype (a clone prompt's reference frames also need
-    the code predictor's embedding tables)."""
+    the code predictor's embedding tables).
+
+    Everything that decides which position gets what is read from the host tracks, and every host tensor goes
+    to the device through `upload` (default: a plain copy): a serving engine passes its non-blocking upload from
+    pinned memory. Built from device-side masks (`codec == SPEAKER_EMBEDDING`, boolean indexing, `.any()`) and
+    pageable copies, each cloned request's prefill and each resumed request made the engine thread wait for
+    the device four to six times, behind the frame in flight."""
     device = talker.codec_head.weight.device
-    text = torch.tensor(prompt.text_track, device=device)
-    codec = torch.tensor(prompt.codec_track, device=device)
-    embeds = talker.embed_text(text)  # [S, D]
-    codec_embeds = talker.embed_codec(codec.clamp(min=0))  # [S, D]
-    speaker = codec == SPEAKER_EMBEDDING
-    if bool(speaker.any()):
-        codec_embeds[speaker] = prompt.speaker_embedding.to(device=device, dtype=codec_embeds.dtype)
-    frames = codec == REF_FRAME
-    if bool(frames.any()):
-        ref = prompt.ref_codes.to(device)  # [F, G]
+    if upload is None:
+        def upload(host: torch.Tensor) -> torch.Tensor:
+            return host.to(device)
+
+    def moved(t: torch.Tensor) -> torch.Tensor:  # a prompt's tensors are usually the host's
+        return upload(t.detach()) if t.device.type == "cpu" else t.to(device)
+
+    codec_host = torch.tensor(prompt.codec_track, dtype=torch.long)
+    speaker_at = [i for i, c in enumerate(prompt.codec_track) if c == SPEAKER_EMBEDDING]
+    frames_at = [i for i, c in enumerate(prompt.codec_track) if c == REF_FRAME]
+    ids = upload(torch.stack((torch.tensor(prompt.text_track, dtype=torch.long), codec_host.clamp(min=0),
+                              (codec_host != NO_CODEC).long())))
+    embeds = talker.embed_text(ids[0])  # [S, D]
+    codec_embeds = talker.embed_codec(ids[1])  # [S, D]
+    if speaker_at:
+        vector = moved(prompt.speaker_embedding).reshape(1, -1).to(codec_embeds.dtype)
+        codec_embeds[upload(torch.tensor(speaker_at, dtype=torch.long))] = vector
+    if frames_at:
+        ref = moved(prompt.ref_codes).long()  # [F, G], one per REF_FRAME position
         stacked = torch.cat((talker.embed_codec(ref[:, :1]), code_predictor.embed_residual(ref[:, 1:])), dim=1)
-        codec_embeds[frames] = stacked.sum(1)  # [F, D]: the 16 code embeddings of each frame, summed
-    return torch.where((codec != NO_CODEC)[:, None], embeds + codec_embeds, embeds)
+        # the 16 code embeddings of each frame, summed
+        codec_embeds[upload(torch.tensor(frames_at, dtype=torch.long))] = stacked.sum(1)
+    return torch.where(ids[2].bool()[:, None], embeds + codec_embeds, embeds)
 
 
 @dataclass
