@@ -34,8 +34,11 @@ Where the engine runs:
 A worker killed or drained mid-run (a pool of two or more): --kill-worker-at S SIGKILLs worker 1 (with --gpus,
 the first GPU's child, not the launcher), --drain-worker-at S SIGTERMs it, S seconds into the first rate (or
 the first moment within 5 s more that the gateway's pool runs a stream on it). That rate's entry adds
-`killed_worker` / `drained_worker`: when it went and the streams open on it then, the listeners' pauses the
-pool logged (from a worker's loss to the stream's next audio elsewhere; p50/p99/max), the pool's failovers,
+`killed_worker` / `drained_worker`: when it went and the streams open on it then, the gateway's pauses the
+pool logged (`pause_ms`: from a worker's loss to the stream's next audio elsewhere; p50/p99/max), what the
+listeners heard (`listeners_silence_ms`: the silence of each stream playing at the signal, on either worker, in
+the 2 s after, from the client's zero pre-buffer playback; the audio delivered ahead covers part of the
+gateway's pause or all of it), the pool's failovers,
 hand-overs and resumes from codes, the requests cut (audio had begun and did not end whole) and refused
 (failed before any audio), and for a drain whether the worker exited and `no_stream_cut`.
 
@@ -264,6 +267,8 @@ def pool_deltas(before: dict, after: dict) -> dict[str, int] | None:
 
 
 SIGNAL_GRACE_S = 5.0
+# The silences a kill or drain caused: the listeners' underruns that begin within this long after the signal.
+LISTENER_WINDOW_S = 2.0
 
 
 def pool_streams(base: str, worker_id: str) -> int | None:
@@ -294,6 +299,7 @@ def signal_worker(kind: str, at_s: float, pid: int, gpu: str | None, streams: Ca
             time.sleep(0.02)
         timer.streams_at_signal = open_streams
         timer.sent_at_s = round(time.monotonic() - started, 3)
+        timer.sent_at_perf = time.perf_counter()  # loadgen's clock, for the silences it caused
         print(f"{'SIGKILL' if kind == 'kill' else 'SIGTERM'} to worker pid {pid}"
               f"{f' (GPU {gpu})' if gpu is not None else ''} at {timer.sent_at_s:g} s, "
               f"{timer.streams_at_signal} streams open on it", flush=True)
@@ -302,14 +308,39 @@ def signal_worker(kind: str, at_s: float, pid: int, gpu: str | None, streams: Ca
 
     timer = threading.Timer(at_s, send)
     timer.sent = threading.Event()  # set once the signal went: a run shorter than at_s sends none
-    timer.streams_at_signal = timer.sent_at_s = None
+    timer.streams_at_signal = timer.sent_at_s = timer.sent_at_perf = None
     timer.daemon = True
     timer.start()
     return timer
 
 
+def listeners_silences(requests: list[dict], at_perf: float | None, window_s: float = LISTENER_WINDOW_S) -> dict | None:
+    """What the listeners heard of a kill or drain sent at `at_perf` (time.perf_counter()): every request whose
+    audio had begun and not ended then (on either worker: the survivor's streams wait while it resumes the
+    others), with the silence each heard in the `window_s` after, from loadgen's zero pre-buffer playback (its
+    underruns starting in the window, summed): n, how many heard any, p50 / p99 / max in ms. The pool's
+    pause_ms is another thing: loss to next chunk at the gateway, which the audio already delivered ahead of
+    the listener covers in part or in whole."""
+    if at_perf is None:
+        return None
+    silences = []
+    for r in requests:
+        origin = r.get("audio_origin_perf")
+        if origin is None or r.get("e2e_s") is None or r.get("ttfb_s") is None:
+            continue
+        if not origin + r["ttfb_s"] <= at_perf < origin + r["e2e_s"]:
+            continue
+        heard = sum(length for at, length in r.get("stalls") or () if at_perf <= origin + at < at_perf + window_s)
+        silences.append(1000 * heard)
+    if not silences:
+        return {"n": 0}
+    return {"n": len(silences), "heard_any": sum(1 for x in silences if x > 0),
+            "p50": round(nearest_rank(silences, 50), 1), "p99": round(nearest_rank(silences, 99), 1),
+            "max": round(max(silences), 1), "window_s": window_s}
+
+
 def disturbance_report(kind: str, at_s: float, gpu: str | None, pid: int, log_path: Path | None,
-                       pool: dict | None, requests: list[dict]) -> dict:
+                       pool: dict | None, requests: list[dict], at_perf: float | None = None) -> dict:
     """What a --kill-worker-at / --drain-worker-at did: which worker, when, the listeners' pauses the pool
     logged (lost to the next audio of each stream), its counters, and the disturbed rate's requests (warm-up
     included; loadgen's per-request results) that failed, told apart: `requests_cut`, whose audio had begun
@@ -322,6 +353,7 @@ def disturbance_report(kind: str, at_s: float, gpu: str | None, pid: int, log_pa
     failed = [r for r in requests if not r["ok"]]
     cut = [r for r in failed if r["bytes"] > 0]
     entry = {"gpu": gpu, "pid": pid, "at_s": at_s, "failover_pause_ms": pauses, "pause_ms": pause_summary(pauses),
+             "listeners_silence_ms": listeners_silences(requests, at_perf),
              "pool": pool, "requests": len(requests), "requests_cut": len(cut),
              "requests_refused": len(failed) - len(cut),
              "failed_errors": sorted({e for r in failed for e in r["errors"]})}
@@ -1034,9 +1066,10 @@ def main(argv: list[str] | None = None) -> int:
                     entry[key] = {"worker": 1, "sent": timer.sent.is_set(), "sent_at_s": timer.sent_at_s,
                                   "streams_at_signal": timer.streams_at_signal, **disturbance_report(
                         kind, args.kill_worker_at if kind == "kill" else args.drain_worker_at, gpu, pid, args.log,
-                        pool_deltas(counters_before, scrape_counters(base)), requests)}
+                        pool_deltas(counters_before, scrape_counters(base)), requests, timer.sent_at_perf)}
                     print(f"worker 1{f' (GPU {gpu})' if gpu is not None else ''} {kind} at "
-                          f"{entry[key]['at_s']:g} s with {entry[key]['streams_at_signal']} streams open: listeners' pauses (ms, the pool's log) {entry[key]['pause_ms']}, "
+                          f"{entry[key]['at_s']:g} s with {entry[key]['streams_at_signal']} streams open: gateway's pauses (ms, the pool's log) {entry[key]['pause_ms']}, "
+                          f"listeners' silences (ms, zero pre-buffer playback) {entry[key]['listeners_silence_ms']}, "
                           f"pool {entry[key]['pool']}, requests cut {entry[key]['requests_cut']}, refused "
                           f"{entry[key]['requests_refused']}"
                           + (f", no stream cut: {entry[key]['no_stream_cut']}" if kind == "drain" else ""),

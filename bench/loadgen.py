@@ -101,6 +101,8 @@ class Playback:
     longest_stall_s: float = 0.0
     # When each piece starts playing, on the same clock as the arrivals.
     play_starts: list[float] = field(default_factory=list)
+    # Each underrun: when the silence began (the deadline the late piece missed) and how long it lasted.
+    stalls: list[tuple[float, float]] = field(default_factory=list)
 
 
 def simulate_playback(pieces: Sequence[tuple[float, float]]) -> Playback:
@@ -120,6 +122,7 @@ def simulate_playback(pieces: Sequence[tuple[float, float]]) -> Playback:
             result.underruns += 1
             result.total_stall_s += stall
             result.longest_stall_s = max(result.longest_stall_s, stall)
+            result.stalls.append((deadline, stall))
             start = arrival
         else:
             start = deadline
@@ -167,6 +170,11 @@ class RequestResult:
     underruns: int = 0
     total_stall_s: float = 0.0
     longest_stall_s: float = 0.0
+    # Each underrun as [when the silence began, its length] in seconds, the time on the clock of
+    # `audio_origin_perf` (time.perf_counter() when the text went; frame arrivals count from it): a disturbance
+    # at a known moment (bench/engine_load.py's kill or drain) finds the silences it caused.
+    stalls: list[list[float]] = field(default_factory=list)
+    audio_origin_perf: float | None = None
     whole_samples: bool = True
     completed: bool = False
     errors: list[str] = field(default_factory=list)
@@ -209,6 +217,7 @@ def request_metrics(
         result.underruns = playback.underruns
         result.total_stall_s = playback.total_stall_s
         result.longest_stall_s = playback.longest_stall_s
+        result.stalls = [[at, length] for at, length in playback.stalls]
         onset = audible_onset(audio_prefix, sample_rate)
         if onset is not None:
             result.audible_offset_s = onset
@@ -471,6 +480,7 @@ async def run_request(spec: RequestSpec, options: ClientOptions, measured: bool,
             stream["bytes_per_sample"] = bytes_per_sample = 1 if stream["format"] in ("mulaw", "alaw") else 2
             result.warnings = [f"{w.get('code')}:{w.get('field')}" for w in started.get("warnings") or []]
             t0 = time.perf_counter()
+            result.audio_origin_perf = t0
             result.setup_s = t0 - began
             try:
                 if options.words_per_s:

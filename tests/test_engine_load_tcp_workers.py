@@ -130,6 +130,9 @@ def test_a_worker_killed_mid_run_loses_no_request(tiny_custom_voice, tmp_path):
     summary = entry["summary"]
     assert summary["failed"] == 0 and summary["completed"] == summary["requests"] > 0
     assert entry["killed_worker"]["at_s"] == 3 and isinstance(entry["killed_worker"]["failover_pause_ms"], list)
+    # What the listeners heard: the streams playing at the kill (the signal waits for one on worker 1).
+    heard = entry["killed_worker"]["listeners_silence_ms"]
+    assert heard["n"] >= 1 and 0 <= heard["heard_any"] <= heard["n"] and heard["max"] >= heard["p50"] >= 0
     assert report["worker_exit_codes"][0] == -9
 
 

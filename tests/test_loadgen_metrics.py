@@ -123,6 +123,31 @@ def test_playback_counts_each_late_piece_and_restarts_the_timeline() -> None:
     assert playback.total_stall_s == pytest.approx(0.30)
     assert playback.longest_stall_s == pytest.approx(0.25)
     assert playback.play_starts == pytest.approx([0.0, 0.15, 0.25, 0.6, 0.8])
+    # Each silence: when it began (the missed deadline) and how long it lasted.
+    assert [tuple(pytest.approx(x) for x in stall) for stall in playback.stalls] == [(0.1, 0.05), (0.35, 0.25)]
+
+
+def test_a_disturbance_finds_the_silences_of_the_streams_playing_then() -> None:
+    from bench.engine_load import listeners_silences
+
+    def stream(origin: float, pieces: list[tuple[float, float]]) -> dict:
+        playback = simulate_playback(pieces)
+        return {"audio_origin_perf": origin, "ttfb_s": pieces[0][0], "e2e_s": pieces[-1][0],
+                "stalls": [[at, length] for at, length in playback.stalls]}
+
+    at = 100.0
+    streams = [
+        stream(99.0, [(0.0, 1.0), (1.2, 0.5), (1.7, 0.1)]),  # playing at the signal, then 200 ms silent
+        stream(99.5, [(0.0, 1.0), (0.9, 0.5), (1.4, 0.1)]),  # playing, never silent
+        stream(98.0, [(0.0, 0.1), (0.5, 2.0), (2.4, 0.1)]),  # playing; silent before the signal, not after
+        stream(99.9, [(0.0, 2.5), (3.0, 0.1)]),  # playing; silent only after the window
+        stream(101.0, [(0.0, 0.1), (0.3, 0.1)]),  # began after the signal
+        stream(97.0, [(0.0, 0.1), (1.0, 0.1)]),  # ended before it
+    ]
+    heard = listeners_silences(streams, at)
+    assert heard == {"n": 4, "heard_any": 1, "p50": 0.0, "p99": pytest.approx(200.0), "max": pytest.approx(200.0),
+                     "window_s": 2.0}
+    assert listeners_silences(streams, None) is None
 
 
 def test_piece_arriving_exactly_at_the_deadline_is_not_an_underrun() -> None:
