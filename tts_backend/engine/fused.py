@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tts_backend.qwen3.sampling import warp
+from tts_backend.qwen3.talker import attend_length
 
 from .sampling_noise import gumbel_noise
 
@@ -489,7 +490,7 @@ class FusedStack:
 
     def forward(self, x: torch.Tensor, cache: PerLayerKV, slots: torch.Tensor, pos: torch.Tensor,
                 attend_len: int, final_norm: bool = True) -> torch.Tensor:
-        key_pos = self.key_positions[:attend_len]
+        key_pos = self.key_positions[:attend_length(attend_len, cache.max_len, x.device)]  # see attend_length
         for i, weights in enumerate(self.layers):
             x = self.layer_fn(x, *weights, cache.k[i], cache.v[i], slots, pos, key_pos)
         return self.norm_fn(x, self.norm_weight) if final_norm else x

@@ -254,8 +254,10 @@ class Qwen3RunnerConfig:
     # pass over the prompt and the frames, as a prefill), "stepwise" (the prompt, then one decode step a frame,
     # exactly the steps the uninterrupted request took) or "auto": batched on CUDA, stepwise elsewhere. Why
     # both: a prefill over prompt+k positions computes the same function as the k decode steps, but not in the
-    # same floating-point order, so its logits differ in the last bits; on the CPU, where the engine is
-    # otherwise bitwise independent of batch company, only the stepwise path resumes byte for byte. On a GPU
+    # same floating-point order, so its logits differ in the last bits; on the CPU, where the engine in
+    # bfloat16 is otherwise bitwise independent of batch company (with attended lengths in whole vectors,
+    # qwen3.talker.attend_length; float32 matmuls there still vary with the row count), only the stepwise
+    # path resumes byte for byte. On a GPU
     # the company already varies the numerics, and the batched pass costs one prefill where the steps cost k
     # decode steps (100 frames: 100 launches of a few ms against one pass).
     resume_prefill: str = "auto"

@@ -18,6 +18,24 @@ from torch import nn
 from .config import DecoderStackConfig, TalkerConfig
 
 
+# Keys a CPU attention reads in whole vectors (below). PyTorch's CPU attention kernel (SDPA's flash kernel)
+# reduces each row of scores (max, exp, sum) in vectors of 8 floats (AVX2) or 16 (AVX-512) and a scalar
+# tail, so which keys fall in the tail, and with them a row's last bits, follow the attended length: a row
+# attending past its own keys (masked) because a longer row shares its batch would not compute what it
+# computes alone, and in bf16 that flips a sampled code now and then (tests/test_engine_resume_codes.py, on
+# an AVX2 machine). Attending a multiple of ATTEND_MULTIPLE keys puts every row's own keys in whole vectors,
+# and the masked keys after them add exact zeros: a row computes the same bits at any attended length.
+ATTEND_MULTIPLE = 64
+
+
+def attend_length(n: int, max_len: int, device: torch.device) -> int:
+    """The attended length for `n` keys: on the CPU rounded up to whole vectors (at most `max_len`), so that a
+    row's attention does not depend on its batch company; elsewhere `n`."""
+    if device.type != "cpu":
+        return n
+    return min(-(-n // ATTEND_MULTIPLE) * ATTEND_MULTIPLE, max_len)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -168,7 +186,7 @@ class DecoderStack(nn.Module):
         attend_len: int | None = None,
     ) -> torch.Tensor:
         """-> final-norm hidden states [B, S, D]. Causal: a token sees its slot's positions <= its own."""
-        attend_len = cache.max_len if attend_len is None else attend_len
+        attend_len = cache.max_len if attend_len is None else attend_length(attend_len, cache.max_len, x.device)
         cos, sin = rotary_cos_sin(input_pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         key_pos = torch.arange(attend_len, device=x.device)
         mask = (key_pos[None, None, :] <= input_pos[:, :, None])[:, None]  # [B, 1, S, Lk]
