@@ -203,7 +203,10 @@ async def _speak(url: str, text: str) -> list[dict]:
 
 async def test_a_killed_aligner_costs_timestamps_only_behind_a_gateway(tiny_custom_voice, tiny_aligner):
     options = {"max_active": 4, "max_len": 256, "greedy": True, "frame_cap_chars_per_second": 15,
-               "aligner": str(tiny_aligner)}
+               "aligner": str(tiny_aligner), "aligner_process": True,
+               # No gathering: the next sentence goes to the process at once, so it mostly meets the killed one
+               # and the words are lost (the path this test is for; see the either-or below).
+               "aligner_gather_s": 0}
     worker = WorkerProcess("--backend", "qwen3", "--model", str(tiny_custom_voice), "--device", "cpu",
                            "--listen", "tcp://127.0.0.1:0",
                            *[f"--option={k}={json.dumps(v)}" for k, v in options.items()])
@@ -212,7 +215,10 @@ async def test_a_killed_aligner_costs_timestamps_only_behind_a_gateway(tiny_cust
         worker.wait_ready(180)
         pool = RemoteSynthesizer(workers=worker.address, connect_timeout_s=30, info_refresh_s=0.1,
                                  first_audio_timeout_s=30, chunk_timeout_s=30)
-        with running_gateway(pool, word_timestamps_wait_s=1.0) as gateway:
+        # Admission off: a tiny CPU engine on a busy 2-core machine can fall under real time, and the gateway
+        # then refuses new sessions as overloaded, which is right there and not what this test is about.
+        with running_gateway(pool, word_timestamps_wait_s=1.0, overload_backend_load=1e9,
+                             overload_min_realtime=0) as gateway:
             on_time = await _speak(gateway.ws_url, text)
             (done,) = [m for m in on_time if m["type"] == "audio.done"]
             assert done["timestamp_info"]["word_alignment"]["words"] == text.split()
@@ -223,7 +229,12 @@ async def test_a_killed_aligner_costs_timestamps_only_behind_a_gateway(tiny_cust
             kinds = [m["type"] for m in late]
             assert "error" not in kinds and kinds[-1] == "session.done", late
             (done,) = [m for m in late if m["type"] == "audio.done"]
-            assert "timestamp_info" not in done and [w["code"] for w in done["warnings"]] == ["timestamps_late"]
+            # Its words went down with the process, or came from the new one where that was up within the
+            # second the sentence waits (a busy machine decides which): never an error, never the audio.
+            if "timestamp_info" in done:
+                assert done["timestamp_info"]["word_alignment"]["words"] == text.split()
+            else:
+                assert [w["code"] for w in done["warnings"]] == ["timestamps_late"]
             assert done["error"] is False
             assert sum(m["bytes"] for m in late if m["type"] == "binary") == done["total_bytes"] > 0
             (member,) = pool.members.values()

@@ -5,6 +5,7 @@ bench/README.md says and the engine's breakdown read from the gateway's /metrics
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,10 @@ from pathlib import Path
 from tests.qwen3_fixtures import tiny_custom_voice  # noqa: F401 - session fixture
 
 ROOT = Path(__file__).resolve().parents[1]
+# The bench's gateway without admission control: a tiny CPU engine on a busy 2-core machine can fall under real
+# time, and the gateway then refuses new sessions as overloaded, which is right there and not what these runs
+# check (the GPU runs keep it: there it is part of the measurement).
+NO_ADMISSION_LIMITS = dict(os.environ, VOXGATE_OVERLOAD_BACKEND_LOAD="1e9", VOXGATE_OVERLOAD_MIN_REALTIME="0")
 
 
 def test_several_seeds_are_reported_as_the_median_of_each_seeds_percentiles(tiny_custom_voice, tmp_path):
@@ -101,7 +106,7 @@ def test_the_agent_workload_runs_through_a_worker_with_token_splitting(tiny_cust
          "--granularity", "token", "--keep-going", "--fail-ttfa-ms", "100000", "--worker",
          "--variant", "sentence --granularity sentence --words-per-s 100",
          "--output", str(output), "--log", str(tmp_path / "gateway.log")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=NO_ADMISSION_LIMITS,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(output.read_text())

@@ -152,10 +152,15 @@ class Qwen3Synthesizer(Synthesizer):
     aligner: a Qwen3-ForcedAligner checkpoint folder; when given, requests may ask for word timestamps.
     aligner_max_batch: sentences aligned in one forward pass at most.
     aligner_gather_s: how long an aligner pass waits after its first sentence for more (up to aligner_max_batch):
-      fewer, fuller passes for words that much later; 0 (the default): a pass takes what is queued.
+      fewer, fuller passes for words that much later (default 50 ms; 0: a pass takes what is queued). A
+      captured pass costs nearly as much for one sentence as for four, and its device time is the engine's: on
+      the H100 at 40 requests/s, gathering took the aligner from 1.7 to 3.6 sentences a pass and the p95 first
+      audio from 45.3 to 37.7 ms (bench/results/clones_timestamps_h100.md, fifth session).
     aligner_process: run the aligner in a process of its own (aligner/process.py), so that it never holds the
-      interpreter the engine thread needs; false: on a thread of this process (aligner/batcher.py). Either way
-      it is captured in CUDA graphs on a GPU.
+      interpreter the engine thread needs, and an aligner crash costs words only; false (the default): on a
+      thread of this process (aligner/batcher.py), whose kernels share the engine's CUDA context instead of
+      time-slicing with it: on the H100, p95 first audio 26.4 / 37.7 ms at 20 / 40 requests/s on a thread
+      against 26.4 / 42.5 in a process (both gathering). Either way it is captured in CUDA graphs on a GPU.
     """
 
     name = "qwen3"
@@ -184,8 +189,8 @@ class Qwen3Synthesizer(Synthesizer):
         scheduler_options: dict | None = None,
         aligner: str | None = None,
         aligner_max_batch: int = 16,
-        aligner_gather_s: float = 0.0,
-        aligner_process: bool = True,
+        aligner_gather_s: float = 0.05,
+        aligner_process: bool = False,
     ) -> None:
         if not model:
             raise SynthesisError("the qwen3 backend needs --model PATH (a Qwen3-TTS checkpoint folder)")
