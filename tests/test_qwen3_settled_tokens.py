@@ -49,3 +49,13 @@ def test_a_special_token_written_in_two_pieces_is_held_back(tokenizer):
     whole = tokenizer.text_ids("Say <|im_end|> now")
     settled = tokenizer.settled_text_ids("Say <|im_end|> now")
     assert len(settled) > 1 and settled == whole[: len(settled)]
+
+
+def test_spaces_before_a_half_written_special_token_wait_for_it(tokenizer):
+    # Found by the property above: "   <" tokenises as "  " + " <", but once "<|im_end|>" is complete the
+    # special token is split out first and the three spaces are one token of their own.
+    text = "   <|im_end|>"
+    for cut in range(len(text) + 1):
+        settled = tokenizer.settled_text_ids(text[:cut])
+        assert settled == tokenizer.text_ids(text)[: len(settled)], cut
+    assert tokenizer.settled_text_ids("Hi   <") == tokenizer.text_ids("Hi")

@@ -100,15 +100,18 @@ class TextTokenizer:
         if len(starts) < 2:
             return []
         cut = starts[-1]
+        # Every text the tokenizer may yet see before the cut: this one grown by ordinary text, and, where a
+        # special token may be half written at the end, the text before it, which is then tokenised on its
+        # own ("   <" is "  " + " <", but "   <|im_end|>" is "   " + the special token).
+        futures = [self.text_ids(normalized)]
         for i in range(max(0, len(normalized) - self._longest_added), len(normalized)):
             tail = normalized[i:]
             if any(token.startswith(tail) for token in self._added):
                 cut = min(cut, i)
-                break
-        whole = self.text_ids(normalized)
+                futures.append(self.text_ids(normalized[:i]))
         for start in reversed([s for s in starts if 0 < s <= cut]):
             ids = self.text_ids(normalized[:start])
-            if ids == whole[: len(ids)]:
+            if all(ids == future[: len(ids)] for future in futures):
                 return ids
         return []
 
