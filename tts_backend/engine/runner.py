@@ -1060,6 +1060,9 @@ class Qwen3ModelRunner(ModelRunner):
         slots_k = self._upload(torch.tensor([r.slot for r in requests], dtype=torch.long))
         self.trail_pos[slots_k] = index[3, : len(requests)]
         self.written[slots_k] = index[3, : len(requests)]
+
+        def counters() -> None:
+            self._resumed_counters(requests, slots_k, index[3, : len(requests)], index[1], all_codes[:, 0])
         for r, k, codes in zip(requests, ks, all_codes.split(ks)):
             if priming_buckets:
                 primes.append((r.slot, codes))  # the priming leaves decoded[slot] at k
@@ -1076,10 +1079,10 @@ class Qwen3ModelRunner(ModelRunner):
         if events:
             events[1].record()
         if self.resume_batched:
-            prompts = [m.prompt_embeds(r.prompt, self._upload) for r in requests]
+            prompts = m.prompts_embeds([r.prompt for r in requests], self._upload)
             starts = self._voice_prefixes(requests, prompts)
             embeds = [torch.cat((e[s:], x)) for e, s, x in zip(prompts, starts, inputs)]
-            self._resumed_counters(requests)
+            counters()
             eos_rows = self._resume_pass(requests, embeds, starts)
         else:
             self._prompt_pass(requests, slot_list, slots_t)  # its sample is drawn again below, counters set
@@ -1091,7 +1094,7 @@ class Qwen3ModelRunner(ModelRunner):
                     pos = len(r.prompt) + i
                     hidden = self._talker_step(slot, x[i: i + 1], self._upload(torch.tensor([pos])), pos + 1)
                 last.append(hidden)
-            self._resumed_counters(requests)
+            counters()
             self._host_slots = slot_list
             new_pos = self._upload(torch.tensor([len(r.prompt) + r.resume.shape[0] for r in requests]))
             self._after_talker(slots_t, torch.cat(last), new_pos)
@@ -1157,21 +1160,22 @@ class Qwen3ModelRunner(ModelRunner):
         self._prefill_embeds(rows, right_padded(embeds), up[0], up[1], attend)
         return self.eos_out[: len(requests)].clone()
 
-    def _resumed_counters(self, requests: list[RequestState]) -> None:
+    def _resumed_counters(self, requests: list[RequestState], slots: torch.Tensor, frames: torch.Tensor,
+                          frame_slots: torch.Tensor, c0: torch.Tensor) -> None:
         """The sampler's per-slot state as the uninterrupted request had it before it sampled frame k's
         codebook 0: the c0 codes it sampled (repetition penalty), how many (min_new_tokens), and the stateless
-        noise draws it made (one per c0 when sampling, one per residual codebook)."""
-        p = self.params
-        per_frame = int(p.do_sample) + self.model.num_code_groups - 1
-        for r in requests:
-            c0 = r.resume[:, 0]
-            k = c0.shape[0]
-            self.presence[r.slot] = False
-            self.presence[r.slot, self._upload(c0)] = True
-            self.generated[r.slot] = k
-            self.draws[r.slot] = k * per_frame
-            if self.sampler == "reference":
-                self.history[r.slot] = c0.tolist()
+        noise draws it made (one per c0 when sampling, one per residual codebook). From what _resume uploaded,
+        for every resumed request at once: their slots and delivered frame counts [N], and each delivered
+        frame's slot and codebook-0 code [sum k] (one request at a time, these were an upload and four indexed
+        writes a request)."""
+        per_frame = int(self.params.do_sample) + self.model.num_code_groups - 1
+        self.presence[slots] = False
+        self.presence[frame_slots, c0] = True
+        self.generated[slots] = frames.to(self.generated.dtype)
+        self.draws[slots] = (frames * per_frame).to(self.draws.dtype)
+        if self.sampler == "reference":
+            for r in requests:
+                self.history[r.slot] = r.resume[:, 0].tolist()
 
     def _prime_codec_frames(self, slot: int, codes: torch.Tensor, pieces: list[int]) -> None:
         """Run a resumed request's delivered frames [k, G] through its slot's codec state in `pieces`, audio
@@ -1394,7 +1398,7 @@ class Qwen3ModelRunner(ModelRunner):
             # prefill is (pad rows on the scratch slot; positions past a row's end are overwritten by its own
             # decode steps before any query sees them). Without a bucket (too long a prompt) it runs uncaptured.
             # A voice prefix in the cache is copied into the slot first; only the rest is prefilled.
-            embeds = [m.prompt_embeds(r.prompt, self._upload) for r in requests]
+            embeds = m.prompts_embeds([r.prompt for r in requests], self._upload)
             starts = self._voice_prefixes(requests, embeds)
             self._prefill_rest(requests, slot_list, slots_t, [e[s:] for e, s in zip(embeds, starts)], starts)
             return
@@ -1419,7 +1423,7 @@ class Qwen3ModelRunner(ModelRunner):
             return
         # Eager: exactly the model's own prefill (right-padded to the longest prompt of the batch).
         self._host_slots = slot_list
-        embeds = [m.prompt_embeds(r.prompt, self._upload) for r in requests]
+        embeds = m.prompts_embeds([r.prompt for r in requests], self._upload)
         hidden = m.prefill(self.kv, slots_t, embeds)
         lengths_t = self._upload(torch.tensor([len(r.prompt) for r in requests], dtype=torch.long))
         self._after_talker(slots_t, hidden, lengths_t)

@@ -23,7 +23,7 @@ import torch
 
 from .code_predictor import CodePredictor
 from .config import GenerationConfig, Qwen3TTSConfig
-from .prompt import Prompt, PromptError, VoicePrompt, build_clone_prompt, build_prompt, embed_prompt
+from .prompt import Prompt, PromptError, VoicePrompt, build_clone_prompt, build_prompt, embed_prompt, embed_prompts
 from .sampling import Generators, SamplingParams, sample_residual, sample_talker, suppression_mask
 from .talker import KVCache, Talker
 from .tokenizer import TextTokenizer
@@ -272,9 +272,13 @@ class Qwen3TTS:
     def new_predictor_cache(self, num_slots: int) -> KVCache:
         return self.code_predictor.new_cache(num_slots)
 
-    def prompt_embeds(self, prompt: Prompt, upload=None) -> torch.Tensor:
-        """-> [S, D]; `upload` moves host tensors to the device (embed_prompt)"""
-        return embed_prompt(self.talker, prompt, self.code_predictor, upload)
+    def prompt_embeds(self, prompt: Prompt) -> torch.Tensor:
+        """-> [S, D]"""
+        return embed_prompt(self.talker, prompt, self.code_predictor)
+
+    def prompts_embeds(self, prompts: Sequence[Prompt], upload=None) -> list[torch.Tensor]:
+        """-> [S_i, D] each, made together; `upload` moves host tensors to the device (embed_prompts)"""
+        return embed_prompts(self.talker, prompts, self.code_predictor, upload)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, slots: torch.Tensor, embeds: Sequence[torch.Tensor]) -> torch.Tensor:

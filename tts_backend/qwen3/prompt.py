@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -175,13 +175,23 @@ def _layout(cfg: Qwen3TTSConfig, K: list[int], text_ids: list[int], instruct_ids
 def embed_prompt(talker, prompt: Prompt, code_predictor=None,
                  upload: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """-> prefill embeddings [S, D] on the talker's device and dtype (a clone prompt's reference frames also need
-    the code predictor's embedding tables).
+    the code predictor's embedding tables); embed_prompts for one prompt."""
+    return embed_prompts(talker, [prompt], code_predictor, upload)[0]
+
+
+@torch.inference_mode()
+def embed_prompts(talker, prompts: Sequence[Prompt], code_predictor=None,
+                  upload: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """-> each prompt's prefill embeddings [S_i, D], made together: one upload of every prompt's ids and one
+    pass of embedding ops over all of them (each position's embedding is its own row's lookups and sums, so
+    the same bits as one prompt at a time), then a few ops per cloned voice's vectors.
 
     Everything that decides which position gets what is read from the host tracks, and every host tensor goes
     to the device through `upload` (default: a plain copy): a serving engine passes its non-blocking upload from
     pinned memory. Built from device-side masks (`codec == SPEAKER_EMBEDDING`, boolean indexing, `.any()`) and
     pageable copies, each cloned request's prefill and each resumed request made the engine thread wait for
-    the device four to six times, behind the frame in flight."""
+    the device four to six times, behind the frame in flight; and one at a time, a failover's eight resumed
+    requests were eight uploads and eight passes of small launches before their Talker pass."""
     device = talker.codec_head.weight.device
     if upload is None:
         def upload(host: torch.Tensor) -> torch.Tensor:
@@ -190,22 +200,27 @@ def embed_prompt(talker, prompt: Prompt, code_predictor=None,
     def moved(t: torch.Tensor) -> torch.Tensor:  # a prompt's tensors are usually the host's
         return upload(t.detach()) if t.device.type == "cpu" else t.to(device)
 
-    codec_host = torch.tensor(prompt.codec_track, dtype=torch.long)
-    speaker_at = [i for i, c in enumerate(prompt.codec_track) if c == SPEAKER_EMBEDDING]
-    frames_at = [i for i, c in enumerate(prompt.codec_track) if c == REF_FRAME]
-    ids = upload(torch.stack((torch.tensor(prompt.text_track, dtype=torch.long), codec_host.clamp(min=0),
-                              (codec_host != NO_CODEC).long())))
-    embeds = talker.embed_text(ids[0])  # [S, D]
-    codec_embeds = talker.embed_codec(ids[1])  # [S, D]
-    if speaker_at:
-        vector = moved(prompt.speaker_embedding).reshape(1, -1).to(codec_embeds.dtype)
-        codec_embeds[upload(torch.tensor(speaker_at, dtype=torch.long))] = vector
-    if frames_at:
-        ref = moved(prompt.ref_codes).long()  # [F, G], one per REF_FRAME position
-        stacked = torch.cat((talker.embed_codec(ref[:, :1]), code_predictor.embed_residual(ref[:, 1:])), dim=1)
-        # the 16 code embeddings of each frame, summed
-        codec_embeds[upload(torch.tensor(frames_at, dtype=torch.long))] = stacked.sum(1)
-    return torch.where(ids[2].bool()[:, None], embeds + codec_embeds, embeds)
+    codec_track = [c for p in prompts for c in p.codec_track]
+    codec_host = torch.tensor(codec_track, dtype=torch.long)
+    text_host = torch.tensor([t for p in prompts for t in p.text_track], dtype=torch.long)
+    ids = upload(torch.stack((text_host, codec_host.clamp(min=0), (codec_host != NO_CODEC).long())))
+    embeds = talker.embed_text(ids[0])  # [sum S, D]
+    codec_embeds = talker.embed_codec(ids[1])  # [sum S, D]
+    at = 0
+    for prompt in prompts:
+        speaker_at = [at + i for i, c in enumerate(prompt.codec_track) if c == SPEAKER_EMBEDDING]
+        frames_at = [at + i for i, c in enumerate(prompt.codec_track) if c == REF_FRAME]
+        at += len(prompt.codec_track)
+        if speaker_at:
+            vector = moved(prompt.speaker_embedding).reshape(1, -1).to(codec_embeds.dtype)
+            codec_embeds[upload(torch.tensor(speaker_at, dtype=torch.long))] = vector
+        if frames_at:
+            ref = moved(prompt.ref_codes).long()  # [F, G], one per REF_FRAME position
+            stacked = torch.cat((talker.embed_codec(ref[:, :1]), code_predictor.embed_residual(ref[:, 1:])), dim=1)
+            # the 16 code embeddings of each frame, summed
+            codec_embeds[upload(torch.tensor(frames_at, dtype=torch.long))] = stacked.sum(1)
+    out = torch.where(ids[2].bool()[:, None], embeds + codec_embeds, embeds)
+    return list(out.split([len(p.codec_track) for p in prompts]))
 
 
 @dataclass
