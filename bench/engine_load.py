@@ -38,7 +38,8 @@ the first moment within 5 s more that the gateway's pool runs a stream on it). T
 pool logged (`pause_ms`: from a worker's loss to the stream's next audio elsewhere; p50/p99/max), what the
 listeners heard (`listeners_silence_ms`: the silence of each stream playing at the signal, on either worker, in
 the 2 s after, from the client's zero pre-buffer playback; the audio delivered ahead covers part of the
-gateway's pause or all of it), the pool's failovers,
+gateway's pause or all of it), bench/fleet_sim.py's client-side pause of the streams that moved
+(`client_pause_across_ms`: the gap across the signal less the stream's usual gap), the pool's failovers,
 hand-overs and resumes from codes, the requests cut (audio had begun and did not end whole) and refused
 (failed before any audio), and for a drain whether the worker exited and `no_stream_cut`.
 
@@ -339,6 +340,44 @@ def listeners_silences(requests: list[dict], at_perf: float | None, window_s: fl
             "max": round(max(silences), 1), "window_s": window_s}
 
 
+def pauses_across(requests: list[dict], at_perf: float | None, sessions: set[str]) -> dict | None:
+    """bench/fleet_sim.py's client-side pause for each of `sessions` (those the pool failed over or handed
+    over) that was receiving audio at `at_perf`: the gap between its last binary frame before the signal and its
+    first after, less its usual gap (the median gap between its frames); n, p50 / p99 / max in ms. Unlike
+    listeners_silences, it does not credit the audio delivered ahead: a stream whose buffer covered the gap
+    still shows it."""
+    if at_perf is None:
+        return None
+    pauses = []
+    for r in requests:
+        origin, arrivals = r.get("audio_origin_perf"), r.get("arrivals") or []
+        if r.get("session_id") not in sessions or origin is None or len(arrivals) < 3:
+            continue
+        before = [a for a in arrivals if origin + a <= at_perf]
+        after = [a for a in arrivals if origin + a > at_perf]
+        if not before or not after:
+            continue
+        gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
+        usual = gaps[len(gaps) // 2] if len(gaps) % 2 else (gaps[len(gaps) // 2 - 1] + gaps[len(gaps) // 2]) / 2
+        pauses.append(1000 * (after[0] - before[-1] - usual))
+    if not pauses:
+        return {"n": 0}
+    return {"n": len(pauses), "p50": round(nearest_rank(pauses, 50), 1), "p99": round(nearest_rank(pauses, 99), 1),
+            "max": round(max(pauses), 1)}
+
+
+def moved_sessions(log_path: Path) -> set[str]:
+    """The sessions of the pool's `failover session=...` lines in the gateway's log (a kill's failovers and a
+    drain's hand-overs alike)."""
+    import re
+
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return set()
+    return set(re.findall(r"failover session=(\S+) ", text))
+
+
 def disturbance_report(kind: str, at_s: float, gpu: str | None, pid: int, log_path: Path | None,
                        pool: dict | None, requests: list[dict], at_perf: float | None = None) -> dict:
     """What a --kill-worker-at / --drain-worker-at did: which worker, when, the listeners' pauses the pool
@@ -354,6 +393,7 @@ def disturbance_report(kind: str, at_s: float, gpu: str | None, pid: int, log_pa
     cut = [r for r in failed if r["bytes"] > 0]
     entry = {"gpu": gpu, "pid": pid, "at_s": at_s, "failover_pause_ms": pauses, "pause_ms": pause_summary(pauses),
              "listeners_silence_ms": listeners_silences(requests, at_perf),
+             "client_pause_across_ms": pauses_across(requests, at_perf, moved_sessions(log_path)) if log_path else None,
              "pool": pool, "requests": len(requests), "requests_cut": len(cut),
              "requests_refused": len(failed) - len(cut),
              "failed_errors": sorted({e for r in failed for e in r["errors"]})}
@@ -1070,6 +1110,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"worker 1{f' (GPU {gpu})' if gpu is not None else ''} {kind} at "
                           f"{entry[key]['at_s']:g} s with {entry[key]['streams_at_signal']} streams open: gateway's pauses (ms, the pool's log) {entry[key]['pause_ms']}, "
                           f"listeners' silences (ms, zero pre-buffer playback) {entry[key]['listeners_silence_ms']}, "
+                          f"the moved streams' gap across it less their usual gap (ms, as bench/fleet_sim.py) "
+                          f"{entry[key]['client_pause_across_ms']}, "
                           f"pool {entry[key]['pool']}, requests cut {entry[key]['requests_cut']}, refused "
                           f"{entry[key]['requests_refused']}"
                           + (f", no stream cut: {entry[key]['no_stream_cut']}" if kind == "drain" else ""),

@@ -175,6 +175,8 @@ class RequestResult:
     # at a known moment (bench/engine_load.py's kill or drain) finds the silences it caused.
     stalls: list[list[float]] = field(default_factory=list)
     audio_origin_perf: float | None = None
+    arrivals: list[float] = field(default_factory=list)  # each binary frame's arrival, on the same clock
+    session_id: str | None = None  # session.started's, to find the session in the gateway's log
     whole_samples: bool = True
     completed: bool = False
     errors: list[str] = field(default_factory=list)
@@ -212,6 +214,7 @@ def request_metrics(
             if received >= bytes_per_sample:
                 result.first_playable_s = arrival
                 break
+        result.arrivals = [arrival for arrival, _ in frames]
         pieces = [(arrival, n / bytes_per_sample / sample_rate) for arrival, n in frames]
         playback = simulate_playback(pieces)
         result.underruns = playback.underruns
@@ -479,6 +482,7 @@ async def run_request(spec: RequestSpec, options: ClientOptions, measured: bool,
             stream["rate"] = rate = int(started.get("sample_rate", stream["rate"]))
             stream["bytes_per_sample"] = bytes_per_sample = 1 if stream["format"] in ("mulaw", "alaw") else 2
             result.warnings = [f"{w.get('code')}:{w.get('field')}" for w in started.get("warnings") or []]
+            result.session_id = started.get("session_id")
             t0 = time.perf_counter()
             result.audio_origin_perf = t0
             result.setup_s = t0 - began

@@ -133,6 +133,11 @@ def test_a_worker_killed_mid_run_loses_no_request(tiny_custom_voice, tmp_path):
     # What the listeners heard: the streams playing at the kill (the signal waits for one on worker 1).
     heard = entry["killed_worker"]["listeners_silence_ms"]
     assert heard["n"] >= 1 and 0 <= heard["heard_any"] <= heard["n"] and heard["max"] >= heard["p50"] >= 0
+    # And the streams that failed over, as the fleet simulator measures them, found in the pool's log (a stream
+    # that had no audio yet at the kill has no gap across it: n may be below the failovers, or 0).
+    across = entry["killed_worker"]["client_pause_across_ms"]
+    assert 0 <= across["n"] <= len(entry["killed_worker"]["failover_pause_ms"])
+    assert across["n"] == 0 or across["max"] >= across["p50"]
     assert report["worker_exit_codes"][0] == -9
 
 

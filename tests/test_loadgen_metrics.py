@@ -307,3 +307,28 @@ def test_token_pieces_rebuild_the_text(text: str) -> None:
     pieces = token_pieces(text)
     assert "".join(pieces) == text
     assert all(len(p.strip()) <= 6 for p in pieces)
+
+
+def test_a_moved_streams_pause_is_its_gap_across_the_signal_less_its_usual_gap(tmp_path) -> None:
+    from bench.engine_load import moved_sessions, pauses_across
+
+    log = tmp_path / "gateway.log"
+    log.write_text('{"message": "failover session=a sentence=0 from=w1 to=w2 pause_ms=61.0 resumed=True"}\n'
+                   '{"message": "failover session=c sentence=1 from=w1 to=w2 pause_ms=70.0 resumed=False"}\n'
+                   '{"message": "worker w1 has stopped after draining"}\n')
+    assert moved_sessions(log) == {"a", "c"}
+    assert moved_sessions(tmp_path / "missing.log") == set()
+    at = 100.0
+    requests = [
+        # moved: frames every 80 ms, then 200 ms across the signal: a pause of 120 ms
+        {"session_id": "a", "audio_origin_perf": 99.0, "arrivals": [0.0, 0.08, 0.16, 0.24, 0.32, 0.40, 0.48,
+                                                                     0.56, 0.64, 0.72, 0.80, 0.88, 0.96, 1.16, 1.24]},
+        # not moved (the survivor's): not counted whatever its gap
+        {"session_id": "b", "audio_origin_perf": 99.0, "arrivals": [0.0, 0.5, 0.9, 1.5, 2.0]},
+        # moved, but its audio had ended before the signal
+        {"session_id": "c", "audio_origin_perf": 98.0, "arrivals": [0.0, 0.1, 0.2, 0.3]},
+    ]
+    across = pauses_across(requests, at, moved_sessions(log))
+    assert across["n"] == 1 and across["p50"] == across["max"] == pytest.approx(120.0)
+    assert pauses_across(requests, None, {"a"}) is None
+    assert pauses_across(requests, at, set()) == {"n": 0}
