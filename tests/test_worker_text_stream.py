@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -156,3 +157,33 @@ async def test_a_worker_bounds_a_streamed_requests_text(tmp_path, what):
         done = await raw_text_stream(address, framing.encode_json({"op": "text", "text": " there."}),
                                      framing.encode_json({"op": "text_done"}))
         assert done == {"op": "done"}
+
+
+async def test_a_refusal_reaches_a_client_that_reads_late_and_writes_on(tmp_path):
+    # A gateway streams text until it reads the worker's answer. Its loop busy (time.sleep here), the refusal
+    # waits unread in its kernel while it writes on; a worker that closed at once answers those writes with a
+    # reset, and the gateway loses the refusal with the connection: it took a healthy worker for lost and
+    # failed the sentences after (tests/test_open_sentences.py under a loaded CI). The worker reads on until
+    # the client closes.
+    with workers(synthetic_worker_args("--max-text-chars", "40", speed=4.0)) as (worker,):
+        address = WorkerAddress.parse(worker.address)
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection(address.host, address.port, limit=framing.READ_LIMIT)
+            try:
+                request = framing.request_to_json(SynthesisRequest(text="Hello", voice="tone-mid"))
+                writer.write(framing.encode_json({"op": "synthesize", "request": request, "text_stream": True}))
+                writer.write(framing.encode_json({"op": "text", "text": " word" * 20}))  # past 40 characters
+                await writer.drain()
+                time.sleep(0.2)  # the answer arrives meanwhile; nothing reads it
+                for _ in range(2):
+                    writer.write(framing.encode_json({"op": "text", "text": " more"}))
+                    time.sleep(0.05)
+                frame = (framing.AUDIO, b"")
+                while frame[0] == framing.AUDIO:  # "Hello"'s first audio may come before the refusal
+                    frame = await asyncio.wait_for(framing.read_frame(reader, framing.MAX_STREAM_FRAME), 20)
+                    assert frame is not None, "the worker closed without an answer"
+                answer = framing.decode_json(frame[1])
+                assert answer["op"] == "error" and answer["code"] == "bad_request", answer
+                assert await asyncio.wait_for(framing.read_frame(reader, framing.MAX_STREAM_FRAME), 20) is None
+            finally:
+                writer.close()

@@ -74,6 +74,9 @@ AUTH_TIMEOUT_S = 3.0
 # small frames but for a request's, and thousands of peers that proved nothing may be connected at once.
 SERVER_READ_LIMIT = 16 * 1024
 REQUEST_TIMEOUT_S = 10.0  # the request frame must have arrived this long after the handshake (or the accept)
+# After refusing a request it took, the worker reads on (and drops) what the client still sends, this long at
+# most, until the client closes (_linger).
+CLOSE_LINGER_S = 2.0
 # Request frames larger than LARGE_REQUEST are counted against one budget for the whole worker while they
 # are read and served, so that many connections sending large frames (clones carry megabytes) cannot take
 # more memory than the budget; one that would pass it is answered `overloaded`.
@@ -117,6 +120,23 @@ async def _refuse(writer: asyncio.StreamWriter, code: str, message: str) -> None
     """Answer a connection's request with an error (the connection is closed after it)."""
     writer.write(framing.encode_json({"op": "error", "code": code, "message": message}))
     await writer.drain()
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Let the client read a refusal. A client streaming text writes on until it reads the answer; closed at
+    once, this end would answer those writes with a reset, and a client whose loop was busy loses the answer
+    still unread in its kernel with the connection (a gateway whose text a worker refused then took a healthy
+    worker for lost and failed the sentences after). So: end our side, drop what comes until the client
+    closes, CLOSE_LINGER_S at most."""
+    with contextlib.suppress(Exception):
+        if writer.can_write_eof():
+            writer.write_eof()
+
+        async def drop() -> None:
+            while await reader.read(65536):
+                pass
+
+        await asyncio.wait_for(drop(), CLOSE_LINGER_S)
 
 
 class RealTimeMeter:
@@ -479,6 +499,7 @@ class WorkerServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held = 0
         counted = False
+        linger = False  # the client may still be writing (a request refused, a text stream ended early): _linger
         try:
             if self.token is not None and not await self._authenticate(reader, writer):
                 return
@@ -508,12 +529,14 @@ class WorkerServer:
                     raise framing.ProtocolError(f"text must be a string of at most {self.max_text_chars} characters")
                 takes = _Takes.of(message)
                 if not self._admit(data, takes):
+                    linger = True
                     await _refuse(writer, "draining", "this worker is draining")
                     return
                 if message.get("place") and self.full():
+                    linger = True
                     await _refuse(writer, "full", "this worker's capacity is in use")
                     return
-                await self._synthesize(data, reader, writer, bool(message.get("text_stream")), takes)
+                linger = await self._synthesize(data, reader, writer, bool(message.get("text_stream")), takes)
             else:
                 raise framing.ProtocolError(f"unknown op {str(message['op'])[:64]!r}")
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
@@ -521,21 +544,29 @@ class WorkerServer:
         except framing.ProtocolError as exc:
             self.bad_requests += 1
             log.debug("refused a malformed request: %s", exc)
+            linger = True
             with contextlib.suppress(ConnectionError):
                 await _refuse(writer, "bad_request", str(exc)[:200])
         except _Busy as exc:
+            linger = True
             with contextlib.suppress(ConnectionError):
                 await _refuse(writer, "overloaded", str(exc))
         finally:
             self._large_request_bytes -= held
-            if counted:
-                self.connections -= 1
-            writer.close()
+            try:
+                if linger and counted:  # counted: a lingering connection still counts against max_connections
+                    await _linger(reader, writer)
+            finally:
+                if counted:
+                    self.connections -= 1
+                writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
     async def _synthesize(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                          text_stream: bool = False, takes: _Takes = _Takes()) -> None:
+                          text_stream: bool = False, takes: _Takes = _Takes()) -> bool:
+        """Stream the request's answer; True when its client may still be writing text (a text stream that
+        ended, in an error or a handover, before its text did)."""
         # The stream counts from its admission, before anything yields: a burst of requests checked against
         # full() together (a failover's or a drain's streams, from several gateways) each see the places the
         # ones before took. Counted once the producing task ran, all of them passed the check and the worker
@@ -543,12 +574,12 @@ class WorkerServer:
         # slot while another worker had three free.
         self.streams_in_flight += 1
         try:
-            await self._synthesize_counted(data, reader, writer, text_stream, takes)
+            return await self._synthesize_counted(data, reader, writer, text_stream, takes)
         finally:
             self.streams_in_flight -= 1
 
     async def _synthesize_counted(self, data: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                  text_stream: bool, takes: _Takes) -> None:
+                                  text_stream: bool, takes: _Takes) -> bool:
         text = TextStream(data.get("text") if isinstance(data.get("text"), str) else "") if text_stream else None
         produce = asyncio.create_task(self._stream(data, writer, text, takes))
         # Any frame or end-of-file from the client while we stream means "stop" (but the text of a text stream).
@@ -560,8 +591,9 @@ class WorkerServer:
                 with contextlib.suppress(asyncio.CancelledError, ConnectionError):
                     await produce
                 hangup.result()  # a bad text frame: the ProtocolError is answered bad_request by _handle
-                return
+                return False
             await produce
+            return text is not None and not text.finished
         finally:
             hangup.cancel()
 
