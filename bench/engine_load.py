@@ -73,6 +73,7 @@ import os
 import secrets
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,6 +100,7 @@ from bench.loadgen import (
     check_agent_arguments,
     load_prompts,
     markdown_table,
+    Playing,
     nearest_rank,
     run_load,
     sentences_per_request,
@@ -357,25 +359,12 @@ def pauses_across(requests: list[dict], at_perf: float | None, sessions: set[str
         after = [a for a in arrivals if origin + a > at_perf]
         if not before or not after:
             continue
-        gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
-        usual = gaps[len(gaps) // 2] if len(gaps) % 2 else (gaps[len(gaps) // 2 - 1] + gaps[len(gaps) // 2]) / 2
+        usual = statistics.median(b - a for a, b in zip(arrivals, arrivals[1:]))
         pauses.append(1000 * (after[0] - before[-1] - usual))
     if not pauses:
         return {"n": 0}
     return {"n": len(pauses), "p50": round(nearest_rank(pauses, 50), 1), "p99": round(nearest_rank(pauses, 99), 1),
             "max": round(max(pauses), 1)}
-
-
-def moved_sessions(log_path: Path) -> set[str]:
-    """The sessions of the pool's `failover session=...` lines in the gateway's log (a kill's failovers and a
-    drain's hand-overs alike)."""
-    import re
-
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return set()
-    return set(re.findall(r"failover session=(\S+) ", text))
 
 
 def disturbance_report(kind: str, at_s: float, gpu: str | None, pid: int, log_path: Path | None,
@@ -388,12 +377,14 @@ def disturbance_report(kind: str, at_s: float, gpu: str | None, pid: int, log_pa
     control, not a cut stream). For a drain, whether a stream was cut: a drained worker hands each open stream
     over (it goes on elsewhere from its codes) or finishes it, so a failover (a stream lost with its worker) or
     a request cut means one was."""
-    pauses = failover_pauses(log_path) if log_path else None
+    failovers = pool_failovers(log_path) if log_path else None
+    pauses = [pause for _, pause in failovers if pause is not None] if failovers is not None else None
+    moved = {session for session, _ in failovers} if failovers is not None else None
     failed = [r for r in requests if not r["ok"]]
     cut = [r for r in failed if r["bytes"] > 0]
     entry = {"gpu": gpu, "pid": pid, "at_s": at_s, "failover_pause_ms": pauses, "pause_ms": pause_summary(pauses),
              "listeners_silence_ms": listeners_silences(requests, at_perf),
-             "client_pause_across_ms": pauses_across(requests, at_perf, moved_sessions(log_path)) if log_path else None,
+             "client_pause_across_ms": pauses_across(requests, at_perf, moved) if moved is not None else None,
              "pool": pool, "requests": len(requests), "requests_cut": len(cut),
              "requests_refused": len(failed) - len(cut),
              "failed_errors": sorted({e for r in failed for e in r["errors"]})}
@@ -425,16 +416,21 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def failover_pauses(log_path: Path) -> list[float]:
-    """The pool's `failover ... pause_ms=X` lines in the gateway's log: from a worker's death to the first
-    audio of each of its streams on another worker."""
+def pool_failovers(log_path: Path) -> list[tuple[str, float | None]]:
+    """The pool's `failover session=S ... pause_ms=X` lines in the gateway's log (a kill's failovers and a
+    drain's hand-overs alike): each moved session, and its pause from the worker's death to the stream's
+    first audio on another worker where the line has one."""
     import re
 
     try:
         text = log_path.read_text(errors="replace")
     except OSError:
         return []
-    return [float(m.group(1)) for m in re.finditer(r"failover session=\S+ .*?pause_ms=([0-9.]+)", text)]
+    found = []
+    for line in re.finditer(r"failover session=(\S+) ([^\n]*)", text):
+        pause = re.search(r"pause_ms=([0-9.]+)", line.group(2))
+        found.append((line.group(1), float(pause.group(1)) if pause else None))
+    return found
 
 
 def pool_ready_workers(base: str) -> float | None:
@@ -952,10 +948,11 @@ def register_clones(base: str, mode: str, lengths: list[float]) -> list[dict]:
 
 
 def disturb_first_worker(args: argparse.Namespace, workers: list[subprocess.Popen], children: dict[str, int],
-                         base: str) -> tuple[str, threading.Timer, str | None, int] | None:
+                         base: str, playing: Playing) -> tuple[str, threading.Timer, str | None, int] | None:
     """Start --kill-worker-at's or --drain-worker-at's timer on worker 1: the first --tcp-workers process, or
     with --gpus the first GPU's child of the launcher (found in /proc, launcher_children), never the launcher.
-    Returns (kind, timer, GPU or None, PID), or None when neither flag is given."""
+    It waits for a stream on worker 1 while a listener plays (`playing`): a stream opened there may not have
+    begun its audio yet. Returns (kind, timer, GPU or None, PID), or None when neither flag is given."""
     if args.kill_worker_at is None and args.drain_worker_at is None:
         return None
     kind, at_s = ("kill", args.kill_worker_at) if args.kill_worker_at is not None else ("drain", args.drain_worker_at)
@@ -964,7 +961,8 @@ def disturb_first_worker(args: argparse.Namespace, workers: list[subprocess.Pope
         pid, worker_id = children[gpu], f"bench-gpu{gpu}"  # the launcher's id for GPU gpu's child
     else:
         gpu, pid, worker_id = None, workers[0].pid, "bench-worker1"
-    return kind, signal_worker(kind, at_s, pid, gpu, lambda: pool_streams(base, worker_id)), gpu, pid
+    return kind, signal_worker(kind, at_s, pid, gpu,
+                               lambda: pool_streams(base, worker_id) if playing.count else 0), gpu, pid
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1028,6 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_prompts(DEFAULT_PROMPTS)
         seeds = args.seed or [0]
         cloned: set[str] = set()  # clone modes whose voices are registered on this server
+        playing = Playing()  # the sessions playing now, of every run (a kill or drain waits for one)
 
         def scrape_workers() -> list[dict | None]:
             out = []
@@ -1052,7 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra_config = {"timestamp_type": "word", "timestamp_transport_strategy": cfg.timestamps}
             client = ClientOptions(url=f"ws://127.0.0.1:{port}/v1/audio/speech/stream", voice=voice, timeout_s=60,
                                    extra_config=extra_config, split_granularity=cfg.granularity,
-                                   words_per_s=cfg.words_per_s if cfg.agent_sentences else None)
+                                   words_per_s=cfg.words_per_s if cfg.agent_sentences else None, playing=playing)
             load = {"label": cfg.label, "sentences": list(sentences_per_request(cfg)),
                     "agent_sentences": cfg.agent_sentences, "words_per_s": client.words_per_s,
                     "session_config": client.session_config()}
@@ -1080,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
                 workers_before = scrape_workers()
                 disturbance = None
                 if cfg is args and not results:  # the first rate of the main run only
-                    disturbance = disturb_first_worker(args, workers, children, base)
+                    disturbance = disturb_first_worker(args, workers, children, base, playing)
                 for seed in seeds:
                     result = asyncio.run(run_with_memory(seed))
                     per_seed.append(result["summary"])

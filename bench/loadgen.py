@@ -417,6 +417,15 @@ def last_piece_of(pieces: Sequence[str], chars: int) -> int:
 # -- client --------------------------------------------------------------------------------------------
 
 
+class Playing:
+    """How many sessions are playing now: their first audio came, their end has not. A disturbance
+    (bench/engine_load.py's kill or drain, from its timer thread) waits for one, or no listener is there to
+    hear it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 @dataclass
 class ClientOptions:
     url: str = DEFAULT_URL
@@ -432,6 +441,7 @@ class ClientOptions:
     words_per_s: float | None = None
     timeout_s: float = 120.0
     api_key: str | None = None
+    playing: Playing | None = None  # counts this client's sessions that are playing
 
     def session_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {"type": "session.config", "stream_audio": True, "response_format": self.response_format}
@@ -499,6 +509,8 @@ async def run_request(spec: RequestSpec, options: ClientOptions, measured: bool,
                 async for message in ws:
                     now = time.perf_counter() - t0
                     if isinstance(message, bytes):
+                        if not frames and options.playing is not None:
+                            options.playing.count += 1
                         frames.append((now, len(message)))
                         if current_sentence is None:
                             result.errors.append("audio_outside_sentence")
@@ -528,6 +540,8 @@ async def run_request(spec: RequestSpec, options: ClientOptions, measured: bool,
                         result.completed = True
                         break
             finally:
+                if frames and options.playing is not None:
+                    options.playing.count -= 1
                 if sender is not None:
                     if sender.done() and not sender.cancelled() and sender.exception() is not None:
                         result.errors.append(f"sending text failed: {sender.exception()!r}"[:200])

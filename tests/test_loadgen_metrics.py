@@ -310,14 +310,14 @@ def test_token_pieces_rebuild_the_text(text: str) -> None:
 
 
 def test_a_moved_streams_pause_is_its_gap_across_the_signal_less_its_usual_gap(tmp_path) -> None:
-    from bench.engine_load import moved_sessions, pauses_across
+    from bench.engine_load import pauses_across, pool_failovers
 
     log = tmp_path / "gateway.log"
     log.write_text('{"message": "failover session=a sentence=0 from=w1 to=w2 pause_ms=61.0 resumed=True"}\n'
                    '{"message": "failover session=c sentence=1 from=w1 to=w2 pause_ms=70.0 resumed=False"}\n'
                    '{"message": "worker w1 has stopped after draining"}\n')
-    assert moved_sessions(log) == {"a", "c"}
-    assert moved_sessions(tmp_path / "missing.log") == set()
+    assert pool_failovers(log) == [("a", 61.0), ("c", 70.0)]
+    assert pool_failovers(tmp_path / "missing.log") == []
     at = 100.0
     requests = [
         # moved: frames every 80 ms, then 200 ms across the signal: a pause of 120 ms
@@ -328,7 +328,7 @@ def test_a_moved_streams_pause_is_its_gap_across_the_signal_less_its_usual_gap(t
         # moved, but its audio had ended before the signal
         {"session_id": "c", "audio_origin_perf": 98.0, "arrivals": [0.0, 0.1, 0.2, 0.3]},
     ]
-    across = pauses_across(requests, at, moved_sessions(log))
+    across = pauses_across(requests, at, {session for session, _ in pool_failovers(log)})
     assert across["n"] == 1 and across["p50"] == across["max"] == pytest.approx(120.0)
     assert pauses_across(requests, None, {"a"}) is None
     assert pauses_across(requests, at, set()) == {"n": 0}
