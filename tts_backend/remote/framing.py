@@ -78,6 +78,9 @@ after the request's "text"; the client sends the rest on the same connection whi
 Any other frame, or end-of-file, still means "stop". A text frame is a control frame (at most MAX_CONTROL_FRAME bytes), and the
 whole text, pushed or not, is bounded as any request's (the worker's --max-text-chars); past either:
 {"op": "error", "code": "bad_request"}.
+A worker that answers a request it took with an error, or ends a text stream before its text did (an error, a
+hand-over), then ends its side and reads on, dropping what comes, until the client closes (worker.py's
+CLOSE_LINGER_S at most): a client still writing text gets the answer, not a reset.
 """
 
 from __future__ import annotations
