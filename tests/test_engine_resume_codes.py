@@ -282,6 +282,65 @@ async def test_the_gpus_path_resumes_with_the_same_frames(tiny_custom_voice):
         await backend.stop()
 
 
+def bounded_priming_audio(runner, codes: np.ndarray, first: int, k: int, calls: list[int]) -> bytes:
+    """What a resume with its codec primed from frame `first` on (resume_codec_context) should sound like after
+    frame k: a fresh codec state (no reference priming), frames first..k-1 through it in one call with the
+    audio dropped, then the later frames in the resumed stream's own codec calls (`calls`, frames each)."""
+    codec = runner.codec_module
+    frames = torch.from_numpy(codes.astype(np.int64)).T[None]  # [1, G, F]
+    state = codec.init_state(1)
+    codec.decode_chunk(frames[..., first:k].contiguous(), state)
+    pieces, at = [], k
+    for n in calls:
+        pieces.append(codec.decode_chunk(frames[..., at: at + n].contiguous(), state)[0])
+        at += n
+    wav = torch.cat(pieces).float().numpy()
+    return (np.clip(wav, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+@pytest.mark.parametrize("voice", ["named", "in-context clone"])
+async def test_a_resume_deep_into_a_sentence_primes_the_codec_with_its_last_frames_only(tiny_custom_voice, tiny_base,
+                                                                                        voice):
+    # resume_codec_context 4: a cut after k > 4 frames rebuilds the codec's left context from the last 4 alone,
+    # from a fresh state (an in-context voice's reference priming skipped), and the audio after the cut is what
+    # that state decodes; the frames are the uninterrupted run's whatever the priming. A cut within 4 frames
+    # primes them all, after the reference: the uninterrupted run's audio, byte for byte.
+    path = tiny_custom_voice if voice == "named" else tiny_base
+    backend = await started(path, trim_leading_silence=False, runner_options={"resume_codec_context": 4})
+    runner = backend.engine.runner
+    spy = CodecCalls(runner)
+    try:
+        ask = {}
+        if voice != "named":
+            prompt = await backend.clone_voice(ReferenceAudio(_clip(3.21, 1).astype("<f4").tobytes(), REF_TEXT))
+            ask = dict(voice="cloned", voice_prompt=prompt)
+        whole = await chunks_of(backend, request(**ask))
+        codes = np.frombuffer(joined(whole, 1), "<u2").reshape(-1, backend.codebooks)
+        bounded = 0
+        for cut in range(1, len(whole)):
+            k = len(joined(whole[:cut], 1)) // (2 * backend.codebooks)
+            spy.calls.clear()
+            rest = await chunks_of(backend, request(**ask, resume_codes=joined(whole[:cut], 1)))
+            assert joined(rest, 1) == joined(whole[cut:], 1), cut
+            if k <= 4:
+                assert joined(rest, 0) == joined(whole[cut:], 0), cut
+                continue
+            bounded += 1
+            want = bounded_priming_audio(runner, codes, k - 4, k, [f for f, _ in spy.calls[3]])
+            assert np.abs(pcm16(joined(rest, 0)) - pcm16(want)).max() <= 1, cut
+            # The test tells the priming apart: the whole context's audio is another.
+            assert np.abs(pcm16(want) - pcm16(joined(whole[cut:], 0))).max() > 1, cut
+        assert bounded >= 2
+    finally:
+        await backend.stop()
+
+
+async def test_resume_codec_context_takes_a_number_of_frames_null_or_auto(tiny_custom_voice):
+    for bad in (0, -3, 2.5, True, "all"):
+        with pytest.raises(ValueError, match="resume_codec_context"):
+            await started(tiny_custom_voice, runner_options={"resume_codec_context": bad})
+
+
 async def test_resumes_beyond_the_resume_graphs_rows_go_in_groups_with_the_same_frames(tiny_custom_voice):
     # The batched pass on the resume graphs' padded inputs (eager here, the inputs a GPU replays): rows padded
     # on the scratch slot, positions right-padded, and more resumes than the graphs' rows in passes of that
@@ -536,9 +595,11 @@ def test_the_primings_ring_writes_put_each_call_s_frames_where_one_write_per_slo
         offsets, at = {}, 0
         for slot, k in frames:
             offsets[slot], at = at, at + k
+        # The request's frame each slot's priming starts at (resume_codec_context: its last frames only).
+        firsts = {slot: rng.choice([0, rng.randint(0, 200)]) for slot, _ in frames}
         stacked = torch.cat([codes[slot] for slot, _ in frames])
         calls = priming_calls(frames, rng.choice([4, 12]), rng.choice([2, 16]))
-        writes = priming_ring_writes(calls, offsets, ring)
+        writes = priming_ring_writes(calls, offsets, ring, firsts)
         assert writes.shape == (3, sum(n * len(slots) for _, n, slots in calls))
         one, each = torch.zeros(13, ring, groups, dtype=torch.long), torch.zeros(13, ring, groups, dtype=torch.long)
         column = 0
@@ -547,6 +608,8 @@ def test_the_primings_ring_writes_put_each_call_s_frames_where_one_write_per_slo
             column += n * len(slots)
             one[w[0], w[1]] = stacked[w[2]]
             for slot in slots:
-                each[slot, (start + torch.arange(n)) % ring] = codes[slot][start: start + n]
+                each[slot, (firsts[slot] + start + torch.arange(n)) % ring] = codes[slot][start: start + n]
             assert torch.equal(one, each)
     assert priming_ring_writes([], {}, 64).shape == (3, 0)
+    assert torch.equal(priming_ring_writes([(0, 2, [5])], {5: 0}, 64),
+                       priming_ring_writes([(0, 2, [5])], {5: 0}, 64, {5: 0}))

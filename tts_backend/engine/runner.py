@@ -271,6 +271,16 @@ class Qwen3RunnerConfig:
     # 8 x 64: a failover's streams are mostly early in their sentences (a streaming-text prompt is some ten
     # positions; the H100 drain's 7 resumes had 8-28 frames), and 8 x 128 ran twice the positions they needed.
     resume_graph_shapes: tuple[tuple[int, int], ...] = ((2, 128), (8, 64), (8, 128), (8, 256))
+    # The most delivered frames a resume runs through the codec to rebuild its left context: its last ones,
+    # from a fresh codec state (an in-context voice's reference priming, older context still, then skipped).
+    # None: every delivered frame, which leaves the state the uninterrupted request's codec calls left (the
+    # CPU's byte-exact resume). Priming costs codec calls of 12 frames: a failover 200 frames into a long
+    # sentence (the gateway takes 300 characters, some 20 s) was 17 calls before the listener heard anything,
+    # a pause past 150 ms where 8 streams resume at once. The reference's own whole-utterance decode
+    # (qwen-tts chunked_decode) joins its 300-frame windows after re-decoding 25 frames of left context from
+    # a fresh start; 36 is three captured calls, more context than that. "auto": 36 where the chunk schedule
+    # starts again after a resume (a GPU, whose numerics vary with the batch company anyway), else None.
+    resume_codec_context: int | None | str = "auto"
 
 
 @contextmanager
@@ -312,8 +322,8 @@ def codec_pieces(frames: int, counts: Sequence[int]) -> list[int]:
 
 
 def priming_calls(frames: Sequence[tuple[int, int]], most: int, widest: int) -> list[tuple[int, int, list[int]]]:
-    """The codec calls that prime resumed requests' states with their delivered frames (slot, frames
-    delivered) together: (first frame, frames, slots) per call, in order. Round r decodes frames from
+    """The codec calls that prime resumed requests' states with their delivered frames (slot, frames it
+    primes: the last resume_codec_context at most) together: (first frame, frames, slots) per call, in order. Round r decodes frames from
     r x most on: every slot with `most` or more left takes `most`, the others what they have left, and the
     slots with as many left go in one call of at most `widest` (the largest captured batch). Each slot's
     calls cover its frames once, in order, so its state ends as one request's priming alone leaves it."""
@@ -330,16 +340,18 @@ def priming_calls(frames: Sequence[tuple[int, int]], most: int, widest: int) -> 
 
 
 def priming_ring_writes(calls: Sequence[tuple[int, int, list[int]]], offsets: dict[int, int],
-                        ring: int) -> torch.Tensor:
+                        ring: int, firsts: dict[int, int] | None = None) -> torch.Tensor:
     """Where priming_calls' frames go, as one host tensor [3, W] of (ring row, ring position, row of the resumed
     requests' frames stacked in order) for every frame each call decodes, call after call (a call of n frames
     over s slots is s x n columns, slot by slot): one indexed write per call instead of one per slot and call.
-    `offsets`: each slot's first row in the stack; a slot's frame f sits at ring position f mod `ring`."""
+    `offsets`: each slot's first row in the stack; `firsts`: the request's frame that row is (0 where not
+    given: resume_codec_context); its frame f sits at ring position f mod `ring`."""
     columns = []
     for start, n, slots in calls:
         frames = torch.arange(start, start + n)
         for slot in slots:
-            columns.append(torch.stack((torch.full((n,), slot), frames % ring, offsets[slot] + frames)))
+            first = firsts.get(slot, 0) if firsts else 0
+            columns.append(torch.stack((torch.full((n,), slot), (first + frames) % ring, offsets[slot] + frames)))
     return torch.cat(columns, dim=1) if columns else torch.zeros(3, 0, dtype=torch.long)
 
 
@@ -431,6 +443,11 @@ class Qwen3ModelRunner(ModelRunner):
         self.resume_batched = cfg.resume_prefill == "batched" or (
             cfg.resume_prefill == "auto" and self.device.type == "cuda")
         self.resume_continues_schedule = self.device.type != "cuda"
+        context = cfg.resume_codec_context
+        if not (context in ("auto", None) or (isinstance(context, int) and not isinstance(context, bool)
+                                              and context >= 1)):
+            raise ValueError(f"resume_codec_context must be a number of frames >= 1, null or \"auto\", "
+                             f"not {context!r}")
         # The resume pass's shapes by rows, each row count's positions ascending (see resume_graph_shapes).
         self.resume_shapes: dict[int, tuple[int, ...]] = {}
         for rows, positions in cfg.resume_graph_shapes:
@@ -1005,6 +1022,15 @@ class Qwen3ModelRunner(ModelRunner):
         self.codec_pool.index_copy_(rows, state)
 
     # ---- resume from codes -----------------------------------------------------------------------------
+    def _primed_from(self, request: RequestState) -> int:
+        """The first of a resumed request's delivered frames its codec priming runs (resume_codec_context);
+        0: all of them, after any reference priming."""
+        context = self.config.resume_codec_context
+        if context == "auto":
+            context = None if self.resume_continues_schedule else 36
+        frames = request.resume.shape[0]
+        return frames - context if context is not None and frames > context else 0
+
     @property
     def can_resume(self) -> bool:
         """Whether a request can go on after frames it delivered: the stateless sampler draws step i's noise
@@ -1064,14 +1090,18 @@ class Qwen3ModelRunner(ModelRunner):
         def counters() -> None:
             self._resumed_counters(requests, slots_k, index[3, : len(requests)], index[1], all_codes[:, 0])
         for r, k, codes in zip(requests, ks, all_codes.split(ks)):
+            first = self._primed_from(r)
             if priming_buckets:
-                primes.append((r.slot, codes))  # the priming leaves decoded[slot] at k
+                primes.append((r.slot, first, codes[first:]))  # the priming leaves decoded[slot] at k
                 continue
             # The codec state the uninterrupted request's codec batches left. Where the schedule goes on (the
             # CPU) in the pieces its chunk schedule decoded (the codec's output depends on its call sizes in the
             # last bits; with the same pieces the state is the same, bit for bit); else in 64-frame pieces.
-            pieces = schedule_pieces(r.chunk_schedule, k) if self.resume_continues_schedule else [64] * (-(-k // 64))
-            self._prime_codec_frames(r.slot, codes, pieces)
+            if self.resume_continues_schedule and not first:
+                pieces = schedule_pieces(r.chunk_schedule, k)
+            else:
+                pieces = [64] * (-(-(k - first) // 64))
+            self._prime_codec_frames(r.slot, codes[first:], pieces)
             self.decoded[r.slot] = k
         priming = self._prime_codec_captured(primes, priming_buckets) if primes else None
         slot_list, slots_t = [r.slot for r in requests], slots_k
@@ -1195,10 +1225,10 @@ class Qwen3ModelRunner(ModelRunner):
         most = max(self.config.codec_frames)
         return tuple(b for b in self.codec_buckets if ("codec", most, b) in self.graphs)
 
-    def _prime_codec_captured(self, primes: list[tuple[int, torch.Tensor]],
+    def _prime_codec_captured(self, primes: list[tuple[int, int, torch.Tensor]],
                               buckets: tuple[int, ...]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """_prime_codec_frames for every resumed request (slot, delivered frames [k, G]) through the captured
-        codec calls: the frames go into each slot's frame ring, at most the largest captured count at a time,
+        """_prime_codec_frames for every resumed request (slot, its first primed frame, the frames from there
+        [k - first, G]) through the captured codec calls: the frames go into each slot's frame ring, at most the largest captured count at a time,
         and the requests with as many frames left are decoded together, as a codec batch of their own would
         be (audio dropped). Uncaptured, each frame count the codec had not run before cost 100-250 ms on the
         H100 (a failover of 7 streams: 1.7 s of priming before any of them spoke again); one request at a
@@ -1211,7 +1241,7 @@ class Qwen3ModelRunner(ModelRunner):
         Returns the priming's start and end events on the codec stream."""
         stream, main = self.codec_stream, torch.cuda.current_stream(self.device)
         ring = self.config.frame_ring
-        calls = priming_calls([(slot, codes.shape[0]) for slot, codes in primes], max(self.config.codec_frames),
+        calls = priming_calls([(slot, codes.shape[0]) for slot, _, codes in primes], max(self.config.codec_frames),
                               max(buckets))
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         with torch.cuda.stream(stream):
@@ -1220,12 +1250,13 @@ class Qwen3ModelRunner(ModelRunner):
             # Made on the codec stream, so that when they are freed only its later work may reuse their memory:
             # made on the main stream, the Talker pass could be handed it while these calls still read it.
             # (`primes`' own tensors, the main stream's, are the caller's until the main stream waits.)
-            stacked = torch.cat([codes for _, codes in primes]).to(self.ring.dtype)
-            offsets, at = {}, 0
-            for slot, codes in primes:
-                offsets[slot], at = at, at + codes.shape[0]
-            writes = self._upload(priming_ring_writes(calls, offsets, ring))
-            self.decoded[self._upload(torch.tensor(list(offsets), dtype=torch.long))] = 0
+            stacked = torch.cat([codes for _, _, codes in primes]).to(self.ring.dtype)
+            offsets, firsts, at = {}, {}, 0
+            for slot, first, codes in primes:
+                offsets[slot], firsts[slot], at = at, first, at + codes.shape[0]
+            writes = self._upload(priming_ring_writes(calls, offsets, ring, firsts))
+            self.decoded[self._upload(torch.tensor(list(offsets), dtype=torch.long))] = \
+                self._upload(torch.tensor(list(firsts.values()), dtype=torch.long))
             column = 0
             for start, n, slots in calls:
                 w = writes[:, column: column + n * len(slots)]
@@ -1382,7 +1413,8 @@ class Qwen3ModelRunner(ModelRunner):
                 self.history[r.slot] = []
         cloned = [r for r in requests if r.prompt.speaker_embedding is not None]
         for r in cloned:
-            if r.prompt.ref_codes is not None:
+            # A resume whose priming starts after its first frames starts from a fresh state (_primed_from).
+            if r.prompt.ref_codes is not None and (r.resume is None or not self._primed_from(r)):
                 self._prime_codec(r.slot, r.prompt.ref_codes)
 
     def _prompt_pass(self, requests: list[RequestState], slot_list: list[int], slots_t: torch.Tensor) -> None:
