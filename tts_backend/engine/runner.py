@@ -1022,14 +1022,16 @@ class Qwen3ModelRunner(ModelRunner):
         self.codec_pool.index_copy_(rows, state)
 
     # ---- resume from codes -----------------------------------------------------------------------------
-    def _primed_from(self, request: RequestState) -> int:
-        """The first of a resumed request's delivered frames its codec priming runs (resume_codec_context);
-        0: all of them, after any reference priming."""
+    def primed_from(self, frames: int) -> int:
+        """The first of a resumed request's `frames` delivered frames that its codec priming runs
+        (resume_codec_context); 0: all of them, after any reference priming."""
         context = self.config.resume_codec_context
         if context == "auto":
             context = None if self.resume_continues_schedule else 36
-        frames = request.resume.shape[0]
         return frames - context if context is not None and frames > context else 0
+
+    def _primed_from(self, request: RequestState) -> int:
+        return self.primed_from(request.resume.shape[0])
 
     @property
     def can_resume(self) -> bool:
