@@ -948,11 +948,12 @@ def register_clones(base: str, mode: str, lengths: list[float]) -> list[dict]:
 
 
 def disturb_first_worker(args: argparse.Namespace, workers: list[subprocess.Popen], children: dict[str, int],
-                         base: str, playing: Playing) -> tuple[str, threading.Timer, str | None, int] | None:
+                         base: str, playing: Playing | None = None) -> tuple[str, threading.Timer, str | None, int] | None:
     """Start --kill-worker-at's or --drain-worker-at's timer on worker 1: the first --tcp-workers process, or
     with --gpus the first GPU's child of the launcher (found in /proc, launcher_children), never the launcher.
-    It waits for a stream on worker 1 while a listener plays (`playing`): a stream opened there may not have
-    begun its audio yet. Returns (kind, timer, GPU or None, PID), or None when neither flag is given."""
+    It waits for a stream on worker 1, and where the client counts them (`playing`, this bench's loadgen; not
+    bench/nari_load.py's harness) while a listener plays: a stream opened there may not have begun its audio
+    yet. Returns (kind, timer, GPU or None, PID), or None when neither flag is given."""
     if args.kill_worker_at is None and args.drain_worker_at is None:
         return None
     kind, at_s = ("kill", args.kill_worker_at) if args.kill_worker_at is not None else ("drain", args.drain_worker_at)
@@ -961,8 +962,10 @@ def disturb_first_worker(args: argparse.Namespace, workers: list[subprocess.Pope
         pid, worker_id = children[gpu], f"bench-gpu{gpu}"  # the launcher's id for GPU gpu's child
     else:
         gpu, pid, worker_id = None, workers[0].pid, "bench-worker1"
-    return kind, signal_worker(kind, at_s, pid, gpu,
-                               lambda: pool_streams(base, worker_id) if playing.count else 0), gpu, pid
+    def streams() -> int | None:
+        return pool_streams(base, worker_id) if playing is None or playing.count else 0
+
+    return kind, signal_worker(kind, at_s, pid, gpu, streams), gpu, pid
 
 
 def main(argv: list[str] | None = None) -> int:
