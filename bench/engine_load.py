@@ -31,17 +31,17 @@ Where the engine runs:
                        launcher's children, told apart by the CUDA_VISIBLE_DEVICES it gave each). Its log is
                        FILE with suffix .workers.log (the children share the launcher's output).
 
-A worker killed or drained mid-run (a pool of two or more): --kill-worker-at S SIGKILLs worker 1 (with --gpus,
-the first GPU's child, not the launcher), --drain-worker-at S SIGTERMs it, S seconds into the first rate (or
-the first moment within 5 s more that the gateway's pool runs a stream on it). That rate's entry adds
-`killed_worker` / `drained_worker`: when it went and the streams open on it then, the gateway's pauses the
-pool logged (`pause_ms`: from a worker's loss to the stream's next audio elsewhere; p50/p99/max), what the
-listeners heard (`listeners_silence_ms`: the silence of each stream playing at the signal, on either worker, in
-the 2 s after, from the client's zero pre-buffer playback; the audio delivered ahead covers part of the
-gateway's pause or all of it), bench/fleet_sim.py's client-side pause of the streams that moved
+A worker killed or drained mid-run (a pool of two or more): --kill-worker-at S SIGKILLs worker 1 (with --gpus, the
+first GPU's child, not the launcher), --drain-worker-at S SIGTERMs it, S seconds into the first rate (or the first
+moment within 5 s more that the gateway's pool runs a stream on it while a listener plays). That rate's entry adds
+`killed_worker` / `drained_worker`: when it went and the streams open on it then, the gateway's pauses the pool
+logged (`pause_ms`: from a worker's loss to the stream's next audio elsewhere; p50/p99/max), what the listeners
+heard (`listeners_silence_ms`: the silence of each stream whose listener was playing at the signal, from its first
+audio to the end of its zero pre-buffer playback, on either worker, in the 2 s after; the audio delivered ahead
+covers part of the gateway's pause or all of it), bench/fleet_sim.py's client-side pause of the streams that moved
 (`client_pause_across_ms`: the gap across the signal less the stream's usual gap), the pool's failovers,
-hand-overs and resumes from codes, the requests cut (audio had begun and did not end whole) and refused
-(failed before any audio), and for a drain whether the worker exited and `no_stream_cut`.
+hand-overs and resumes from codes, the requests cut (audio had begun and did not end whole) and refused (failed
+before any audio), and for a drain whether the worker exited and `no_stream_cut`.
 
 The agent workload (bench/README.md): --agent-sentences N --words-per-s R sends each session's reply of N
 prompts one word per input.text; each rate then reports the audible TTFA from the first word and from the
@@ -72,7 +72,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -91,6 +90,7 @@ from bench.loadgen import (
     DEFAULT_PROMPTS,
     GRANULARITIES,
     ClientOptions,
+    Playing,
     RunPlan,
     Workload,
     accelerator,
@@ -100,12 +100,12 @@ from bench.loadgen import (
     check_agent_arguments,
     load_prompts,
     markdown_table,
-    Playing,
     nearest_rank,
     run_load,
     sentences_per_request,
     write_report,
 )
+from bench.ports import consecutive_free_ports, free_port
 from tts_backend.remote.launcher import gpu_list
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,48 +136,6 @@ def combine_seeds(summaries: list[dict]) -> dict:
     combined["warnings"] = sorted({w for s in summaries for w in s.get("warnings", [])})
     combined["seeds"] = len(summaries)
     return combined
-
-
-def free_port(taken: set[int] | None = None) -> int:
-    """A TCP port free on loopback now, and not one of `taken` (ports handed out but not yet bound)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if taken is None or port not in taken:
-            if taken is not None:
-                taken.add(port)
-            return port
-
-
-def consecutive_free_ports(count: int, taken: set[int] | None = None) -> int:
-    """The first of `count` consecutive loopback ports that are all free now and none of `taken` (they are
-    added to it). For `voxgate worker --gpus`, which counts its children's ports up from one given base (GPU
-    i takes PORT+i) and refuses port 0, so the ports cannot be left to the kernel: the whole block is bound
-    at once here to check it, then let go. Another socket may still take one before a child binds it; that
-    child then exits at once, which wait_ready reports (it watches each child), rather than a run that hangs."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        block = range(first, first + count)
-        if first + count > 65535 or (taken is not None and taken & set(block)):
-            continue
-        held = []
-        try:
-            for port in block:
-                probe = socket.socket()
-                held.append(probe)
-                probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for probe in held:
-                probe.close()
-        if taken is not None:
-            taken.update(block)
-        return first
-    raise RuntimeError(f"no {count} consecutive free loopback ports")
 
 
 def launcher_plan(gpus: list[str], backend_args: list[str], token_file: str, ports: set[int]) -> dict:
@@ -319,19 +277,20 @@ def signal_worker(kind: str, at_s: float, pid: int, gpu: str | None, streams: Ca
 
 def listeners_silences(requests: list[dict], at_perf: float | None, window_s: float = LISTENER_WINDOW_S) -> dict | None:
     """What the listeners heard of a kill or drain sent at `at_perf` (time.perf_counter()): every request whose
-    audio had begun and not ended then (on either worker: the survivor's streams wait while it resumes the
-    others), with the silence each heard in the `window_s` after, from loadgen's zero pre-buffer playback (its
-    underruns starting in the window, summed): n, how many heard any, p50 / p99 / max in ms. The pool's
-    pause_ms is another thing: loss to next chunk at the gateway, which the audio already delivered ahead of
-    the listener covers in part or in whole."""
+    listener was playing then (on either worker: the survivor's streams wait while it resumes the others), from
+    its first audio to the end of loadgen's zero pre-buffer playback (its audio and its silences; a listener
+    whose last bytes had come plays on), with the silence each heard in the `window_s` after (its underruns
+    starting in the window, summed): n, how many heard any, p50 / p99 / max in ms. The pool's pause_ms is
+    another thing: loss to next chunk at the gateway, which the audio already delivered ahead of the listener
+    covers in part or in whole."""
     if at_perf is None:
         return None
     silences = []
     for r in requests:
-        origin = r.get("audio_origin_perf")
-        if origin is None or r.get("e2e_s") is None or r.get("ttfb_s") is None:
+        origin, ttfb = r.get("audio_origin_perf"), r.get("ttfb_s")
+        if origin is None or ttfb is None:
             continue
-        if not origin + r["ttfb_s"] <= at_perf < origin + r["e2e_s"]:
+        if not origin + ttfb <= at_perf < origin + ttfb + r.get("audio_s", 0.0) + r.get("total_stall_s", 0.0):
             continue
         heard = sum(length for at, length in r.get("stalls") or () if at_perf <= origin + at < at_perf + window_s)
         silences.append(1000 * heard)
@@ -948,7 +907,8 @@ def register_clones(base: str, mode: str, lengths: list[float]) -> list[dict]:
 
 
 def disturb_first_worker(args: argparse.Namespace, workers: list[subprocess.Popen], children: dict[str, int],
-                         base: str, playing: Playing | None = None) -> tuple[str, threading.Timer, str | None, int] | None:
+                         base: str,
+                         playing: Playing | None = None) -> tuple[str, threading.Timer, str | None, int] | None:
     """Start --kill-worker-at's or --drain-worker-at's timer on worker 1: the first --tcp-workers process, or
     with --gpus the first GPU's child of the launcher (found in /proc, launcher_children), never the launcher.
     It waits for a stream on worker 1, and where the client counts them (`playing`, this bench's loadgen; not
@@ -962,8 +922,10 @@ def disturb_first_worker(args: argparse.Namespace, workers: list[subprocess.Pope
         pid, worker_id = children[gpu], f"bench-gpu{gpu}"  # the launcher's id for GPU gpu's child
     else:
         gpu, pid, worker_id = None, workers[0].pid, "bench-worker1"
+
     def streams() -> int | None:
-        return pool_streams(base, worker_id) if playing is None or playing.count else 0
+        open_streams = pool_streams(base, worker_id)  # a scrape: milliseconds, in which a listener may stop
+        return open_streams if playing is None or playing.count else 0
 
     return kind, signal_worker(kind, at_s, pid, gpu, streams), gpu, pid
 

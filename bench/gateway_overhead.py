@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ from bench.loadgen import (  # noqa: E402
     request_metrics,
     run_request,
 )
+from bench.ports import free_port  # noqa: E402 - below the kernel's ephemeral ports
 from gateway.session.segmenter import SentenceSegmenter  # noqa: E402
 from tts_backend.base import SynthesisRequest, Synthesizer  # noqa: E402
 from tts_backend.registry import create_backend  # noqa: E402
@@ -75,12 +75,6 @@ async def run_direct(backend: Synthesizer, spec: RequestSpec, voice: str) -> Req
     pcm = b"".join(audio)
     samples = np.frombuffer(pcm[: len(pcm) & ~1], dtype="<i2")
     return request_metrics(result, frames, 2, backend.sample_rate, samples, result.completed)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_gateway(backend: str, options: list[str], ready_timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from bench.ports import free_port  # noqa: F401 - below the kernel's ephemeral ports (bench/ports.py)
 from gateway.app import create_app
 from gateway.cli import uvicorn_options
 from gateway.settings import GatewaySettings
@@ -53,12 +54,6 @@ def wait_until_ready(url: str, timeout_s: float, startup_failure: Callable[[], s
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url}{path} did not answer 200 within {timeout_s} s")
         time.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

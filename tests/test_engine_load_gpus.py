@@ -64,9 +64,13 @@ def test_bad_combinations_are_refused(flags):
 def test_consecutive_free_ports_are_free_and_not_taken():
     import socket
 
+    from bench.ports import ephemeral_ports
+
     taken = {1}
     first = engine_load.consecutive_free_ports(4, taken)
     assert taken == {1, first, first + 1, first + 2, first + 3}
+    # Below the kernel's ephemeral ports, which any socket bound to port 0 or connecting out may take.
+    assert first + 3 < ephemeral_ports().start
     held = []
     try:
         for port in range(first, first + 4):  # all of them bindable together

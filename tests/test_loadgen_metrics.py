@@ -133,6 +133,7 @@ def test_a_disturbance_finds_the_silences_of_the_streams_playing_then() -> None:
     def stream(origin: float, pieces: list[tuple[float, float]]) -> dict:
         playback = simulate_playback(pieces)
         return {"audio_origin_perf": origin, "ttfb_s": pieces[0][0], "e2e_s": pieces[-1][0],
+                "audio_s": sum(duration for _, duration in pieces), "total_stall_s": playback.total_stall_s,
                 "stalls": [[at, length] for at, length in playback.stalls]}
 
     at = 100.0
@@ -141,11 +142,12 @@ def test_a_disturbance_finds_the_silences_of_the_streams_playing_then() -> None:
         stream(99.5, [(0.0, 1.0), (0.9, 0.5), (1.4, 0.1)]),  # playing, never silent
         stream(98.0, [(0.0, 0.1), (0.5, 2.0), (2.4, 0.1)]),  # playing; silent before the signal, not after
         stream(99.9, [(0.0, 2.5), (3.0, 0.1)]),  # playing; silent only after the window
+        stream(99.5, [(0.0, 1.0), (0.2, 0.5)]),  # all its audio came before the signal; its listener plays on
         stream(101.0, [(0.0, 0.1), (0.3, 0.1)]),  # began after the signal
-        stream(97.0, [(0.0, 0.1), (1.0, 0.1)]),  # ended before it
+        stream(97.0, [(0.0, 0.1), (1.0, 0.1)]),  # its playback (0.9 s silent in it) ended before it
     ]
     heard = listeners_silences(streams, at)
-    assert heard == {"n": 4, "heard_any": 1, "p50": 0.0, "p99": pytest.approx(200.0), "max": pytest.approx(200.0),
+    assert heard == {"n": 5, "heard_any": 1, "p50": 0.0, "p99": pytest.approx(200.0), "max": pytest.approx(200.0),
                      "window_s": 2.0}
     assert listeners_silences(streams, None) is None
 

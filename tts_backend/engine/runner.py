@@ -323,10 +323,11 @@ def codec_pieces(frames: int, counts: Sequence[int]) -> list[int]:
 
 def priming_calls(frames: Sequence[tuple[int, int]], most: int, widest: int) -> list[tuple[int, int, list[int]]]:
     """The codec calls that prime resumed requests' states with their delivered frames (slot, frames it
-    primes: the last resume_codec_context at most) together: (first frame, frames, slots) per call, in order. Round r decodes frames from
-    r x most on: every slot with `most` or more left takes `most`, the others what they have left, and the
-    slots with as many left go in one call of at most `widest` (the largest captured batch). Each slot's
-    calls cover its frames once, in order, so its state ends as one request's priming alone leaves it."""
+    primes: the last resume_codec_context at most) together: (first frame, frames, slots) per call, in order.
+    Round r decodes frames from r x most on: every slot with `most` or more left takes `most`, the others what
+    they have left, and the slots with as many left go in one call of at most `widest` (the largest captured
+    batch). Each slot's calls cover its frames once, in order, so its state ends as one request's priming
+    alone leaves it."""
     calls = []
     longest = max((k for _, k in frames), default=0)
     for start in range(0, longest, most):
@@ -1230,11 +1231,11 @@ class Qwen3ModelRunner(ModelRunner):
     def _prime_codec_captured(self, primes: list[tuple[int, int, torch.Tensor]],
                               buckets: tuple[int, ...]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """_prime_codec_frames for every resumed request (slot, its first primed frame, the frames from there
-        [k - first, G]) through the captured codec calls: the frames go into each slot's frame ring, at most the largest captured count at a time,
-        and the requests with as many frames left are decoded together, as a codec batch of their own would
-        be (audio dropped). Uncaptured, each frame count the codec had not run before cost 100-250 ms on the
-        H100 (a failover of 7 streams: 1.7 s of priming before any of them spoke again); one request at a
-        time, 8 resumed requests took 25-34 ms.
+        [k - first, G]) through the captured codec calls: the frames go into each slot's frame ring, at most
+        the largest captured count at a time, and the requests with as many frames left are decoded together,
+        as a codec batch of their own would be (audio dropped). Uncaptured, each frame count the codec had not
+        run before cost 100-250 ms on the H100 (a failover of 7 streams: 1.7 s of priming before any of them
+        spoke again); one request at a time, 8 resumed requests took 25-34 ms.
 
         On the codec stream, after what is queued there (the captured calls share its static buffers) and
         after the main stream's work so far (the slots' resets). The main stream does not wait for it here:
