@@ -52,6 +52,9 @@
 #   resumecheck[:ARGS] bench/resume_check.py ARGS      -> $OUT/resume_check.json: a stream cut at frame k and
 #                    resumed from its codes in another batch company goes on after exactly the delivered frames,
 #                    without a click at the join, and how soon its first audio comes
+#   resumecost[:ARGS] bench/resume_cost.py ARGS      -> $OUT/resume_cost.json: a failover's resume of N streams on
+#                    the survivor, beside B speaking ones, split into admission, the resume call (profiled) and
+#                    the first chunk after it, e.g. resumecost:"--streams 1,8,16 --beside 0,8"
 #   tune             bench/kernel_tune.py                -> $OUT/kernel_tune.json
 #   codecprofile[:ARGS] bench/codec_profile.py ARGS     -> $OUT/codec_profile.json: a codec call's top kernels,
 #                    and its captured cost per batch x frames in each of --variants (bench/codec_profile.py's
@@ -307,6 +310,12 @@ step_resumecheck() {  # step_resumecheck "ARGS" (e.g. "--sentences 6 --others 16
     run "$PY" bench/resume_check.py "${args[@]}" --model "$CKPT" --output "$OUT/resume_check.json"
 }
 
+step_resumecost() {  # step_resumecost "ARGS" (e.g. "--streams 8 --beside 8")
+    local args=()
+    read -ra args <<<"$1"
+    run "$PY" bench/resume_cost.py "${args[@]}" --model "$CKPT" --output "$OUT/resume_cost.json"
+}
+
 step_savecache() {
     local archive=$OUT/compile_cache.txz limit=$((15 * 1024 * 1024)) size
     # What the cache holds, by kind (issue 22: it grew to 164 MB, too large to carry between machines).
@@ -363,6 +372,7 @@ for arg in "$@"; do
         profile) step_profile "$value" ;;
         textstream) step_textstream "$value" ;;
         resumecheck) step_resumecheck "$value" ;;
+        resumecost) step_resumecost "$value" ;;
         use) step_use "$value" ;;
         aligner) step_aligner ;;
         alignercost) step_alignercost "$value" ;;
