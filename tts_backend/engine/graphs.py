@@ -70,6 +70,13 @@ class GraphSet:
         kind = key[0] if isinstance(key, tuple) and key else None
         with torch.cuda.graph(graph, pool=self._own_pools.get(kind, self._pool)):
             fn(*static_inputs)
+        # One replay now, on the example inputs the warm-up runs used: a graph's first launch also uploads it
+        # to the device (cudaGraphUpload does that ahead; torch.cuda.CUDAGraph has no call for it), on the host
+        # thread that launches it. A shape first needed in service paid that there, and a failover's survivor
+        # meets its larger batch, the resume pass and the codec's priming shapes all at once (H100,
+        # bench/resume_cost.py: 4 streams resumed in 33 ms the first time, 12 ms the next; in a kill run 7
+        # streams paused 101 ms, 54 of them in the survivor's first resume call).
+        graph.replay()
         torch.cuda.synchronize(self.device)
         self._steps[key] = CapturedStep(graph, static_inputs)
         self.capture_seconds += time.perf_counter() - started
