@@ -25,13 +25,14 @@ from __future__ import annotations
 import http.server
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+
+from bench.ports import consecutive_free_ports
 import yaml
 
 from tests.venv_cache import cached_venv, pip_install
@@ -385,35 +386,12 @@ def test_worker_gets_its_gpus_the_model_read_only_and_a_kernel_cache_volume(rend
                      script), script
 
 
-def _free_ports(count: int) -> int:
-    """The first of `count` consecutive free loopback ports."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(first, first + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no consecutive free ports")
-
-
 @pytest.mark.third_party
 def test_multi_gpu_probes_ask_every_process(rendered):
     """The 4-GPU pod's exec probes, run here against four local health servers: ready only when all four
     answer 200, not ready when one answers 503 (warming up, draining) or is not listening."""
     container = _container(_worker(_docs(rendered["multi-gpu-host"])))
-    first = _free_ports(4)
+    first = consecutive_free_ports(4)
     status = {first + i: 200 for i in range(4)}
 
     class Health(http.server.BaseHTTPRequestHandler):

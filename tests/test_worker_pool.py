@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from bench.ports import consecutive_free_ports
 from tests.gateway_server import audio_by_sentence, free_port, open_session, receive_until, running_gateway
 from tests.worker_fixtures import (  # noqa: F401 (token_file: a fixture)
     POOL_TOKEN,
@@ -421,26 +422,11 @@ async def test_gateways_find_workers_in_redis_and_see_them_come_and_go(redis_tar
             await remote.stop()
 
 
-def two_free_ports() -> int:
-    """A port P such that P and P+1 are both free now (GPU i listens on P+i)."""
-    import socket
-
-    for _ in range(100):
-        base = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError("no two consecutive free ports")
-
-
 def test_one_command_starts_a_worker_per_gpu(redis_prefix, token_file):
     from tests.redis_fixtures import REDIS_URL
     from tts_backend.remote.discovery import WorkerRegistry, registry_key
 
-    base = two_free_ports()
+    base = consecutive_free_ports(2)  # GPU i listens on base + i
     launcher = WorkerProcess("--gpus", "0,1", "--listen", f"tcp://127.0.0.1:{base}", "--backend", "synthetic",
                              "--registry", REDIS_URL, "--registry-prefix", redis_prefix, "--worker-id", "host",
                              "--token-file", token_file, expect_ready=2)
