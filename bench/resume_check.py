@@ -130,16 +130,20 @@ def join_report(backend, delivered: list, resumed: list, whole: list, handed: np
     # the first frame the runner primes with (resume_codec_context).
     first = len(resumed[0][0]) // 2 if resumed else 0
     start = backend.engine.runner.primed_from(k)
+    decoding = time.perf_counter()
     reference = decode(backend, np.concatenate([delivered_codes[start:], new_codes])) if len(new_codes) \
         else np.zeros(0)
     trimmed = k * spf - n  # leading silence the uninterrupted run dropped before its first delivered sample
     span = reference[(k - start) * spf: (k - start) * spf + first]
     snr = snr_db(after[:first], span) if first and len(span) == first else None
     cold = decode(backend, new_codes[: max(1, len(resumed[0][1]) // (2 * codebooks))]) if len(new_codes) else None
+    # The two reference decodes are eager calls of the served codec module, off its captured shapes. On the H100
+    # a --repeat 4 cut took 25 s where its generation took under one: reported, to see whether it is these.
+    decode_s = time.perf_counter() - decoding
     uninterrupted_after = pcm16(joined(whole, 0))[n:]
     same_length = len(uninterrupted_after) == len(after)
     entry = {
-        "k": k, "codec_context_from": start, "new_frames": len(new_codes), "trimmed_samples": int(trimmed),
+        "k": k, "codec_context_from": start, "reference_decode_s": round(decode_s, 3), "new_frames": len(new_codes), "trimmed_samples": int(trimmed),
         "context_is_delivered": handed is not None and np.array_equal(handed, delivered_codes),
         "codec_continuity_snr_db": snr,
         "cold_continuity_snr_db": snr_db(cold[:first], span) if cold is not None and len(cold) >= first == len(span)
@@ -236,7 +240,8 @@ async def run(args) -> dict:
                     print(f"[{n} {'stream' if streaming_text else 'whole'} k={entry['k']}] pass={entry['pass']} "
                           f"join={entry['join_step']} p99={entry['p99_step']} cold={entry['cold_join_step']} "
                           f"snr={entry['codec_continuity_snr_db']} same_frames={entry['new_frames_equal_uninterrupted']}"
-                          f" resume={entry.get('resume_first_audio_ms', float('nan')):.1f} ms", flush=True)
+                          f" resume={entry.get('resume_first_audio_ms', float('nan')):.1f} ms"
+                          f" (reference decodes {entry['reference_decode_s']:.1f} s)", flush=True)
         report["resume_first_audio_ms"] = {"median": statistics.median(resume_ms) if resume_ms else None,
                                            "p95": percentile(resume_ms, 0.95)}
         report["whole_first_audio_ms"] = {"median": statistics.median(whole_ms) if whole_ms else None,
