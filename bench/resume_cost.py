@@ -15,6 +15,8 @@ their delivered codes. Per case the report gives, in ms:
   resume_ms        the resume call's host time, and `resume_log`, the runner's own split of it;
   after_ms         the resume call's end to each request's first audio (the first chunk's frames and codec);
   first_audio_ms   each request's submit to its first audio (what the listener's pause adds up from);
+  repeats          each of the --repeats runs' resume calls and first audio: the first run of a shape in the
+                   process is what a failover's survivor meets; the later ones are warm;
   profile, profile_cumulative   the resume call's hottest functions on the engine thread by their own and by
                    their cumulative time (cProfile, of the last of --repeats runs).
 Runs on the CPU with a tiny checkpoint too (tests/test_bench_resume_cost.py).
@@ -185,6 +187,10 @@ async def run(args) -> dict:
                 entry = entries[-1]
                 entry["first_audio_ms_median_over_repeats"] = statistics.median(
                     max(e["first_audio_ms"]) for e in entries if e["first_audio_ms"])
+                # Every repeat's resume calls: the process's first resume of a shape is the one a failover's
+                # survivor meets (its first launches), the later ones are warm.
+                entry["repeats"] = [{"resume_ms": e["resume_ms"], "resume_log": e["resume_log"],
+                                     "first_audio_ms": e["first_audio_ms"]} for e in entries]
                 report["cases"].append(entry)
                 print(f"N={n} beside={b}: frames {entry['frames']}, admission {entry['admission_ms']} ms, resume "
                       f"{entry['resume_ms']} ms, then first audio after {entry['after_ms']} ms; first audio "

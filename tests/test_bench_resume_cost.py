@@ -14,7 +14,7 @@ def test_resumed_streams_are_timed_and_profiled_together(tiny_custom_voice, tmp_
     output = tmp_path / "resume_cost.json"
     assert resume_cost.main([
         "--model", str(tiny_custom_voice), "--device", "cpu", "--dtype", "float32", "--streams", "3",
-        "--beside", "0,2", "--cut-chunk", "2", "--repeats", "1", "--max-active", "8", "--max-len", "256",
+        "--beside", "0,2", "--cut-chunk", "2", "--repeats", "2", "--max-active", "8", "--max-len", "256",
         "--frame-cap-chars-per-second", "60", "--output", str(output),
     ]) == 0
     cases = json.loads(output.read_text())["cases"]
@@ -23,6 +23,7 @@ def test_resumed_streams_are_timed_and_profiled_together(tiny_custom_voice, tmp_
         assert len(case["frames"]) == 3 and all(f > 0 for f in case["frames"])
         assert case["resume_calls"] >= 1 and sum(case["resume_ms"]) > 0 and case["admission_ms"] >= 0
         assert len(case["first_audio_ms"]) == 3 and case["resume_log"][0].startswith("resumed ")
+        assert len(case["repeats"]) == 2 and case["repeats"][-1]["resume_ms"] == case["resume_ms"]
         # The profile is of the runner's resume call, hottest first: the runner's own functions are in it.
         rows = case["profile"]
         assert any("(_resume)" in row["function"] for row in case["profile_cumulative"])
