@@ -8,6 +8,7 @@ reproducible, and that cancellation and the worker process work with the real mo
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 
@@ -152,6 +153,27 @@ async def test_ready_only_after_the_warm_up_request(tiny_custom_voice):
         assert not any(ready for ready, _ in seen), "ready before start() returned"
     finally:
         await backend.stop()
+
+
+async def test_warm_up_resumes_requests_from_its_codes_when_asked(tiny_custom_voice, caplog):
+    """`warmup_resumes`: after the warm-up request, that many requests resumed from its codes run before ready
+    (a failover's survivor meets the resume path's first launches otherwise); "auto" is none on the CPU. The
+    stateless sampler: the reference one cannot resume."""
+    import re
+
+    with caplog.at_level(logging.INFO, logger="tts_backend"):
+        backend = create_backend("qwen3", model=str(tiny_custom_voice), device="cpu", max_active=4, max_len=256,
+                                 sampler="stateless", warmup_resumes=3)
+        await backend.start()
+    try:
+        assert backend.ready and backend.engine.stats.completed == 4
+        resumed = [int(m.group(1)) for r in caplog.records if (m := re.match(r"resumed (\d+) requests", r.getMessage()))]
+        assert sum(resumed) == 3
+        assert any("3 warm-up requests resumed" in r.getMessage() for r in caplog.records)
+    finally:
+        await backend.stop()
+    with pytest.raises(SynthesisError, match="warmup_resumes"):
+        create_backend("qwen3", model=str(tiny_custom_voice), device="cpu", warmup_resumes=-1)
 
 
 async def test_worker_process_serves_the_qwen3_engine(tiny_custom_voice, tmp_path):

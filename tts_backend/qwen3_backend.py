@@ -149,6 +149,10 @@ class Qwen3Synthesizer(Synthesizer):
     frame_cap_chars_per_second: for random-weight checkpoints, whose EOS never comes naturally: cap each
       request at the frames its text takes at this speaking rate (bench/README.md: 15 characters/s).
     warmup: run one request through every stage before reporting ready.
+    warmup_resumes: then this many requests resumed together from the warm-up request's codes (resume from
+      codes: a failover's survivor resumes its streams all at once, and the first such call in a process paid
+      its first launches there: H100, 4 streams resumed in 33 ms the first time, 12 ms the next). "auto": as
+      many as the resume pass's largest captured batch on a GPU, none on the CPU (where nothing is launched).
     aligner: a Qwen3-ForcedAligner checkpoint folder; when given, requests may ask for word timestamps.
     aligner_max_batch: sentences aligned in one forward pass at most.
     aligner_gather_s: how long an aligner pass waits after its first sentence for more (up to aligner_max_batch):
@@ -184,6 +188,7 @@ class Qwen3Synthesizer(Synthesizer):
         frame_cap_chars_per_second: float | None = None,
         max_queued: int = 256,
         warmup: bool = True,
+        warmup_resumes: int | str = "auto",
         trim_leading_silence: bool = True,
         runner_options: dict | None = None,
         scheduler_options: dict | None = None,
@@ -212,6 +217,10 @@ class Qwen3Synthesizer(Synthesizer):
         self.frame_cap_chars_per_second = frame_cap_chars_per_second
         self.max_queued = int(max_queued)
         self.warmup = bool(warmup)
+        if warmup_resumes != "auto" and (isinstance(warmup_resumes, bool) or not isinstance(warmup_resumes, int)
+                                         or warmup_resumes < 0):
+            raise SynthesisError(f"warmup_resumes must be a whole number >= 0 or \"auto\", not {warmup_resumes!r}")
+        self.warmup_resumes = warmup_resumes
         self.trim_leading_silence = bool(trim_leading_silence)
         self.runner_options = dict(runner_options or {})
         self.scheduler_options = _scheduler_options(scheduler_options)
@@ -336,11 +345,18 @@ class Qwen3Synthesizer(Synthesizer):
             # must not arrive before the warm-up has run.
             self._warming = True
             try:
-                async for _ in self.synthesize(warm):
-                    pass
+                codes = bytearray()
+                async for chunk in self.synthesize(warm):
+                    codes += chunk.codes
+                log.info("start-up: warm-up request in %.1f s", time.perf_counter() - prepared)
+                resumes = self._warm_up_resume_count()
+                if resumes and codes:
+                    warmed = time.perf_counter()
+                    await self._warm_up_resumes(warm, bytes(codes), resumes)
+                    log.info("start-up: %d warm-up requests resumed from its codes in %.1f s", resumes,
+                             time.perf_counter() - warmed)
             finally:
                 self._warming = False
-            log.info("start-up: warm-up request in %.1f s", time.perf_counter() - prepared)
         self._ready = True
 
     async def stop(self) -> None:
@@ -388,6 +404,29 @@ class Qwen3Synthesizer(Synthesizer):
                               samples=(((), float(batcher.restarts)),)),
             ]
         return families
+
+    def _warm_up_resume_count(self) -> int:
+        if "resume_codes" not in self.honours:
+            return 0
+        count = self.warmup_resumes
+        if count == "auto":
+            runner = self.engine.runner
+            count = max(runner.resume_shapes, default=0) if runner.device.type == "cuda" else 0
+        return min(count, self.max_active)
+
+    async def _warm_up_resumes(self, warm: SynthesisRequest, codes: bytes, count: int) -> None:
+        """`count` requests resumed from the warm-up request's codes at once, cut after 1, 2, ... of its frames
+        (the company a failover's survivor resumes: the resume pass, the codec's priming and the batch sizes
+        after it, at a size that needs them), each to the warm-up's own end."""
+        frame_bytes = 2 * self.codebooks
+        frames = len(codes) // frame_bytes
+
+        async def drain(request: SynthesisRequest) -> None:
+            async for _ in self.synthesize(request):
+                pass
+
+        await asyncio.gather(*(drain(dataclasses.replace(warm, resume_codes=codes[: (1 + i % frames) * frame_bytes]))
+                               for i in range(count)))
 
     # ---- voice cloning ------------------------------------------------------------------------------
     async def _warm_up_voice(self) -> bytes:
