@@ -176,6 +176,26 @@ async def test_warm_up_resumes_requests_from_its_codes_when_asked(tiny_custom_vo
         create_backend("qwen3", model=str(tiny_custom_voice), device="cpu", warmup_resumes=-1)
 
 
+async def test_a_failed_warm_up_resume_does_not_stop_the_start(tiny_custom_voice, monkeypatch, caplog):
+    """What the warm-up resumes save is a failover's pause: when they fail the backend serves without them."""
+    from tts_backend.qwen3_backend import Qwen3Synthesizer
+
+    async def failing(self, warm, codes, count):
+        raise SynthesisError("the resume pass failed")
+
+    monkeypatch.setattr(Qwen3Synthesizer, "_warm_up_resumes", failing)
+    backend = create_backend("qwen3", model=str(tiny_custom_voice), device="cpu", max_active=4, max_len=256,
+                             sampler="stateless", warmup_resumes=2)
+    with caplog.at_level(logging.ERROR, logger="tts_backend"):
+        await backend.start()
+    try:
+        assert backend.ready and any("warm-up resumes failed" in r.getMessage() for r in caplog.records)
+        got = await audio_of(backend, SynthesisRequest(text=TEXT, voice="ryan", seed=3, max_new_tokens=6))
+        assert len(got) > 0
+    finally:
+        await backend.stop()
+
+
 async def test_worker_process_serves_the_qwen3_engine(tiny_custom_voice, tmp_path):
     socket_path = str(tmp_path / "qwen3.sock")
     proc = subprocess.Popen(

@@ -352,9 +352,14 @@ class Qwen3Synthesizer(Synthesizer):
                 resumes = self._warm_up_resume_count()
                 if resumes and codes:
                     warmed = time.perf_counter()
-                    await self._warm_up_resumes(warm, bytes(codes), resumes)
-                    log.info("start-up: %d warm-up requests resumed from its codes in %.1f s", resumes,
-                             time.perf_counter() - warmed)
+                    try:
+                        await self._warm_up_resumes(warm, bytes(codes), resumes)
+                    except SynthesisError:
+                        # What it saves is the first failover's pause: not a reason not to serve.
+                        log.exception("start-up: the warm-up resumes failed; serving without them")
+                    else:
+                        log.info("start-up: %d warm-up requests resumed from its codes in %.1f s", resumes,
+                                 time.perf_counter() - warmed)
             finally:
                 self._warming = False
         self._ready = True
