@@ -171,24 +171,34 @@ def join_report(backend, delivered: list, resumed: list, whole: list, handed: np
     return entry
 
 
-async def run(args) -> dict:
-    from tts_backend.base import SynthesisRequest
+def read_prompts(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def stateless_backend(args, **options):
+    """The qwen3 backend as served, with the stateless sampler (the one that resumes), from the engine
+    arguments (`add_engine_arguments`)."""
     from tts_backend.qwen3_backend import Qwen3Synthesizer
 
-    prompts = [json.loads(line)["text"] for line in args.prompts.read_text(encoding="utf-8").splitlines() if line]
+    options.update(model=str(args.model), device=args.device, max_active=args.max_active, max_len=args.max_len,
+                   frame_cap_chars_per_second=args.frame_cap_chars_per_second, sampler="stateless")
+    if args.dtype:
+        options["dtype"] = args.dtype
+    if args.runner_options:
+        options["runner_options"] = args.runner_options
+    return Qwen3Synthesizer(**options)
+
+
+async def run(args) -> dict:
+    from tts_backend.base import SynthesisRequest
+
+    prompts = read_prompts(args.prompts)
     rng = random.Random(args.seed)
     chosen = rng.sample(prompts, args.sentences + args.others + args.others_resume)
     sentences = [" ".join([text] * args.repeat) for text in chosen[: args.sentences]]
     company = chosen[args.sentences: args.sentences + args.others]
     resume_company = chosen[args.sentences + args.others:]
-    options = dict(model=str(args.model), device=args.device, max_active=args.max_active, max_len=args.max_len,
-                   frame_cap_chars_per_second=args.frame_cap_chars_per_second, sampler="stateless",
-                   trim_leading_silence=not args.no_trim)
-    if args.dtype:
-        options["dtype"] = args.dtype
-    if args.runner_options:
-        options["runner_options"] = args.runner_options
-    backend = Qwen3Synthesizer(**options)
+    backend = stateless_backend(args, trim_leading_silence=not args.no_trim)
     await backend.start()
     try:
         runner = backend.engine.runner
@@ -252,11 +262,25 @@ async def run(args) -> dict:
         await backend.stop()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint, the engine's options and the report's file, as `stateless_backend` reads them."""
     parser.add_argument("--model", required=True, type=Path, help="Qwen3-TTS checkpoint folder")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--dtype", default=None, help="model dtype (default: the backend's, bfloat16)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-active", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--frame-cap-chars-per-second", type=float, default=15.0,
+                        help="random weights never sample EOS: cap each request at its text's length at this rate")
+    parser.add_argument("--runner-options", type=json.loads, default=None,
+                        help="JSON, e.g. '{\"resume_prefill\": \"stepwise\"}'")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    parser.add_argument("--output", type=Path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_arguments(parser)
     parser.add_argument("--sentences", type=int, default=4)
     parser.add_argument("--cuts", type=int, default=2, help="random chunk boundaries per stream, beside the first")
     parser.add_argument("--repeat", type=int, default=1,
@@ -268,26 +292,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-snr-db", type=float, default=20.0,
                         help="the resumed audio against the codec's one-call decode of all the frames")
     parser.add_argument("--no-trim", action="store_true", help="no leading-silence trimming")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-active", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--frame-cap-chars-per-second", type=float, default=15.0,
-                        help="random weights never sample EOS: cap each request at its text's length at this rate")
-    parser.add_argument("--runner-options", type=json.loads, default=None, help="JSON, e.g. '{\"resume_prefill\": \"stepwise\"}'")
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    parser.add_argument("--output", type=Path)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # The engine's log beside the report: start-up, and what each resume pass cost.
+def report_of(run, args) -> dict:
+    """`run(args)`'s report, written to --output, with the engine's log beside it: start-up, and what each
+    resume pass cost."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("tts_backend").setLevel(logging.INFO)
     report = asyncio.run(run(args))
-    text = json.dumps(report, indent=2)
     if args.output:
-        args.output.write_text(text + "\n", encoding="utf-8")
+        args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    report = report_of(run, build_parser().parse_args(argv))
     timing = report["resume_first_audio_ms"]
     print(f"device {report['device']}, fast path {report['fast_path']}, batched teacher forcing "
           f"{report['resume_batched']}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import json
 import logging
 import pstats
 import random
@@ -39,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "arctic_en.jsonl"
+from bench.resume_check import add_engine_arguments, read_prompts, report_of, stateless_backend  # noqa: E402
 
 
 class ResumeTimer:
@@ -153,19 +152,11 @@ async def case(backend, timer: ResumeTimer, logs: LogKeeper, texts: list[str], l
 
 
 async def run(args) -> dict:
-    from tts_backend.qwen3_backend import Qwen3Synthesizer
-
-    prompts = [json.loads(line)["text"] for line in args.prompts.read_text(encoding="utf-8").splitlines() if line]
+    prompts = read_prompts(args.prompts)
     rng = random.Random(args.seed)
     texts = rng.sample(prompts, max(args.streams))
     long_text = " ".join(rng.sample(prompts, 4))
-    options = dict(model=str(args.model), device=args.device, max_active=args.max_active, max_len=args.max_len,
-                   frame_cap_chars_per_second=args.frame_cap_chars_per_second, sampler="stateless")
-    if args.dtype:
-        options["dtype"] = args.dtype
-    if args.runner_options:
-        options["runner_options"] = args.runner_options
-    backend = Qwen3Synthesizer(**options)
+    backend = stateless_backend(args)
     logs = LogKeeper()
     logging.getLogger("tts_backend").addHandler(logs)
     await backend.start()
@@ -212,33 +203,17 @@ def numbers(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, type=Path, help="Qwen3-TTS checkpoint folder")
-    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    parser.add_argument("--dtype", default=None, help="model dtype (default: the backend's, bfloat16)")
+    add_engine_arguments(parser)
     parser.add_argument("--streams", type=numbers, default=[1, 8], help="resumed together, e.g. 1,8")
     parser.add_argument("--beside", type=numbers, default=[0, 8], help="long requests speaking meanwhile, e.g. 0,8")
     parser.add_argument("--cut-chunk", type=int, default=3, help="chunks delivered before the cut")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (the last is profiled)")
     parser.add_argument("--top", type=int, default=25, help="functions in each profile")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-active", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--frame-cap-chars-per-second", type=float, default=15.0,
-                        help="random weights never sample EOS: cap each request at its text's length at this rate")
-    parser.add_argument("--runner-options", type=json.loads, default=None)
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    parser.add_argument("--output", type=Path)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("tts_backend").setLevel(logging.INFO)
-    report = asyncio.run(run(args))
-    text = json.dumps(report, indent=2)
-    if args.output:
-        args.output.write_text(text + "\n", encoding="utf-8")
+    report_of(run, build_parser().parse_args(argv))
     return 0
 
 
