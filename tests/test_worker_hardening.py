@@ -253,9 +253,9 @@ def alive(pid: int) -> bool:
 def test_a_killed_launcher_takes_its_workers_with_it():
     """--gpus 0,1, then SIGKILL of the launcher: before, both workers kept serving (their ports and GPUs
     held, nobody to stop them). Now each gets SIGTERM from the kernel, drains and exits."""
-    from tests.test_worker_pool import two_free_ports
+    from bench.ports import consecutive_free_ports
 
-    base = two_free_ports()
+    base = consecutive_free_ports(2)  # GPU i listens on base + i
     launcher = WorkerProcess("--gpus", "0,1", "--listen", f"tcp://127.0.0.1:{base}", "--backend", "synthetic",
                              "--drain-linger-s", "0.2", expect_ready=2)
     children = []
