@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -143,7 +144,8 @@ def join_report(backend, delivered: list, resumed: list, whole: list, handed: np
     uninterrupted_after = pcm16(joined(whole, 0))[n:]
     same_length = len(uninterrupted_after) == len(after)
     entry = {
-        "k": k, "codec_context_from": start, "reference_decode_s": round(decode_s, 3), "new_frames": len(new_codes), "trimmed_samples": int(trimmed),
+        "k": k, "codec_context_from": start, "reference_decode_s": round(decode_s, 3), "new_frames": len(new_codes),
+        "trimmed_samples": int(trimmed),
         "context_is_delivered": handed is not None and np.array_equal(handed, delivered_codes),
         "codec_continuity_snr_db": snr,
         "cold_continuity_snr_db": snr_db(cold[:first], span) if cold is not None and len(cold) >= first == len(span)
@@ -175,9 +177,10 @@ def read_prompts(path: Path) -> list[str]:
     return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def stateless_backend(args, **options):
-    """The qwen3 backend as served, with the stateless sampler (the one that resumes), from the engine
-    arguments (`add_engine_arguments`)."""
+@contextlib.asynccontextmanager
+async def serving(args, **options):
+    """The qwen3 backend as served, started, with the stateless sampler (the one that resumes), from the engine
+    arguments (`add_engine_arguments`); stopped on the way out."""
     from tts_backend.qwen3_backend import Qwen3Synthesizer
 
     options.update(model=str(args.model), device=args.device, max_active=args.max_active, max_len=args.max_len,
@@ -186,7 +189,24 @@ def stateless_backend(args, **options):
         options["dtype"] = args.dtype
     if args.runner_options:
         options["runner_options"] = args.runner_options
-    return Qwen3Synthesizer(**options)
+    backend = Qwen3Synthesizer(**options)
+    await backend.start()
+    try:
+        if "resume_codes" not in backend.honours:
+            raise SystemExit("this backend cannot resume from codes (sampler)")
+        yield backend
+    finally:
+        await backend.stop()
+
+
+def device_report(runner) -> dict:
+    """Where the engine ran: the device, its fast path and, on a GPU, the card's name."""
+    report = {"device": str(runner.device), "fast_path": runner.fast_path()}
+    if runner.device.type == "cuda":
+        import torch
+
+        report["gpu"] = torch.cuda.get_device_name(runner.device)
+    return report
 
 
 async def run(args) -> dict:
@@ -198,21 +218,13 @@ async def run(args) -> dict:
     sentences = [" ".join([text] * args.repeat) for text in chosen[: args.sentences]]
     company = chosen[args.sentences: args.sentences + args.others]
     resume_company = chosen[args.sentences + args.others:]
-    backend = stateless_backend(args, trim_leading_silence=not args.no_trim)
-    await backend.start()
-    try:
+    async with serving(args, trim_leading_silence=not args.no_trim) as backend:
         runner = backend.engine.runner
-        if "resume_codes" not in backend.honours:
-            raise SystemExit("this backend cannot resume from codes (sampler)")
         spy = ResumeSpy(runner)
         cpu = runner.device.type != "cuda"
-        report = {"device": str(runner.device), "fast_path": runner.fast_path(), "sampler": runner.sampler,
-                  "resume_batched": runner.resume_batched, "codebooks": backend.codebooks,
-                  "others": args.others, "others_resume": args.others_resume, "cuts": []}
-        if not cpu:
-            import torch
-
-            report["gpu"] = torch.cuda.get_device_name(runner.device)
+        report = {**device_report(runner), "sampler": runner.sampler, "resume_batched": runner.resume_batched,
+                  "codebooks": backend.codebooks, "others": args.others, "others_resume": args.others_resume,
+                  "cuts": []}
         voice = backend.default_voice
         modes = {"off": [False], "on": [True], "both": [False, True]}[args.streaming_text]
         resume_ms, whole_ms = [], []
@@ -249,7 +261,8 @@ async def run(args) -> dict:
                     report["cuts"].append(entry)
                     print(f"[{n} {'stream' if streaming_text else 'whole'} k={entry['k']}] pass={entry['pass']} "
                           f"join={entry['join_step']} p99={entry['p99_step']} cold={entry['cold_join_step']} "
-                          f"snr={entry['codec_continuity_snr_db']} same_frames={entry['new_frames_equal_uninterrupted']}"
+                          f"snr={entry['codec_continuity_snr_db']} "
+                          f"same_frames={entry['new_frames_equal_uninterrupted']}"
                           f" resume={entry.get('resume_first_audio_ms', float('nan')):.1f} ms"
                           f" (reference decodes {entry['reference_decode_s']:.1f} s)", flush=True)
         report["resume_first_audio_ms"] = {"median": statistics.median(resume_ms) if resume_ms else None,
@@ -258,12 +271,10 @@ async def run(args) -> dict:
                                           "p95": percentile(whole_ms, 0.95)}
         report["failed"] = failed
         return report
-    finally:
-        await backend.stop()
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The checkpoint, the engine's options and the report's file, as `stateless_backend` reads them."""
+    """The checkpoint, the engine's options and the report's file, as `serving` reads them."""
     parser.add_argument("--model", required=True, type=Path, help="Qwen3-TTS checkpoint folder")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--dtype", default=None, help="model dtype (default: the backend's, bfloat16)")

@@ -38,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.resume_check import add_engine_arguments, read_prompts, report_of, stateless_backend  # noqa: E402
+from bench.resume_check import add_engine_arguments, device_report, read_prompts, report_of, serving  # noqa: E402
 
 
 class ResumeTimer:
@@ -156,45 +156,40 @@ async def run(args) -> dict:
     rng = random.Random(args.seed)
     texts = rng.sample(prompts, max(args.streams))
     long_text = " ".join(rng.sample(prompts, 4))
-    backend = stateless_backend(args)
     logs = LogKeeper()
     logging.getLogger("tts_backend").addHandler(logs)
-    await backend.start()
     try:
-        runner = backend.engine.runner
-        if "resume_codes" not in backend.honours:
-            raise SystemExit("this backend cannot resume from codes (sampler)")
-        timer = ResumeTimer(runner)
-        report = {"device": str(runner.device), "fast_path": runner.fast_path(), "cut_chunk": args.cut_chunk,
-                  "cases": []}
-        if runner.device.type == "cuda":
-            import torch
-
-            report["gpu"] = torch.cuda.get_device_name(runner.device)
-        for b in args.beside:
-            for n in args.streams:
-                entries = [await case(backend, timer, logs, texts, long_text, n, b, args.cut_chunk,
-                                      profile=(i == args.repeats - 1), top=args.top) for i in range(args.repeats)]
-                entry = entries[-1]
-                entry["first_audio_ms_median_over_repeats"] = statistics.median(
-                    max(e["first_audio_ms"]) for e in entries if e["first_audio_ms"])
-                # Every repeat's resume calls: the process's first resume of a shape is the one a failover's
-                # survivor meets (its first launches), the later ones are warm.
-                entry["repeats"] = [{"resume_ms": e["resume_ms"], "resume_log": e["resume_log"],
-                                     "first_audio_ms": e["first_audio_ms"]} for e in entries]
-                report["cases"].append(entry)
-                print(f"N={n} beside={b}: frames {entry['frames']}, admission {entry['admission_ms']} ms, resume "
-                      f"{entry['resume_ms']} ms, then first audio after {entry['after_ms']} ms; first audio "
-                      f"{entry['first_audio_ms']} ms", flush=True)
-                for line in entry["resume_log"]:
-                    print("   ", line, flush=True)
-                for row in entry.get("profile_cumulative", [])[:15] + entry.get("profile", [])[:12]:
-                    print(f"    {row['own_ms']:8.2f} own {row['cumulative_ms']:8.2f} cum {row['calls']:6d}x "
-                          f"{row['function']}", flush=True)
-        return report
+        async with serving(args) as backend:
+            runner = backend.engine.runner
+            timer = ResumeTimer(runner)
+            report = {**device_report(runner), "cut_chunk": args.cut_chunk, "cases": []}
+            for b in args.beside:
+                for n in args.streams:
+                    entries = [await case(backend, timer, logs, texts, long_text, n, b, args.cut_chunk,
+                                          profile=(i == args.repeats - 1), top=args.top) for i in range(args.repeats)]
+                    entry = entries[-1]
+                    entry["first_audio_ms_median_over_repeats"] = statistics.median(
+                        max(e["first_audio_ms"]) for e in entries if e["first_audio_ms"])
+                    # Every repeat's resume calls: the process's first resume of a shape is the one a failover's
+                    # survivor meets (its first launches), the later ones are warm.
+                    entry["repeats"] = [{"resume_ms": e["resume_ms"], "resume_log": e["resume_log"],
+                                         "first_audio_ms": e["first_audio_ms"]} for e in entries]
+                    report["cases"].append(entry)
+                    print_case(entry)
+            return report
     finally:
         logging.getLogger("tts_backend").removeHandler(logs)
-        await backend.stop()
+
+
+def print_case(entry: dict) -> None:
+    print(f"N={entry['streams']} beside={entry['beside']}: frames {entry['frames']}, admission "
+          f"{entry['admission_ms']} ms, resume {entry['resume_ms']} ms, then first audio after {entry['after_ms']} "
+          f"ms; first audio {entry['first_audio_ms']} ms", flush=True)
+    for line in entry["resume_log"]:
+        print("   ", line, flush=True)
+    for row in entry.get("profile_cumulative", [])[:15] + entry.get("profile", [])[:12]:
+        print(f"    {row['own_ms']:8.2f} own {row['cumulative_ms']:8.2f} cum {row['calls']:6d}x {row['function']}",
+              flush=True)
 
 
 def numbers(text: str) -> list[int]:

@@ -167,7 +167,8 @@ async def test_warm_up_resumes_requests_from_its_codes_when_asked(tiny_custom_vo
         await backend.start()
     try:
         assert backend.ready and backend.engine.stats.completed == 4
-        resumed = [int(m.group(1)) for r in caplog.records if (m := re.match(r"resumed (\d+) requests", r.getMessage()))]
+        resumed = [int(m.group(1)) for r in caplog.records
+                   if (m := re.match(r"resumed (\d+) requests", r.getMessage()))]
         assert sum(resumed) == 3
         assert any("3 warm-up requests resumed" in r.getMessage() for r in caplog.records)
     finally:
