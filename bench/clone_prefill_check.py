@@ -9,6 +9,12 @@ captured graph and through the uncaptured path into other slots, and reports the
 the last hidden states (bf16: the two paths pad the batch to different lengths, so matmul shapes and rounding
 differ slightly), whether the first sampled code agrees, and the median time of each path (CUDA events,
 embeddings included). Random weights: only the cost and the agreement are meaningful.
+
+Then, per voice at batch 1 and 4 on the captured path, where a request's prefill spends its time (`stages`): each
+part of Qwen3ModelRunner.prefill timed alone, the device idle before it (synchronised), as the host's time to
+return from it and the time until the device has finished it too, and the captured steps it replayed. Under load
+(H100, 20 RPS) an in-context clone's prefill held the engine thread 9.8 ms a call against an x-vector clone's
+3.0 ms (bench/results/clones_timestamps_h100.md); this says which part that is.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TEXT = "Author of the danger trail, Philip Steels, etc."
+# The parts of Qwen3ModelRunner.prefill that `stages` times, in the order a clone's prefill runs them (the
+# codec priming runs inside the first; the prompt's embeddings, the voice prefix copy and the rest's prefill
+# inside _prompt_pass).
+STAGES = ("_fresh_slots", "_prime_codec", "prompts_embeds", "_voice_prefixes", "_prefill_rest")
 
 
 def clip(seconds: float) -> torch.Tensor:
@@ -38,6 +48,55 @@ def clip(seconds: float) -> torch.Tensor:
     with wave.open(io.BytesIO(reference_wav(seconds))) as w:
         pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2")
     return torch.from_numpy(pcm.astype(np.float32) / 32768)
+
+
+def stage_times(runner, model, run, iters: int, cuda: bool) -> dict:
+    """Median per stage of `run()` (one prefill) over `iters` runs: host ms until the stage returned, and ms
+    until the device had finished it too, each stage started on an idle device; and the graph keys replayed."""
+    import time
+
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in STAGES}
+    replayed: set[str] = set()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed_stage(name: str, fn):
+        def stage(*args, **kwargs):
+            sync()
+            started = time.perf_counter()
+            out = fn(*args, **kwargs)
+            host = time.perf_counter() - started
+            sync()
+            samples[name].append((host * 1000, (time.perf_counter() - started) * 1000))
+            return out
+        return stage
+
+    def recording_run(key, fn, inputs):
+        if key in runner.graphs:
+            replayed.add(repr(key))
+        return graphs_run(key, fn, inputs)
+
+    owners = {name: model if name == "prompts_embeds" else runner for name in STAGES}
+    originals = {name: getattr(owner, name) for name, owner in owners.items()}
+    graphs_run = runner.graphs.run
+    for name, owner in owners.items():
+        setattr(owner, name, timed_stage(name, originals[name]))
+    runner.graphs.run = recording_run
+    try:
+        for _ in range(iters):
+            run()
+    finally:
+        for name, owner in owners.items():
+            setattr(owner, name, originals[name])
+        runner.graphs.run = graphs_run
+    out = {}
+    for name, rows in samples.items():
+        if rows:
+            out[name] = {"host_ms": statistics.median(h for h, _ in rows),
+                         "done_ms": statistics.median(d for _, d in rows), "calls_per_prefill": len(rows) / iters}
+    return {"stages": out, "replayed": sorted(replayed)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     runner = Qwen3ModelRunner(model, Qwen3RunnerConfig(
         max_slots=16, max_len=512, decode_buckets=(1, 4), attend_buckets=(512,), prefill_batch_buckets=(1, 4),
         prefill_len_buckets=(32,), clone_prefill_len_buckets=(16, 32, 64, 128, 256, 512), codec_batch_buckets=(1,),
-        codec_frames=(1,), sampler="stateless", greedy=True))
+        # The rest lengths these voices' prompts need after their cached prefixes (3 s: 33, 10 s: 120, 30 s: 370),
+        # not every default one: each is a graph per batch bucket and attended length.
+        voice_kv_rest_buckets=(32, 64, 128, 384), codec_frames=(1,), sampler="stateless", greedy=True))
     voices = {"x_vector": model.clone_prompt(clip(10), None, x_vector_only=True)}
     for seconds in (3, 10, 30):
         voices[f"icl_{seconds}s"] = model.clone_prompt(clip(seconds), "This is the reference recording.",
@@ -67,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         runner._allocate()
         runner._capture_prefill()
+        runner._capture_rest_prefill()
         for name, voice in voices.items():
             prompt = model.make_prompt(TEXT, voice=voice, language="english", non_streaming_mode=False)
             for batch in (1, 4):
@@ -108,15 +170,24 @@ def main(argv: list[str] | None = None) -> int:
                 b = runner.hidden[8:8 + batch].float()
                 rel = float((a - b).abs().max() / b.abs().max())
                 same_c0 = bool(torch.equal(runner.c0[0:batch], runner.c0[8:8 + batch]))
-                rows.append({"voice": name, "batch": batch, "positions": len(prompt), "captured": was_captured,
+                stages = stage_times(runner, model, lambda: runner.prefill(captured_reqs), args.iters, cuda)
+                rows.append({"voice": name, "batch": batch, "positions": len(prompt),
+                             "voice_prefix": prompt.voice_prefix, "captured": was_captured,
                              "captured_ms": captured_ms, "uncaptured_ms": eager_ms, "max_rel_diff": rel,
-                             "same_first_code": same_c0})
+                             "same_first_code": same_c0, **stages})
                 print(rows[-1], flush=True)
     lines = ["| voice | batch | prompt positions | captured | captured ms | uncaptured ms | max rel diff |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['voice']} | {r['batch']} | {r['positions']} | {r['captured']} | {r['captured_ms']:.2f} | "
                      f"{r['uncaptured_ms']:.2f} | {r['max_rel_diff']:.2e} |")
+    lines += ["", "Where the captured path's time goes, ms per prefill (host returned / device done, each part started on "
+              "an idle device):", "", "| voice | batch | " + " | ".join(STAGES) + " | replayed |",
+              "|---|---|" + "---|" * (len(STAGES) + 1)]
+    for r in rows:
+        cells = [f"{r['stages'][n]['host_ms']:.2f} / {r['stages'][n]['done_ms']:.2f}" if n in r["stages"] else "-"
+                 for n in STAGES]
+        lines.append(f"| {r['voice']} | {r['batch']} | " + " | ".join(cells) + f" | {', '.join(r['replayed'])} |")
     print("\n".join(lines))
     if args.output:
         args.output.write_text(json.dumps({"command": " ".join(["python", "bench/clone_prefill_check.py",

@@ -68,6 +68,8 @@
 #   alignercost[:ARGS] bench/aligner_cost.py ARGS on the random aligner in /tmp/aligner (built if missing)
 #                    -> $OUT/aligner_cost.json: ms and ops per sentence at batch 1/4/16, e.g.
 #                      bash bench/h200.sh alignercost:"--contend-ms 2"
+#   cloneprefill     bench/clone_prefill_check.py (after use:base) -> $OUT/clone_prefill.json: cloned voices'
+#                    captured prefill against the uncaptured one, and where its time goes by part
 #   savecache        the Inductor/Triton caches          -> $OUT/compile_cache.txz (if under 15 MiB)
 #
 # Only 8 files come back from $OUT, so after each step everything there except h200.log, the *.json
@@ -379,8 +381,10 @@ for arg in "$@"; do
         tune) run "$PY" bench/kernel_tune.py --output "$OUT/kernel_tune.json" ;;
         # shellcheck disable=SC2086
         codecprofile) run "$PY" bench/codec_profile.py $value --output "$OUT/codec_profile.json" ;;
+        # A Base checkpoint's: after use:base.
+        cloneprefill) run "$PY" bench/clone_prefill_check.py --model "$CKPT" --output "$OUT/clone_prefill.json" ;;
         savecache) step_savecache ;;
-        *) echo "unknown step '$name' (setup, step, reference, load:RATES, nari:RATES, multigpu:RATE, profile:ARGS, textstream:ARGS, resumecheck:ARGS, use:TYPE, aligner, alignercost:ARGS, savecache)"; false ;;
+        *) echo "unknown step '$name' (setup, step, reference, load:RATES, nari:RATES, multigpu:RATE, profile:ARGS, textstream:ARGS, resumecheck:ARGS, use:TYPE, aligner, alignercost:ARGS, cloneprefill, savecache)"; false ;;
     esac
     rc=$?
     if ((rc != 0)); then
