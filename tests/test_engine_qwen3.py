@@ -170,6 +170,12 @@ async def test_warm_up_resumes_requests_from_its_codes_when_asked(tiny_custom_vo
         resumed = [int(m.group(1)) for r in caplog.records
                    if (m := re.match(r"resumed (\d+) requests", r.getMessage()))]
         assert sum(resumed) == 3
+        # The engine's line before each resume call says how long the call's resumes were gathered.
+        gathered = [int(m.group(1)) for r in caplog.records
+                    if (m := re.match(r"resuming (\d+) requests: they arrived over [\d.]+ ms, the first [\d.]+ ms "
+                                      r"before their prefill", r.getMessage()))]
+        assert gathered == [int(m.group(1)) for r in caplog.records
+                            if (m := re.match(r"resumed (\d+) requests", r.getMessage()))]
         assert any("3 warm-up requests resumed" in r.getMessage() for r in caplog.records)
     finally:
         await backend.stop()

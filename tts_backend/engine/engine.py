@@ -593,6 +593,13 @@ class Engine:
         """Run a prefill batch; returns whether it ran (a failed one fails its requests, not the engine)."""
         requests = batch.requests
         post = _POST[Stage.PREFILL]
+        resumed = [r.arrival for r in requests if r.resume is not None]
+        if resumed:
+            # With the runner's own line on the call: how long the resumes' gathering took (a failover's pause
+            # is the link's share, this, then the call's).
+            now = self.clock()
+            log.info("resuming %d requests: they arrived over %.1f ms, the first %.1f ms before their prefill",
+                     len(resumed), 1000 * (max(resumed) - min(resumed)), 1000 * (now - min(resumed)))
         started = self._enter(_RUNNER[Stage.PREFILL])
         try:
             eos = self.runner.prefill(requests)
