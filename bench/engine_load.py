@@ -501,6 +501,9 @@ def engine_breakdown(before: dict, after: dict) -> dict | None:
         "codec_device_share": delta("voxgate_engine_codec_device_seconds_total").get("", 0.0) / wall,
         "rules": {rule: int(count) for rule, count in sorted(rules.items())},
         "voice_kv": voice_kv_breakdown(delta),
+        # Device passes that found no captured graph (GraphSet.uncaptured); None where the engine captures none.
+        "uncaptured": {kind: int(n) for kind, n in sorted(delta("voxgate_engine_uncaptured_passes_total",
+                                                                "kind").items())} or None,
     }
 
 

@@ -124,3 +124,28 @@ async def test_first_chunks_are_counted_by_their_latency_from_arrival():
     exported = {le: value for (le,), value in
                 {m.name: dict(m.samples) for m in engine_metrics(engine.stats_snapshot())}["engine_first_chunks"].items()}
     assert exported["0.005"] == 1 and exported["0.03"] == 1 and exported["0.035"] == 2 and exported["+Inf"] == 2
+
+
+async def test_uncaptured_passes_are_exported_by_kind_only_where_the_runner_captures():
+    """The runner's passes that found no captured graph (GraphSet.uncaptured) as a counter by kind on the
+    gateway's /metrics, read back as bench/engine_load.py reads it; a runner without graphs (None) exports no
+    family."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from bench.engine_load import engine_breakdown
+    from gateway.metrics import GatewayMetrics
+    from tests.engine_fixtures import make_engine, run_until_idle, submit
+    from tts_backend.engine.metrics import engine_metrics
+
+    def scrape(engine, uncaptured: dict | None) -> dict:
+        text = GatewayMetrics().render(engine_metrics(engine.stats_snapshot(), uncaptured=uncaptured)).decode()
+        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(text) for sample in family.samples}
+
+    engine, _, _ = make_engine()
+    assert not any(name.startswith("voxgate_engine_uncaptured") for name, _ in scrape(engine, None))
+    before = scrape(engine, {"prefill_rest": 1})
+    submit(engine, frames=8)
+    run_until_idle(engine)  # the engine thread's seconds grow, so the breakdown has a window to divide by
+    after = scrape(engine, {"prefill_rest": 4, "resume": 2})
+    assert engine_breakdown(before, after)["uncaptured"] == {"prefill_rest": 3, "resume": 2}

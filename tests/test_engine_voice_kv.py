@@ -106,6 +106,10 @@ class EagerGraphs:
     def __init__(self) -> None:
         self.keys: set = set()
         self.replayed: list = []
+        self.uncaptured: dict[str, int] = {}
+
+    def ran_uncaptured(self, kind: str) -> None:
+        self.uncaptured[kind] = self.uncaptured.get(kind, 0) + 1
 
     def __contains__(self, key) -> bool:
         return key in self.keys
@@ -129,9 +133,19 @@ class EagerGraphs:
 
         return failing
 
+    @staticmethod
+    def skipping(kinds: tuple[str, ...], capture):
+        def skipped(key, fn, example_inputs, warmup: int = 2):
+            if key[0] not in kinds:
+                capture(key, fn, example_inputs, warmup)
+
+        return skipped
+
     def run(self, key, fn, inputs) -> None:
         if key in self.keys:
             self.replayed.append(key)
+        else:
+            self.ran_uncaptured(key[0])
         fn(*inputs)
 
 
@@ -154,6 +168,8 @@ def _prefilled(model, prompts, voice_kv_bytes, graphs="eager", fused=False):
             runner.graphs = EagerGraphs()
             if graphs == "square":
                 runner.graphs.capture = EagerGraphs.failing_on("prefill_rest", runner.graphs.capture)
+            if graphs == "none":  # no clone prefill shape captured at all
+                runner.graphs.capture = EagerGraphs.skipping(("prefill_rest", "prefill_embeds"), runner.graphs.capture)
             runner._capture_all()
         out = []
         for _ in range(2):
@@ -165,7 +181,7 @@ def _prefilled(model, prompts, voice_kv_bytes, graphs="eager", fused=False):
     return out, runner
 
 
-@pytest.mark.parametrize("graphs", ["eager", "bucketed", "square"])
+@pytest.mark.parametrize("graphs", ["eager", "bucketed", "square", "none"])
 @pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused"])
 def test_a_cached_prefix_prefills_what_the_whole_prompt_does(model, voices, graphs, fused):
     """Two in-context voices (one in each text mode, one twice) beside an x-vector one: the first prefill
@@ -199,6 +215,14 @@ def test_a_cached_prefix_prefills_what_the_whole_prompt_does(model, voices, grap
     elif graphs == "square":
         (key,) = prefills
         assert key[:2] == ("prefill_embeds", 4) and key[2] >= max(len(p) for p in prompts)
+    # Where no captured prefill fits, each of the two prefills ran uncaptured, and the runner says so (the
+    # engine's /metrics, voxgate_engine_uncaptured_passes_total); where one did, nothing did.
+    if graphs == "none":
+        assert not prefills and runner.uncaptured_passes() == {"prefill_rest": 2}
+    elif graphs != "eager":
+        assert "prefill_rest" not in runner.uncaptured_passes()
+    else:
+        assert runner.uncaptured_passes() is None  # no graphs on the CPU: nothing to fall back from
 
 
 # ---- the engine: the model's own audio ------------------------------------------------------------------
@@ -334,6 +358,8 @@ async def test_two_voices_from_one_clip_share_one_prefix_behind_a_gateway(tiny_b
                 messages = await receive_until(ws, "session.done", timeout=120)
             assert any(isinstance(m, dict) and m["type"] == "audio.done" for m in messages)
         after = scrape_counters(server.url)
-    kv = engine_breakdown(before, after)["voice_kv"]
+    breakdown = engine_breakdown(before, after)
+    kv = breakdown["voice_kv"]
+    assert breakdown["uncaptured"] is None  # the CPU captures no graphs, so it has none to fall back from
     assert kv["misses"] == 1 and kv["hits"] == 1 and kv["evictions"] == 0
     assert kv["positions_saved"] == kv["positions_saved_per_hit"] > 8  # the head and the bench's transcript

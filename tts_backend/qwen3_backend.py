@@ -395,7 +395,7 @@ class Qwen3Synthesizer(Synthesizer):
 
         runner = self.engine.runner
         families = engine_metrics(self.engine.stats_snapshot(), runner.fast_path(), runner.kernel_check,
-                                  runner.voice_kv_stats())
+                                  runner.voice_kv_stats(), runner.uncaptured_passes())
         batcher = self.aligner_batcher
         if batcher is not None:
             families += [

@@ -45,6 +45,10 @@ class GraphSet:
         self.capture_seconds = 0.0
         self.replays = 0
         self.eager_runs = 0
+        # Passes run uncaptured while graphs are on, by kind (a key's first element): no captured shape fit
+        # them, so each was the host launching every kernel the graphs exist to spare it. The runner counts its
+        # own fallbacks that bypass `run` here too (ran_uncaptured).
+        self.uncaptured: dict[str, int] = {}
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._steps
@@ -86,10 +90,16 @@ class GraphSet:
         for key in [k for k in self._steps if isinstance(k, tuple) and k and k[0] == kind]:
             del self._steps[key]
 
+    def ran_uncaptured(self, kind: str) -> None:
+        """A pass of `kind` ran uncaptured (counted while graphs are on: elsewhere every pass is)."""
+        if self.enabled:
+            self.uncaptured[kind] = self.uncaptured.get(kind, 0) + 1
+
     def run(self, key: Hashable, fn: Callable[..., None], inputs: Sequence[torch.Tensor]) -> None:
         step = self._steps.get(key)
         if step is None:
             self.eager_runs += 1
+            self.ran_uncaptured(key[0] if isinstance(key, tuple) and key else str(key))
             fn(*inputs)
         else:
             self.replays += 1

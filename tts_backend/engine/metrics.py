@@ -17,10 +17,12 @@ from ..base import BackendMetric
 
 
 def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
-                   kernel_check: dict | None = None, voice_kv: dict | None = None) -> list[BackendMetric]:
+                   kernel_check: dict | None = None, voice_kv: dict | None = None,
+                   uncaptured: dict[str, int] | None = None) -> list[BackendMetric]:
     """`fast_path`: the runner's pieces in use (Qwen3ModelRunner.fast_path); `kernel_check`: its start-up
     kernel check's measured disagreements, when it ran; `voice_kv`: its cloned voices' prefix cache counters
-    (Qwen3ModelRunner.voice_kv_stats), where it has one."""
+    (Qwen3ModelRunner.voice_kv_stats), where it has one; `uncaptured`: its passes run without a captured graph
+    while it has graphs, by kind (GraphSet.uncaptured)."""
     stages = {stage.lower(): counts for stage, counts in snapshot["stages"].items()}  # label values in lower case
     thread_seconds = [((f"runner.{stage}",), s["runner_s"]) for stage, s in stages.items()]
     thread_seconds += [((f"post.{stage}",), s["post_s"]) for stage, s in stages.items()]
@@ -41,6 +43,11 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
         extra.append(BackendMetric("engine_kernel_check_error", "gauge", "Start-up disagreement of the Triton "
                                    "kernels with the layers they replace (relative; above the limit the piece "
                                    "is turned off)", ("check",), errors))
+    if uncaptured is not None:
+        extra.append(BackendMetric("engine_uncaptured_passes", "counter", "Device passes run without a captured "
+                                   "CUDA graph while the runner has graphs (no captured shape fit them), by kind: "
+                                   "each launched all its kernels from the engine thread", ("kind",),
+                                   tuple(((kind,), float(n)) for kind, n in sorted(uncaptured.items()))))
     if voice_kv is not None:
         extra += [
             BackendMetric("engine_voice_kv_requests", "counter", "Requests in a cloned voice with a cacheable prompt "

@@ -497,6 +497,10 @@ class Qwen3ModelRunner(ModelRunner):
             raise ValueError(f"voice_kv_bytes must be auto or a number of bytes >= 0, not {setting!r}")
         return setting
 
+    def uncaptured_passes(self) -> dict[str, int] | None:
+        """Passes run without a captured graph by kind, where this runner captures graphs (None elsewhere)."""
+        return dict(self.graphs.uncaptured) if self.graphs.enabled else None
+
     def voice_kv_stats(self) -> dict | None:
         """The voice prefix cache's counters (hits, misses, evictions, bytes, entries, positions_saved), or None
         where there is none (not a Base checkpoint, or turned off). Plain ints, safe to read from any thread."""
@@ -1190,6 +1194,7 @@ class Qwen3ModelRunner(ModelRunner):
         lengths = [e.shape[0] for e in embeds]
         up = self._upload(torch.tensor([lengths, starts], dtype=torch.long))
         self._host_slots = slot_list
+        self.graphs.ran_uncaptured("resume")
         self._prefill_embeds(rows, right_padded(embeds), up[0], up[1], attend)
         return self.eos_out[: len(requests)].clone()
 
@@ -1457,6 +1462,7 @@ class Qwen3ModelRunner(ModelRunner):
             self.graphs.run(("prefill", b, n), self._prefill_fn, inputs)
             return
         # Eager: exactly the model's own prefill (right-padded to the longest prompt of the batch).
+        self.graphs.ran_uncaptured("prefill")
         self._host_slots = slot_list
         embeds = m.prompts_embeds([r.prompt for r in requests], self._upload)
         hidden = m.prefill(self.kv, slots_t, embeds)
@@ -1480,6 +1486,7 @@ class Qwen3ModelRunner(ModelRunner):
             return
         up = self._upload(torch.tensor([lengths, starts], dtype=torch.long))
         self._host_slots = slot_list
+        self.graphs.ran_uncaptured("prefill_rest")
         self._prefill_embeds(slots_t, right_padded(rest), up[0], up[1], attend)
 
     def _replay_embeds(self, key: tuple, requests: list[RequestState], rest: list[torch.Tensor],
@@ -1544,6 +1551,7 @@ class Qwen3ModelRunner(ModelRunner):
         b = self._graph_bucket(len(requests), self.decode_buckets)
         slots = self._slots(requests, b)
         if b is None:
+            self.graphs.ran_uncaptured("decode")
             self._decode_fn(slots, longest)  # eager: attend exactly the positions in use
         else:
             a = _bucket(longest, self.attend_buckets)
@@ -1682,6 +1690,7 @@ class Qwen3ModelRunner(ModelRunner):
 
     def _run_codec(self, slots: torch.Tensor, frames: int, b: int | None) -> None:
         if b is None:
+            self.graphs.ran_uncaptured("codec")
             self._codec_fn(slots, frames, None)
             return
         pieces = self._codec_pieces(frames, b)
