@@ -176,6 +176,9 @@ async def test_warm_up_resumes_requests_from_its_codes_when_asked(tiny_custom_vo
                                       r"before their prefill", r.getMessage()))]
         assert gathered == [int(m.group(1)) for r in caplog.records
                             if (m := re.match(r"resumed (\d+) requests", r.getMessage()))]
+        shipped = [r for r in caplog.records if re.match(r"resumed request \d+ shipped its first chunk [\d.]+ ms "
+                                                         r"after its arrival", r.getMessage())]
+        assert len(shipped) == 3  # one line per resumed request
         assert any("3 warm-up requests resumed" in r.getMessage() for r in caplog.records)
     finally:
         await backend.stop()
