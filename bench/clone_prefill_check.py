@@ -14,7 +14,9 @@ Then, per voice at batch 1 and 4 on the captured path, where a request's prefill
 part of Qwen3ModelRunner.prefill timed alone, the device idle before it (synchronised), as the host's time to
 return from it and the time until the device has finished it too, and the captured steps it replayed. Under load
 (H100, 20 RPS) an in-context clone's prefill held the engine thread 9.8 ms a call against an x-vector clone's
-3.0 ms (bench/results/clones_timestamps_h100.md); this says which part that is.
+3.0 ms (bench/results/clones_timestamps_h100.md); this says which part that is. Then the same prefill queued
+behind 20 ms of device work with nothing synchronised (`behind_busy_device`): a part whose host time nears 20 ms
+waits for the device, as in the engine it would wait for the frame in flight.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ TEXT = "Author of the danger trail, Philip Steels, etc."
 # codec priming runs inside the first; the prompt's embeddings, the voice prefix copy and the rest's prefill
 # inside _prompt_pass).
 STAGES = ("_fresh_slots", "_prime_codec", "prompts_embeds", "_voice_prefixes", "_prefill_rest")
+# The device work each prefill is queued behind for the second timing (about three frames at 20 RPS): a part
+# that waits for the device shows it as host time.
+BEHIND_MS = 20.0
 
 
 def clip(seconds: float) -> torch.Tensor:
@@ -50,16 +55,33 @@ def clip(seconds: float) -> torch.Tensor:
     return torch.from_numpy(pcm.astype(np.float32) / 32768)
 
 
-def stage_times(runner, model, run, iters: int, cuda: bool) -> dict:
+def sleep_cycles_per_ms() -> float:
+    """The GPU's clock cycles per millisecond, as torch.cuda._sleep spins them (measured: clocks vary)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def stage_times(runner, model, run, iters: int, cuda: bool, behind_ms: float = 0.0) -> dict:
     """Median per stage of `run()` (one prefill) over `iters` runs: host ms until the stage returned, and ms
-    until the device had finished it too, each stage started on an idle device; and the graph keys replayed."""
+    until the device had finished it too, each stage started on an idle device; and the graph keys replayed.
+
+    behind_ms > 0 (CUDA): each run is queued behind that long of device work instead, and nothing is
+    synchronised, so the host times alone say which part waits for the device (its host time nears behind_ms;
+    in the engine that wait is the frame in flight, on the engine thread). done_ms is then the host time."""
     import time
 
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in STAGES}
     replayed: set[str] = set()
+    busy = cuda and behind_ms > 0
+    cycles = sleep_cycles_per_ms() * behind_ms if busy else 0
 
     def sync() -> None:
-        if cuda:
+        if cuda and not busy:
             torch.cuda.synchronize()
 
     def timed_stage(name: str, fn):
@@ -84,9 +106,17 @@ def stage_times(runner, model, run, iters: int, cuda: bool) -> dict:
     for name, owner in owners.items():
         setattr(owner, name, timed_stage(name, originals[name]))
     runner.graphs.run = recording_run
+    host_ms = []
     try:
         for _ in range(iters):
+            if busy:
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(cycles))
+            started = time.perf_counter()
             run()
+            host_ms.append((time.perf_counter() - started) * 1000)
+            if busy:
+                torch.cuda.synchronize()
     finally:
         for name, owner in owners.items():
             setattr(owner, name, originals[name])
@@ -96,7 +126,7 @@ def stage_times(runner, model, run, iters: int, cuda: bool) -> dict:
         if rows:
             out[name] = {"host_ms": statistics.median(h for h, _ in rows),
                          "done_ms": statistics.median(d for _, d in rows), "calls_per_prefill": len(rows) / iters}
-    return {"stages": out, "replayed": sorted(replayed)}
+    return {"stages": out, "replayed": sorted(replayed), "prefill_host_ms": statistics.median(host_ms)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                 rel = float((a - b).abs().max() / b.abs().max())
                 same_c0 = bool(torch.equal(runner.c0[0:batch], runner.c0[8:8 + batch]))
                 stages = stage_times(runner, model, lambda: runner.prefill(captured_reqs), args.iters, cuda)
+                behind = stage_times(runner, model, lambda: runner.prefill(captured_reqs), args.iters, cuda,
+                                     BEHIND_MS) if cuda else None
                 rows.append({"voice": name, "batch": batch, "positions": len(prompt),
                              "voice_prefix": prompt.voice_prefix, "captured": was_captured,
                              "captured_ms": captured_ms, "uncaptured_ms": eager_ms, "max_rel_diff": rel,
-                             "same_first_code": same_c0, **stages})
+                             "same_first_code": same_c0, **stages,
+                             "behind_busy_device": behind and {"device_ms": BEHIND_MS, **behind}})
                 print(rows[-1], flush=True)
     lines = ["| voice | batch | prompt positions | captured | captured ms | uncaptured ms | max rel diff |",
              "|---|---|---|---|---|---|---|"]
@@ -188,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{r['stages'][n]['host_ms']:.2f} / {r['stages'][n]['done_ms']:.2f}" if n in r["stages"] else "-"
                  for n in STAGES]
         lines.append(f"| {r['voice']} | {r['batch']} | " + " | ".join(cells) + f" | {', '.join(r['replayed'])} |")
+    if any(r["behind_busy_device"] for r in rows):
+        lines += ["", f"Host ms per prefill queued behind {BEHIND_MS:g} ms of device work, nothing synchronised (a part "
+                  "near that waits for the device):", "", "| voice | batch | prefill | " + " | ".join(STAGES) + " |",
+                  "|---|---|---|" + "---|" * len(STAGES)]
+        for r in rows:
+            b = r["behind_busy_device"]
+            cells = [f"{b['stages'][n]['host_ms']:.2f}" if n in b["stages"] else "-" for n in STAGES]
+            lines.append(f"| {r['voice']} | {r['batch']} | {b['prefill_host_ms']:.2f} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.output:
         args.output.write_text(json.dumps({"command": " ".join(["python", "bench/clone_prefill_check.py",
