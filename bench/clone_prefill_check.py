@@ -16,7 +16,8 @@ return from it and the time until the device has finished it too, and the captur
 (H100, 20 RPS) an in-context clone's prefill held the engine thread 9.8 ms a call against an x-vector clone's
 3.0 ms (bench/results/clones_timestamps_h100.md); this says which part that is. Then the same prefill queued
 behind 20 ms of device work with nothing synchronised (`behind_busy_device`): a part whose host time nears 20 ms
-waits for the device, as in the engine it would wait for the frame in flight.
+waits for the device, as in the engine it would wait for the frame in flight; and the calls that synchronised,
+by PyTorch's sync debug mode (`synchronising_calls`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,21 @@ def sleep_cycles_per_ms() -> float:
     end.record()
     torch.cuda.synchronize()
     return 10_000_000 / start.elapsed_time(end)
+
+
+def synchronising_calls(run) -> list[str]:
+    """Where `run()` (one prefill, CUDA) made the host wait for the device: PyTorch's sync debug mode warns at
+    each synchronising call, and the warning names the Python line that made it ("file:line: message")."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sorted({f"{Path(w.filename).name}:{w.lineno}: {str(w.message).splitlines()[0][:120]}" for w in caught})
 
 
 def stage_times(runner, model, run, iters: int, cuda: bool, behind_ms: float = 0.0) -> dict:
@@ -207,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                              "voice_prefix": prompt.voice_prefix, "captured": was_captured,
                              "captured_ms": captured_ms, "uncaptured_ms": eager_ms, "max_rel_diff": rel,
                              "same_first_code": same_c0, **stages,
-                             "behind_busy_device": behind and {"device_ms": BEHIND_MS, **behind}})
+                             "behind_busy_device": behind and {"device_ms": BEHIND_MS, **behind},
+                             "synchronising_calls": synchronising_calls(lambda: runner.prefill(captured_reqs))
+                             if cuda else None})
                 print(rows[-1], flush=True)
     lines = ["| voice | batch | prompt positions | captured | captured ms | uncaptured ms | max rel diff |",
              "|---|---|---|---|---|---|---|"]
@@ -229,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             b = r["behind_busy_device"]
             cells = [f"{b['stages'][n]['host_ms']:.2f}" if n in b["stages"] else "-" for n in STAGES]
             lines.append(f"| {r['voice']} | {r['batch']} | {b['prefill_host_ms']:.2f} | " + " | ".join(cells) + " |")
+        lines += ["", "Calls that made the host wait for the device (PyTorch's sync debug mode):", ""]
+        lines += [f"- {r['voice']} x {r['batch']}: {'; '.join(r['synchronising_calls']) or 'none'}" for r in rows]
     print("\n".join(lines))
     if args.output:
         args.output.write_text(json.dumps({"command": " ".join(["python", "bench/clone_prefill_check.py",

@@ -30,4 +30,5 @@ def test_each_voice_prefill_is_checked_and_timed_by_part(tiny_base, tmp_path):
         assert all(stages[name]["calls_per_prefill"] == 1 for name in stages if name != "_prime_codec")
         # The whole prefill's host time is reported; the timing behind a busy device needs one (CUDA only).
         assert row["prefill_host_ms"] >= stages["_prefill_rest"]["host_ms"] and row["behind_busy_device"] is None
+        assert row["synchronising_calls"] is None
     assert "_prefill_rest" in output.with_suffix(".md").read_text()
