@@ -501,10 +501,22 @@ def engine_breakdown(before: dict, after: dict) -> dict | None:
         "codec_device_share": delta("voxgate_engine_codec_device_seconds_total").get("", 0.0) / wall,
         "rules": {rule: int(count) for rule, count in sorted(rules.items())},
         "voice_kv": voice_kv_breakdown(delta),
+        "trimmed": trimmed_breakdown(delta),
         # Device passes that found no captured graph (GraphSet.uncaptured); None where the engine captures none.
         "uncaptured": {kind: int(n) for kind, n in sorted(delta("voxgate_engine_uncaptured_passes_total",
                                                                 "kind").items())} or None,
     }
+
+
+def trimmed_breakdown(delta) -> dict | None:
+    """Leading silence the engine dropped (voxgate_engine_trimmed_*): how many requests had some, and how much
+    each of them lost on average, in ms (a frame is 80 ms of audio). None where the engine reports none."""
+    requests = delta("voxgate_engine_trimmed_requests_total")
+    if not requests:
+        return None
+    n = int(requests.get("", 0.0))
+    seconds = delta("voxgate_engine_trimmed_seconds_total").get("", 0.0)
+    return {"requests": n, "ms_per_trimmed_request": 1000 * seconds / n if n else None}
 
 
 def voice_kv_breakdown(delta) -> dict | None:

@@ -181,6 +181,13 @@ async def test_leading_silence_is_not_shipped_ahead_of_speech():
     audio = np.frombuffer(await collect(stream), "<i2").astype(np.float32) / 32767
     assert find_onset(audio, 24000) == 0  # the very first window is already audible
     assert 7 * SPF <= len(audio) <= 7 * SPF + 2  # no silence kept ahead of the tone
+    # The engine counts what it dropped (voxgate_engine_trimmed_*): one request, its three silent frames.
+    trimmed = engine.stats_snapshot()["trimmed"]
+    assert trimmed["requests"] == 1
+    assert trimmed["seconds"] * 24000 == pytest.approx(10 * SPF - len(audio), abs=1)
+    loud = submit(engine, frames=4)
+    run_until_idle(engine)
+    assert len(await collect(loud)) and engine.stats_snapshot()["trimmed"] == trimmed  # nothing dropped: not counted
 
 
 def test_trimmer_finds_onset_across_chunk_boundaries_and_flushes_quiet_streams():

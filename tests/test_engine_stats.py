@@ -134,7 +134,7 @@ async def test_uncaptured_passes_are_exported_by_kind_only_where_the_runner_capt
 
     from bench.engine_load import engine_breakdown
     from gateway.metrics import GatewayMetrics
-    from tests.engine_fixtures import make_engine, run_until_idle, submit
+    from tests.engine_fixtures import SPF, make_engine, run_until_idle, submit
     from tts_backend.engine.metrics import engine_metrics
 
     def scrape(engine, uncaptured: dict | None) -> dict:
@@ -145,7 +145,12 @@ async def test_uncaptured_passes_are_exported_by_kind_only_where_the_runner_capt
     engine, _, _ = make_engine()
     assert not any(name.startswith("voxgate_engine_uncaptured") for name, _ in scrape(engine, None))
     before = scrape(engine, {"prefill_rest": 1})
-    submit(engine, frames=8)
+    submit(engine, frames=8, silent_frames=2)
     run_until_idle(engine)  # the engine thread's seconds grow, so the breakdown has a window to divide by
     after = scrape(engine, {"prefill_rest": 4, "resume": 2})
-    assert engine_breakdown(before, after)["uncaptured"] == {"prefill_rest": 3, "resume": 2}
+    breakdown = engine_breakdown(before, after)
+    assert breakdown["uncaptured"] == {"prefill_rest": 3, "resume": 2}
+    # The leading silence it dropped, read the same way: one request, its two silent frames (and the part of
+    # the first loud window's hop before the tone's first sample above the threshold, if any).
+    trimmed = breakdown["trimmed"]
+    assert trimmed["requests"] == 1 and 2 * SPF / 24 <= trimmed["ms_per_trimmed_request"] < 2 * SPF / 24 + 1

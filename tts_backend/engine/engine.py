@@ -121,6 +121,10 @@ class EngineStats:
     text_wait_s: float = 0.0
     text_gaps: int = 0
     text_gap_s: float = 0.0
+    # Leading audio the trimmer dropped as silence before each request's first audible window, and how many
+    # requests had some: a frame of it is a frame later first audio (a cloned voice's first frames, say).
+    trimmed_requests: int = 0
+    trimmed_s: float = 0.0
 
 
 @dataclass
@@ -817,6 +821,7 @@ class Engine:
                 "busy_s": stats.busy_s,
                 "late_chunks": stats.late_chunks,
                 "late_s": stats.late_s,
+                "trimmed": {"requests": stats.trimmed_requests, "seconds": stats.trimmed_s},
                 "first_chunks": dict(zip((*map(str, FIRST_CHUNK_BUCKETS_S), "+Inf"), stats.first_chunk_counts)),
                 "text": {
                     "waits": stats.text_waits,
@@ -859,9 +864,18 @@ class Engine:
 
     def _emit(self, request: RequestState, pcm: np.ndarray, codes: bytes) -> None:
         trimmer = self._trimmers.get(request.request_id)
-        if trimmer is not None:
+        if trimmer is not None and not trimmer.started:
             pcm = trimmer.push(pcm)
+            if trimmer.started:
+                self._count_trimmed(request, trimmer)
         self._send_audio(request, pcm, codes)
+
+    def _count_trimmed(self, request: RequestState, trimmer: LeadingSilenceTrimmer) -> None:
+        """The trimmer found its onset (or the stream ended first): what it dropped is final."""
+        if trimmer.trimmed_samples:
+            with self._stats_lock:
+                self.stats.trimmed_requests += 1
+                self.stats.trimmed_s += trimmer.trimmed_samples / request.sample_rate
 
     def _send_audio(self, request: RequestState, pcm: np.ndarray, codes: bytes = b"") -> None:
         """Ship `pcm` with `codes`, the codes of the frames decoded since the last shipment. A chunk's codes
@@ -918,6 +932,7 @@ class Engine:
         trimmer = self._trimmers.pop(request.request_id, None)
         if error is None and not request.cancelled and trimmer is not None and not trimmer.started:
             self._send_audio(request, trimmer.flush())
+            self._count_trimmed(request, trimmer)
         if not request.codec_busy:
             self._release_slot(request)
         stream = self._streams.pop(request.request_id, None)

@@ -91,6 +91,10 @@ def engine_metrics(snapshot: dict, fast_path: dict[str, bool] | None = None,
                       ("cause",), ((("engine",), float(snapshot["late_chunks"])), (("text",), float(text["gaps"])))),
         BackendMetric("engine_late_seconds", "counter", "How long listeners were out of audio before those chunks, "
                       "by cause", ("cause",), ((("engine",), snapshot["late_s"]), (("text",), text["gap_s"]))),
+        BackendMetric("engine_trimmed_requests", "counter", "Requests whose leading audio was partly dropped as "
+                      "silence before their first audible window", samples=(((), float(snapshot["trimmed"]["requests"])),)),
+        BackendMetric("engine_trimmed_seconds", "counter", "Leading audio dropped as silence, all requests: each "
+                      "frame of it delayed a request's first audio by a frame", samples=(((), snapshot["trimmed"]["seconds"]),)),
         BackendMetric("engine_first_chunks", "counter", "Requests' first chunks by how long after the request "
                       "reached the engine they shipped, cumulative per upper bound le in seconds as a Prometheus "
                       "histogram's buckets (a text-streaming request's wait for its text included)", ("le",),
