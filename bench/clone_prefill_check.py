@@ -82,19 +82,19 @@ def synchronising_calls(run) -> list[str]:
     return sorted({f"{Path(w.filename).name}:{w.lineno}: {str(w.message).splitlines()[0][:120]}" for w in caught})
 
 
-def stage_times(runner, model, run, iters: int, cuda: bool, behind_ms: float = 0.0) -> dict:
+def stage_times(runner, model, run, iters: int, cuda: bool, behind_cycles: int = 0) -> dict:
     """Median per stage of `run()` (one prefill) over `iters` runs: host ms until the stage returned, and ms
     until the device had finished it too, each stage started on an idle device; and the graph keys replayed.
 
-    behind_ms > 0 (CUDA): each run is queued behind that long of device work instead, and nothing is
-    synchronised, so the host times alone say which part waits for the device (its host time nears behind_ms;
-    in the engine that wait is the frame in flight, on the engine thread). done_ms is then the host time."""
+    behind_cycles > 0 (CUDA): each run is queued behind that many GPU clock cycles of device work instead
+    (sleep_cycles_per_ms), and nothing is synchronised, so the host times alone say which part waits for the
+    device (its host time nears that work's length; in the engine that wait is the frame in flight, on the
+    engine thread). done_ms is then the host time."""
     import time
 
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in STAGES}
     replayed: set[str] = set()
-    busy = cuda and behind_ms > 0
-    cycles = sleep_cycles_per_ms() * behind_ms if busy else 0
+    busy = cuda and behind_cycles > 0
 
     def sync() -> None:
         if cuda and not busy:
@@ -127,7 +127,7 @@ def stage_times(runner, model, run, iters: int, cuda: bool, behind_ms: float = 0
         for _ in range(iters):
             if busy:
                 torch.cuda.synchronize()
-                torch.cuda._sleep(int(cycles))
+                torch.cuda._sleep(behind_cycles)
             started = time.perf_counter()
             run()
             host_ms.append((time.perf_counter() - started) * 1000)
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         runner._allocate()
         runner._capture_prefill()
         runner._capture_rest_prefill()
+        behind_cycles = int(sleep_cycles_per_ms() * BEHIND_MS) if cuda else 0
         for name, voice in voices.items():
             prompt = model.make_prompt(TEXT, voice=voice, language="english", non_streaming_mode=False)
             for batch in (1, 4):
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 same_c0 = bool(torch.equal(runner.c0[0:batch], runner.c0[8:8 + batch]))
                 stages = stage_times(runner, model, lambda: runner.prefill(captured_reqs), args.iters, cuda)
                 behind = stage_times(runner, model, lambda: runner.prefill(captured_reqs), args.iters, cuda,
-                                     BEHIND_MS) if cuda else None
+                                     behind_cycles) if cuda else None
                 rows.append({"voice": name, "batch": batch, "positions": len(prompt),
                              "voice_prefix": prompt.voice_prefix, "captured": was_captured,
                              "captured_ms": captured_ms, "uncaptured_ms": eager_ms, "max_rel_diff": rel,
